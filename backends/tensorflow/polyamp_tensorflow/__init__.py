@@ -1,0 +1,1 @@
+"""polyamp's TensorFlow/Keras backend."""

@@ -1,0 +1,1 @@
+"""polyamp's PyTorch backend."""

@@ -1,0 +1,55 @@
+"""polyamp: one automatic-mixed-precision layer for PyTorch and TensorFlow/Keras.
+
+The core defines the semantics once and imports no framework: precision policies, the loss-scaling
+state machine, the backend registry and the conformance protocol. ``polyamp_torch`` and
+``polyamp_tensorflow`` translate them to each framework.
+"""
+
+from polyamp._src.backend import Backend, ScalerImpl
+from polyamp._src.errors import (
+    BackendMismatchError,
+    BackendNotInstalledError,
+    InvalidConfigError,
+    InvalidPolicyError,
+    PolyampError,
+    PolyampTypeError,
+    ScalerUsageError,
+    StateDictError,
+    UnknownBackendError,
+)
+from polyamp._src.global_policy import add_policy_listener, get_policy, policy_scope, set_policy
+from polyamp._src.loss_scaler import LossScaler
+from polyamp._src.policy import DTYPE_NAMES, POLICY_NAMES, Policy, PolicyLike
+from polyamp._src.registry import BackendSpec, backend_specs, get_backend, register_backend
+from polyamp._src.scaling import LossScaleConfig, LossScaleState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DTYPE_NAMES",
+    "POLICY_NAMES",
+    "Backend",
+    "BackendMismatchError",
+    "BackendNotInstalledError",
+    "BackendSpec",
+    "InvalidConfigError",
+    "InvalidPolicyError",
+    "LossScaleConfig",
+    "LossScaleState",
+    "LossScaler",
+    "Policy",
+    "PolicyLike",
+    "PolyampError",
+    "PolyampTypeError",
+    "ScalerImpl",
+    "ScalerUsageError",
+    "StateDictError",
+    "UnknownBackendError",
+    "add_policy_listener",
+    "backend_specs",
+    "get_backend",
+    "get_policy",
+    "policy_scope",
+    "register_backend",
+    "set_policy",
+]

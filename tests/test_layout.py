@@ -1,0 +1,71 @@
+"""The package layout rules: framework-named folders never become importable, the core imports no framework."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FRAMEWORKS = ("torch", "tensorflow", "keras", "jax", "tf_keras")
+
+
+@pytest.mark.parametrize("folder", ["backends", "backends/torch", "backends/tensorflow", "tests"])
+def test_folder_has_no_init_py(folder: str) -> None:
+    # backends/torch/__init__.py would make `import torch` find polyamp's folder instead of PyTorch.
+    assert not (ROOT / folder / "__init__.py").exists(), f"{folder}/__init__.py must not exist"
+
+
+@pytest.mark.parametrize(
+    "package", ["polyamp", "backends/torch/polyamp_torch", "backends/tensorflow/polyamp_tensorflow"]
+)
+def test_packages_exist_with_py_typed(package: str) -> None:
+    assert (ROOT / package / "__init__.py").is_file()
+    assert (ROOT / package / "py.typed").is_file()
+
+
+def _imported_frameworks(code: str) -> list[str]:
+    probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {FRAMEWORKS!r} if m in sys.modules]))"
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, cwd=ROOT / "tests")
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_import_polyamp_imports_no_framework() -> None:
+    assert _imported_frameworks("import polyamp") == []
+
+
+def test_core_use_without_tensors_imports_no_framework() -> None:
+    code = (
+        "import polyamp\n"
+        "polyamp.set_policy('mixed_float16')\n"
+        "with polyamp.policy_scope('mixed_bfloat16'):\n"
+        "    pass\n"
+        "s = polyamp.LossScaler(growth_interval=3)\n"
+        "s.load_state_dict(s.state_dict())\n"
+        "polyamp.backend_specs()\n"
+        "assert s.config.trajectory('FFFO')[-1] == 65536.0\n"
+    )
+    assert _imported_frameworks(code) == []
+
+
+def test_core_source_never_imports_a_framework() -> None:
+    offenders = []
+    for path in sorted((ROOT / "polyamp").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            offenders += [
+                f"{path.relative_to(ROOT)}:{node.lineno} imports {n}"
+                for n in names
+                if n.partition(".")[0] in FRAMEWORKS
+            ]
+    assert offenders == []
