@@ -1,0 +1,284 @@
+"""The loss-scaling state machine, written once in pure Python.
+
+This module is the reference: every backend keeps the same state on its device and is tested step by
+step against :meth:`LossScaleConfig.next_state`. The scale is held in float32, as on the devices, and every
+multiplication rounds the way torch's ``_amp_update_scale_`` kernel does (double product, then float32), so
+the reference reproduces ``torch.amp.GradScaler`` bit for bit for any growth/backoff factors.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final, TypeAlias
+
+from polyamp._src.errors import InvalidConfigError, PolyampTypeError, describe
+
+__all__ = ["INT32_MAX", "LossScaleConfig", "LossScaleState", "OverflowPattern", "to_float32"]
+
+_F32: Final = struct.Struct("<f")
+#: Growth counters and hysteresis live in int32 on the devices.
+INT32_MAX: Final = 2**31 - 1
+
+#: An overflow pattern: a string of ``F`` (all grads finite) and ``O`` (overflow), or booleans
+#: (``True`` = a non-finite gradient was found).
+OverflowPattern: TypeAlias = str | Iterable[bool]
+
+
+def to_float32(value: float) -> float:
+    """Round a Python float to the nearest float32, as a C ``(float)`` cast does (overflow gives inf)."""
+    try:
+        return float(_F32.unpack(_F32.pack(value))[0])
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise PolyampTypeError(f"`{name}` must be a real number. Received: {name}={describe(value)}.")
+    return float(value)
+
+
+def _positive_int(name: str, value: object, example: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise PolyampTypeError(f"`{name}` must be an int. Received: {name}={describe(value)}.")
+    number = int(value)
+    if not 1 <= number <= INT32_MAX:
+        raise InvalidConfigError(
+            f"`{name}` must be an int in [1, {INT32_MAX}] (it is kept in int32 on the device), "
+            f"e.g. {example}. Received: {name}={number}."
+        )
+    return number
+
+
+def _scale_bound(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    number = _real(name, value)
+    if not (math.isfinite(number) and number > 0 and math.isfinite(to_float32(number)) and to_float32(number) > 0):
+        raise InvalidConfigError(
+            f"`{name}` must be None or a positive number representable in float32, e.g. {name}=1.0. "
+            f"Received: {name}={number!r}."
+        )
+    return number
+
+
+@dataclass(frozen=True)
+class LossScaleState:
+    """The mutable part of a loss scaler, as a value.
+
+    Attributes:
+        scale: The current loss scale, a float32 value.
+        growth_tracker: Consecutive finite steps since the scale last changed (``_growth_tracker`` in
+            torch's state dict); always below ``growth_interval``.
+        hysteresis_left: Overflows still tolerated before the next backoff; between 1 and ``hysteresis``.
+    """
+
+    scale: float
+    growth_tracker: int = 0
+    hysteresis_left: int = 1
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """The settings of a loss scaler, validated, and the reference state machine that uses them.
+
+    Args:
+        init_scale: Starting scale (held in float32). torch's default, 2**16.
+        growth_factor: Multiplier after ``growth_interval`` consecutive finite steps; > 1.
+        backoff_factor: Multiplier after an overflow (once ``hysteresis`` overflows accumulate); in (0, 1).
+        growth_interval: Consecutive finite steps before the scale grows; >= 1.
+        hysteresis: Overflows needed before the scale backs off; >= 1 (1 = back off on every overflow).
+        min_scale: Floor for backoff, or None for none (torch has none).
+        max_scale: Cap for growth, or None for none (growth still never reaches inf).
+        dynamic: False keeps the scale at ``init_scale`` forever; non-finite steps are still skipped.
+
+    Raises:
+        InvalidConfigError: (a ``ValueError``) a value is out of range.
+        PolyampTypeError: (a ``TypeError``) a value has the wrong type.
+
+    The algorithm, per optimizer step (``found_inf`` = any gradient is inf or NaN):
+
+    * all finite: ``growth_tracker += 1``; when it reaches ``growth_interval``, the scale becomes
+      ``min(scale * growth_factor, max_scale)`` unless that is not finite, ``growth_tracker`` resets to 0 and
+      ``hysteresis_left`` refills to ``hysteresis``;
+    * non-finite: the step is skipped, ``growth_tracker`` resets to 0, ``hysteresis_left -= 1``; when it reaches
+      0, the scale becomes ``max(scale * backoff_factor, min_scale)`` and ``hysteresis_left`` refills.
+
+    Each product is rounded to float32 from its double-precision value, as torch's kernel does. With the
+    defaults (hysteresis 1, no bounds) this is exactly ``torch.amp.GradScaler``'s rule.
+
+    Example: a pattern of finite (F) and overflowing (O) steps at ``growth_interval=3``, and the scale after
+    each step's update:
+
+    >>> config = LossScaleConfig(growth_interval=3)
+    >>> config.trajectory("FFFOFFOOFFFFFF")  # doctest: +NORMALIZE_WHITESPACE
+    [65536.0, 65536.0, 131072.0, 65536.0, 65536.0, 65536.0, 32768.0, 16384.0, 16384.0, 16384.0,
+     32768.0, 32768.0, 32768.0, 65536.0]
+
+    With ``hysteresis=2`` a lone overflow is tolerated; a second one before the next growth backs off:
+
+    >>> LossScaleConfig(growth_interval=3, hysteresis=2).trajectory("FOFOOO")
+    [65536.0, 65536.0, 65536.0, 32768.0, 32768.0, 16384.0]
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float | None = None
+    max_scale: float | None = None
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        init_scale = _real("init_scale", self.init_scale)
+        if not (math.isfinite(init_scale) and init_scale > 0 and 0 < to_float32(init_scale) < math.inf):
+            raise InvalidConfigError(
+                "`init_scale` must be a positive number representable in float32, e.g. init_scale=2.0**16. "
+                f"Received: init_scale={init_scale!r}."
+            )
+        growth_factor = _real("growth_factor", self.growth_factor)
+        if not (math.isfinite(growth_factor) and growth_factor > 1):
+            raise InvalidConfigError(
+                "`growth_factor` must be a finite number > 1, e.g. growth_factor=2.0. "
+                f"Received: growth_factor={growth_factor!r}."
+            )
+        backoff_factor = _real("backoff_factor", self.backoff_factor)
+        if not 0 < backoff_factor < 1:
+            raise InvalidConfigError(
+                "`backoff_factor` must be in the open interval (0, 1), e.g. backoff_factor=0.5. "
+                f"Received: backoff_factor={backoff_factor!r}."
+            )
+        growth_interval = _positive_int("growth_interval", self.growth_interval, "growth_interval=2000")
+        hysteresis = _positive_int("hysteresis", self.hysteresis, "hysteresis=2")
+        min_scale = _scale_bound("min_scale", self.min_scale)
+        max_scale = _scale_bound("max_scale", self.max_scale)
+        if min_scale is not None and max_scale is not None and min_scale > max_scale:
+            raise InvalidConfigError(
+                f"`min_scale` must not exceed `max_scale`. Received: min_scale={min_scale!r}, max_scale={max_scale!r}."
+            )
+        if min_scale is not None and init_scale < min_scale:
+            raise InvalidConfigError(
+                f"`init_scale` must be at least `min_scale`. Received: init_scale={init_scale!r}, "
+                f"min_scale={min_scale!r}. Lower min_scale or raise init_scale."
+            )
+        if max_scale is not None and init_scale > max_scale:
+            raise InvalidConfigError(
+                f"`init_scale` must be at most `max_scale`. Received: init_scale={init_scale!r}, "
+                f"max_scale={max_scale!r}. Raise max_scale or lower init_scale."
+            )
+        if not isinstance(self.dynamic, bool):
+            raise PolyampTypeError(f"`dynamic` must be a bool. Received: dynamic={describe(self.dynamic)}.")
+        # Normalise numeric types (numpy scalars, ints) so equality and serialisation are plain Python.
+        for name, value in (
+            ("init_scale", init_scale),
+            ("growth_factor", growth_factor),
+            ("backoff_factor", backoff_factor),
+            ("growth_interval", growth_interval),
+            ("hysteresis", hysteresis),
+            ("min_scale", min_scale),
+            ("max_scale", max_scale),
+        ):
+            object.__setattr__(self, name, value)
+
+    # -- float32 views of the bounds, as the devices hold them -------------------------------------------
+
+    @property
+    def min_scale_f32(self) -> float | None:
+        """``min_scale`` rounded to float32, or None."""
+        return None if self.min_scale is None else to_float32(self.min_scale)
+
+    @property
+    def max_scale_f32(self) -> float | None:
+        """``max_scale`` rounded to float32, or None."""
+        return None if self.max_scale is None else to_float32(self.max_scale)
+
+    @property
+    def is_torch_compatible(self) -> bool:
+        """True when torch's own update kernel computes this rule (dynamic, hysteresis 1, no bounds)."""
+        return self.dynamic and self.hysteresis == 1 and self.min_scale is None and self.max_scale is None
+
+    # -- the reference state machine ---------------------------------------------------------------------
+
+    def initial_state(self) -> LossScaleState:
+        """The state a fresh scaler starts in."""
+        return LossScaleState(to_float32(self.init_scale), 0, self.hysteresis)
+
+    def next_state(self, state: LossScaleState, found_inf: bool) -> LossScaleState:
+        """Return the state after one update, given whether any gradient was non-finite.
+
+        This is the reference the backends are tested against; see the class docstring for the rule.
+        """
+        if not self.dynamic:
+            return state
+        if found_inf:
+            hysteresis_left = state.hysteresis_left - 1
+            if hysteresis_left > 0:
+                return LossScaleState(state.scale, 0, hysteresis_left)
+            scale = to_float32(state.scale * self.backoff_factor)
+            floor = self.min_scale_f32
+            if floor is not None and scale < floor:
+                scale = floor
+            return LossScaleState(scale, 0, self.hysteresis)
+        tracker = state.growth_tracker + 1
+        if tracker < self.growth_interval:
+            return LossScaleState(state.scale, tracker, state.hysteresis_left)
+        grown = to_float32(state.scale * self.growth_factor)
+        cap = self.max_scale_f32
+        if cap is not None and grown > cap:
+            grown = cap
+        return LossScaleState(grown if math.isfinite(grown) else state.scale, 0, self.hysteresis)
+
+    def states(self, pattern: OverflowPattern, state: LossScaleState | None = None) -> list[LossScaleState]:
+        """Run the reference over an overflow pattern; return the state after each step.
+
+        Args:
+            pattern: ``"FFO..."`` (F finite, O overflow) or an iterable of bools (True = overflow).
+            state: Starting state; the initial state by default.
+        """
+        current = self.initial_state() if state is None else state
+        result = []
+        for found_inf in _overflows(pattern):
+            current = self.next_state(current, found_inf)
+            result.append(current)
+        return result
+
+    def trajectory(self, pattern: OverflowPattern, state: LossScaleState | None = None) -> list[float]:
+        """The scale after each step of ``pattern`` (see :meth:`states`)."""
+        return [s.scale for s in self.states(pattern, state)]
+
+    def check_state(self, state: LossScaleState) -> None:
+        """Raise InvalidConfigError unless ``state`` is one this config can be in."""
+        scale = state.scale
+        if not (math.isfinite(scale) and scale > 0):
+            raise InvalidConfigError(f"The loss scale must be a finite positive number. Received: scale={scale!r}.")
+        if self.min_scale_f32 is not None and scale < self.min_scale_f32:
+            raise InvalidConfigError(f"scale={scale!r} is below min_scale={self.min_scale!r}.")
+        if self.max_scale_f32 is not None and scale > self.max_scale_f32:
+            raise InvalidConfigError(f"scale={scale!r} is above max_scale={self.max_scale!r}.")
+        if not 0 <= state.growth_tracker < self.growth_interval:
+            raise InvalidConfigError(
+                f"The growth tracker must be in [0, growth_interval={self.growth_interval}). "
+                f"Received: {state.growth_tracker!r}."
+            )
+        if not 1 <= state.hysteresis_left <= self.hysteresis:
+            raise InvalidConfigError(
+                f"hysteresis_left must be in [1, hysteresis={self.hysteresis}]. Received: {state.hysteresis_left!r}."
+            )
+
+
+def _overflows(pattern: OverflowPattern) -> list[bool]:
+    if isinstance(pattern, str):
+        flags = []
+        for char in pattern.upper():
+            if char not in "FO":
+                raise InvalidConfigError(
+                    f"An overflow pattern string holds only 'F' (finite) and 'O' (overflow). Received: {pattern!r}."
+                )
+            flags.append(char == "O")
+        return flags
+    return [bool(flag) for flag in pattern]
