@@ -1,0 +1,231 @@
+"""The backend registry: which framework object belongs to which backend, and how to load that backend.
+
+Rules, in the spirit of never costing an import:
+
+* A backend is described by a `BackendSpec`: a name, a ``"module:attribute"`` target and the top-level
+  framework modules whose objects it handles. Nothing is imported when a spec is registered.
+* An object is matched to a backend by the modules its type (and base classes) come from. Its framework
+  is necessarily imported already; polyamp never imports one to find out.
+* A backend is imported the first time it is needed, then cached. If its framework is missing, the error
+  says what to ``pip install``.
+* Third-party backends register through the ``polyamp.backends`` entry-point group: each entry point names
+  a `BackendSpec` object (in a module that must not import its framework). Entry points are read only when
+  a name or an object matches no known backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from polyamp._src.errors import (
+    BackendNotInstalledError,
+    PolyampTypeError,
+    UnknownBackendError,
+    describe,
+)
+
+if TYPE_CHECKING:
+    from polyamp._src.backend import Backend
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "BackendSpec",
+    "backend_name_for",
+    "backend_specs",
+    "get_backend",
+    "load_target",
+    "register_backend",
+]
+
+ENTRY_POINT_GROUP: Final = "polyamp.backends"
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """How to find and load one backend, without importing anything.
+
+    Args:
+        name: The backend's name, as users pass it (``LossScaler(backend="torch")``).
+        target: ``"package.module:attribute"``; the attribute is a class or factory called with no
+            arguments that returns the backend object (see `polyamp.Backend`).
+        frameworks: Top-level modules whose objects (tensors, optimizers, variables) this backend handles.
+        install_hint: What to run when the framework is missing, e.g. ``pip install 'polyamp[torch]'``.
+        policy_hook: Optional ``"module:function"`` called with the `Policy` on every global policy change,
+            for frameworks that keep their own global precision setting (Keras). It must import nothing but
+            the framework modules in ``policy_modules``.
+        policy_modules: Modules whose presence (now, or once imported later) makes ``policy_hook`` run;
+            defaults to ``frameworks``.
+    """
+
+    name: str
+    target: str
+    frameworks: tuple[str, ...]
+    install_hint: str
+    policy_hook: str | None = None
+    policy_modules: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for attr in ("name", "target", "install_hint"):
+            if not isinstance(getattr(self, attr), str) or not getattr(self, attr):
+                raise PolyampTypeError(
+                    f"BackendSpec.{attr} must be a non-empty string. Received: {describe(getattr(self, attr))}."
+                )
+        if ":" not in self.target:
+            raise PolyampTypeError(
+                f"BackendSpec.target must look like 'package.module:attribute'. Received: {self.target!r}."
+            )
+        object.__setattr__(self, "frameworks", tuple(self.frameworks))
+        object.__setattr__(self, "policy_modules", tuple(self.policy_modules) or self.frameworks)
+
+
+_FIRST_PARTY: Final = (
+    BackendSpec(
+        name="torch",
+        target="polyamp_torch._backend:TorchBackend",
+        frameworks=("torch",),
+        install_hint="pip install 'polyamp[torch]'",
+    ),
+    BackendSpec(
+        name="tensorflow",
+        target="polyamp_tensorflow._backend:TensorFlowBackend",
+        frameworks=("tensorflow", "keras"),
+        install_hint="pip install 'polyamp[tensorflow]'",
+        policy_hook="polyamp_tensorflow._keras_policy:apply_policy",
+        policy_modules=("keras",),
+    ),
+)
+
+_lock = threading.RLock()
+_specs: dict[str, BackendSpec] = {spec.name: spec for spec in _FIRST_PARTY}
+_framework_owner: dict[str, str] = {fw: spec.name for spec in _FIRST_PARTY for fw in spec.frameworks}
+_loaded: dict[str, Backend] = {}
+_type_cache: dict[type, str | None] = {}
+_entry_points_read = False
+
+
+def register_backend(spec: BackendSpec, *, replace: bool = False) -> None:
+    """Make a backend known by name and by the framework modules it handles.
+
+    Raises:
+        UnknownBackendError: the name is taken and ``replace`` is False.
+    """
+    if not isinstance(spec, BackendSpec):
+        raise PolyampTypeError(f"register_backend() takes a polyamp.BackendSpec. Received: {describe(spec)}.")
+    with _lock:
+        if spec.name in _specs and not replace and _specs[spec.name] != spec:
+            raise UnknownBackendError(
+                f"A backend named {spec.name!r} is already registered ({_specs[spec.name].target}). "
+                "Pass replace=True to override it."
+            )
+        _specs[spec.name] = spec
+        for framework in spec.frameworks:
+            _framework_owner[framework] = spec.name
+        _loaded.pop(spec.name, None)
+        _type_cache.clear()
+
+
+def _read_entry_points() -> None:
+    global _entry_points_read
+    with _lock:
+        if _entry_points_read:
+            return
+        _entry_points_read = True
+        for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            spec = entry_point.load()
+            if not isinstance(spec, BackendSpec):
+                raise PolyampTypeError(
+                    f"Entry point {entry_point.name!r} in group {ENTRY_POINT_GROUP!r} must name a "
+                    f"polyamp.BackendSpec. It names {describe(spec)}."
+                )
+            if spec.name not in _specs:
+                register_backend(spec)
+
+
+def backend_specs() -> dict[str, BackendSpec]:
+    """Every known backend by name: first-party, registered, and those from entry points."""
+    _read_entry_points()
+    with _lock:
+        return dict(_specs)
+
+
+def load_target(target: str, *, backend: str, install_hint: str, frameworks: tuple[str, ...]) -> Any:
+    """Import ``"module:attribute"`` and return the attribute, turning a missing framework into advice."""
+    module_name, _, attribute = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except BackendNotInstalledError:
+        raise
+    except ImportError as exc:
+        missing = getattr(exc, "name", None) or ""
+        if missing.partition(".")[0] in frameworks:
+            raise BackendNotInstalledError(
+                f"The {backend!r} backend needs {missing!r}, which is not installed. Install it with: {install_hint}"
+            ) from exc
+        raise BackendNotInstalledError(
+            f"The {backend!r} backend could not be imported ({exc}). If its framework is missing or broken, "
+            f"reinstall it with: {install_hint}"
+        ) from exc
+    return getattr(module, attribute)
+
+
+def get_backend(name: str) -> Backend:
+    """Return the backend object for ``name``, importing it (and so its framework) on first use.
+
+    Raises:
+        UnknownBackendError: no backend has that name.
+        BackendNotInstalledError: the backend's framework is not installed.
+    """
+    if not isinstance(name, str):
+        raise PolyampTypeError(f"A backend name must be a string such as 'torch'. Received: {describe(name)}.")
+    with _lock:
+        cached = _loaded.get(name)
+        if cached is not None:
+            return cached
+        spec = _specs.get(name)
+        if spec is None:
+            _read_entry_points()
+            spec = _specs.get(name)
+        if spec is None:
+            raise UnknownBackendError(
+                f"Unknown backend {name!r}. Known backends: {', '.join(sorted(_specs))}. Third-party backends "
+                f"register through the {ENTRY_POINT_GROUP!r} entry-point group or polyamp.register_backend()."
+            )
+        factory = load_target(spec.target, backend=name, install_hint=spec.install_hint, frameworks=spec.frameworks)
+        backend: Backend = factory()
+        _loaded[name] = backend
+        return backend
+
+
+def _owner_of_type(cls: type) -> str | None:
+    for klass in cls.__mro__:
+        owner = _framework_owner.get(klass.__module__.partition(".")[0])
+        if owner is not None:
+            return owner
+    return None
+
+
+def backend_name_for(obj: object) -> str | None:
+    """The name of the backend that handles ``obj``'s type, or None. Never imports a framework."""
+    cls = type(obj)
+    try:
+        return _type_cache[cls]
+    except KeyError:
+        pass
+    with _lock:
+        owner = _owner_of_type(cls)
+        if owner is None and not _entry_points_read:
+            _read_entry_points()
+            owner = _owner_of_type(cls)
+        _type_cache[cls] = owner
+        return owner
+
+
+def imported_frameworks() -> list[str]:
+    """The framework modules of known backends that are imported right now."""
+    with _lock:
+        return sorted(fw for fw in _framework_owner if fw in sys.modules)

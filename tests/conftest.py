@@ -1,0 +1,139 @@
+"""Shared fixtures: isolation of polyamp's process-wide state, and a throwaway framework for core tests."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import polyamp
+from polyamp._src import global_policy, import_hooks, registry
+
+
+@pytest.fixture(autouse=True)
+def isolated_polyamp_state() -> Iterator[None]:
+    """Every test starts from the float32 policy and the first-party registry, and leaves them so."""
+    saved_registry = (
+        dict(registry._specs),
+        dict(registry._framework_owner),
+        dict(registry._loaded),
+        registry._entry_points_read,
+    )
+    saved_policy = (
+        global_policy._current,
+        list(global_policy._listeners),
+        dict(global_policy._hooks),
+        set(global_policy._watching),
+    )
+    saved_pending = {name: list(cbs) for name, cbs in import_hooks._pending.items()}
+    yield
+    if global_policy._current != saved_policy[0]:
+        polyamp.set_policy(saved_policy[0])
+    registry._specs.clear()
+    registry._specs.update(saved_registry[0])
+    registry._framework_owner.clear()
+    registry._framework_owner.update(saved_registry[1])
+    registry._loaded.clear()
+    registry._loaded.update(saved_registry[2])
+    registry._entry_points_read = saved_registry[3]
+    registry._type_cache.clear()
+    global_policy._listeners[:] = saved_policy[1]
+    global_policy._hooks.clear()
+    global_policy._hooks.update(saved_policy[2])
+    global_policy._watching.clear()
+    global_policy._watching.update(saved_policy[3])
+    import_hooks._pending.clear()
+    import_hooks._pending.update(saved_pending)
+    if not saved_pending and import_hooks._FINDER in sys.meta_path:
+        sys.meta_path.remove(import_hooks._FINDER)
+
+
+@dataclass
+class FakeFramework:
+    """A framework written on the fly: ``<module>.Tensor``/``Optimizer`` and a polyamp backend for it."""
+
+    name: str  # the framework's module name
+    backend_module: str
+    spec: polyamp.BackendSpec
+
+    def load(self):  # type: ignore[no-untyped-def]
+        __import__(self.name)
+        return sys.modules[self.name]
+
+
+_FRAMEWORK_SOURCE = """
+class Tensor:
+    def __init__(self, value):
+        self.value = float(value)
+    def __mul__(self, other):
+        return Tensor(self.value * float(other))
+
+class Optimizer:
+    def __init__(self):
+        self.steps = 0
+    def step(self):
+        self.steps += 1
+        return "stepped"
+"""
+
+_BACKEND_SOURCE = """
+import math
+import {fw} as fw
+
+POLICIES = []
+
+def apply_policy(policy):
+    POLICIES.append(policy)
+
+class Impl:
+    def __init__(self, config, state, enabled):
+        self.config, self.state, self.enabled = config, state, enabled
+        self.found_inf = False
+    def get_state(self):
+        return self.state
+    def set_state(self, config, state):
+        self.config, self.state = config, state
+    def get_scale(self):
+        return self.state.scale
+    def scale(self, loss):
+        if isinstance(loss, list):
+            return [item * self.state.scale for item in loss]
+        return loss * self.state.scale
+    def step(self, optimizer, grad=1.0):
+        self.found_inf = not math.isfinite(grad)
+        return None if self.found_inf else optimizer.step()
+    def update(self, new_scale=None):
+        self.state = self.config.next_state(self.state, self.found_inf)
+
+class Backend:
+    name = "{fw}"
+    def owns(self, obj):
+        return isinstance(obj, (fw.Tensor, fw.Optimizer))
+    def make_scaler(self, config, state, enabled):
+        return Impl(config, state, enabled)
+"""
+
+
+@pytest.fixture
+def fake_framework(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeFramework:
+    """A not-yet-imported framework module and its registered polyamp backend (with a policy hook)."""
+    name = f"fakefw_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(_FRAMEWORK_SOURCE))
+    (tmp_path / f"polyamp_{name}.py").write_text(_BACKEND_SOURCE.format(fw=name))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = polyamp.BackendSpec(
+        name=name,
+        target=f"polyamp_{name}:Backend",
+        frameworks=(name,),
+        install_hint=f"pip install {name}",
+        policy_hook=f"polyamp_{name}:apply_policy",
+    )
+    polyamp.register_backend(spec)
+    yield FakeFramework(name=name, backend_module=f"polyamp_{name}", spec=spec)
+    for module in (name, f"polyamp_{name}"):
+        sys.modules.pop(module, None)

@@ -1,0 +1,164 @@
+"""The backend registry: lookup by name and by object type, lazy loading, install hints, entry points."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+import polyamp
+from polyamp import BackendNotInstalledError, BackendSpec, PolyampTypeError, UnknownBackendError
+from polyamp._src import registry
+
+if TYPE_CHECKING:
+    from conftest import FakeFramework
+
+
+def test_first_party_backends_are_known_without_importing_them() -> None:
+    specs = polyamp.backend_specs()
+    assert specs["torch"].frameworks == ("torch",)
+    assert specs["torch"].install_hint == "pip install 'polyamp[torch]'"
+    assert specs["tensorflow"].install_hint == "pip install 'polyamp[tensorflow]'"
+    assert specs["tensorflow"].policy_modules == ("keras",)
+
+
+def test_unknown_backend_names_the_known_ones() -> None:
+    with pytest.raises(UnknownBackendError, match=r"Unknown backend 'jaxx'\. Known backends: .*tensorflow, torch"):
+        polyamp.get_backend("jaxx")
+    with pytest.raises(ValueError):
+        polyamp.LossScaler(backend="jaxx")
+
+
+def test_backend_name_must_be_a_string() -> None:
+    with pytest.raises(PolyampTypeError, match="backend name must be a string"):
+        polyamp.get_backend(3)  # type: ignore[arg-type]
+
+
+def test_backend_loads_lazily_and_is_cached(fake_framework: FakeFramework) -> None:
+    assert fake_framework.backend_module not in sys.modules
+    backend = polyamp.get_backend(fake_framework.name)
+    assert fake_framework.backend_module in sys.modules
+    assert polyamp.get_backend(fake_framework.name) is backend
+
+
+def test_objects_are_matched_by_their_types_module(fake_framework: FakeFramework) -> None:
+    module = fake_framework.load()
+
+    class UserTensor(module.Tensor):  # defined in a test module; matched through its base class
+        pass
+
+    assert registry.backend_name_for(module.Tensor(1.0)) == fake_framework.name
+    assert registry.backend_name_for(UserTensor(1.0)) == fake_framework.name
+    assert registry.backend_name_for(1.0) is None
+    assert registry.backend_name_for("text") is None
+
+
+def _write_missing_framework_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> BackendSpec:
+    (tmp_path / "polyamp_ghost.py").write_text("import ghostframework_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = BackendSpec(
+        name="ghost",
+        target="polyamp_ghost:Backend",
+        frameworks=("ghostframework_not_installed",),
+        install_hint="pip install 'polyamp[ghost]'",
+    )
+    polyamp.register_backend(spec)
+    return spec
+
+
+def test_missing_framework_gives_an_import_error_with_the_install_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write_missing_framework_backend(tmp_path, monkeypatch)
+    with pytest.raises(BackendNotInstalledError) as info:
+        polyamp.LossScaler(backend="ghost")
+    assert isinstance(info.value, ImportError)
+    assert "pip install 'polyamp[ghost]'" in str(info.value)
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+
+
+@pytest.mark.parametrize(("backend", "module"), [("torch", "torch"), ("tensorflow", "tensorflow")])
+def test_first_party_backend_without_its_framework_says_what_to_install(backend: str, module: str) -> None:
+    # Hide the framework from this subprocess, as on a machine where it is not installed.
+    code = textwrap.dedent(
+        f"""
+        import sys
+        class Hide:
+            def find_spec(self, name, path=None, target=None):
+                if name.partition('.')[0] == {module!r}:
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        sys.meta_path.insert(0, Hide())
+        import polyamp
+        try:
+            polyamp.LossScaler(backend={backend!r})
+        except ImportError as exc:
+            print(type(exc).__name__, '|', exc)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("BackendNotInstalledError |"), out
+    assert f"pip install 'polyamp[{backend}]'" in out
+
+
+def test_register_backend_refuses_to_silently_replace(fake_framework: FakeFramework) -> None:
+    other = BackendSpec(name=fake_framework.name, target="elsewhere:Backend", frameworks=("x",), install_hint="y")
+    with pytest.raises(UnknownBackendError, match="already registered"):
+        polyamp.register_backend(other)
+    polyamp.register_backend(other, replace=True)
+    assert polyamp.backend_specs()[fake_framework.name] == other
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"name": "", "target": "a:b", "frameworks": ("a",), "install_hint": "x"}, "BackendSpec.name"),
+        ({"name": "a", "target": "no_colon", "frameworks": ("a",), "install_hint": "x"}, "package.module:attribute"),
+    ],
+)
+def test_backend_spec_validates(kwargs: dict[str, object], fragment: str) -> None:
+    with pytest.raises(PolyampTypeError, match=fragment):
+        BackendSpec(**kwargs)  # type: ignore[arg-type]
+
+
+def test_register_backend_takes_a_spec() -> None:
+    with pytest.raises(PolyampTypeError, match=r"takes a polyamp\.BackendSpec"):
+        polyamp.register_backend("torch")  # type: ignore[arg-type]
+
+
+def test_third_party_backend_from_an_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A real installed-distribution layout: a dist-info folder with an entry_points.txt on sys.path.
+    dist = tmp_path / "polyamp_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: polyamp-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[polyamp.backends]\nplugin = polyamp_plugin_spec:SPEC\n")
+    (tmp_path / "polyamp_plugin_spec.py").write_text(
+        "import polyamp\n"
+        "SPEC = polyamp.BackendSpec(name='plugin', target='polyamp_plugin_impl:Backend',\n"
+        "                           frameworks=('pluginfw',), install_hint='pip install polyamp-plugin')\n"
+    )
+    (tmp_path / "polyamp_plugin_impl.py").write_text(
+        "class Backend:\n    name = 'plugin'\n    def owns(self, obj):\n        return False\n"
+        "    def make_scaler(self, config, state, enabled):\n        return ('impl', config, state, enabled)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_entry_points_read", False)
+    assert "polyamp_plugin_impl" not in sys.modules
+    backend = polyamp.get_backend("plugin")
+    assert backend.name == "plugin"
+    assert "plugin" in polyamp.backend_specs()
+
+
+def test_entry_point_must_name_a_backend_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dist = tmp_path / "bad_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: bad-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[polyamp.backends]\nbad = bad_plugin_spec:SPEC\n")
+    (tmp_path / "bad_plugin_spec.py").write_text("SPEC = {'name': 'bad'}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_entry_points_read", False)
+    with pytest.raises(PolyampTypeError, match=r"must name a polyamp\.BackendSpec"):
+        polyamp.get_backend("bad")
