@@ -17,8 +17,15 @@ from polyamp._src.errors import (
     StateDictError,
     UnknownBackendError,
 )
-from polyamp._src.global_policy import add_policy_listener, get_policy, policy_scope, set_policy
+from polyamp._src.global_policy import (
+    add_policy_listener,
+    get_policy,
+    get_policy_overrides,
+    policy_scope,
+    set_policy,
+)
 from polyamp._src.loss_scaler import LossScaler
+from polyamp._src.overrides import OverridesLike, PolicyOverrides
 from polyamp._src.policy import DTYPE_NAMES, POLICY_NAMES, Policy, PolicyLike
 from polyamp._src.registry import BackendSpec, backend_specs, get_backend, register_backend
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
@@ -37,8 +44,10 @@ __all__ = [
     "LossScaleConfig",
     "LossScaleState",
     "LossScaler",
+    "OverridesLike",
     "Policy",
     "PolicyLike",
+    "PolicyOverrides",
     "PolyampError",
     "PolyampTypeError",
     "ScalerImpl",
@@ -49,6 +58,7 @@ __all__ = [
     "backend_specs",
     "get_backend",
     "get_policy",
+    "get_policy_overrides",
     "policy_scope",
     "register_backend",
     "set_policy",

@@ -24,6 +24,7 @@ def isolated_polyamp_state() -> Iterator[None]:
         dict(registry._loaded),
         registry._entry_points_read,
     )
+    saved_overrides = global_policy._current_overrides
     saved_policy = (
         global_policy._current,
         list(global_policy._listeners),
@@ -32,8 +33,8 @@ def isolated_polyamp_state() -> Iterator[None]:
     )
     saved_pending = {name: list(cbs) for name, cbs in import_hooks._pending.items()}
     yield
-    if global_policy._current != saved_policy[0]:
-        polyamp.set_policy(saved_policy[0])
+    if global_policy._current != saved_policy[0] or global_policy._current_overrides != saved_overrides:
+        polyamp.set_policy(saved_policy[0], overrides=saved_overrides)
     registry._specs.clear()
     registry._specs.update(saved_registry[0])
     registry._framework_owner.clear()
@@ -86,9 +87,11 @@ import math
 import {fw} as fw
 
 POLICIES = []
+OVERRIDES = []
 
-def apply_policy(policy):
+def apply_policy(policy, overrides):
     POLICIES.append(policy)
+    OVERRIDES.append(overrides)
 
 class Impl:
     def __init__(self, config, state, enabled):

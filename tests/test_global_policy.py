@@ -170,3 +170,24 @@ def test_policy_is_one_per_process() -> None:
     worker.start()
     worker.join()
     assert seen == [Policy("mixed_float16")]
+
+
+def test_overrides_travel_with_the_policy_and_reach_hooks(fake_framework: FakeFramework) -> None:
+    fake_framework.load()
+    polyamp.set_policy("mixed_float16", overrides={"*norm*": "float32"})
+    assert polyamp.get_policy_overrides() == polyamp.PolicyOverrides({"*norm*": "float32"})
+    backend = sys.modules[fake_framework.backend_module]
+    assert backend.OVERRIDES[-1].resolve("block.layer_norm") == Policy("float32")
+    with polyamp.policy_scope("mixed_bfloat16"):
+        assert len(polyamp.get_policy_overrides()) == 0
+        assert len(backend.OVERRIDES[-1]) == 0
+    assert backend.OVERRIDES[-1] == polyamp.PolicyOverrides({"*norm*": "float32"})
+    polyamp.set_policy("mixed_float16")  # a new setting replaces the overrides too
+    assert len(polyamp.get_policy_overrides()) == 0
+
+
+def test_bad_overrides_leave_the_setting_unchanged() -> None:
+    polyamp.set_policy("mixed_float16", overrides={"head": "float32"})
+    with pytest.raises(InvalidPolicyError, match="Override for 'head'"):
+        polyamp.set_policy("mixed_float16", overrides={"head": "float64"})
+    assert polyamp.get_policy_overrides() == polyamp.PolicyOverrides({"head": "float32"})

@@ -55,7 +55,8 @@ class BackendSpec:
             arguments that returns the backend object (see `polyamp.Backend`).
         frameworks: Top-level modules whose objects (tensors, optimizers, variables) this backend handles.
         install_hint: What to run when the framework is missing, e.g. ``pip install 'polyamp[torch]'``.
-        policy_hook: Optional ``"module:function"`` called with the `Policy` on every global policy change,
+        policy_hook: Optional ``"module:function"`` called as ``hook(policy, overrides)`` (a `Policy` and a
+            `PolicyOverrides`) on every global policy change,
             for frameworks that keep their own global precision setting (Keras). It must import nothing but
             the framework modules in ``policy_modules``.
         policy_modules: Modules whose presence (now, or once imported later) makes ``policy_hook`` run;
