@@ -19,7 +19,7 @@ from polyamp._src.state_dict import parse_state_dict, to_state_dict
 __all__ = ["LossScaler"]
 
 # The step methods a backend may offer, in the order the error messages list them.
-_LOOP_METHODS: Final = ("scale", "unscale_", "step", "update", "unscale", "apply_gradients")
+_LOOP_METHODS: Final = ("scale", "unscale_", "step", "update", "unscale", "apply_gradients", "step_skipped")
 
 
 def _detect(obj: object) -> str | None:
@@ -242,6 +242,31 @@ class LossScaler:
         graph, with no Python branch on a tensor value.
         """
         return self._bound_method("apply_gradients", optimizer)(optimizer, grads_and_vars)
+
+    # -- what happened ------------------------------------------------------------------------------------
+
+    def step_skipped(self, optimizer: Any = None) -> Any:
+        """Whether the last step was skipped for non-finite gradients, without a host sync.
+
+        Returns the framework's boolean scalar tensor (``bool(...)`` reads it to the host when you want):
+        for ``optimizer``, whether its most recent step through this scaler was skipped; with no optimizer,
+        whether any step of the last completed iteration was skipped. A disabled scaler never skips.
+
+        Raises:
+            ScalerUsageError: the scaler has not stepped ``optimizer`` (or anything) yet.
+        """
+        if self._impl is None:
+            raise ScalerUsageError("step_skipped() was called before this LossScaler stepped any optimizer.")
+        return self._bound_method("step_skipped", optimizer)(optimizer)
+
+    def skipped_steps(self) -> Any:
+        """How many iterations had a skipped step since this scaler was created, as a device integer tensor.
+
+        Before the scaler is bound this is the Python int 0.
+        """
+        if self._impl is None:
+            return 0
+        return self._bound_method("skipped_steps", None)()
 
     # -- state -------------------------------------------------------------------------------------------
 

@@ -1,1 +1,32 @@
-"""polyamp's PyTorch backend."""
+"""polyamp's PyTorch backend: policies as ``torch.autocast``, loss scaling on the device.
+
+* `autocast` - ``torch.autocast`` with its dtype from a polyamp policy (context manager and decorator).
+* `TorchLossScaler` - ``polyamp.LossScaler`` bound to torch: GradScaler's protocol and results, plus
+  hysteresis, bounds, skip records; what ``polyamp.LossScaler()`` becomes on first use with torch tensors.
+* `apply_policy` - a policy on a model: outputs in the output dtype, chosen submodules in float32.
+* `SchedulerGuard` - an LR scheduler that does not advance on skipped steps.
+
+Importing this module imports torch; without PyTorch installed it raises ``polyamp.BackendNotInstalledError``
+saying ``pip install 'polyamp[torch]'``.
+"""
+
+from polyamp_torch._cpu_float32 import FLOAT32_OP_NAMES
+from polyamp_torch._framework import TORCH_DTYPES
+from polyamp_torch._autocast import PolicyRegion, autocast
+from polyamp_torch._backend import TorchBackend
+from polyamp_torch._modules import apply_policy, module_policy, remove_policy
+from polyamp_torch._scaler import TorchLossScaler
+from polyamp_torch._schedulers import SchedulerGuard
+
+__all__ = [
+    "FLOAT32_OP_NAMES",
+    "PolicyRegion",
+    "TORCH_DTYPES",
+    "SchedulerGuard",
+    "TorchBackend",
+    "TorchLossScaler",
+    "apply_policy",
+    "autocast",
+    "module_policy",
+    "remove_policy",
+]

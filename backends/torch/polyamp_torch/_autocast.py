@@ -1,0 +1,190 @@
+"""`autocast`: ``torch.autocast`` driven by a polyamp policy."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from types import TracebackType
+from typing import Any
+
+import polyamp
+from polyamp import Policy, PolicyLike, PolyampTypeError
+from polyamp._src.errors import InvalidConfigError, describe
+from polyamp_torch._cpu_float32 import CudaFloat32Ops
+from polyamp_torch._framework import TORCH_DTYPES, torch
+
+__all__ = ["PolicyRegion", "autocast", "default_device_type"]
+
+
+@functools.lru_cache(maxsize=1)
+def default_device_type() -> str:
+    """"cuda" when a CUDA device is available, else "cpu" (checked once per process)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _device_type(device_type: object) -> str | None:
+    if device_type is None:
+        return None
+    if isinstance(device_type, torch.device):
+        return device_type.type
+    if not isinstance(device_type, str):
+        raise PolyampTypeError(
+            "`device_type` must be None, a device type string such as 'cuda' or 'cpu', or a torch.device. "
+            f"Received: device_type={describe(device_type)}."
+        )
+    name = device_type.partition(":")[0]
+    checker = getattr(torch.amp, "is_autocast_available", None)
+    try:
+        available = checker is None or checker(name)
+    except RuntimeError:  # not even a device type torch knows
+        available = False
+    if not available:
+        raise InvalidConfigError(
+            f"torch.autocast does not support device_type={device_type!r}. Use 'cuda' or 'cpu' (or another "
+            "device type your torch build supports), or leave device_type=None for cuda-if-available."
+        )
+    return name
+
+
+def _is_compiling() -> bool:
+    checker = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(checker()) if checker is not None else False
+
+
+def autocast(
+    policy: PolicyLike | None = None,
+    *,
+    device_type: str | torch.device | None = None,
+    enabled: bool = True,
+    cache_enabled: bool | None = None,
+    cpu_float32_ops: bool = True,
+) -> PolicyRegion | torch.autocast:
+    """``torch.autocast`` with the dtype taken from a polyamp policy; a context manager and a decorator.
+
+    Returns a `PolicyRegion` (see there for the arguments and semantics). Inside code being compiled by
+    ``torch.compile`` it returns the equivalent plain ``torch.autocast`` instead, which dynamo traces
+    without graph breaks; there the policy is read when the region is created, and CPU regions use
+    torch's own op lists.
+    """
+    region = PolicyRegion(
+        policy, device_type=device_type, enabled=enabled, cache_enabled=cache_enabled, cpu_float32_ops=cpu_float32_ops
+    )
+    if _is_compiling():
+        return region.as_torch_autocast()
+    return region
+
+
+class PolicyRegion(contextlib.ContextDecorator):
+    """``torch.autocast`` with the dtype taken from a polyamp policy; a context manager and a decorator.
+
+    Inside the region, autocast-eligible ops (matmul, linear, conv, ...) run in the policy's compute dtype
+    and precision-sensitive ones in float32, as ``torch.autocast(device_type, dtype=...)`` does. On CPU,
+    where torch's autocast leaves softmax, log_softmax, layer/group norm and reductions in the low dtype,
+    polyamp regions run CUDA's float32 op list too, so a model computes the same way on both devices
+    (see `polyamp_torch.FLOAT32_OP_NAMES`). A policy computing in float32 turns autocast off, which also
+    makes a float32 region inside an outer autocast region; so does ``enabled=False``.
+
+    Args:
+        policy: A `polyamp.Policy`, name or spec; None (default) uses ``polyamp.get_policy()`` as it is each
+            time the region is entered.
+        device_type: "cuda", "cpu" (or a ``torch.device``); None picks "cuda" if available, else "cpu".
+        enabled: False makes the region run in float32 (autocast off).
+        cache_enabled: Forwarded to ``torch.autocast`` (None keeps torch's default).
+        cpu_float32_ops: On CPU, run CUDA's float32 op list in float32 (default). False gives torch's CPU
+            lists exactly, saving the per-op dispatch cost (about 1-4 us per torch call in the region; see
+            benchmarks/).
+
+    Raises:
+        InvalidPolicyError / PolyampTypeError: ``policy`` is invalid.
+        InvalidConfigError: torch.autocast does not support ``device_type``.
+
+    Example::
+
+        polyamp.set_policy("mixed_bfloat16")
+        with polyamp_torch.autocast():
+            logits = model(x)                  # linear layers in bfloat16
+            loss = F.cross_entropy(logits, y)  # float32
+            with polyamp_torch.autocast(enabled=False):
+                exact = head(features.float())  # float32 region
+
+        @polyamp_torch.autocast("mixed_float16")
+        def forward(x): ...
+    """
+
+    def __init__(
+        self,
+        policy: PolicyLike | None = None,
+        *,
+        device_type: str | torch.device | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+        cpu_float32_ops: bool = True,
+    ) -> None:
+        if not isinstance(enabled, bool):
+            raise PolyampTypeError(f"`enabled` must be a bool. Received: enabled={describe(enabled)}.")
+        if not isinstance(cpu_float32_ops, bool):
+            raise PolyampTypeError(
+                f"`cpu_float32_ops` must be a bool. Received: cpu_float32_ops={describe(cpu_float32_ops)}."
+            )
+        if cache_enabled is not None and not isinstance(cache_enabled, bool):
+            raise PolyampTypeError(
+                f"`cache_enabled` must be None or a bool. Received: cache_enabled={describe(cache_enabled)}."
+            )
+        self._policy = None if policy is None else Policy(policy)
+        self._device_type = _device_type(device_type)
+        self._enabled = enabled
+        self._cache_enabled = cache_enabled
+        self._cpu_float32_ops = cpu_float32_ops
+        self._entered: list[tuple[torch.autocast, CudaFloat32Ops | None]] = []
+
+    @property
+    def policy(self) -> Policy:
+        """The policy this region uses: the explicit one, or the global policy right now."""
+        return self._policy if self._policy is not None else polyamp.get_policy()
+
+    @property
+    def device_type(self) -> str:
+        """The device type this region applies to."""
+        return self._device_type or default_device_type()
+
+    def as_torch_autocast(self) -> torch.autocast:
+        """The plain ``torch.autocast`` this region amounts to under the current policy."""
+        compute = self.policy.compute_dtype
+        if not self._enabled or compute == "float32":
+            return torch.autocast(self.device_type, enabled=False)
+        kwargs: dict[str, Any] = {}
+        if self._cache_enabled is not None:
+            kwargs["cache_enabled"] = self._cache_enabled
+        return torch.autocast(self.device_type, dtype=TORCH_DTYPES[compute], **kwargs)
+
+    def __enter__(self) -> PolicyRegion:
+        region = self.as_torch_autocast()
+        low_precision = self._enabled and self.policy.compute_dtype != "float32"
+        mode = CudaFloat32Ops() if low_precision and self._cpu_float32_ops and self.device_type == "cpu" else None
+        region.__enter__()
+        if mode is not None:
+            mode.__enter__()
+        self._entered.append((region, mode))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        region, mode = self._entered.pop()
+        if mode is not None:
+            mode.__exit__(exc_type, exc, traceback)
+        region.__exit__(exc_type, exc, traceback)
+
+    def _recreate_cm(self) -> PolicyRegion:
+        # A decorated function gets a fresh region per call, so recursion and threads never share state.
+        fresh = PolicyRegion.__new__(PolicyRegion)
+        fresh.__dict__.update(self.__dict__)
+        fresh._entered = []
+        return fresh
+
+    def __repr__(self) -> str:
+        policy = "None (global)" if self._policy is None else repr(self._policy.name)
+        return f"polyamp_torch.PolicyRegion(policy={policy}, device_type={self._device_type!r}, enabled={self._enabled})"

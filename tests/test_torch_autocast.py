@@ -1,0 +1,319 @@
+"""polyamp_torch.autocast and apply_policy: which dtype each op and module runs in."""
+
+from __future__ import annotations
+
+import copy
+import io
+import threading
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import polyamp  # noqa: E402
+import polyamp_torch  # noqa: E402
+from polyamp import InvalidConfigError, InvalidPolicyError, PolyampTypeError  # noqa: E402
+
+COMPUTE = {"mixed_float16": torch.float16, "mixed_bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def op_dtypes() -> dict[str, torch.dtype]:
+    x = torch.randn(4, 8)
+    w = torch.randn(8, 8)
+    image = torch.randn(2, 3, 8, 8)
+    kernel = torch.randn(4, 3, 3, 3)
+    target = torch.randint(0, 8, (4,))
+    return {
+        "matmul": (x @ w).dtype,
+        "linear": F.linear(x, w).dtype,
+        "conv2d": F.conv2d(image, kernel).dtype,
+        "softmax": torch.softmax(x @ w, dim=-1).dtype,
+        "log_softmax": torch.log_softmax(x @ w, dim=-1).dtype,
+        "cross_entropy": F.cross_entropy(x @ w, target).dtype,
+        "mse_loss": F.mse_loss(x @ w, x @ w).dtype,
+    }
+
+
+LOW = ("matmul", "linear", "conv2d")
+FULL = ("softmax", "log_softmax", "cross_entropy", "mse_loss")
+
+
+@pytest.mark.parametrize("policy", list(COMPUTE))
+def test_ops_run_in_the_compute_dtype_and_sensitive_ops_in_float32(policy: str) -> None:
+    with polyamp_torch.autocast(policy, device_type="cpu"):
+        dtypes = op_dtypes()
+    for op in LOW:
+        assert dtypes[op] == COMPUTE[policy], f"{op}: {dtypes[op]} but should be {COMPUTE[policy]} [{policy}]"
+    for op in FULL:
+        assert dtypes[op] == torch.float32, f"{op}: {dtypes[op]} but should be float32 [{policy}]"
+
+
+def test_cpu_regions_follow_torch_where_it_agrees_with_cuda_and_cuda_where_it_does_not() -> None:
+    for policy, dtype in COMPUTE.items():
+        with torch.autocast("cpu", dtype=dtype):
+            native = op_dtypes()
+        with polyamp_torch.autocast(policy, device_type="cpu"):
+            ours = op_dtypes()
+        for op in LOW + ("cross_entropy", "mse_loss"):  # torch's CPU lists already match CUDA's here
+            assert ours[op] == native[op]
+        # CPU autocast leaves these in the low dtype; CUDA autocast (and polyamp everywhere) uses float32.
+        assert native["softmax"] == native["log_softmax"] == dtype
+        assert ours["softmax"] == ours["log_softmax"] == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("op", "call"),
+    [
+        ("layer_norm", lambda h: torch.nn.functional.layer_norm(h, (8,))),
+        ("group_norm", lambda h: torch.nn.functional.group_norm(h.view(4, 8, 1), 2)),
+        ("sum", lambda h: h.sum()),
+        ("torch.sum", lambda h: torch.sum(h, dim=0)),
+        ("cumsum", lambda h: h.cumsum(0)),
+        ("logsumexp", lambda h: torch.logsumexp(h, 0)),
+        ("exp", lambda h: h.exp()),
+        ("pow", lambda h: h**2),
+        ("vector_norm", lambda h: torch.linalg.vector_norm(h)),
+        ("nn.LayerNorm", lambda h: torch.nn.LayerNorm(8)(h)),
+        ("nn.Softmax", lambda h: torch.nn.Softmax(-1)(h)),
+    ],
+)
+def test_cuda_float32_ops_run_in_float32_on_cpu(op: str, call: Any) -> None:
+    with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+        hidden = torch.randn(4, 8) @ torch.randn(8, 8)
+        assert hidden.dtype == torch.float16
+        assert call(hidden).dtype == torch.float32, op
+        assert (hidden + 1).dtype == torch.float16  # other ops keep their autocast behaviour
+
+
+def test_cpu_float32_ops_can_be_turned_off() -> None:
+    with polyamp_torch.autocast("mixed_float16", device_type="cpu", cpu_float32_ops=False):
+        assert op_dtypes()["softmax"] == torch.float16
+    with pytest.raises(PolyampTypeError, match="cpu_float32_ops"):
+        polyamp_torch.autocast(cpu_float32_ops=None)  # type: ignore[arg-type]
+
+
+def test_float32_op_mode_stays_inside_polyamp_regions() -> None:
+    low = torch.randn(4, 8).half()
+    with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+        assert low.softmax(-1, dtype=torch.float16).dtype == torch.float16  # an explicit dtype is kept
+        with polyamp_torch.autocast(enabled=False, device_type="cpu"):
+            assert low.sum().dtype == torch.float16  # float32 region: nothing is cast
+        with torch.autocast("cpu", enabled=False):
+            assert low.sum().dtype == torch.float16
+    with torch.autocast("cpu", dtype=torch.float16):  # native regions are untouched
+        assert low.sum().dtype == torch.float16
+    assert low.sum().dtype == torch.float16
+
+
+def test_float32_policy_means_autocast_off() -> None:
+    with polyamp_torch.autocast("float32", device_type="cpu"):
+        assert set(op_dtypes().values()) == {torch.float32}
+        assert not torch.is_autocast_enabled("cpu")
+
+
+def test_the_global_policy_is_read_at_entry() -> None:
+    region = polyamp_torch.autocast(device_type="cpu")
+    polyamp.set_policy("mixed_bfloat16")
+    with region:
+        assert op_dtypes()["linear"] == torch.bfloat16
+    polyamp.set_policy("mixed_float16")
+    with region:
+        assert op_dtypes()["linear"] == torch.float16
+    polyamp.set_policy("float32")
+    with region:
+        assert op_dtypes()["linear"] == torch.float32
+
+
+def test_nested_disabled_region_is_float32_and_outer_resumes() -> None:
+    with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+        with polyamp_torch.autocast(enabled=False, device_type="cpu"):
+            assert op_dtypes()["linear"] == torch.float32
+        assert op_dtypes()["linear"] == torch.float16
+        with polyamp_torch.autocast("float32", device_type="cpu"):
+            assert op_dtypes()["linear"] == torch.float32
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_works_as_a_decorator_reentrantly_and_across_threads() -> None:
+    @polyamp_torch.autocast("mixed_bfloat16", device_type="cpu")
+    def linear_dtype(depth: int = 0) -> torch.dtype:
+        if depth:
+            return linear_dtype(depth - 1)
+        return op_dtypes()["linear"]
+
+    assert linear_dtype(3) == torch.bfloat16
+    results: list[torch.dtype] = []
+    threads = [threading.Thread(target=lambda: results.append(linear_dtype(1))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [torch.bfloat16] * 4
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_exceptions_leave_autocast_off() -> None:
+    with pytest.raises(ZeroDivisionError), polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+        1 / 0  # noqa: B018
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_default_device_and_torch_device_argument() -> None:
+    region = polyamp_torch.autocast(device_type=torch.device("cpu"))
+    assert region.device_type == "cpu"
+    assert polyamp_torch.autocast().device_type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragment"),
+    [
+        ({"policy": "mixed_float61"}, InvalidPolicyError, "Did you mean 'mixed_float16'"),
+        ({"policy": 16}, PolyampTypeError, "`spec` must be"),
+        ({"enabled": "yes"}, PolyampTypeError, "`enabled` must be a bool"),
+        ({"device_type": 3}, PolyampTypeError, "`device_type` must be"),
+        ({"device_type": "tpu9"}, InvalidConfigError, "does not support device_type='tpu9'"),
+        ({"cache_enabled": 1}, PolyampTypeError, "`cache_enabled` must be None or a bool"),
+    ],
+)
+def test_autocast_argument_errors(kwargs: dict[str, Any], error: type, fragment: str) -> None:
+    with pytest.raises(error) as info:
+        polyamp_torch.autocast(**kwargs)
+    assert fragment in str(info.value)
+
+
+# -- apply_policy -----------------------------------------------------------------------------------------
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(torch.relu(self.proj(x)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(4, 8)
+        self.block = Block()
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        hidden = self.block(self.embed(x))
+        return {"logits": self.head(hidden), "hidden": (hidden,), "steps": torch.tensor(3)}
+
+
+def record_output_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    seen: dict[str, torch.dtype] = {}
+    for name, sub in model.named_modules():
+        if name and isinstance(sub, torch.nn.Linear):
+            sub.register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, o.dtype))
+    return seen
+
+
+def test_outputs_are_cast_to_the_output_dtype() -> None:
+    model = polyamp_torch.apply_policy(Net(), "mixed_float16")
+    seen = record_output_dtypes(model)
+    out = model(torch.randn(2, 4))
+    assert out["logits"].dtype == torch.float32 and out["hidden"][0].dtype == torch.float32
+    assert out["steps"].dtype == torch.int64  # only floating tensors are cast
+    assert seen == {"embed": torch.float16, "block.proj": torch.float16, "head": torch.float16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize(
+    "keep", [["head"], ["he*"], "head", "policy-instance"], ids=["name", "pattern", "single", "instance"]
+)
+def test_keep_float32_runs_a_submodule_in_float32(keep: Any) -> None:
+    model = Net()
+    if keep == "policy-instance":
+        keep = [model.head]
+    polyamp_torch.apply_policy(model, "mixed_bfloat16", keep_float32=keep)
+    seen = record_output_dtypes(model)
+    model(torch.randn(2, 4))
+    assert seen == {"embed": torch.bfloat16, "block.proj": torch.bfloat16, "head": torch.float32}
+    assert polyamp_torch.module_policy(model.head) == polyamp.Policy("float32")
+    assert polyamp_torch.module_policy(model.embed) is None
+
+
+def test_pure_low_precision_policy_casts_parameters_except_float32_islands() -> None:
+    model = polyamp_torch.apply_policy(Net(), "bfloat16", keep_float32=["*norm"])
+    assert model.embed.weight.dtype == torch.bfloat16 and model.head.bias.dtype == torch.bfloat16
+    assert model.block.norm.weight.dtype == torch.float32
+    out = model(torch.randn(2, 4, dtype=torch.bfloat16))
+    assert out["logits"].dtype == torch.bfloat16
+
+
+def test_global_overrides_apply_and_children_inherit() -> None:
+    polyamp.set_policy("mixed_float16", overrides={"block": "float32"})
+    model = polyamp_torch.apply_policy(Net())
+    seen = record_output_dtypes(model)
+    model(torch.randn(2, 4))
+    assert seen == {"embed": torch.float16, "block.proj": torch.float32, "head": torch.float16}
+
+
+def test_keep_float32_outputs_match_a_float32_module() -> None:
+    model = Net()
+    reference = copy.deepcopy(model.head)
+    polyamp_torch.apply_policy(model, "mixed_float16", keep_float32=["head"])
+    hidden = torch.randn(2, 8, dtype=torch.float16)
+    with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+        kept = model.head(hidden)
+    assert kept.dtype == torch.float32
+    assert torch.equal(kept, reference(hidden.float()))
+
+
+def test_state_dict_pickling_and_deepcopy_are_unaffected() -> None:
+    plain = Net()
+    model = polyamp_torch.apply_policy(Net(), "mixed_float16", keep_float32=["head"])
+    assert list(model.state_dict()) == list(plain.state_dict())
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    clone = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    for other in (loaded, clone):
+        assert torch.equal(other(x)["logits"], model(x)["logits"])
+        assert polyamp_torch.module_policy(other.head) == polyamp.Policy("float32")
+        assert other.head.forward.module is other.head  # the copy's wrapper drives the copy
+
+
+def test_apply_again_replaces_and_remove_restores() -> None:
+    model = polyamp_torch.apply_policy(Net(), "mixed_float16", keep_float32=["head"])
+    polyamp_torch.apply_policy(model, "mixed_bfloat16")
+    assert polyamp_torch.module_policy(model) == polyamp.Policy("mixed_bfloat16")
+    assert polyamp_torch.module_policy(model.head) is None
+    polyamp_torch.remove_policy(model)
+    assert "forward" not in model.__dict__
+    assert model(torch.randn(2, 4))["logits"].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragment"),
+    [
+        ({"keep_float32": ["heda"]}, InvalidConfigError, "matches no submodule"),
+        ({"keep_float32": [torch.nn.Linear(2, 2)]}, InvalidConfigError, "not a submodule"),
+        ({"keep_float32": [3]}, PolyampTypeError, "takes submodule names"),
+        ({"policy": "fp16"}, InvalidPolicyError, "Unknown policy"),
+        ({"overrides": "head"}, PolyampTypeError, "must be a mapping"),
+    ],
+)
+def test_apply_policy_errors_leave_the_model_untouched(kwargs: dict[str, Any], error: type, fragment: str) -> None:
+    model = Net()
+    with pytest.raises(error) as info:
+        polyamp_torch.apply_policy(model, **kwargs)
+    assert fragment in str(info.value)
+    assert "forward" not in model.__dict__ and "forward" not in model.head.__dict__
+
+
+def test_apply_policy_needs_a_module() -> None:
+    with pytest.raises(PolyampTypeError, match="takes a torch.nn.Module"):
+        polyamp_torch.apply_policy(lambda x: x)  # type: ignore[arg-type]
