@@ -104,6 +104,29 @@ def test_first_party_backend_without_its_framework_says_what_to_install(backend:
     assert f"pip install 'polyamp[{backend}]'" in out
 
 
+@pytest.mark.parametrize(("package", "module", "extra"), [("polyamp_torch", "torch", "torch")])
+def test_importing_a_backend_package_without_its_framework_says_what_to_install(
+    package: str, module: str, extra: str
+) -> None:
+    code = textwrap.dedent(
+        f"""
+        import sys
+        class Hide:
+            def find_spec(self, name, path=None, target=None):
+                if name.partition('.')[0] == {module!r}:
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        sys.meta_path.insert(0, Hide())
+        try:
+            import {package}
+        except ImportError as exc:
+            print(type(exc).__name__, '|', exc)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("BackendNotInstalledError |"), out
+    assert f"pip install 'polyamp[{extra}]'" in out
+
+
 def test_register_backend_refuses_to_silently_replace(fake_framework: FakeFramework) -> None:
     other = BackendSpec(name=fake_framework.name, target="elsewhere:Backend", frameworks=("x",), install_hint="y")
     with pytest.raises(UnknownBackendError, match="already registered"):

@@ -15,8 +15,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import polyamp  # noqa: E402
 import polyamp_torch  # noqa: E402
+
+import polyamp  # noqa: E402
 
 INTERVAL = 3
 STEPS = 14
@@ -39,7 +40,9 @@ def make_model() -> torch.nn.Module:
 
 def make_data(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in range(steps)]
+    return [
+        (torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in range(steps)
+    ]
 
 
 def plant_inf(model: torch.nn.Module, step: int) -> None:
@@ -150,9 +153,7 @@ def test_same_trajectory_params_and_state_as_grad_scaler(opt_name: str) -> None:
     assert_same_run(native, ours)
     assert ours.scaler.backend == "torch"
     assert native.scales != [native.scales[0]] * STEPS  # the pattern really moved the scale
-    expected = polyamp.LossScaleConfig(growth_interval=INTERVAL).trajectory(
-        [i in OVERFLOW_STEPS for i in range(STEPS)]
-    )
+    expected = polyamp.LossScaleConfig(growth_interval=INTERVAL).trajectory([i in OVERFLOW_STEPS for i in range(STEPS)])
     assert ours.scales == expected
 
 
@@ -238,7 +239,9 @@ def test_gradient_penalty_pattern_matches() -> None:
         for x, y in make_data(4):
             opt.zero_grad()
             region = (
-                torch.autocast("cpu", dtype=torch.float16) if native else polyamp_torch.autocast("mixed_float16", device_type="cpu")
+                torch.autocast("cpu", dtype=torch.float16)
+                if native
+                else polyamp_torch.autocast("mixed_float16", device_type="cpu")
             )
             with region:
                 loss = torch.nn.functional.cross_entropy(model(x), y)

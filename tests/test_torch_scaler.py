@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-import polyamp  # noqa: E402
 import polyamp_torch  # noqa: E402
+
+import polyamp  # noqa: E402
 from polyamp import (  # noqa: E402
     InvalidConfigError,
     LossScaleConfig,
@@ -229,13 +230,13 @@ def test_step_twice_raises(setup: tuple[Any, Any, Any]) -> None:
 
 
 def test_step_before_scale_raises(setup: tuple[Any, Any, Any]) -> None:
-    scaler, param, opt = setup
+    scaler, _, opt = setup
     with pytest.raises(ScalerUsageError, match="before scale"):
         scaler.step(opt)
 
 
 def test_update_without_step_raises(setup: tuple[Any, Any, Any]) -> None:
-    scaler, param, opt = setup
+    scaler, param, _ = setup
     scaler.scale(param.sum())
     with pytest.raises(ScalerUsageError, match="no step"):
         scaler.update()
@@ -264,7 +265,7 @@ def test_float16_gradients_get_a_clear_error() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = polyamp.LossScaler(enabled=True)
     scaler.scale(model(torch.ones(1, 4, dtype=torch.float16)).float().sum()).backward()
-    with pytest.raises(ScalerUsageError, match="Cannot unscale float16 gradients.*float32 master parameters"):
+    with pytest.raises(ScalerUsageError, match=r"Cannot unscale float16 gradients.*float32 master parameters"):
         scaler.step(opt)
 
 
@@ -286,7 +287,7 @@ def test_forcing_scaling_onto_bfloat16_gradients_warns_once() -> None:
 
 
 def test_non_tensor_losses_and_optimizers_are_type_errors(setup: tuple[Any, Any, Any]) -> None:
-    scaler, param, opt = setup
+    scaler, param, _ = setup
     scaler.scale(param.sum())
     with pytest.raises(PolyampTypeError, match=r"scale\(\) takes a torch.Tensor or an iterable"):
         scaler.scale([param.sum(), 3.0])
@@ -402,5 +403,5 @@ def test_scheduler_guard_validates_its_arguments() -> None:
     with pytest.raises(PolyampTypeError, match="wraps an LR scheduler"):
         polyamp_torch.SchedulerGuard(object(), polyamp.LossScaler())
     opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
-    with pytest.raises(PolyampTypeError, match="needs the polyamp.LossScaler"):
+    with pytest.raises(PolyampTypeError, match=r"needs the polyamp\.LossScaler"):
         polyamp_torch.SchedulerGuard(torch.optim.lr_scheduler.StepLR(opt, 1), torch.amp.GradScaler("cpu"))

@@ -10,18 +10,20 @@ Importing this module imports torch; without PyTorch installed it raises ``polya
 saying ``pip install 'polyamp[torch]'``.
 """
 
-from polyamp_torch._cpu_float32 import FLOAT32_OP_NAMES
-from polyamp_torch._framework import TORCH_DTYPES
+# First: without PyTorch this raises BackendNotInstalledError saying what to install.
+from polyamp_torch._framework import TORCH_DTYPES  # isort: split
+
 from polyamp_torch._autocast import PolicyRegion, autocast
 from polyamp_torch._backend import TorchBackend
+from polyamp_torch._cpu_float32 import FLOAT32_OP_NAMES
 from polyamp_torch._modules import apply_policy, module_policy, remove_policy
 from polyamp_torch._scaler import TorchLossScaler
 from polyamp_torch._schedulers import SchedulerGuard
 
 __all__ = [
     "FLOAT32_OP_NAMES",
-    "PolicyRegion",
     "TORCH_DTYPES",
+    "PolicyRegion",
     "SchedulerGuard",
     "TorchBackend",
     "TorchLossScaler",

@@ -18,7 +18,7 @@ __all__ = ["PolicyRegion", "autocast", "default_device_type"]
 
 @functools.lru_cache(maxsize=1)
 def default_device_type() -> str:
-    """"cuda" when a CUDA device is available, else "cpu" (checked once per process)."""
+    """ "cuda" when a CUDA device is available, else "cpu" (checked once per process)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -161,9 +161,9 @@ class PolicyRegion(contextlib.ContextDecorator):
         region = self.as_torch_autocast()
         low_precision = self._enabled and self.policy.compute_dtype != "float32"
         mode = CudaFloat32Ops() if low_precision and self._cpu_float32_ops and self.device_type == "cpu" else None
-        region.__enter__()
+        region.__enter__()  # type: ignore[no-untyped-call]
         if mode is not None:
-            mode.__enter__()
+            mode.__enter__()  # type: ignore[no-untyped-call]
         self._entered.append((region, mode))
         return self
 
@@ -175,7 +175,7 @@ class PolicyRegion(contextlib.ContextDecorator):
     ) -> None:
         region, mode = self._entered.pop()
         if mode is not None:
-            mode.__exit__(exc_type, exc, traceback)
+            mode.__exit__(exc_type, exc, traceback)  # type: ignore[no-untyped-call]
         region.__exit__(exc_type, exc, traceback)
 
     def _recreate_cm(self) -> PolicyRegion:
@@ -187,4 +187,6 @@ class PolicyRegion(contextlib.ContextDecorator):
 
     def __repr__(self) -> str:
         policy = "None (global)" if self._policy is None else repr(self._policy.name)
-        return f"polyamp_torch.PolicyRegion(policy={policy}, device_type={self._device_type!r}, enabled={self._enabled})"
+        return (
+            f"polyamp_torch.PolicyRegion(policy={policy}, device_type={self._device_type!r}, enabled={self._enabled})"
+        )

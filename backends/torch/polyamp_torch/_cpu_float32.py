@@ -18,9 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 from torch.overrides import TorchFunctionMode
+
 from polyamp_torch._framework import torch
 
-__all__ = ["CudaFloat32Ops", "FLOAT32_OP_NAMES"]
+__all__ = ["FLOAT32_OP_NAMES", "CudaFloat32Ops"]
 
 #: CUDA autocast's float32 ops (torch's ``AT_FORALL_FP32`` and ``AT_FORALL_FP32_SET_OPT_DTYPE`` lists),
 #: by the names of their Python entry points.
@@ -78,12 +79,7 @@ class CudaFloat32Ops(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if (
-            func in _TARGETS
-            and kwargs.get("out") is None
-            and kwargs.get("dtype") is None
-            and _cpu_autocast_enabled()
-        ):
+        if func in _TARGETS and kwargs.get("out") is None and kwargs.get("dtype") is None and _cpu_autocast_enabled():
             args = tuple(_upcast(arg) for arg in args)
             kwargs = {key: _upcast(value) for key, value in kwargs.items()}
         return func(*args, **kwargs)

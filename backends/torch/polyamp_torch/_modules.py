@@ -163,8 +163,7 @@ def apply_policy(
             keep_patterns.append(item)
         else:
             raise PolyampTypeError(
-                "keep_float32 takes submodule names, glob patterns or submodule instances. "
-                f"Received: {describe(item)}."
+                f"keep_float32 takes submodule names, glob patterns or submodule instances. Received: {describe(item)}."
             )
     float32 = Policy("float32")
     remove_policy(module)

@@ -118,7 +118,7 @@ def _fused_step(optimizer: Any, grad_scale: Any, found_inf: torch.Tensor, args: 
     return result
 
 
-_fused_step = torch.compiler.disable(_fused_step)
+_fused_step = torch.compiler.disable(_fused_step)  # type: ignore[no-untyped-call]
 
 
 def _reject(method: str, obj: object, expected: str) -> Exception:
@@ -199,7 +199,11 @@ class TorchScalerImpl:
                     device = self._device or self._materialize(value.device)
                     replicas.append(_PerDevice(device.scale))
                 return value * replicas[0].get(value.device)
-            if isinstance(value, abc.Iterable) and not isinstance(value, (str, bytes)) and backend_name_for(value) is None:
+            if (
+                isinstance(value, abc.Iterable)
+                and not isinstance(value, (str, bytes))
+                and backend_name_for(value) is None
+            ):
                 scaled = map(apply, value)
                 return type(value)(scaled) if isinstance(value, (list, tuple)) else scaled
             raise _reject("scale", value, "a torch.Tensor or an iterable of torch.Tensors")
