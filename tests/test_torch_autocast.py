@@ -12,8 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-import polyamp  # noqa: E402
 import polyamp_torch  # noqa: E402
+
+import polyamp  # noqa: E402
 from polyamp import InvalidConfigError, InvalidPolicyError, PolyampTypeError  # noqa: E402
 
 COMPUTE = {"mixed_float16": torch.float16, "mixed_bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,7 +57,7 @@ def test_cpu_regions_follow_torch_where_it_agrees_with_cuda_and_cuda_where_it_do
             native = op_dtypes()
         with polyamp_torch.autocast(policy, device_type="cpu"):
             ours = op_dtypes()
-        for op in LOW + ("cross_entropy", "mse_loss"):  # torch's CPU lists already match CUDA's here
+        for op in (*LOW, "cross_entropy", "mse_loss"):  # torch's CPU lists already match CUDA's here
             assert ours[op] == native[op]
         # CPU autocast leaves these in the low dtype; CUDA autocast (and polyamp everywhere) uses float32.
         assert native["softmax"] == native["log_softmax"] == dtype
@@ -315,5 +316,5 @@ def test_apply_policy_errors_leave_the_model_untouched(kwargs: dict[str, Any], e
 
 
 def test_apply_policy_needs_a_module() -> None:
-    with pytest.raises(PolyampTypeError, match="takes a torch.nn.Module"):
+    with pytest.raises(PolyampTypeError, match=r"takes a torch\.nn\.Module"):
         polyamp_torch.apply_policy(lambda x: x)  # type: ignore[arg-type]

@@ -64,7 +64,9 @@ def test_ranks_skip_together_and_stay_identical(tmp_path: Path) -> None:
     port = str(_free_port())
     outputs = [tmp_path / f"rank{r}.json" for r in range(2)]
     workers = [
-        subprocess.Popen([sys.executable, str(script), str(r), "2", port, str(outputs[r])], stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), "2", port, str(outputs[r])], stderr=subprocess.PIPE, text=True
+        )
         for r in range(2)
     ]
     for worker in workers:
