@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import polyamp_torch
 import torch
 
 import polyamp
-import polyamp_torch
 
 
 def build(device: str, width: int, depth: int, optimizer: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -79,10 +79,14 @@ def main() -> None:
     if device == "cpu":
         names.append("polyamp (torch cpu op lists)")
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine()
-    print(f"device {device} ({gpu}), torch {torch.__version__}, python {platform.python_version()}, "
-          f"threads {torch.get_num_threads()}")
-    print(f"model {args.depth} x (Linear {args.width} + LayerNorm + GELU), batch {args.batch}, "
-          f"{args.iters} iterations x {args.rounds} rounds, median ms/iteration")
+    print(
+        f"device {device} ({gpu}), torch {torch.__version__}, python {platform.python_version()}, "
+        f"threads {torch.get_num_threads()}"
+    )
+    print(
+        f"model {args.depth} x (Linear {args.width} + LayerNorm + GELU), batch {args.batch}, "
+        f"{args.iters} iterations x {args.rounds} rounds, median ms/iteration"
+    )
     x = torch.randn(args.batch, args.width, device=device)
     for optimizer in args.optimizers.split(","):
         steps = {name: variant(name, device, args.width, args.depth, optimizer) for name in names}

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import polyamp_torch
 import torch
 
 import polyamp
-import polyamp_torch
 
 
 def make_model(in_size: int, out_size: int, num_layers: int, device: str) -> torch.nn.Module:
@@ -100,8 +100,10 @@ def main() -> None:
         with torch.no_grad(), polyamp_torch.autocast(device_type=device):  # inference: autocast alone
             assert net(data[0]).dtype == getattr(torch, policy.compute_dtype)
 
-    print(f"device {device}, policy {policy.name}, batch {batch_size}, size {size}, layers {args.num_layers}, "
-          f"{num_batches} batches x {args.epochs} epochs")
+    print(
+        f"device {device}, policy {policy.name}, batch {batch_size}, size {size}, layers {args.num_layers}, "
+        f"{num_batches} batches x {args.epochs} epochs"
+    )
     results = {}
     for name, run in (("default precision", default_precision), ("torch.amp", native_amp), ("polyamp", polyamp_amp)):
         run()  # warm-up (kernels, allocator)
