@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import textwrap
 import uuid
@@ -10,6 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+# One process imports both frameworks here; PyTorch must come first (the other order can crash some builds).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+with contextlib.suppress(ImportError):
+    import torch  # noqa: F401
 
 import polyamp
 from polyamp._src import global_policy, import_hooks, registry

@@ -104,7 +104,10 @@ def test_first_party_backend_without_its_framework_says_what_to_install(backend:
     assert f"pip install 'polyamp[{backend}]'" in out
 
 
-@pytest.mark.parametrize(("package", "module", "extra"), [("polyamp_torch", "torch", "torch")])
+@pytest.mark.parametrize(
+    ("package", "module", "extra"),
+    [("polyamp_torch", "torch", "torch"), ("polyamp_tensorflow", "tensorflow", "tensorflow")],
+)
 def test_importing_a_backend_package_without_its_framework_says_what_to_install(
     package: str, module: str, extra: str
 ) -> None:

@@ -1,0 +1,49 @@
+"""`LossScaleCallback`: the loss scale and skipped steps in Keras training logs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyamp import PolyampTypeError
+from polyamp._src.errors import describe
+from polyamp_tensorflow._framework import keras
+from polyamp_tensorflow._optimizer import LossScaleOptimizer
+from polyamp_tensorflow._update import to_python
+
+__all__ = ["LossScaleCallback"]
+
+
+class LossScaleCallback(keras.callbacks.Callback):  # type: ignore[misc]
+    """Adds ``loss_scale`` and ``skipped_steps`` to the logs of every batch and epoch.
+
+    They then appear in ``History.history``, the progress bar and ``keras.callbacks.TensorBoard`` (list
+    this callback before TensorBoard, which reads the logs when it gets them). The model must be compiled
+    with a `polyamp_tensorflow.LossScaleOptimizer`.
+
+    Example::
+
+        history = model.fit(x, y, epochs=3, callbacks=[polyamp_tensorflow.LossScaleCallback()])
+        history.history["loss_scale"], history.history["skipped_steps"]
+    """
+
+    def _optimizer(self) -> LossScaleOptimizer:
+        optimizer = getattr(self.model, "optimizer", None)
+        if not isinstance(optimizer, LossScaleOptimizer):
+            raise PolyampTypeError(
+                "LossScaleCallback needs a model compiled with polyamp_tensorflow.LossScaleOptimizer. "
+                f"The model's optimizer is {describe(optimizer)}."
+            )
+        return optimizer
+
+    def _add(self, logs: dict[str, Any] | None) -> None:
+        if logs is None:
+            return
+        optimizer = self._optimizer()
+        logs["loss_scale"] = optimizer.get_scale()
+        logs["skipped_steps"] = int(to_python(optimizer.skipped_steps)) if optimizer.built else 0
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._add(logs)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._add(logs)

@@ -1,0 +1,268 @@
+"""polyamp.LossScaler bound to TensorFlow: custom GradientTape loops, eager and in tf.function."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+import polyamp_tensorflow  # noqa: E402
+
+import polyamp  # noqa: E402
+from polyamp import BackendMismatchError, PolyampTypeError, ScalerUsageError  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def mixed_float16() -> Iterator[None]:
+    polyamp.set_policy("mixed_float16")
+    yield
+    polyamp.set_policy("float32")
+
+
+def drive(scaler: Any, pattern: str, *, function: bool = False) -> tuple[list[tuple[float, int, int]], Any]:
+    w = tf.Variable([1.0, 2.0, 3.0])
+    optimizer = keras.optimizers.SGD(0.01)
+
+    def step(bad: Any) -> None:
+        with tf.GradientTape() as tape:
+            # A tiny loss, so that even a 2**126 scale overflows only where the pattern says so.
+            scaled = scaler.scale(tf.reduce_sum(w * w) * 1e-30 * bad)
+        grads = tape.gradient(scaled, [w])
+        scaler.apply_gradients(optimizer, zip(grads, [w]))
+
+    run = tf.function(step) if function else step
+    states = []
+    for char in pattern:
+        run(tf.constant(math.inf if char == "O" else 1.0))
+        state = scaler._current_state()
+        states.append((state.scale, state.growth_tracker, state.hysteresis_left))
+    return states, optimizer
+
+
+CONFIGS = {
+    "default": dict(growth_interval=3),
+    "hysteresis": dict(growth_interval=3, hysteresis=2),
+    "bounds": dict(init_scale=64.0, growth_interval=2, hysteresis=2, min_scale=16.0, max_scale=128.0),
+    "odd_factors": dict(init_scale=1000.0, growth_factor=1.37, backoff_factor=0.61, growth_interval=2),
+    "static": dict(init_scale=256.0, dynamic=False),
+    "growth_guard": dict(init_scale=2.0**126, growth_interval=1),
+}
+PATTERN = "FFFOFFOOOFFFFFOOOOFFFF"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("function", [False, True], ids=["eager", "tf_function"])
+def test_state_machine_follows_the_reference(name: str, function: bool) -> None:
+    scaler = polyamp.LossScaler(**CONFIGS[name])
+    states, _ = drive(scaler, PATTERN, function=function)
+    assert scaler.backend == "tensorflow"
+    assert states == [(s.scale, s.growth_tracker, s.hysteresis_left) for s in scaler.config.states(PATTERN)]
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    growth_interval=st.integers(1, 3),
+    hysteresis=st.integers(1, 3),
+    growth_factor=st.floats(1.01, 4.0),
+    backoff_factor=st.floats(0.05, 0.95),
+    pattern=st.text(alphabet="FO", min_size=1, max_size=12),
+)
+def test_state_machine_matches_the_reference_on_random_configs(
+    growth_interval: int, hysteresis: int, growth_factor: float, backoff_factor: float, pattern: str
+) -> None:
+    scaler = polyamp.LossScaler(
+        init_scale=1000.0,
+        growth_interval=growth_interval,
+        hysteresis=hysteresis,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        enabled=True,
+    )
+    states, _ = drive(scaler, pattern)
+    assert states == [(s.scale, s.growth_tracker, s.hysteresis_left) for s in scaler.config.states(pattern)]
+
+
+def test_first_use_inside_tf_function_creates_state_safely() -> None:
+    scaler = polyamp.LossScaler(growth_interval=2)
+    w = tf.Variable([1.0])
+    optimizer = keras.optimizers.SGD(0.5)
+
+    @tf.function
+    def step() -> None:
+        with tf.GradientTape() as tape:
+            scaled = scaler.scale(tf.reduce_sum(w))
+        scaler.apply_gradients(optimizer, zip(tape.gradient(scaled, [w]), [w]))
+
+    for _ in range(3):
+        step()
+    assert scaler.get_scale() == 131072.0
+    assert w.numpy()[0] == -0.5
+    assert int(scaler.skipped_steps()) == 0 and not bool(scaler.step_skipped(optimizer))
+
+
+def test_skipped_step_changes_no_variable_slot_or_iteration() -> None:
+    scaler = polyamp.LossScaler()
+    w = tf.Variable([1.0, 2.0])
+    optimizer = keras.optimizers.Adam(0.1)
+    scaler.apply_gradients(optimizer, [(scaler.scale(tf.constant([1.0, 1.0])), w)])
+    before = [keras.ops.convert_to_numpy(v) for v in [w, *optimizer.variables]]
+    scaler.apply_gradients(optimizer, [(tf.constant([math.nan, 1.0]), w)])
+    after = [keras.ops.convert_to_numpy(v) for v in [w, *optimizer.variables]]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    assert bool(scaler.step_skipped()) and int(optimizer.iterations.numpy()) == 1
+
+
+def test_unscale_clip_apply_moves_by_the_clipped_true_gradient() -> None:
+    """torch's unscale_ -> clip -> step pattern, in TensorFlow: clipping makes new tensors."""
+    scaler = polyamp.LossScaler()
+    w = tf.Variable([0.0, 0.0])
+    optimizer = keras.optimizers.SGD(1.0)
+    with tf.GradientTape() as tape:
+        scaled = scaler.scale(tf.reduce_sum(w * tf.constant([3.0, 4.0])))
+    grads = scaler.unscale(tape.gradient(scaled, [w]))
+    assert np.array_equal(grads[0].numpy(), [3.0, 4.0])
+    clipped, _ = tf.clip_by_global_norm(grads, 1.0)
+    scaler.apply_gradients(optimizer, zip(clipped, [w]))
+    np.testing.assert_allclose(w.numpy(), [-0.6, -0.8], rtol=1e-6)
+    # The stage is consumed: the next step unscales by itself again.
+    with tf.GradientTape() as tape:
+        scaled = scaler.scale(tf.reduce_sum(w * tf.constant([1.0, 1.0])))
+    scaler.apply_gradients(optimizer, zip(tape.gradient(scaled, [w]), [w]))
+    np.testing.assert_allclose(w.numpy(), [-1.6, -1.8], rtol=1e-6)
+
+
+def test_passing_the_scaled_gradients_after_unscale_is_refused() -> None:
+    scaler = polyamp.LossScaler()
+    w = tf.Variable([1.0])
+    optimizer = keras.optimizers.SGD(1.0)
+    with tf.GradientTape() as tape:
+        scaled = scaler.scale(tf.reduce_sum(w))
+    grads = tape.gradient(scaled, [w])
+    scaler.unscale(grads)
+    with pytest.raises(ScalerUsageError, match="received the scaled gradients"):
+        scaler.apply_gradients(optimizer, zip(grads, [w]))
+    assert w.numpy()[0] == 1.0
+
+
+def test_mixed_unscaled_and_scaled_gradients_are_refused() -> None:
+    scaler = polyamp.LossScaler()
+    a, b = tf.Variable([1.0]), tf.Variable([1.0])
+    optimizer = keras.optimizers.SGD(1.0)
+    with tf.GradientTape() as tape:
+        scaled = scaler.scale(tf.reduce_sum(a * b))
+    ga, gb = tape.gradient(scaled, [a, b])
+    (ga,) = scaler.unscale([ga])
+    with pytest.raises(ScalerUsageError, match="mix of gradients"):
+        scaler.apply_gradients(optimizer, zip([ga, gb], [a, b]))
+
+
+def test_scale_promotes_low_precision_losses_to_float32() -> None:
+    scaler = polyamp_tensorflow.TensorFlowLossScaler()
+    scaled = scaler.scale(tf.constant(2.0, dtype=tf.float16))
+    assert scaled.dtype == tf.float32 and scaled.numpy() == 131072.0
+    assert [t.numpy() for t in scaler.scale([tf.constant(1.0), tf.constant(0.5)])] == [65536.0, 32768.0]
+
+
+def test_bfloat16_policy_scaler_is_disabled_and_just_applies() -> None:
+    polyamp.set_policy("mixed_bfloat16")
+    scaler = polyamp.LossScaler()
+    loss = tf.constant(1.5)
+    assert scaler.scale(loss) is loss and scaler.get_scale() == 1.0
+    w = tf.Variable([1.0])
+    optimizer = keras.optimizers.SGD(1.0)
+    scaler.apply_gradients(optimizer, [(tf.constant([0.25]), w)])
+    assert w.numpy()[0] == 0.75 and not bool(scaler.step_skipped(optimizer))
+
+
+def test_state_dict_after_use_and_load() -> None:
+    scaler = polyamp.LossScaler(growth_interval=2, hysteresis=2)
+    drive(scaler, "FFFO")
+    state = scaler.state_dict()
+    assert (state["scale"], state["_growth_tracker"], state["hysteresis_left"]) == (131072.0, 0, 1)
+    other = polyamp_tensorflow.TensorFlowLossScaler()
+    other.load_state_dict(state)
+    assert other.state_dict() == state
+    drive(other, "O")
+    assert other.get_scale() == 65536.0
+
+
+def test_torch_tensors_are_refused_by_a_tensorflow_bound_scaler() -> None:
+    torch = pytest.importorskip("torch")
+    scaler = polyamp_tensorflow.TensorFlowLossScaler()
+    with pytest.raises(BackendMismatchError, match="bound to tensorflow, but scale\\(\\) received a torch object"):
+        scaler.scale(torch.tensor(1.0))
+
+
+def test_tensorflow_tensors_are_refused_by_a_torch_bound_scaler() -> None:
+    pytest.importorskip("torch")
+    import polyamp_torch
+
+    scaler = polyamp_torch.TorchLossScaler()
+    with pytest.raises(BackendMismatchError, match="bound to torch, but scale\\(\\) received a tensorflow object"):
+        scaler.scale(tf.constant(1.0))
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "error", "fragment"),
+    [
+        (lambda: object(), PolyampTypeError, "takes a Keras 3 optimizer"),
+        (
+            lambda: keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD()),
+            ScalerUsageError,
+            "scales by itself",
+        ),
+        (lambda: polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.SGD()), ScalerUsageError, "scales by itself"),
+        (lambda: keras.optimizers.SGD(loss_scale_factor=8.0), ScalerUsageError, "loss_scale_factor"),
+    ],
+)
+def test_apply_gradients_refuses_optimizers_that_would_double_unscale(
+    optimizer: Any, error: type, fragment: str
+) -> None:
+    scaler = polyamp_tensorflow.TensorFlowLossScaler()
+    w = tf.Variable([1.0])
+    with pytest.raises(error) as info:
+        scaler.apply_gradients(optimizer(), [(tf.constant([1.0]), w)])
+    assert fragment in str(info.value)
+    assert w.numpy()[0] == 1.0
+
+
+def test_unscale_and_apply_reject_non_tensors() -> None:
+    scaler = polyamp_tensorflow.TensorFlowLossScaler()
+    with pytest.raises(PolyampTypeError, match="takes TensorFlow tensors"):
+        scaler.unscale(["grad"])
+    with pytest.raises(PolyampTypeError, match="takes a TensorFlow tensor"):
+        scaler.scale("loss")
+
+
+def test_step_skipped_errors() -> None:
+    scaler = polyamp_tensorflow.TensorFlowLossScaler()
+    with pytest.raises(ScalerUsageError, match="before the first apply_gradients"):
+        scaler.step_skipped()
+    with pytest.raises(ScalerUsageError, match="has not been stepped"):
+        scaler.step_skipped(keras.optimizers.SGD())
+
+
+def test_jit_compiled_step() -> None:
+    scaler = polyamp.LossScaler(growth_interval=2)
+    w = tf.Variable([1.0, -1.0])
+    optimizer = keras.optimizers.Adam(0.1)
+    optimizer.build([w])
+
+    @tf.function(jit_compile=True)
+    def step(bad: Any) -> Any:
+        with tf.GradientTape() as tape:
+            scaled = scaler.scale(tf.reduce_sum(w * w) * bad)
+        scaler.apply_gradients(optimizer, zip(tape.gradient(scaled, [w]), [w]))
+        return scaler.step_skipped()
+
+    skipped = [bool(step(tf.constant(b))) for b in (1.0, math.inf, 1.0, 1.0)]
+    assert skipped == [False, True, False, False]
+    assert scaler.get_scale() == 65536.0 and int(optimizer.iterations.numpy()) == 3
