@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -17,7 +18,7 @@ def run(script: str, *args: str) -> str:
         [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=600, cwd=EXAMPLES
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return result.stdout + result.stderr
 
 
 def test_torch_loop() -> None:
@@ -34,3 +35,34 @@ def test_torch_recipe() -> None:
     for name in ("default precision", "torch.amp", "polyamp"):
         assert re.search(rf"{name}: [0-9.]+ s", out), out
     assert "polyamp / torch.amp time:" in out
+
+
+def test_keras_fit() -> None:
+    pytest.importorskip("tensorflow")
+    out = run("keras_fit.py", "--epochs", "2", "--samples", "256")
+    assert "layer_norm=float32" in out and "dense=float16" in out
+    losses = [float(v) for v in re.findall(r"loss=([0-9.]+)", out)]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    assert "loss_scale=" in out and "prediction dtype: float32" in out
+
+
+@pytest.mark.parametrize("flags", [(), ("--scaler",)], ids=["optimizer", "loss_scaler"])
+def test_gradient_tape(flags: tuple[str, ...]) -> None:
+    pytest.importorskip("tensorflow")
+    out = run("gradient_tape.py", "--steps", "20", *flags)
+    losses = [float(v) for v in re.findall(r"loss=([0-9.]+)", out)]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    assert "output dtype: <dtype: 'float32'>" in out
+    assert "Unable to locate the source code" not in out  # autograph leaves polyamp alone
+
+
+def test_quickstart() -> None:
+    out = run("quickstart.py", "--steps", "30")
+    assert "policy mixed_float16: params float32, compute float16, output float32" in out
+    assert "65536 65536 131072 65536 65536 65536 32768 16384 16384 16384 32768 32768 32768 65536" in out
+    for name, module in (("PyTorch", "torch"), ("Keras", "tensorflow")):
+        if importlib.util.find_spec(module) is not None:
+            final = re.search(rf"{name}: loss ([0-9.]+).* -> ([0-9.]+)", out)
+            assert final is not None and float(final.group(2)) < float(final.group(1)), out
+    if all(importlib.util.find_spec(m) for m in ("torch", "tensorflow")):
+        assert "same loss-scale state in both frameworks: True" in out
