@@ -147,3 +147,67 @@ def fake_framework(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeFrame
     yield FakeFramework(name=name, backend_module=f"polyamp_{name}", spec=spec)
     for module in (name, f"polyamp_{name}"):
         sys.modules.pop(module, None)
+
+
+# -- the conformance suite: `harness` / `harness_pair` parametrised over backend x device ---------------
+
+CONFORMANCE_TARGETS = [("torch", "cpu"), ("torch", "cuda"), ("tensorflow", "cpu"), ("tensorflow", "cuda")]
+_harnesses: dict[tuple[str, str], object] = {}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "harness" in metafunc.fixturenames:
+        metafunc.parametrize(
+            "harness", CONFORMANCE_TARGETS, ids=[f"{b}-{d}" for b, d in CONFORMANCE_TARGETS], indirect=True
+        )
+    if "harness_pair" in metafunc.fixturenames:
+        pairs = [(("torch", d), ("tensorflow", d)) for d in ("cpu", "cuda")]
+        metafunc.parametrize(
+            "harness_pair", pairs, ids=[f"torch-{d}+tensorflow-{d}" for d in ("cpu", "cuda")], indirect=True
+        )
+    for name, values in getattr(metafunc.function, "polyamp_params", []):
+        metafunc.parametrize(name, values, ids=[str(v) for v in values])
+
+
+def _make_harness(target: tuple[str, str]) -> object:
+    from polyamp.conformance import HarnessUnavailable, make_harness
+
+    if target not in _harnesses:
+        try:
+            _harnesses[target] = make_harness(*target)
+        except HarnessUnavailable as exc:
+            _harnesses[target] = exc
+    harness = _harnesses[target]
+    if isinstance(harness, Exception):
+        pytest.skip(f"{target[0]}-{target[1]}: {harness}")
+    return harness
+
+
+@contextlib.contextmanager
+def _reporting(request: pytest.FixtureRequest) -> Iterator[None]:
+    from polyamp.conformance import Reporter, reporting, stop_reporting
+
+    def diverge(reason: str) -> None:
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason))
+
+    token = reporting(Reporter(on_divergence=diverge, on_skip=lambda reason: pytest.skip(reason)))
+    try:
+        yield
+    finally:
+        stop_reporting(token)
+
+
+@pytest.fixture
+def harness(request: pytest.FixtureRequest) -> Iterator[object]:
+    """One backend's conformance harness on one device; a skip with the reason where unavailable."""
+    instance = _make_harness(request.param)
+    with _reporting(request):
+        yield instance
+
+
+@pytest.fixture
+def harness_pair(request: pytest.FixtureRequest) -> Iterator[tuple[object, object]]:
+    """Two backends' harnesses on one device, for cross-backend cases."""
+    first, second = (_make_harness(target) for target in request.param)
+    with _reporting(request):
+        yield first, second

@@ -61,6 +61,8 @@ class BackendSpec:
             the framework modules in ``policy_modules``.
         policy_modules: Modules whose presence (now, or once imported later) makes ``policy_hook`` run;
             defaults to ``frameworks``.
+        harness: Optional ``"module:Class"`` of the backend's conformance harness (see
+            `polyamp.conformance.Harness`), called with a device type.
     """
 
     name: str
@@ -69,6 +71,7 @@ class BackendSpec:
     install_hint: str
     policy_hook: str | None = None
     policy_modules: tuple[str, ...] = field(default=())
+    harness: str | None = None
 
     def __post_init__(self) -> None:
         for attr in ("name", "target", "install_hint"):
@@ -90,6 +93,7 @@ _FIRST_PARTY: Final = (
         target="polyamp_torch._backend:TorchBackend",
         frameworks=("torch",),
         install_hint="pip install 'polyamp[torch]'",
+        harness="polyamp_torch.testing:TorchHarness",
     ),
     BackendSpec(
         name="tensorflow",
@@ -98,6 +102,7 @@ _FIRST_PARTY: Final = (
         install_hint="pip install 'polyamp[tensorflow]'",
         policy_hook="polyamp_tensorflow._keras_policy:apply_policy",
         policy_modules=("keras",),
+        harness="polyamp_tensorflow.testing:TensorFlowHarness",
     ),
 )
 

@@ -1,0 +1,175 @@
+"""polyamp's conformance harness for TensorFlow / Keras 3 (see `polyamp.conformance`).
+
+``python -m polyamp.conformance --backend tensorflow`` runs the suite through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+import polyamp
+from polyamp import LossScaler, Policy
+from polyamp.conformance import HarnessUnavailable
+from polyamp_tensorflow._framework import keras, tf
+from polyamp_tensorflow._outputs import cast_outputs
+
+__all__ = ["TensorFlowHarness"]
+
+ops = keras.ops
+_LAYER_DTYPE = (
+    "Keras layers return their compute dtype: its Softmax, LayerNormalization and ops-based layers run "
+    "{op} in float16/bfloat16 (LayerNormalization computes its statistics in float32 inside), where "
+    "torch's autocast and polyamp's torch regions give float32. Give such layers dtype='float32' (or a "
+    "polyamp override for layers with weights) to match."
+)
+
+
+def _dtype_name(value: Any) -> str:
+    return str(keras.backend.standardize_dtype(value.dtype))
+
+
+def _mlp() -> Any:
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
+
+
+class _KerasTrainer:
+    def __init__(
+        self,
+        device: str,
+        policy: Policy,
+        scaler: Mapping[str, Any] | None,
+        optimizer: str,
+        clip: float | None,
+        seed: int,
+    ) -> None:
+        self.device = device
+        self.clip = clip
+        with tf.device(device), polyamp.policy_scope(policy):
+            keras.utils.set_random_seed(seed)
+            self.model = cast_outputs(_mlp(), policy)
+            self.scaler: LossScaler | None = None if scaler is None else LossScaler(**scaler, backend="tensorflow")
+        if optimizer == "sgd":
+            self.opt = keras.optimizers.SGD(0.1, momentum=0.9)
+        elif optimizer == "adam":
+            self.opt = keras.optimizers.Adam(0.01)
+        else:
+            raise ValueError(f"unknown optimizer {optimizer!r}; the harness knows 'sgd' and 'adam'")
+        self.opt.build(self.model.trainable_variables)
+        self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
+        variables = self.model.trainable_variables
+        with tf.device(self.device):
+            with tf.GradientTape() as tape:
+                loss = self.loss_fn(y, self.model(x, training=True))
+                scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+            grads = tape.gradient(scaled, variables)
+            if overflow:
+                grads[0] = tf.tensor_scatter_nd_update(grads[0], [[0] * len(grads[0].shape)], [float("inf")])
+            if self.clip is not None:
+                if self.scaler is not None:
+                    grads = self.scaler.unscale(grads)
+                grads, _ = tf.clip_by_global_norm(grads, self.clip)
+            if self.scaler is not None:
+                self.scaler.apply_gradients(self.opt, zip(grads, variables, strict=True))
+            else:
+                self.opt.apply_gradients(zip(grads, variables, strict=True))
+        return float(loss.numpy())
+
+    def params(self) -> list[np.ndarray]:
+        return [np.array(v.value.numpy(), dtype=np.float32) for v in self.model.trainable_variables]
+
+    def optimizer_state(self) -> list[np.ndarray]:
+        return [np.array(v.value.numpy()) for v in self.opt.variables]
+
+    def step_skipped(self) -> bool:
+        return self.scaler is not None and bool(self.scaler.step_skipped(self.opt).numpy())
+
+
+class TensorFlowHarness:
+    """TensorFlow / Keras 3 on one device type ("cpu" or "cuda")."""
+
+    backend = "tensorflow"
+    divergences: Mapping[str, str] = {
+        f"op:{op}": _LAYER_DTYPE.format(op=op) for op in ("softmax", "log_softmax", "layer_norm", "sum")
+    }
+
+    def __init__(self, device: str) -> None:
+        if device == "cuda":
+            if not tf.config.list_physical_devices("GPU"):
+                raise HarnessUnavailable(f"TensorFlow {tf.__version__} sees no GPU")
+            self._device = "/GPU:0"
+        elif device == "cpu":
+            self._device = "/CPU:0"
+        else:
+            raise HarnessUnavailable(f"the tensorflow harness runs on 'cpu' and 'cuda', not {device!r}")
+        self.device = device
+
+    def _tensor(self, shape: tuple[int, ...], seed: int = 0) -> Any:
+        with tf.device(self._device):
+            return tf.constant(np.random.default_rng(seed).normal(size=shape).astype("float32"))
+
+    def op_dtype(self, op: str, policy: Policy) -> str:
+        layers = keras.layers
+        a, b = self._tensor((4, 8), 1), self._tensor((8, 8), 2)
+        with tf.device(self._device), polyamp.policy_scope(policy):
+            if op == "matmul":
+                out = layers.Lambda(lambda pair: ops.matmul(pair[0], pair[1]))([a, b])
+            elif op == "dense":
+                out = layers.Dense(8)(a)
+            elif op == "conv":
+                out = layers.Conv2D(4, 3)(self._tensor((2, 8, 8, 3), 3))
+            else:
+                hidden = layers.Dense(8)(a)  # activations in the compute dtype, as inside a model
+                if op == "softmax":
+                    out = layers.Softmax()(hidden)
+                elif op == "log_softmax":
+                    out = layers.Lambda(lambda t: ops.log_softmax(t, axis=-1))(hidden)
+                elif op == "cross_entropy":
+                    out = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(np.arange(4), hidden)
+                elif op == "layer_norm":
+                    out = layers.LayerNormalization()(hidden)
+                elif op == "sum":
+                    out = layers.Lambda(lambda t: ops.sum(t))(hidden)
+                else:
+                    raise ValueError(f"unknown op class {op!r}")
+        return _dtype_name(out)
+
+    def model_dtypes(self, policy: Policy) -> tuple[list[str], str]:
+        with tf.device(self._device), polyamp.policy_scope(policy):
+            model = cast_outputs(_mlp(), policy)
+            output = model(self._tensor((2, 8)))
+        return [_dtype_name(v) for v in model.trainable_variables], _dtype_name(output)
+
+    def trainer(
+        self,
+        policy: Policy,
+        *,
+        scaler: Mapping[str, Any] | None = None,
+        optimizer: str = "sgd",
+        clip: float | None = None,
+        seed: int = 0,
+    ) -> _KerasTrainer:
+        return _KerasTrainer(self._device, policy, scaler, optimizer, clip, seed)
+
+    def tiny_gradient(
+        self, x: np.ndarray, w: np.ndarray, factor: float, policy: Policy, scaler: LossScaler | None
+    ) -> np.ndarray:
+        with tf.device(self._device), polyamp.policy_scope(policy):
+            layer = keras.layers.Dense(w.shape[1], use_bias=False)
+            layer.build((None, w.shape[0]))
+            layer.kernel.assign(w)
+            with tf.GradientTape() as tape:
+                loss = ops.sum(ops.cast(layer(x), "float32")) * factor
+                target = scaler.scale(loss) if scaler is not None else loss
+            grads = tape.gradient(target, [layer.kernel])
+            if scaler is not None:
+                grads = scaler.unscale(grads)
+        return np.array(grads[0].numpy(), dtype=np.float32)
+
+    def passes_loss_through(self, scaler: LossScaler) -> bool:
+        loss = tf.constant(1.5)
+        return scaler.scale(loss) is loss

@@ -1,0 +1,174 @@
+"""polyamp's conformance harness for PyTorch (see `polyamp.conformance`).
+
+``python -m polyamp.conformance --backend torch --device cuda`` runs the suite through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+import polyamp
+from polyamp import LossScaler, Policy
+from polyamp.conformance import HarnessUnavailable
+from polyamp_torch._autocast import autocast
+from polyamp_torch._framework import torch
+from polyamp_torch._modules import apply_policy
+
+__all__ = ["TorchHarness"]
+
+F = torch.nn.functional
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+class _TorchTrainer:
+    def __init__(
+        self,
+        device: str,
+        policy: Policy,
+        scaler: Mapping[str, Any] | None,
+        optimizer: str,
+        clip: float | None,
+        seed: int,
+    ) -> None:
+        self.device = device
+        self.policy = policy
+        self.clip = clip
+        torch.manual_seed(seed)
+        self.model = apply_policy(_mlp().to(device), policy, device_type=device)
+        params = list(self.model.parameters())
+        if optimizer == "sgd":
+            self.opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        elif optimizer == "adam":
+            self.opt = torch.optim.Adam(params, lr=0.01)
+        else:
+            raise ValueError(f"unknown optimizer {optimizer!r}; the harness knows 'sgd' and 'adam'")
+        with polyamp.policy_scope(policy):  # enabled=None follows this trainer's policy
+            self.scaler: LossScaler | None = None if scaler is None else LossScaler(**scaler, backend="torch")
+
+    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
+        inputs = torch.from_numpy(x).to(self.device)
+        targets = torch.from_numpy(y).to(self.device)
+        self.opt.zero_grad(set_to_none=True)
+        with autocast(self.policy, device_type=self.device):
+            loss = F.cross_entropy(self.model(inputs), targets)
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if overflow:
+            grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
+            grad.view(-1)[0] = float("inf")
+        if self.clip is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.opt)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        return float(loss.detach().float().cpu())
+
+    def params(self) -> list[np.ndarray]:
+        return [p.detach().float().cpu().numpy().copy() for p in self.model.parameters()]
+
+    def optimizer_state(self) -> list[np.ndarray]:
+        arrays = []
+        for param in self.model.parameters():
+            for _, value in sorted(self.opt.state.get(param, {}).items()):
+                tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+                arrays.append(tensor.detach().cpu().numpy().copy())
+        return arrays
+
+    def step_skipped(self) -> bool:
+        return self.scaler is not None and bool(self.scaler.step_skipped(self.opt))
+
+
+class TorchHarness:
+    """PyTorch on one device type ("cpu" or "cuda")."""
+
+    backend = "torch"
+    #: PyTorch follows polyamp's semantics everywhere (on CPU, polyamp regions supply CUDA's float32 ops).
+    divergences: Mapping[str, str] = {}
+
+    def __init__(self, device: str) -> None:
+        if device == "cuda" and not torch.cuda.is_available():
+            raise HarnessUnavailable(f"torch {torch.__version__} sees no CUDA device")
+        if device not in ("cpu", "cuda"):
+            raise HarnessUnavailable(f"the torch harness runs on 'cpu' and 'cuda', not {device!r}")
+        self.device = device
+
+    def _tensor(self, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(*shape, generator=generator).to(self.device)
+
+    def op_dtype(self, op: str, policy: Policy) -> str:
+        a, b = self._tensor((4, 8), 1), self._tensor((8, 8), 2)
+        with torch.no_grad(), autocast(policy, device_type=self.device):
+            if op == "matmul":
+                out = a @ b
+            elif op == "dense":
+                out = torch.nn.Linear(8, 8).to(self.device)(a)
+            elif op == "conv":
+                out = torch.nn.Conv2d(3, 4, 3).to(self.device)(self._tensor((2, 3, 8, 8), 3))
+            else:
+                hidden = a @ b  # activations in the compute dtype, as inside a model
+                if op == "softmax":
+                    out = torch.softmax(hidden, dim=-1)
+                elif op == "log_softmax":
+                    out = F.log_softmax(hidden, dim=-1)
+                elif op == "cross_entropy":
+                    out = F.cross_entropy(hidden, torch.arange(4, device=self.device))
+                elif op == "layer_norm":
+                    out = torch.nn.LayerNorm(8).to(self.device)(hidden)
+                elif op == "sum":
+                    out = hidden.sum()
+                else:
+                    raise ValueError(f"unknown op class {op!r}")
+        return _dtype_name(out)
+
+    def model_dtypes(self, policy: Policy) -> tuple[list[str], str]:
+        model = apply_policy(_mlp().to(self.device), policy, device_type=self.device)
+        with torch.no_grad():
+            output = model(self._tensor((2, 8)))
+        return [_dtype_name(p) for p in model.parameters()], _dtype_name(output)
+
+    def trainer(
+        self,
+        policy: Policy,
+        *,
+        scaler: Mapping[str, Any] | None = None,
+        optimizer: str = "sgd",
+        clip: float | None = None,
+        seed: int = 0,
+    ) -> _TorchTrainer:
+        return _TorchTrainer(self.device, policy, scaler, optimizer, clip, seed)
+
+    def tiny_gradient(
+        self, x: np.ndarray, w: np.ndarray, factor: float, policy: Policy, scaler: LossScaler | None
+    ) -> np.ndarray:
+        weight = torch.nn.Parameter(torch.from_numpy(w).to(self.device))
+        inputs = torch.from_numpy(x).to(self.device)
+        with autocast(policy, device_type=self.device):
+            loss = (inputs @ weight).float().sum() * factor
+        if scaler is None:
+            loss.backward()  # type: ignore[no-untyped-call]
+        else:
+            opt = torch.optim.SGD([weight], lr=0.0)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        assert weight.grad is not None
+        return weight.grad.float().cpu().numpy()
+
+    def passes_loss_through(self, scaler: LossScaler) -> bool:
+        loss = torch.tensor(1.5, device=self.device)
+        return scaler.scale(loss) is loss

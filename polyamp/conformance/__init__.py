@@ -1,0 +1,55 @@
+"""polyamp's conformance suite: one set of cases that every backend runs on every device.
+
+The cases (`polyamp.conformance.cases`) never import a framework; they drive a backend through its
+`Harness` (make tensors and a tiny model under a policy, train it through the loss scaler, plant a
+non-finite gradient, read dtypes and values as NumPy). Each backend ships its harness and names it in its
+`polyamp.BackendSpec` (``harness="package.module:Class"``); the class is called with a device type and raises
+`HarnessUnavailable` (a skip with the reason) where it cannot run.
+
+Run it anywhere polyamp is installed, with NumPy::
+
+    python -m polyamp.conformance                              # every backend, cpu and cuda
+    python -m polyamp.conformance --backend torch --device cuda
+
+It prints one row per case and exits non-zero if a case fails. A backend lists its known, documented
+differences in ``Harness.divergences``; those cases must fail (a passing one is reported as a failure).
+"""
+
+from polyamp.conformance._context import (
+    CaseSkipped,
+    Reporter,
+    assert_close,
+    assert_dtype,
+    assert_equal_arrays,
+    expect_divergence,
+    parametrize,
+    reporting,
+    skip,
+    stop_reporting,
+)
+from polyamp.conformance._protocol import COMPUTE_OPS, OPS, Harness, HarnessUnavailable, Trainer
+from polyamp.conformance._runner import CaseResult, case_functions, expand, format_table, make_harness, run
+
+__all__ = [
+    "COMPUTE_OPS",
+    "OPS",
+    "CaseResult",
+    "CaseSkipped",
+    "Harness",
+    "HarnessUnavailable",
+    "Reporter",
+    "Trainer",
+    "assert_close",
+    "assert_dtype",
+    "assert_equal_arrays",
+    "case_functions",
+    "expand",
+    "expect_divergence",
+    "format_table",
+    "make_harness",
+    "parametrize",
+    "reporting",
+    "run",
+    "skip",
+    "stop_reporting",
+]

@@ -1,0 +1,164 @@
+"""polyamp's own runner for the conformance cases: no pytest needed, a per-case table, an exit status."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from polyamp._src import registry
+from polyamp.conformance import cases as case_module
+from polyamp.conformance._context import CaseSkipped, Reporter, reporting, stop_reporting
+from polyamp.conformance._protocol import Harness, HarnessUnavailable
+
+__all__ = ["CaseResult", "case_functions", "expand", "make_harness", "run"]
+
+OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed")
+
+
+@dataclass
+class CaseResult:
+    """One case on one harness (or pair)."""
+
+    case: str
+    target: str
+    outcome: str
+    detail: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome in ("passed", "skipped", "xfailed")
+
+
+def case_functions() -> list[Callable[..., None]]:
+    """Every case in `polyamp.conformance.cases`, in file order."""
+    functions = [f for name, f in vars(case_module).items() if name.startswith("test_") and callable(f)]
+    return sorted(functions, key=lambda f: f.__code__.co_firstlineno)
+
+
+def expand(case: Callable[..., None]) -> list[tuple[str, dict[str, Any]]]:
+    """The (id, arguments) pairs of a case's parametrisation."""
+    # Decorators apply bottom-up, so the one nearest the function comes first, as in pytest's ids.
+    params: list[tuple[str, list[Any]]] = list(getattr(case, "polyamp_params", []))
+    if not params:
+        return [("", {})]
+    names = [name for name, _ in params]
+    combos = itertools.product(*(values for _, values in params))
+    return [("-".join(str(v) for v in combo), dict(zip(names, combo, strict=True))) for combo in combos]
+
+
+def make_harness(backend: str, device: str) -> Harness:
+    """Create ``backend``'s harness on ``device``.
+
+    Raises:
+        HarnessUnavailable: the backend's framework, its harness or the device is not available.
+    """
+    spec = registry.backend_specs().get(backend)
+    if spec is None:
+        raise HarnessUnavailable(f"no backend named {backend!r} is registered")
+    if spec.harness is None:
+        raise HarnessUnavailable(f"backend {backend!r} ships no conformance harness")
+    try:
+        factory = registry.load_target(
+            spec.harness, backend=backend, install_hint=spec.install_hint, frameworks=spec.frameworks
+        )
+    except ImportError as exc:
+        raise HarnessUnavailable(str(exc)) from exc
+    harness: Harness = factory(device)
+    return harness
+
+
+def _run_one(case: Callable[..., None], case_id: str, target: str, kwargs: dict[str, Any]) -> CaseResult:
+    expected: list[str] = []
+
+    def on_skip(reason: str) -> None:
+        raise CaseSkipped(reason)
+
+    token = reporting(Reporter(on_divergence=expected.append, on_skip=on_skip))
+    start = time.perf_counter()
+    try:
+        case(**kwargs)
+    except CaseSkipped as exc:
+        return CaseResult(case_id, target, "skipped", str(exc), time.perf_counter() - start)
+    except AssertionError as exc:
+        if expected:  # the documented divergence showed up, as it should
+            return CaseResult(
+                case_id, target, "xfailed", f"expected divergence: {expected[0]} ({exc})", time.perf_counter() - start
+            )
+        return CaseResult(case_id, target, "failed", f"AssertionError: {exc}", time.perf_counter() - start)
+    except Exception:  # a crash is a failure even where a divergence is expected
+        return CaseResult(
+            case_id, target, "failed", traceback.format_exc(limit=-3).strip(), time.perf_counter() - start
+        )
+    finally:
+        stop_reporting(token)
+    if expected:
+        return CaseResult(
+            case_id, target, "xpassed", f"listed as a divergence but passed: {expected[0]}", time.perf_counter() - start
+        )
+    return CaseResult(case_id, target, "passed", "", time.perf_counter() - start)
+
+
+def run(
+    backends: Sequence[str],
+    devices: Sequence[str],
+    *,
+    keyword: str | None = None,
+    on_result: Callable[[CaseResult], None] | None = None,
+) -> list[CaseResult]:
+    """Run every case on every backend x device; unavailable ones give one "skipped" row with the reason."""
+    results: list[CaseResult] = []
+
+    def record(result: CaseResult) -> None:
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+
+    harnesses: list[Harness] = []
+    for backend, device in itertools.product(backends, devices):
+        try:
+            harnesses.append(make_harness(backend, device))
+        except HarnessUnavailable as exc:
+            record(CaseResult("(all cases)", f"{backend}-{device}", "skipped", str(exc)))
+    for case in case_functions():
+        parameters = inspect.signature(case).parameters
+        for suffix, kwargs in expand(case):
+            case_id = f"{case.__name__}[{suffix}]" if suffix else case.__name__
+            if keyword and keyword not in case_id:
+                continue
+            if "harness_pair" in parameters:
+                for first, second in _pairs(harnesses):
+                    target = f"{first.backend}-{first.device}+{second.backend}-{second.device}"
+                    record(_run_one(case, case_id, target, {**kwargs, "harness_pair": (first, second)}))
+                if not list(_pairs(harnesses)):
+                    record(CaseResult(case_id, "(pair)", "skipped", "needs two backends on one device"))
+                continue
+            for harness in harnesses:
+                record(_run_one(case, case_id, f"{harness.backend}-{harness.device}", {**kwargs, "harness": harness}))
+    return results
+
+
+def _pairs(harnesses: Iterable[Harness]) -> Iterable[tuple[Harness, Harness]]:
+    for first, second in itertools.combinations(list(harnesses), 2):
+        if first.backend != second.backend and first.device == second.device:
+            yield first, second
+
+
+def format_table(results: Sequence[CaseResult], *, width: int = 100) -> str:
+    """A plain-text table of the results and a summary line."""
+    rows = [("case", "target", "result", "detail")]
+    for r in results:
+        detail = r.detail.splitlines()[0] if r.detail else ""
+        rows.append((r.case, r.target, r.outcome, detail[:width]))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:<{widths[2]}}  {d}".rstrip() for a, b, c, d in rows]
+    lines.insert(1, "-" * min(sum(widths) + 6 + width, 200))
+    counts = {outcome: sum(1 for r in results if r.outcome == outcome) for outcome in OUTCOMES}
+    lines.append("")
+    lines.append(", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n))
+    return "\n".join(lines)

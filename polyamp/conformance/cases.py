@@ -1,0 +1,245 @@
+"""The conformance cases: polyamp's semantics, checked on any backend through its harness.
+
+Every case takes a `Harness` (or, for cross-backend cases, ``harness_pair``) and talks to the framework
+only through it; results are compared as NumPy arrays. Run them with ``python -m polyamp.conformance`` or
+import them into a pytest module (see tests/test_conformance.py in polyamp's repository).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyamp import LossScaleConfig, Policy
+from polyamp.conformance._context import (
+    assert_close,
+    assert_dtype,
+    assert_equal_arrays,
+    expect_divergence,
+    parametrize,
+    skip,
+)
+from polyamp.conformance._protocol import COMPUTE_OPS, OPS
+
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
+
+#: Shared trajectory vectors: (name, scaler settings, policy, pattern of F finite / O planted overflow).
+TRAJECTORY_VECTORS: list[tuple[str, dict[str, Any], str, str]] = [
+    ("default_rule", {"growth_interval": 3}, "mixed_float16", "FFFOFFOOFFFFFF"),
+    ("hysteresis", {"growth_interval": 3, "hysteresis": 2}, "float32", "FOFOOOFFFFOFOOOO"),
+    (
+        "min_max",
+        {"init_scale": 64.0, "growth_interval": 2, "min_scale": 16.0, "max_scale": 128.0},
+        "float32",
+        "FFFFFFOOOOOFF",
+    ),
+    (
+        "odd_factors",
+        {"init_scale": 1000.0, "growth_factor": 1.37, "backoff_factor": 0.61, "growth_interval": 2},
+        "float32",
+        "FFFFOFOOFFFF",
+    ),
+    ("static", {"init_scale": 512.0, "growth_interval": 1, "dynamic": False}, "float32", "FFOFOOFF"),
+    ("growth_guard", {"init_scale": 2.0**100, "growth_factor": 2.0**10, "growth_interval": 1}, "float32", "FFFFF"),
+]
+
+
+def _data(n: int = 256, seed: int = 0) -> tuple[Any, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    y = x[:, :4].argmax(axis=1).astype("int64")
+    return x, y
+
+
+def _batches(steps: int, size: int = 32) -> list[tuple[Any, Any]]:
+    x, y = _data()
+    return [(x[(i * size) % len(x) :][:size], y[(i * size) % len(y) :][:size]) for i in range(steps)]
+
+
+# -- policy -> dtypes ------------------------------------------------------------------------------------
+
+
+@parametrize("op", OPS)
+@parametrize("policy", POLICIES)
+def test_op_dtype(harness: Any, policy: str, op: str) -> None:
+    """matmul/dense/conv run in the compute dtype; softmax, log-softmax, losses, norms, sums in float32."""
+    parsed = Policy(policy)
+    expected = parsed.compute_dtype if op in COMPUTE_OPS else "float32"
+    if parsed.compute_dtype != "float32":
+        expect_divergence(harness, f"op:{op}")
+    assert_dtype(harness.op_dtype(op, parsed), expected, f"{op}(policy={policy}) on {harness.backend}-{harness.device}")
+
+
+@parametrize("policy", POLICIES)
+def test_model_dtypes(harness: Any, policy: str) -> None:
+    """Parameters in the param dtype, model outputs in the output dtype."""
+    parsed = Policy(policy)
+    params, output = harness.model_dtypes(parsed)
+    for index, dtype in enumerate(params):
+        assert_dtype(dtype, parsed.param_dtype, f"parameter {index} (policy={policy})")
+    assert_dtype(output, parsed.output_dtype, f"model output (policy={policy})")
+
+
+# -- loss-scale trajectories -----------------------------------------------------------------------------
+
+
+def _drive(trainer: Any, pattern: str) -> list[tuple[float, int, int]]:
+    states = []
+    for (x, y), char in zip(_batches(len(pattern)), pattern, strict=True):
+        trainer.step(x, y, overflow=char == "O")
+        state = trainer.scaler.state_dict()
+        states.append((state["scale"], state["_growth_tracker"], state["hysteresis_left"]))
+    return states
+
+
+def _reference(config: dict[str, Any], pattern: str, state: Any = None) -> list[tuple[float, int, int]]:
+    reference = LossScaleConfig(**config)
+    return [(s.scale, s.growth_tracker, s.hysteresis_left) for s in reference.states(pattern, state)]
+
+
+@parametrize("vector", [name for name, *_ in TRAJECTORY_VECTORS])
+def test_trajectory_matches_the_reference(harness: Any, vector: str) -> None:
+    """Scale, growth counter and hysteresis after every step equal the core reference's."""
+    _, config, policy, pattern = next(v for v in TRAJECTORY_VECTORS if v[0] == vector)
+    trainer = harness.trainer(Policy(policy), scaler={**config, "enabled": True})
+    states = _drive(trainer, pattern)
+    expected = _reference(config, pattern)
+    for step, (got, want) in enumerate(zip(states, expected, strict=True)):
+        if got != want:
+            raise AssertionError(
+                f"after step {step} ({pattern[: step + 1]}): (scale, tracker, hysteresis)={got}, but should be "
+                f"{want} [{vector} on {harness.backend}-{harness.device}]"
+            )
+
+
+def test_cross_backend_same_trajectory_and_resume(harness_pair: Any) -> None:
+    """One pattern on two backends gives one trajectory; a state dict saved by one resumes on the other."""
+    first, second = harness_pair
+    config = {"growth_interval": 2, "hysteresis": 2, "min_scale": 1024.0, "enabled": True}
+    pattern = "FFOFOOFFFFOOOOFF"
+    trajectories = [_drive(h.trainer(Policy("float32"), scaler=config), pattern) for h in (first, second)]
+    if trajectories[0] != trajectories[1]:
+        raise AssertionError(f"{first.backend}: {trajectories[0]} but {second.backend}: {trajectories[1]}")
+    for source, target in ((first, second), (second, first)):
+        trainer = source.trainer(Policy("float32"), scaler=config)
+        _drive(trainer, pattern[:7])
+        saved = trainer.scaler.state_dict()
+        resumed = target.trainer(Policy("float32"), scaler={"enabled": True})
+        resumed.scaler.load_state_dict(saved)
+        states = _drive(resumed, pattern[7:])
+        expected = [state for state in _reference({k: v for k, v in config.items() if k != "enabled"}, pattern)][7:]
+        if states != expected:
+            raise AssertionError(
+                f"resumed on {target.backend} from {source.backend}: {states}, but should be {expected}"
+            )
+
+
+# -- skipping, underflow, clipping, the disabled path ------------------------------------------------------
+
+
+@parametrize("optimizer", ["sgd", "adam"])
+def test_skipped_step_changes_nothing(harness: Any, optimizer: str) -> None:
+    """Parameters, optimizer slots and step counters are bitwise unchanged by a skipped step."""
+    trainer = harness.trainer(Policy("mixed_float16"), scaler={"enabled": True}, optimizer=optimizer)
+    (x0, y0), (x1, y1) = _batches(2)
+    trainer.step(x0, y0)
+    params, state = trainer.params(), trainer.optimizer_state()
+    trainer.step(x1, y1, overflow=True)
+    if not trainer.step_skipped():
+        raise AssertionError("the step with a non-finite gradient was not reported as skipped")
+    assert_equal_arrays(trainer.params(), params, f"parameters after a skipped {optimizer} step")
+    assert_equal_arrays(trainer.optimizer_state(), state, f"{optimizer} state after a skipped step")
+
+
+def test_underflow_rescue(harness: Any) -> None:
+    """A ~1e-8 gradient flushes to zero in float16 without scaling and survives with it."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    x = rng.uniform(0.5, 1.0, size=(4, 8)).astype("float32")
+    w = rng.normal(size=(8, 3)).astype("float32")
+    factor = 1e-8
+    reference = factor * np.repeat(x.sum(axis=0, dtype=np.float64)[:, None], 3, axis=1)
+    policy = Policy("mixed_float16")
+    unscaled = harness.tiny_gradient(x, w, factor, policy, None)
+    if np.any(unscaled != 0):
+        skip(f"{harness.backend}-{harness.device} keeps this gradient without scaling; nothing to rescue")
+    from polyamp import LossScaler
+
+    scaler = LossScaler(enabled=True, backend=harness.backend)
+    rescued = harness.tiny_gradient(x, w, factor, policy, scaler)
+    if not np.allclose(rescued, reference, rtol=2e-3, atol=0):
+        raise AssertionError(
+            f"rescued gradient {rescued.ravel()[:3]} does not match float32's {reference.ravel()[:3]} to float16 precision"
+        )
+
+
+def test_unscale_then_clip_equals_the_float32_update(harness: Any) -> None:
+    """Clipping after unscaling gives the float32 run's clipped update (to float16 precision)."""
+    import numpy as np
+
+    batches = _batches(3)
+    runs = []
+    for policy, scaler in (("mixed_float16", {"enabled": True}), ("float32", None)):
+        trainer = harness.trainer(Policy(policy), scaler=scaler, clip=0.05)
+        start = trainer.params()
+        for x, y in batches:
+            trainer.step(x, y)
+        runs.append([after - before for after, before in zip(trainer.params(), start, strict=True)])
+    amp, reference = runs
+    amp_norm = float(np.sqrt(sum(float((d.astype(np.float64) ** 2).sum()) for d in amp)))
+    ref_norm = float(np.sqrt(sum(float((d.astype(np.float64) ** 2).sum()) for d in reference)))
+    assert_close(amp_norm, ref_norm, rel=0.02, abs_=0.0, what="norm of the clipped updates, mixed_float16 vs float32")
+    for index, (a, b) in enumerate(zip(amp, reference, strict=True)):
+        if not np.allclose(a, b, rtol=0.05, atol=2e-3 * max(1.0, float(np.abs(b).max()))):
+            raise AssertionError(f"update of parameter {index} differs from float32's beyond float16 precision")
+
+
+def test_disabled_scaler_passes_the_loss_through_and_changes_nothing(harness: Any) -> None:
+    """Under a bfloat16 policy the scaler is off: scale() returns the loss itself; training is unchanged."""
+    from polyamp import LossScaler
+
+    policy = Policy("mixed_bfloat16")
+    with _policy(policy):
+        scaler = LossScaler(backend=harness.backend)
+    if scaler.enabled or scaler.get_scale() != 1.0:
+        raise AssertionError("a LossScaler created under mixed_bfloat16 should be disabled with scale 1.0")
+    if not harness.passes_loss_through(scaler):
+        raise AssertionError("a disabled scaler's scale(loss) did not return the loss object itself")
+    runs = []
+    scaler_kwargs: dict[str, Any] | None
+    for scaler_kwargs in ({}, None):
+        trainer = harness.trainer(policy, scaler=scaler_kwargs)
+        for x, y in _batches(4):
+            trainer.step(x, y)
+        runs.append(trainer.params())
+    assert_equal_arrays(runs[0], runs[1], "parameters with a disabled scaler vs without a scaler")
+
+
+def _policy(policy: Policy) -> Any:
+    from polyamp import policy_scope
+
+    return policy_scope(policy)
+
+
+# -- convergence ---------------------------------------------------------------------------------------------
+
+#: Final-loss tolerance against the float32 run: |amp - float32| <= CONVERGENCE_ABS + CONVERGENCE_REL * float32.
+CONVERGENCE_ABS = 0.05
+CONVERGENCE_REL = 0.10
+
+
+@parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_converges_like_float32(harness: Any, policy: str) -> None:
+    """80 Adam steps under a mixed policy end within tolerance of the float32 run's loss."""
+    batches = _batches(80)
+
+    def final_loss(spec: str) -> float:
+        trainer = harness.trainer(Policy(spec), scaler={}, optimizer="adam")
+        losses = [float(trainer.step(x, y)) for x, y in batches]
+        return sum(losses[-10:]) / 10
+
+    amp, reference = final_loss(policy), final_loss("float32")
+    if not abs(amp - reference) <= CONVERGENCE_ABS + CONVERGENCE_REL * reference:
+        raise AssertionError(f"final loss {amp:.4f} under {policy}, {reference:.4f} in float32: beyond tolerance")
