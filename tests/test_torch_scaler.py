@@ -351,6 +351,11 @@ def test_torch_loss_scaler_is_bound_from_construction() -> None:
     scaler = polyamp_torch.TorchLossScaler(growth_interval=5)
     assert isinstance(scaler, polyamp.LossScaler)
     assert scaler.backend == "torch" and scaler.get_growth_interval() == 5
+    assert polyamp_torch.TorchLossScaler(backend="torch").backend == "torch"
+    with pytest.raises(
+        PolyampTypeError, match="TorchLossScaler is bound to torch; it cannot take backend='tensorflow'"
+    ):
+        polyamp_torch.TorchLossScaler(backend="tensorflow")
 
 
 def test_device_config_validation_is_the_cores() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 from polyamp._src import registry
 from polyamp._src.errors import (
@@ -16,7 +16,7 @@ from polyamp._src.global_policy import get_policy
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
 from polyamp._src.state_dict import parse_state_dict, to_state_dict
 
-__all__ = ["LossScaler"]
+__all__ = ["LossScaler", "wrong_object_error"]
 
 # The step methods a backend may offer, in the order the error messages list them.
 _LOOP_METHODS: Final = ("scale", "unscale_", "step", "update", "unscale", "apply_gradients", "step_skipped")
@@ -31,6 +31,18 @@ def _detect(obj: object) -> str | None:
             if item is not None:
                 return _detect(item)
     return owner
+
+
+def wrong_object_error(bound: str, method: str, obj: object, expected: str) -> PolyampTypeError:
+    """The error for a scaler bound to ``bound`` that was handed ``obj``: naming both frameworks when ``obj``
+    belongs to another one (`BackendMismatchError`), else saying what ``method`` takes."""
+    owner = _detect(obj)
+    if owner is not None and owner != bound:
+        return BackendMismatchError(
+            f"This LossScaler is bound to {bound}, but {method}() received a {owner} object: {describe(obj)}. "
+            "A LossScaler serves one framework; create one per framework (their state dicts are interchangeable)."
+        )
+    return PolyampTypeError(f"{method}() takes {expected}. Received: {describe(obj)}.")
 
 
 class LossScaler:
@@ -63,6 +75,9 @@ class LossScaler:
         PolyampTypeError: (a ``TypeError``) a setting has the wrong type.
         UnknownBackendError / BackendNotInstalledError: ``backend`` is unknown or its framework is missing.
 
+    Backends offer subclasses bound from construction (``polyamp_torch.TorchLossScaler``,
+    ``polyamp_tensorflow.TensorFlowLossScaler``): they set `bound_backend` and take the same arguments.
+
     Example (PyTorch; a TensorFlow loop uses ``apply_gradients`` instead of ``step``/``update``)::
 
         import polyamp, polyamp_torch
@@ -86,6 +101,9 @@ class LossScaler:
     >>> scaler.config.trajectory("FFFO")
     [65536.0, 65536.0, 131072.0, 65536.0]
     """
+
+    #: Subclasses set this to bind every instance to one backend (``backend=`` may then be omitted).
+    bound_backend: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -120,6 +138,14 @@ class LossScaler:
                 "`backend` must be None or a backend name such as 'torch' or 'tensorflow'. "
                 f"Received: backend={describe(backend)}."
             )
+        bound = type(self).bound_backend
+        if bound is not None:
+            if backend not in (None, bound):
+                raise PolyampTypeError(
+                    f"{type(self).__name__} is bound to {bound}; it cannot take backend={backend!r}. "
+                    "Use polyamp.LossScaler for another backend."
+                )
+            backend = bound
         self._config = config
         self._enabled = enabled
         self._state = config.initial_state()
@@ -141,11 +167,7 @@ class LossScaler:
         owner = _detect(obj)
         if impl is not None:
             if owner is not None and owner != self._backend_name:
-                raise BackendMismatchError(
-                    f"This LossScaler is bound to {self._backend_name}, but {method}() received a {owner} "
-                    f"object: {describe(obj)}. A LossScaler serves one framework; create one per framework "
-                    "(their state dicts are interchangeable)."
-                )
+                raise wrong_object_error(str(self._backend_name), method, obj, "this framework's objects")
             return impl
         if owner is None:
             raise PolyampTypeError(

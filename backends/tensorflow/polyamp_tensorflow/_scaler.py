@@ -16,15 +16,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from polyamp import (
-    BackendMismatchError,
     LossScaleConfig,
     LossScaler,
     LossScaleState,
-    PolyampTypeError,
     ScalerUsageError,
 )
-from polyamp._src.errors import describe
-from polyamp._src.registry import backend_name_for
+from polyamp._src.loss_scaler import wrong_object_error
 from polyamp_tensorflow._framework import keras, tf
 from polyamp_tensorflow._update import UnscaleTracker, advance, all_finite, unscale
 
@@ -48,13 +45,7 @@ class _Variables:
 
 
 def _reject(method: str, obj: object, expected: str) -> Exception:
-    owner = backend_name_for(obj)
-    if owner is not None and owner != "tensorflow":
-        return BackendMismatchError(
-            f"This LossScaler is bound to tensorflow, but {method}() received a {owner} object: {describe(obj)}. "
-            "A LossScaler serves one framework; create one per framework (their state dicts are interchangeable)."
-        )
-    return PolyampTypeError(f"{method}() takes {expected}. Received: {describe(obj)}.")
+    return wrong_object_error("tensorflow", method, obj, expected)
 
 
 class TensorFlowScalerImpl:
@@ -189,28 +180,4 @@ class TensorFlowLossScaler(LossScaler):
             scaler.apply_gradients(opt, zip(grads, model.trainable_variables))
     """
 
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        *,
-        hysteresis: int = 1,
-        min_scale: float | None = None,
-        max_scale: float | None = None,
-        dynamic: bool = True,
-        enabled: bool | None = None,
-    ) -> None:
-        super().__init__(
-            init_scale,
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            dynamic=dynamic,
-            enabled=enabled,
-            backend="tensorflow",
-        )
+    bound_backend = "tensorflow"

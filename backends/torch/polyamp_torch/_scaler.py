@@ -35,6 +35,7 @@ from polyamp import (
     ScalerUsageError,
 )
 from polyamp._src.errors import InvalidConfigError, describe
+from polyamp._src.loss_scaler import wrong_object_error
 from polyamp._src.registry import backend_name_for
 from polyamp._src.scaling import to_float32
 from polyamp_torch._framework import torch
@@ -122,13 +123,7 @@ _fused_step = torch.compiler.disable(_fused_step)  # type: ignore[no-untyped-cal
 
 
 def _reject(method: str, obj: object, expected: str) -> Exception:
-    owner = backend_name_for(obj)
-    if owner is not None and owner != "torch":
-        return BackendMismatchError(
-            f"This LossScaler is bound to torch, but {method}() received a {owner} object: {describe(obj)}. "
-            "A LossScaler serves one framework; create one per framework (their state dicts are interchangeable)."
-        )
-    return PolyampTypeError(f"{method}() takes {expected}. Received: {describe(obj)}.")
+    return wrong_object_error("torch", method, obj, expected)
 
 
 class TorchScalerImpl:
@@ -421,7 +416,10 @@ def impl_of(scaler: Any, *, bind_from: Any = None) -> TorchScalerImpl:
     if not isinstance(scaler, LossScaler):
         raise PolyampTypeError(f"Expected a polyamp.LossScaler. Received: {describe(scaler)}.")
     if scaler.backend is None:
-        scaler._impl_for("step", bind_from) if bind_from is not None else scaler._bind("torch")
+        if bind_from is not None:
+            scaler._impl_for("step", bind_from)
+        else:
+            scaler._bind("torch")
     if scaler.backend != "torch":
         raise BackendMismatchError(f"This LossScaler is bound to {scaler.backend}, not torch.")
     return scaler._impl  # type: ignore[no-any-return]
@@ -443,28 +441,4 @@ class TorchLossScaler(LossScaler):
         scaler.step_skipped(optimizer)           # bool tensor, no host sync
     """
 
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        *,
-        hysteresis: int = 1,
-        min_scale: float | None = None,
-        max_scale: float | None = None,
-        dynamic: bool = True,
-        enabled: bool | None = None,
-    ) -> None:
-        super().__init__(
-            init_scale,
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            dynamic=dynamic,
-            enabled=enabled,
-            backend="torch",
-        )
+    bound_backend = "torch"
