@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 import textwrap
 import uuid
@@ -59,6 +60,37 @@ def isolated_polyamp_state() -> Iterator[None]:
     import_hooks._pending.update(saved_pending)
     if not saved_pending and import_hooks._FINDER in sys.meta_path:
         sys.meta_path.remove(import_hooks._FINDER)
+
+
+#: Makes a module fail to import as if it were not installed (its spec is found, its loading fails, so code
+#: that only probes with importlib.util.find_spec, as torch._dynamo does, keeps working).
+HIDE_MODULE = """
+import importlib.abc, importlib.machinery, sys
+class _Missing(importlib.abc.Loader):
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"No module named {spec.name!r}", name=spec.name)
+    def exec_module(self, module):
+        pass
+class _Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition('.')[0] == HIDDEN:
+            return importlib.machinery.ModuleSpec(name, _Missing())
+sys.meta_path.insert(0, _Hide())
+"""
+
+
+def _run_without(module: str, code: str, env: dict[str, str] | None = None) -> str:
+    """Run ``code`` in a subprocess where ``module`` cannot be imported; return its stdout."""
+    source = f"HIDDEN = {module!r}\n" + HIDE_MODULE + textwrap.dedent(code)
+    result = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.fixture
+def run_without() -> object:
+    """``run_without(module, code, env=None)``: run code in a subprocess where ``module`` is not installed."""
+    return _run_without
 
 
 @dataclass

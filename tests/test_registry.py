@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -81,51 +79,32 @@ def test_missing_framework_gives_an_import_error_with_the_install_command(
     assert isinstance(info.value.__cause__, ModuleNotFoundError)
 
 
+def _import_error_without(run_without: Any, module: str, statement: str) -> str:
+    code = f"try:\n    {statement}\nexcept ImportError as exc:\n    print(type(exc).__name__, '|', exc)\n"
+    return run_without(module, code)  # type: ignore[no-any-return]
+
+
 @pytest.mark.parametrize(("backend", "module"), [("torch", "torch"), ("tensorflow", "tensorflow")])
-def test_first_party_backend_without_its_framework_says_what_to_install(backend: str, module: str) -> None:
-    # Hide the framework from this subprocess, as on a machine where it is not installed.
-    code = textwrap.dedent(
-        f"""
-        import sys
-        class Hide:
-            def find_spec(self, name, path=None, target=None):
-                if name.partition('.')[0] == {module!r}:
-                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-        sys.meta_path.insert(0, Hide())
-        import polyamp
-        try:
-            polyamp.LossScaler(backend={backend!r})
-        except ImportError as exc:
-            print(type(exc).__name__, '|', exc)
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+def test_first_party_backend_without_its_framework_says_what_to_install(
+    backend: str, module: str, run_without: Any
+) -> None:
+    out = _import_error_without(run_without, module, f"import polyamp; polyamp.LossScaler(backend={backend!r})")
     assert out.startswith("BackendNotInstalledError |"), out
     assert f"pip install 'polyamp[{backend}]'" in out
 
 
 @pytest.mark.parametrize(
-    ("package", "module", "extra"),
-    [("polyamp_torch", "torch", "torch"), ("polyamp_tensorflow", "tensorflow", "tensorflow")],
+    ("statement", "module", "extra"),
+    [
+        ("import polyamp_torch", "torch", "torch"),
+        ("import polyamp_tensorflow; polyamp_tensorflow.LossScaleOptimizer", "tensorflow", "tensorflow"),
+        ("from polyamp_tensorflow import TensorFlowLossScaler", "tensorflow", "tensorflow"),
+    ],
 )
-def test_importing_a_backend_package_without_its_framework_says_what_to_install(
-    package: str, module: str, extra: str
+def test_a_backend_without_its_framework_says_what_to_install(
+    statement: str, module: str, extra: str, run_without: Any
 ) -> None:
-    code = textwrap.dedent(
-        f"""
-        import sys
-        class Hide:
-            def find_spec(self, name, path=None, target=None):
-                if name.partition('.')[0] == {module!r}:
-                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-        sys.meta_path.insert(0, Hide())
-        try:
-            import {package}
-        except ImportError as exc:
-            print(type(exc).__name__, '|', exc)
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = _import_error_without(run_without, module, statement)
     assert out.startswith("BackendNotInstalledError |"), out
     assert f"pip install 'polyamp[{extra}]'" in out
 

@@ -58,6 +58,26 @@ def test_keras_follows_the_policy_in_either_import_order(order: str) -> None:
     assert (policy, compute, variable) == ("mixed_float16", "float16", "float32")
 
 
+def test_keras_on_torch_without_tensorflow_follows_the_policy(run_without: Any) -> None:
+    """Keras 3 runs without TensorFlow; polyamp's policy hook needs only Keras."""
+    pytest.importorskip("torch")
+
+    code = """
+    import json, polyamp
+    polyamp.set_policy("mixed_bfloat16", overrides={"head": "float32"})
+    import keras
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2, name="head")(keras.layers.Dense(3, name="body")(inputs))
+    model = keras.Model(inputs, outputs)
+    import polyamp_tensorflow
+    print(json.dumps([keras.backend.backend(), [layer.compute_dtype for layer in model.layers[1:]],
+                      polyamp_tensorflow.to_keras_policy(polyamp.Policy("float16")).name]))
+    """
+    env = {"KERAS_BACKEND": "torch", "PATH": "/usr/bin:/bin", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = run_without("tensorflow", code, env=env)
+    assert json.loads(out.strip().splitlines()[-1]) == ["torch", ["bfloat16", "float32"], "float16"]
+
+
 def test_set_policy_and_scope_drive_the_keras_global_policy() -> None:
     polyamp.set_policy("mixed_bfloat16")
     assert keras.config.dtype_policy().name == "mixed_bfloat16"

@@ -9,19 +9,33 @@
 * `LossScaleCallback` - loss scale and skipped steps in the training logs.
 * `cast_outputs` - model outputs in the policy's output dtype.
 
-Importing this module imports TensorFlow and Keras; without them it raises
-``polyamp.BackendNotInstalledError`` saying ``pip install 'polyamp[tensorflow]'``.
+With TensorFlow installed, importing this package imports TensorFlow and Keras and registers polyamp's
+Keras classes for ``keras.models.load_model``. Keras 3 also runs without TensorFlow (on JAX or PyTorch):
+then the policy parts (`to_keras_policy`, `PolicyOverridesMap`, and ``polyamp.set_policy`` driving Keras)
+still work, and the TensorFlow parts raise ``polyamp.BackendNotInstalledError`` saying
+``pip install 'polyamp[tensorflow]'`` when used.
 """
 
-# First: without TensorFlow/Keras this raises BackendNotInstalledError saying what to install.
-from polyamp_tensorflow._framework import keras  # isort: split
+from __future__ import annotations
 
-from polyamp_tensorflow._backend import TensorFlowBackend
-from polyamp_tensorflow._callbacks import LossScaleCallback
-from polyamp_tensorflow._keras_policy import PolicyOverridesMap, PolyampDTypePolicy, to_keras_policy
-from polyamp_tensorflow._optimizer import LossScaleOptimizer
-from polyamp_tensorflow._outputs import OutputCast, cast_outputs
-from polyamp_tensorflow._scaler import TensorFlowLossScaler
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from polyamp import BackendNotInstalledError
+
+_EXPORTS = {
+    "LossScaleCallback": "polyamp_tensorflow._callbacks",
+    "LossScaleOptimizer": "polyamp_tensorflow._optimizer",
+    "OutputCast": "polyamp_tensorflow._outputs",
+    "cast_outputs": "polyamp_tensorflow._outputs",
+    "TensorFlowBackend": "polyamp_tensorflow._backend",
+    "TensorFlowLossScaler": "polyamp_tensorflow._scaler",
+    # Keras only: these work on any Keras 3 backend.
+    "PolicyOverridesMap": "polyamp_tensorflow._keras_policy",
+    "PolyampDTypePolicy": "polyamp_tensorflow._keras_policy",
+    "to_keras_policy": "polyamp_tensorflow._keras_policy",
+}
+_KERAS_ONLY = "polyamp_tensorflow._keras_policy"
 
 __all__ = [
     "LossScaleCallback",
@@ -32,6 +46,34 @@ __all__ = [
     "TensorFlowBackend",
     "TensorFlowLossScaler",
     "cast_outputs",
-    "keras",
     "to_keras_policy",
 ]
+assert sorted(__all__) == sorted(_EXPORTS)
+
+_missing: BackendNotInstalledError | None = None
+try:
+    importlib.import_module("polyamp_tensorflow._framework")
+except BackendNotInstalledError as exc:
+    _missing = exc
+
+for _name, _module in _EXPORTS.items():
+    if _missing is None or _module == _KERAS_ONLY:
+        try:
+            globals()[_name] = getattr(importlib.import_module(_module), _name)
+        except ImportError:  # no Keras either: every name reports the missing install
+            break
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS and _missing is not None:
+        raise BackendNotInstalledError(f"polyamp_tensorflow.{name}: {_missing}") from _missing
+    raise AttributeError(f"module 'polyamp_tensorflow' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    from polyamp_tensorflow._backend import TensorFlowBackend
+    from polyamp_tensorflow._callbacks import LossScaleCallback
+    from polyamp_tensorflow._keras_policy import PolicyOverridesMap, PolyampDTypePolicy, to_keras_policy
+    from polyamp_tensorflow._optimizer import LossScaleOptimizer
+    from polyamp_tensorflow._outputs import OutputCast, cast_outputs
+    from polyamp_tensorflow._scaler import TensorFlowLossScaler
