@@ -373,3 +373,23 @@ def test_callback_needs_a_polyamp_optimizer() -> None:
     x, y = data(0)
     with pytest.raises(PolyampTypeError, match="LossScaleCallback needs a model compiled with"):
         model.fit(x, y, epochs=1, verbose=0, callbacks=[polyamp_tensorflow.LossScaleCallback()])
+
+
+def test_callback_values_reach_later_callbacks_and_tensorboard(tmp_path: Path) -> None:
+    seen: list[dict[str, Any]] = []
+
+    class Recorder(keras.callbacks.Callback):  # type: ignore[misc]
+        def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+            seen.append(dict(logs or {}))
+
+    model = make_model()
+    model.compile(optimizer=polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.SGD(0.01)), loss=LOSS)
+    x, y = data(0)
+    board = keras.callbacks.TensorBoard(log_dir=str(tmp_path))
+    model.fit(x, y, epochs=2, verbose=0, callbacks=[polyamp_tensorflow.LossScaleCallback(), Recorder(), board])
+    assert [(logs["loss_scale"], logs["skipped_steps"]) for logs in seen] == [(65536.0, 0), (65536.0, 0)]
+    tags = set()
+    for event_file in tmp_path.rglob("events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(str(event_file)):
+            tags.update(value.tag for value in event.summary.value)
+    assert {"epoch_loss_scale", "epoch_skipped_steps"} <= tags

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from polyamp import LossScaleConfig
+from polyamp._src.scaling import to_float32
 from polyamp_tensorflow._framework import keras
 
 __all__ = ["ScaleVariables", "UnscaleTracker", "advance", "all_finite", "to_python", "unscale"]
@@ -37,36 +38,49 @@ def to_python(value: Any) -> Any:
 
 
 def _times(scale: Any, factor: float) -> Any:
+    # A float32 product of two float32 values is the correctly rounded exact product, which is what
+    # rounding the float64 product gives; only factors float32 cannot hold exactly need the float64 detour.
+    if to_float32(factor) == factor:
+        return ops.multiply(scale, ops.cast(factor, "float32"))
     return ops.cast(ops.multiply(ops.cast(scale, "float64"), factor), "float32")
 
 
-def advance(state: ScaleVariables, found_inf: Any, config: LossScaleConfig) -> None:
-    """One update of ``config``'s rule; ``found_inf`` is a boolean scalar tensor (or a Python bool)."""
-    overflow = ops.convert_to_tensor(found_inf, dtype="bool")
-    state.skipped_steps.assign(state.skipped_steps + ops.cast(overflow, "int64"))
+def advance(state: ScaleVariables, overflow: bool, config: LossScaleConfig) -> None:
+    """One update of ``config``'s rule, for a step that overflowed or not.
+
+    ``overflow`` is a Python bool: callers run this inside the two branches of the apply-or-skip
+    ``cond``, where it is known, so each branch builds only its half of the rule (a few scalar ops).
+    """
     state.last_skipped.assign(overflow)
+    if overflow:
+        state.skipped_steps.assign_add(ops.cast(1, "int64"))
     if not config.dynamic:
         return
     scale = ops.convert_to_tensor(state.scale)
-    tracker = ops.convert_to_tensor(state.growth_tracker)
-    hysteresis_left = ops.convert_to_tensor(state.hysteresis_left)
-    next_tracker = tracker + 1
-    grow = ops.logical_and(ops.logical_not(overflow), next_tracker >= config.growth_interval)
+    if overflow:
+        state.growth_tracker.assign(ops.cast(0, "int32"))
+        backed = _times(scale, config.backoff_factor)
+        if config.min_scale_f32 is not None:
+            backed = ops.maximum(backed, config.min_scale_f32)
+        if config.hysteresis == 1:
+            state.scale.assign(backed)
+            return
+        hysteresis_after = ops.convert_to_tensor(state.hysteresis_left) - 1
+        back_off = hysteresis_after <= 0
+        state.scale.assign(ops.where(back_off, backed, scale))
+        state.hysteresis_left.assign(ops.where(back_off, config.hysteresis, hysteresis_after))
+        return
+    next_tracker = ops.convert_to_tensor(state.growth_tracker) + 1
+    grow = next_tracker >= config.growth_interval
     grown = _times(scale, config.growth_factor)
     if config.max_scale_f32 is not None:
         grown = ops.minimum(grown, config.max_scale_f32)
-    hysteresis_after = hysteresis_left - 1
-    back_off = ops.logical_and(overflow, hysteresis_after <= 0)
-    backed = _times(scale, config.backoff_factor)
-    if config.min_scale_f32 is not None:
-        backed = ops.maximum(backed, config.min_scale_f32)
-    new_scale = ops.where(ops.logical_and(grow, ops.isfinite(grown)), grown, ops.where(back_off, backed, scale))
-    refill = ops.logical_or(back_off, grow)
-    new_hysteresis = ops.where(refill, config.hysteresis, ops.where(overflow, hysteresis_after, hysteresis_left))
-    new_tracker = ops.where(ops.logical_or(overflow, grow), 0, next_tracker)
-    state.scale.assign(ops.cast(new_scale, "float32"))
-    state.hysteresis_left.assign(ops.cast(new_hysteresis, "int32"))
-    state.growth_tracker.assign(ops.cast(new_tracker, "int32"))
+    state.scale.assign(ops.where(ops.logical_and(grow, ops.isfinite(grown)), grown, scale))
+    state.growth_tracker.assign(ops.cast(ops.where(grow, 0, next_tracker), "int32"))
+    if config.hysteresis > 1:
+        state.hysteresis_left.assign(
+            ops.cast(ops.where(grow, config.hysteresis, ops.convert_to_tensor(state.hysteresis_left)), "int32")
+        )
 
 
 def unscale(grads: list[Any], scale: Any, skip: list[bool] | None = None) -> list[Any]:
