@@ -17,7 +17,7 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import polyamp  # noqa: E402
+import polyamp
 
 polyamp.set_policy("mixed_float16")
 

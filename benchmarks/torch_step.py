@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import polyamp_torch
 import torch
 
 import polyamp
+import polyamp_torch
 
 
 def build(device: str, width: int, depth: int, optimizer: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

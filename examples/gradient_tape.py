@@ -18,8 +18,9 @@ polyamp.set_policy("mixed_float16")  # before building layers; keras may be impo
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import polyamp_tensorflow  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+import polyamp_tensorflow  # noqa: E402
 
 
 def main() -> None:

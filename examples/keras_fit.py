@@ -9,9 +9,9 @@ import argparse
 
 import keras
 import numpy as np
-import polyamp_tensorflow
 
 import polyamp
+import polyamp_tensorflow
 
 
 def main() -> None:

@@ -27,8 +27,9 @@ def batches(steps: int):  # type: ignore[no-untyped-def]
 
 
 def train_torch(steps: int) -> dict[str, object]:
-    import polyamp_torch
     import torch
+
+    import polyamp_torch
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
@@ -54,6 +55,7 @@ def train_torch(steps: int) -> dict[str, object]:
 
 def train_keras(steps: int) -> dict[str, object]:
     import keras
+
     import polyamp_tensorflow
 
     keras.utils.set_random_seed(0)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import argparse
 
-import polyamp_torch
 import torch
 from torch import nn
 
 import polyamp
+import polyamp_torch
 
 
 class SimpleModel(nn.Module):

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import polyamp_torch
 import torch
 
 import polyamp
+import polyamp_torch
 
 
 def make_model(in_size: int, out_size: int, num_layers: int, device: str) -> torch.nn.Module:

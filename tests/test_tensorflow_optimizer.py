@@ -13,9 +13,8 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-import polyamp_tensorflow  # noqa: E402
-
 import polyamp  # noqa: E402
+import polyamp_tensorflow  # noqa: E402
 from polyamp import InvalidConfigError, PolyampTypeError, ScalerUsageError  # noqa: E402
 
 INTERVAL = 3

@@ -16,9 +16,8 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-import polyamp_tensorflow  # noqa: E402
-
 import polyamp  # noqa: E402
+import polyamp_tensorflow  # noqa: E402
 from polyamp import Policy, PolyampTypeError  # noqa: E402
 
 LAYERS = keras.layers

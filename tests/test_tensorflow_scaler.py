@@ -14,9 +14,8 @@ from hypothesis import strategies as st
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-import polyamp_tensorflow  # noqa: E402
-
 import polyamp  # noqa: E402
+import polyamp_tensorflow  # noqa: E402
 from polyamp import BackendMismatchError, PolyampTypeError, ScalerUsageError  # noqa: E402
 
 

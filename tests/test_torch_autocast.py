@@ -12,9 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-import polyamp_torch  # noqa: E402
-
 import polyamp  # noqa: E402
+import polyamp_torch  # noqa: E402
 from polyamp import InvalidConfigError, InvalidPolicyError, PolyampTypeError  # noqa: E402
 
 COMPUTE = {"mixed_float16": torch.float16, "mixed_bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -11,9 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 dynamo = pytest.importorskip("torch._dynamo")
 
-import polyamp_torch  # noqa: E402
-
 import polyamp  # noqa: E402
+import polyamp_torch  # noqa: E402
 
 POLYAMP_DIRS = (Path(polyamp.__file__).parent, Path(polyamp_torch.__file__).parent)
 

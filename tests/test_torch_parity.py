@@ -15,9 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import polyamp_torch  # noqa: E402
-
 import polyamp  # noqa: E402
+import polyamp_torch  # noqa: E402
 
 INTERVAL = 3
 STEPS = 14

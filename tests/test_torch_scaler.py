@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-import polyamp_torch  # noqa: E402
-
 import polyamp  # noqa: E402
+import polyamp_torch  # noqa: E402
 from polyamp import (  # noqa: E402
     InvalidConfigError,
     LossScaleConfig,
