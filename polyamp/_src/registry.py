@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import sys
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -229,9 +228,3 @@ def backend_name_for(obj: object) -> str | None:
             owner = _owner_of_type(cls)
         _type_cache[cls] = owner
         return owner
-
-
-def imported_frameworks() -> list[str]:
-    """The framework modules of known backends that are imported right now."""
-    with _lock:
-        return sorted(fw for fw in _framework_owner if fw in sys.modules)

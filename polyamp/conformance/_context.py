@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 
 __all__ = [
     "CaseSkipped",
-    "ExpectedDivergence",
     "Reporter",
     "assert_close",
     "assert_dtype",
@@ -27,13 +26,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 class CaseSkipped(Exception):
     """A case that cannot run here (a missing framework, device or capability)."""
-
-
-@dataclass
-class ExpectedDivergence:
-    """A documented difference the current case is expected to show."""
-
-    reason: str
 
 
 @dataclass
