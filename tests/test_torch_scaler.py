@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import pickle
 import warnings
 from typing import Any
 
@@ -330,6 +332,25 @@ def test_state_dict_after_device_use_is_json() -> None:
     state = scaler.state_dict()
     assert json.loads(json.dumps(state)) == state
     assert (state["scale"], state["_growth_tracker"], state["hysteresis_left"]) == (131072.0, 0, 1)
+
+
+def test_pickle_and_deepcopy_of_a_bound_scaler_continue_its_trajectory() -> None:
+    scaler = polyamp.LossScaler(growth_interval=2, hysteresis=2, enabled=True)
+    drive(scaler, "FFO")
+    for clone in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
+        assert clone.backend == "torch" and clone.state_dict() == scaler.state_dict()
+        states, _ = drive(clone, "OFF")
+        assert states == [(s.scale, s.growth_tracker, s.hysteresis_left) for s in scaler.config.states("FFOOFF")][3:]
+
+
+def test_pickling_mid_iteration_is_refused(setup: tuple[Any, Any, Any]) -> None:
+    scaler, param, opt = setup
+    scaler.scale(param.sum()).backward()
+    scaler.step(opt)
+    with pytest.raises(ScalerUsageError, match="only between iterations"):
+        pickle.dumps(scaler)
+    scaler.update()
+    assert pickle.loads(pickle.dumps(scaler)).get_scale() == scaler.get_scale()
 
 
 def test_disabled_scaler_just_steps() -> None:

@@ -347,6 +347,12 @@ class LossScaler:
     # -- Python protocols --------------------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
+        between = getattr(self._impl, "between_iterations", None)
+        if between is not None and not between():
+            raise ScalerUsageError(
+                "A LossScaler can be pickled or copied only between iterations (before the first step() or "
+                "after update()): mid-iteration, the overflow checks already made would be lost."
+            )
         return {
             "config": self._config,
             "enabled": self._enabled,

@@ -178,6 +178,10 @@ class TorchScalerImpl:
             return self._host_state.scale
         return float(self._device.scale.item())
 
+    def between_iterations(self) -> bool:
+        """True unless a step()/unscale_() has happened since the last update()."""
+        return not self._iteration
+
     # -- the step protocol -------------------------------------------------------------------------------
 
     def scale(self, outputs: Any) -> Any:
