@@ -16,7 +16,7 @@ from polyamp._src.global_policy import get_policy
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
 from polyamp._src.state_dict import parse_state_dict, to_state_dict
 
-__all__ = ["LossScaler", "wrong_object_error"]
+__all__ = ["LossScaler", "resolve_enabled", "wrong_object_error"]
 
 # The step methods a backend may offer, in the order the error messages list them.
 _LOOP_METHODS: Final = ("scale", "unscale_", "step", "update", "unscale", "apply_gradients", "step_skipped")
@@ -31,6 +31,15 @@ def _detect(obj: object) -> str | None:
             if item is not None:
                 return _detect(item)
     return owner
+
+
+def resolve_enabled(enabled: object) -> bool:
+    """``enabled`` as given, or (None) whether the global policy computes in float16 right now."""
+    if enabled is None:
+        return get_policy().needs_loss_scaling
+    if not isinstance(enabled, bool):
+        raise PolyampTypeError(f"`enabled` must be None or a bool. Received: enabled={describe(enabled)}.")
+    return enabled
 
 
 def wrong_object_error(bound: str, method: str, obj: object, expected: str) -> PolyampTypeError:
@@ -129,10 +138,7 @@ class LossScaler:
             max_scale=max_scale,
             dynamic=dynamic,
         )
-        if enabled is None:
-            enabled = get_policy().needs_loss_scaling
-        elif not isinstance(enabled, bool):
-            raise PolyampTypeError(f"`enabled` must be None or a bool. Received: enabled={describe(enabled)}.")
+        enabled = resolve_enabled(enabled)
         if backend is not None and not isinstance(backend, str):
             raise PolyampTypeError(
                 "`backend` must be None or a backend name such as 'torch' or 'tensorflow'. "

@@ -9,10 +9,9 @@ from polyamp import (
     LossScaleConfig,
     LossScaleState,
     PolyampTypeError,
-    ScalerUsageError,
-    get_policy,
 )
 from polyamp._src.errors import describe
+from polyamp._src.loss_scaler import resolve_enabled
 from polyamp._src.state_dict import parse_state_dict, to_state_dict
 from polyamp_tensorflow._framework import keras
 
@@ -24,7 +23,14 @@ except ImportError:  # pragma: no cover - a Keras without it tracks attributes h
         return function
 
 
-from polyamp_tensorflow._update import UnscaleTracker, advance, all_finite, to_python, unscale
+from polyamp_tensorflow._update import (
+    UnscaleTracker,
+    advance,
+    all_finite,
+    refuse_loss_scale_factor,
+    to_python,
+    unscale,
+)
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -144,10 +150,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
                 "`inner_optimizer` is already a LossScaleOptimizer; wrapping it again would scale the loss "
                 "twice. Pass the plain optimizer."
             )
-        if enabled is None:
-            enabled = get_policy().needs_loss_scaling
-        elif not isinstance(enabled, bool):
-            raise PolyampTypeError(f"`enabled` must be None or a bool. Received: enabled={describe(enabled)}.")
+        enabled = resolve_enabled(enabled)
         super().__init__(
             inner_optimizer,
             initial_scale=config.initial_state().scale,
@@ -270,11 +273,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         if not self._polyamp_enabled:
             self.inner_optimizer.apply(grads, trainable_variables)
             return
-        if self.inner_optimizer.loss_scale_factor is not None:
-            raise ScalerUsageError(
-                "The inner optimizer has loss_scale_factor set; it would divide the gradients a second time. "
-                "Leave loss_scale_factor unset when wrapping an optimizer in a LossScaleOptimizer."
-            )
+        refuse_loss_scale_factor(self.inner_optimizer, "a LossScaleOptimizer wraps it")
         # Decided in Python, once per trace, before Keras's distribution machinery touches the tensors.
         self._grads_are_unscaled = self._unscaled.consume(grads, "apply_gradients()")
         super().apply(grads, trainable_variables)

@@ -23,7 +23,7 @@ from polyamp import (
 )
 from polyamp._src.loss_scaler import wrong_object_error
 from polyamp_tensorflow._framework import keras, tf
-from polyamp_tensorflow._update import UnscaleTracker, advance, all_finite, unscale
+from polyamp_tensorflow._update import UnscaleTracker, advance, all_finite, refuse_loss_scale_factor, unscale
 
 __all__ = ["TensorFlowLossScaler", "TensorFlowScalerImpl"]
 
@@ -117,11 +117,7 @@ class TensorFlowScalerImpl:
                 "apply_gradients() received a LossScaleOptimizer, which scales by itself: the gradients would "
                 "be unscaled twice. Pass the plain optimizer, or use the LossScaleOptimizer without this scaler."
             )
-        if optimizer.loss_scale_factor is not None:
-            raise ScalerUsageError(
-                "The optimizer has loss_scale_factor set and would divide the gradients a second time. Leave "
-                "loss_scale_factor unset when a polyamp LossScaler does the scaling."
-            )
+        refuse_loss_scale_factor(optimizer, "a polyamp LossScaler does the scaling")
         pairs = [tuple(pair) for pair in grads_and_vars]
         grads = [g for g, _ in pairs]
         variables = [v for _, v in pairs]

@@ -13,7 +13,15 @@ from polyamp import LossScaleConfig
 from polyamp._src.scaling import to_float32
 from polyamp_tensorflow._framework import keras
 
-__all__ = ["ScaleVariables", "UnscaleTracker", "advance", "all_finite", "to_python", "unscale"]
+__all__ = [
+    "ScaleVariables",
+    "UnscaleTracker",
+    "advance",
+    "all_finite",
+    "refuse_loss_scale_factor",
+    "to_python",
+    "unscale",
+]
 
 ops = keras.ops
 
@@ -160,3 +168,14 @@ class UnscaleTracker:
             )
         self._pending.pop(0)
         return True
+
+
+def refuse_loss_scale_factor(optimizer: Any, when: str) -> None:
+    """Raise if a Keras optimizer would divide by its own ``loss_scale_factor`` on top of polyamp's unscaling."""
+    from polyamp import ScalerUsageError
+
+    if optimizer.loss_scale_factor is not None:
+        raise ScalerUsageError(
+            f"The optimizer has loss_scale_factor={optimizer.loss_scale_factor!r} set and would divide the "
+            f"gradients a second time. Leave loss_scale_factor unset when {when}."
+        )
