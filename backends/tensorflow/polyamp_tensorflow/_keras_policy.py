@@ -1,6 +1,6 @@
 """polyamp policies as Keras 3 dtype policies; the hook that keeps Keras's global policy in step.
 
-This module imports keras only (never tensorflow): polyamp calls `apply_policy` whenever its global policy
+This module imports keras only (never tensorflow): polyamp calls `follow_polyamp_policy` whenever its global policy
 changes, right away if keras is imported or as soon as it is, so ``polyamp.set_policy(...)`` and
 ``import keras`` can come in either order.
 """
@@ -14,7 +14,7 @@ from keras.dtype_policies import DTypePolicy, DTypePolicyMap
 
 from polyamp import Policy, PolicyOverrides
 
-__all__ = ["PolicyOverridesMap", "PolyampDTypePolicy", "apply_policy", "to_keras_policy"]
+__all__ = ["PolicyOverridesMap", "PolyampDTypePolicy", "follow_polyamp_policy", "to_keras_policy"]
 
 _KERAS_NAMES = frozenset({"float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16"})
 
@@ -83,7 +83,7 @@ class PolicyOverridesMap(DTypePolicyMap):  # type: ignore[misc]
         return config
 
 
-def apply_policy(policy: Policy, overrides: PolicyOverrides) -> None:
+def follow_polyamp_policy(policy: Policy, overrides: PolicyOverrides) -> None:
     """Make ``policy`` (with per-layer ``overrides``) Keras's global dtype policy."""
     default = to_keras_policy(policy)
     if len(overrides):
