@@ -1,22 +1,26 @@
 """polyamp: one automatic-mixed-precision layer for PyTorch and TensorFlow/Keras.
 
 The core defines the semantics once and imports no framework: precision policies, the loss-scaling
-state machine, the backend registry and the conformance protocol. ``polyamp_torch`` and
-``polyamp_tensorflow`` translate them to each framework.
+state machine and everything around a training step, the backend registry and the conformance protocol.
+``polyamp_torch`` and ``polyamp_tensorflow`` translate them to each framework; ``polyamp.backend_api`` is
+what a backend is written against.
 """
 
-from polyamp._src.backend import Backend, ScalerImpl
+from polyamp._src.backend import Backend
 from polyamp._src.errors import (
+    BackendConflictError,
     BackendMismatchError,
     BackendNotInstalledError,
     InvalidConfigError,
     InvalidPolicyError,
     PolyampError,
     PolyampTypeError,
+    PolyampValueError,
     ScalerUsageError,
     StateDictError,
     UnknownBackendError,
 )
+from polyamp._src.functional import FunctionalLossScaler
 from polyamp._src.global_policy import (
     add_policy_listener,
     get_policy,
@@ -28,7 +32,7 @@ from polyamp._src.loss_scaler import LossScaler
 from polyamp._src.overrides import OverridesLike, PolicyOverrides
 from polyamp._src.policy import DTYPE_NAMES, POLICY_NAMES, Policy, PolicyLike
 from polyamp._src.registry import BackendSpec, backend_specs, get_backend, register_backend
-from polyamp._src.scaling import LossScaleConfig, LossScaleState
+from polyamp._src.scaling import LossScaleConfig, LossScaleSettings, LossScaleState
 
 __version__ = "0.1.0"
 
@@ -36,12 +40,15 @@ __all__ = [
     "DTYPE_NAMES",
     "POLICY_NAMES",
     "Backend",
+    "BackendConflictError",
     "BackendMismatchError",
     "BackendNotInstalledError",
     "BackendSpec",
+    "FunctionalLossScaler",
     "InvalidConfigError",
     "InvalidPolicyError",
     "LossScaleConfig",
+    "LossScaleSettings",
     "LossScaleState",
     "LossScaler",
     "OverridesLike",
@@ -50,7 +57,7 @@ __all__ = [
     "PolicyOverrides",
     "PolyampError",
     "PolyampTypeError",
-    "ScalerImpl",
+    "PolyampValueError",
     "ScalerUsageError",
     "StateDictError",
     "UnknownBackendError",

@@ -116,13 +116,16 @@ class Tensor:
 class Optimizer:
     def __init__(self):
         self.steps = 0
+        self.grad = None  # the one gradient this optimizer applies (a float), set by the test
     def step(self):
         self.steps += 1
         return "stepped"
 """
 
+# A device form in pure Python, written against polyamp.backend_api only (ImperativeDevice).
 _BACKEND_SOURCE = """
 import math
+from polyamp.backend_api import StepOutcome, wrong_object_error
 import {fw} as fw
 
 POLICIES = []
@@ -132,32 +135,63 @@ def apply_policy(policy, overrides):
     POLICIES.append(policy)
     OVERRIDES.append(overrides)
 
-class Impl:
-    def __init__(self, config, state, enabled):
-        self.config, self.state, self.enabled = config, state, enabled
-        self.found_inf = False
-    def get_state(self):
+class Device:
+    def __init__(self, config, state):
+        self.config, self.state, self.skips = config, state, 0
+    def check_optimizer(self, method, optimizer):
+        if not isinstance(optimizer, fw.Optimizer):
+            raise wrong_object_error("{fw}", method, optimizer, "a {fw}.Optimizer")
+    def read_state(self):
         return self.state
-    def set_state(self, config, state):
-        self.config, self.state = config, state
-    def get_scale(self):
-        return self.state.scale
+    def write_state(self, config, state):
+        self.config = config
+        if state is not None:
+            self.state = state
     def scale(self, loss):
         if isinstance(loss, list):
-            return [item * self.state.scale for item in loss]
+            return [self.scale(item) for item in loss]
+        if not isinstance(loss, fw.Tensor):
+            raise wrong_object_error("{fw}", "scale", loss, "a {fw}.Tensor")
         return loss * self.state.scale
-    def step(self, optimizer, grad=1.0):
-        self.found_inf = not math.isfinite(grad)
-        return None if self.found_inf else optimizer.step()
-    def update(self, new_scale=None):
-        self.state = self.config.next_state(self.state, self.found_inf)
+    def unscale_gradients(self, optimizer):
+        if optimizer.grad is None:
+            return None
+        optimizer.grad /= self.state.scale
+        return 0.0 if math.isfinite(optimizer.grad) else 1.0
+    def unscales_in_step(self, optimizer):
+        return False
+    def step(self, optimizer, found_inf, args, kwargs):
+        skipped = found_inf > 0
+        return StepOutcome(None if skipped else optimizer.step(*args, **kwargs), found_inf, skipped)
+    def plain_step(self, optimizer, args, kwargs):
+        return optimizer.step(*args, **kwargs)
+    def combine(self, flags):
+        return max(flags)
+    def update(self, found_inf, new_scale):
+        if new_scale is not None:
+            self.state = type(self.state)(float(new_scale), self.state.growth_tracker, self.state.hysteresis_left)
+        elif found_inf is not None:
+            self.state = self.config.next_state(self.state, found_inf > 0)
+        self.skips += found_inf is not None and found_inf > 0
+    def skipped(self, found_inf):
+        return found_inf > 0
+    def read_flag(self, found_inf):
+        return found_inf > 0
+    def finite_flag(self):
+        return 0.0
+    def new_record(self):
+        return [None]
+    def write_record(self, record, found_inf):
+        record[0] = found_inf
+    def read_record(self, record):
+        return record[0]
+    def skipped_steps(self):
+        return self.skips
 
 class Backend:
     name = "{fw}"
-    def owns(self, obj):
-        return isinstance(obj, (fw.Tensor, fw.Optimizer))
-    def make_scaler(self, config, state, enabled):
-        return Impl(config, state, enabled)
+    def make_device(self, config, state):
+        return Device(config, state)
 """
 
 

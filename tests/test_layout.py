@@ -69,3 +69,25 @@ def test_core_source_never_imports_a_framework() -> None:
                 if n.partition(".")[0] in FRAMEWORKS
             ]
     assert offenders == []
+
+
+def test_backends_use_only_the_public_backend_api() -> None:
+    """A backend is written against ``polyamp`` and ``polyamp.backend_api``; ``polyamp._src`` is the core's own."""
+    offenders = []
+    for path in sorted((ROOT / "backends").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names if "polyamp._src" in n]
+    assert offenders == []
+
+
+def test_the_public_backend_api_holds_what_backends_import() -> None:
+    import polyamp.backend_api as api
+
+    assert sorted(api.__all__) == sorted(name for name in vars(api) if not name.startswith("_") and name != "annotations")

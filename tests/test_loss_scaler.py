@@ -35,14 +35,48 @@ def test_defaults_match_torch() -> None:
 
 @pytest.mark.parametrize(
     ("policy", "enabled"),
-    [("float32", False), ("mixed_float16", True), ("float16", True), ("mixed_bfloat16", False), ("bfloat16", False)],
+    [("float32", False), ("mixed_float16", True), ("mixed_bfloat16", False), ("bfloat16", False)],
 )
-def test_enabled_follows_the_policy_at_construction(policy: str, enabled: bool) -> None:
+def test_enabled_follows_the_policy_in_effect_when_used(policy: str, enabled: bool) -> None:
     polyamp.set_policy(policy)
     scaler = LossScaler()
-    assert scaler.enabled is enabled and scaler.is_enabled() is enabled
+    assert scaler.enabled is enabled and scaler.is_enabled() is enabled and scaler.enabled_setting is None
     polyamp.set_policy("mixed_float16" if not enabled else "float32")
-    assert scaler.enabled is enabled  # decided once
+    assert scaler.enabled is not enabled  # read again when used, not frozen at construction
+
+
+def test_a_scaler_built_before_set_policy_scales_afterwards(fake_framework: FakeFramework) -> None:
+    fw = fake_framework.load()
+    scaler = LossScaler()  # e.g. in a setup function, before the policy is chosen
+    polyamp.set_policy("mixed_float16")
+    assert scaler.scale(fw.Tensor(1e-7)).value == pytest.approx(1e-7 * 65536)
+    opt = fw.Optimizer()
+    opt.grad = 65536.0
+    scaler.step(opt)
+    scaler.update()
+    assert opt.grad == 1.0 and scaler.get_scale() == 65536.0
+
+
+def test_the_enabled_decision_holds_for_a_whole_iteration(fake_framework: FakeFramework) -> None:
+    fw = fake_framework.load()
+    polyamp.set_policy("mixed_float16")
+    scaler = LossScaler()
+    opt = fw.Optimizer()
+    scaler.scale(fw.Tensor(1.0))
+    polyamp.set_policy("mixed_bfloat16")  # mid-iteration: the scaled gradients must still be unscaled
+    opt.grad = 2.0 * 65536
+    scaler.step(opt)
+    assert opt.grad == 2.0
+    scaler.update()
+    assert not scaler.enabled  # the next iteration follows the new policy
+    loss = fw.Tensor(1.0)
+    assert scaler.scale(loss) is loss
+
+
+def test_float16_parameter_policies_leave_scaling_off_with_a_warning() -> None:
+    polyamp.set_policy("float16")
+    with pytest.warns(UserWarning, match="keeps float16 parameters.*Use 'mixed_float16'"):
+        assert not LossScaler().enabled
 
 
 def test_explicit_enabled_wins_over_the_policy() -> None:
@@ -79,7 +113,8 @@ def test_binds_on_first_use_and_follows_the_reference(fake_framework: FakeFramew
     opt = fw.Optimizer()
     scales = []
     for overflow in "FFFOFFOOFFFFFF":
-        scaler.step(opt, grad=math.inf if overflow == "O" else 1.0)
+        opt.grad = math.inf if overflow == "O" else 1.0
+        scaler.step(opt)
         scaler.update()
         scales.append(scaler.get_scale())
     assert scales == scaler.config.trajectory("FFFOFFOOFFFFFF")
@@ -135,7 +170,8 @@ def test_methods_the_backend_lacks_say_what_it_offers(fake_framework: FakeFramew
     scaler = LossScaler(enabled=True)
     scaler.scale(fw.Tensor(1.0))
     with pytest.raises(
-        PolyampTypeError, match=r"apply_gradients\(\) is not part of .* offers: scale\(\), step\(\), update\(\)"
+        PolyampTypeError,
+        match=r"apply_gradients\(\) is not part of .* offers: scale\(\), unscale_\(\), step\(\), update\(\)",
     ):
         scaler.apply_gradients(fw.Optimizer(), [])
 
@@ -185,7 +221,8 @@ def test_state_dict_round_trip_continues_the_same_trajectory(fake_framework: Fak
     first.scale(fw.Tensor(1.0))
     opt = fw.Optimizer()
     for overflow in pattern[:6]:
-        first.step(opt, grad=math.inf if overflow == "O" else 1.0)
+        opt.grad = math.inf if overflow == "O" else 1.0
+        first.step(opt)
         first.update()
     saved = json.loads(json.dumps(first.state_dict()))
     resumed = LossScaler(enabled=True)
@@ -194,7 +231,8 @@ def test_state_dict_round_trip_continues_the_same_trajectory(fake_framework: Fak
     scales = []
     resumed.scale(fw.Tensor(1.0))
     for overflow in pattern[6:]:
-        resumed.step(opt, grad=math.inf if overflow == "O" else 1.0)
+        opt.grad = math.inf if overflow == "O" else 1.0
+        resumed.step(opt)
         resumed.update()
         scales.append(resumed.get_scale())
     assert scales == resumed.config.trajectory(pattern)[6:]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 import polyamp
-from polyamp import BackendNotInstalledError, BackendSpec, PolyampTypeError, UnknownBackendError
+from polyamp import BackendConflictError, BackendNotInstalledError, BackendSpec, PolyampTypeError, UnknownBackendError
 from polyamp._src import registry
 
 if TYPE_CHECKING:
@@ -111,8 +111,9 @@ def test_a_backend_without_its_framework_says_what_to_install(
 
 def test_register_backend_refuses_to_silently_replace(fake_framework: FakeFramework) -> None:
     other = BackendSpec(name=fake_framework.name, target="elsewhere:Backend", frameworks=("x",), install_hint="y")
-    with pytest.raises(UnknownBackendError, match="already registered"):
+    with pytest.raises(BackendConflictError, match="already registered") as info:
         polyamp.register_backend(other)
+    assert isinstance(info.value, ValueError) and not isinstance(info.value, UnknownBackendError)
     polyamp.register_backend(other, replace=True)
     assert polyamp.backend_specs()[fake_framework.name] == other
 
@@ -122,6 +123,11 @@ def test_register_backend_refuses_to_silently_replace(fake_framework: FakeFramew
     [
         ({"name": "", "target": "a:b", "frameworks": ("a",), "install_hint": "x"}, "BackendSpec.name"),
         ({"name": "a", "target": "no_colon", "frameworks": ("a",), "install_hint": "x"}, "package.module:attribute"),
+        ({"name": "a", "target": "a:b", "frameworks": "mylib", "install_hint": "x"}, "tuple of top-level module names"),
+        ({"name": "a", "target": "a:b", "frameworks": 5, "install_hint": "x"}, "tuple of top-level module names"),
+        ({"name": "a", "target": "a:b", "frameworks": (), "install_hint": "x"}, "non-empty top-level module names"),
+        ({"name": "a", "target": "a:b", "frameworks": ("a.b",), "install_hint": "x"}, "no dots"),
+        ({"name": "a", "target": "a:b", "frameworks": ("a",), "install_hint": "x", "harness": "nocolon"}, "harness"),
     ],
 )
 def test_backend_spec_validates(kwargs: dict[str, object], fragment: str) -> None:

@@ -187,11 +187,11 @@ def test_check_state_rejects_impossible_states(state: LossScaleState, fragment: 
     assert fragment in str(info.value)
 
 
-def test_is_torch_compatible() -> None:
-    assert LossScaleConfig().is_torch_compatible
-    assert not LossScaleConfig(hysteresis=2).is_torch_compatible
-    assert not LossScaleConfig(min_scale=1.0).is_torch_compatible
-    assert not LossScaleConfig(dynamic=False).is_torch_compatible
+def test_is_standard_rule() -> None:
+    assert LossScaleConfig().is_standard_rule
+    assert not LossScaleConfig(hysteresis=2).is_standard_rule
+    assert not LossScaleConfig(min_scale=1.0).is_standard_rule
+    assert not LossScaleConfig(dynamic=False).is_standard_rule
 
 
 def test_bad_pattern_characters() -> None:

@@ -363,7 +363,7 @@ def test_keras_names_are_accepted_for_porting() -> None:
     optimizer = polyamp_tensorflow.LossScaleOptimizer(
         keras.optimizers.SGD(), initial_scale=1024.0, dynamic_growth_steps=7
     )
-    assert optimizer.config_.init_scale == 1024.0 and optimizer.config_.growth_interval == 7
+    assert optimizer.loss_scale_config.init_scale == 1024.0 and optimizer.loss_scale_config.growth_interval == 7
 
 
 def test_callback_needs_a_polyamp_optimizer() -> None:

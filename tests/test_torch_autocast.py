@@ -14,7 +14,7 @@ F = torch.nn.functional
 
 import polyamp  # noqa: E402
 import polyamp_torch  # noqa: E402
-from polyamp import InvalidConfigError, InvalidPolicyError, PolyampTypeError  # noqa: E402
+from polyamp import InvalidPolicyError, PolyampTypeError, PolyampValueError  # noqa: E402
 
 COMPUTE = {"mixed_float16": torch.float16, "mixed_bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -173,7 +173,7 @@ def test_default_device_and_torch_device_argument() -> None:
         ({"policy": 16}, PolyampTypeError, "`spec` must be"),
         ({"enabled": "yes"}, PolyampTypeError, "`enabled` must be a bool"),
         ({"device_type": 3}, PolyampTypeError, "`device_type` must be"),
-        ({"device_type": "tpu9"}, InvalidConfigError, "does not support device_type='tpu9'"),
+        ({"device_type": "tpu9"}, PolyampValueError, "does not support device_type='tpu9'"),
         ({"cache_enabled": 1}, PolyampTypeError, "`cache_enabled` must be None or a bool"),
     ],
 )
@@ -299,8 +299,8 @@ def test_apply_again_replaces_and_remove_restores() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "fragment"),
     [
-        ({"keep_float32": ["heda"]}, InvalidConfigError, "matches no submodule"),
-        ({"keep_float32": [torch.nn.Linear(2, 2)]}, InvalidConfigError, "not a submodule"),
+        ({"keep_float32": ["heda"]}, PolyampValueError, "matches no submodule"),
+        ({"keep_float32": [torch.nn.Linear(2, 2)]}, PolyampValueError, "not a submodule"),
         ({"keep_float32": [3]}, PolyampTypeError, "takes submodule names"),
         ({"policy": "fp16"}, InvalidPolicyError, "Unknown policy"),
         ({"overrides": "head"}, PolyampTypeError, "must be a mapping"),

@@ -38,7 +38,7 @@ def drive(scaler: Any, pattern: str, *, fused: bool = False) -> tuple[list[tuple
             param.grad[2] = math.nan
         scaler.step(opt)
         scaler.update()
-        state = scaler._current_state()
+        state = scaler.get_state()
         states.append((state.scale, state.growth_tracker, state.hysteresis_left))
     return states, opt
 
@@ -381,7 +381,7 @@ def test_torch_loss_scaler_is_bound_from_construction() -> None:
 def test_device_config_validation_is_the_cores() -> None:
     with pytest.raises(InvalidConfigError):
         polyamp_torch.TorchLossScaler(growth_factor=0.5)
-    assert LossScaleConfig().is_torch_compatible
+    assert LossScaleConfig().is_standard_rule
 
 
 # -- LR schedulers ---------------------------------------------------------------------------------------

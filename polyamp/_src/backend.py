@@ -1,46 +1,216 @@
-"""What a backend provides to the core: the protocols a framework translation implements."""
+"""What a backend provides: the device operations behind polyamp's loss-scaling semantics.
+
+The core (`polyamp.LossScaler`) decides everything around a step once, for every framework: which stage
+each optimizer is in, when a step is skipped, what ``step_skipped`` answers, which calls are misuse, when
+scaling is enabled, and what a state dict holds. A backend translates: it creates a *device form* of the
+scaler (`Backend.make_device`) that keeps the scale and counters on its framework's device and performs the
+device operations below. Flags are the backend's own scalar tensors (``> 0`` means a non-finite gradient
+was found); the core passes them around without reading them, so no host sync is added.
+
+A device form offers one or more loop styles:
+
+* `ImperativeDevice` - PyTorch-style: gradients live on the parameters, ``unscale_`` / ``step`` / ``update``;
+* `TapeDevice` - TensorFlow-style: gradients are values, ``unscale(grads)`` / ``apply_gradients(opt, ...)``;
+* `FunctionalDevice` - state in, state out, for jitted steps (JAX-style), made by
+  ``Backend.make_functional``; the core wraps it in `polyamp.FunctionalLossScaler`.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
 
-__all__ = ["Backend", "ScalerImpl"]
+__all__ = [
+    "Backend",
+    "Flag",
+    "FunctionalDevice",
+    "ImperativeDevice",
+    "ScalerDevice",
+    "StepOutcome",
+    "TapeDevice",
+]
+
+#: A backend's found-inf flag: a scalar tensor on its device, ``> 0`` when a gradient was inf or NaN.
+Flag: TypeAlias = Any
+
+
+class StepOutcome(NamedTuple):
+    """What a device step reports back to the core.
+
+    Attributes:
+        result: What the optimizer's step returned (None when it was skipped).
+        found_inf: The flag that decided the step, for the optimizer's record and the update.
+        skipped: The host answer when the device already read it (a non-fused step must), else None.
+    """
+
+    result: Any
+    found_inf: Flag
+    skipped: bool | None
 
 
 @runtime_checkable
-class ScalerImpl(Protocol):
-    """A loss scaler's device form, created by `Backend.make_scaler` and driven by `polyamp.LossScaler`.
+class ScalerDevice(Protocol):
+    """Operations every device form provides, whatever its loop style."""
 
-    Besides the methods below, an implementation offers its framework's step methods (``scale``, and
-    ``unscale_`` / ``step`` / ``update`` for PyTorch-style loops or ``unscale`` / ``apply_gradients`` for
-    TensorFlow-style ones); `polyamp.LossScaler` forwards to whichever the bound backend has.
-    """
-
-    def get_state(self) -> LossScaleState:
-        """Read the state to the host (may synchronise with the device)."""
+    def check_optimizer(self, method: str, optimizer: object) -> None:
+        """Raise unless ``optimizer`` is one this device can step through ``method``: a `polyamp.PolyampTypeError`
+        for something else (`polyamp.backend_api.wrong_object_error` words it), a `polyamp.ScalerUsageError`
+        for an optimizer that would unscale a second time. Called before anything else happens."""
         ...
 
-    def set_state(self, config: LossScaleConfig, state: LossScaleState) -> None:
-        """Replace config and state. Validation already happened; raise only for misuse (mid-step)."""
+    def read_state(self) -> LossScaleState:
+        """The scale and counters, read to the host (may synchronise with the device)."""
         ...
 
-    def get_scale(self) -> float:
-        """The current scale as a Python float (may synchronise)."""
+    def write_state(self, config: LossScaleConfig, state: LossScaleState) -> None:
+        """Replace config and state. The core validated both and checked that no iteration is open."""
+        ...
+
+    def scale(self, loss: Any) -> Any:
+        """``loss`` (a tensor, or a list/tuple/iterable of them) multiplied by the scale.
+
+        Raise `polyamp.backend_api.wrong_object_error` for anything else.
+        """
+        ...
+
+    def combine(self, flags: Sequence[Flag]) -> Flag:
+        """One flag that is set when any of ``flags`` is (at least one flag is given)."""
+        ...
+
+    def update(self, found_inf: Flag, new_scale: Any) -> None:
+        """End an iteration on the device: advance the loss-scale rule with ``found_inf`` (or, when
+        ``new_scale`` is not None, set the scale to it: a float the core validated, or the framework's
+        one-element tensor), and count the iteration as skipped if ``found_inf`` is set."""
+        ...
+
+    def skipped(self, found_inf: Flag) -> Any:
+        """The framework's boolean scalar tensor ``found_inf > 0`` (no host sync)."""
+        ...
+
+    def read_flag(self, found_inf: Flag) -> bool:
+        """``found_inf > 0`` read to the host."""
+        ...
+
+    def finite_flag(self) -> Flag:
+        """A flag that says "nothing was non-finite" (for steps taken while scaling is disabled)."""
+        ...
+
+    def new_record(self) -> Any:
+        """Storage for one flag that outlives the current trace or graph (a box, a variable, ...)."""
+        ...
+
+    def write_record(self, record: Any, found_inf: Flag) -> None:
+        """Store ``found_inf`` in ``record``."""
+        ...
+
+    def read_record(self, record: Any) -> Flag:
+        """The flag last stored in ``record``."""
+        ...
+
+    def skipped_steps(self) -> Any:
+        """How many iterations were skipped, as the framework's integer scalar tensor."""
+        ...
+
+
+@runtime_checkable
+class ImperativeDevice(ScalerDevice, Protocol):
+    """PyTorch-style device form: optimizers own their gradients (``param.grad``)."""
+
+    def unscale_gradients(self, optimizer: Any) -> Flag | None:
+        """Divide ``optimizer``'s gradients by the scale in place and check them; return the flag, or None
+        when none of its parameters has a gradient. Raise before changing anything when the gradients cannot
+        be unscaled (e.g. float16 gradients)."""
+        ...
+
+    def unscales_in_step(self, optimizer: Any) -> bool:
+        """True when ``optimizer``'s own step unscales and checks (fused optimizers); then `step` is called
+        with ``found_inf=None`` on still-scaled gradients."""
+        ...
+
+    def step(
+        self, optimizer: Any, found_inf: Flag | None, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> StepOutcome:
+        """Step ``optimizer`` unless a gradient is non-finite, with ``*args, **kwargs``.
+
+        ``found_inf`` is the flag of the gradients `unscale_gradients` already unscaled, or None when
+        `unscales_in_step` said the step does it. Return None in ``result`` when skipped.
+        """
+        ...
+
+    def plain_step(self, optimizer: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """``optimizer``'s ordinary step, for iterations where scaling is disabled."""
+        ...
+
+
+@runtime_checkable
+class TapeDevice(ScalerDevice, Protocol):
+    """TensorFlow-style device form: gradients are values handed to the optimizer with their variables."""
+
+    def check_gradients(self, method: str, grads: Sequence[Any]) -> None:
+        """Raise a `polyamp.PolyampTypeError` naming ``method`` if an entry is neither a gradient nor None."""
+        ...
+
+    def unscale(self, grads: Sequence[Any]) -> list[Any]:
+        """The gradients divided by the scale (None entries stay None)."""
+        ...
+
+    def apply(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], *, unscaled: bool) -> StepOutcome:
+        """Unscale ``grads`` (unless ``unscaled``), check them and apply them unless one is non-finite, with
+        the decision taken on the device (no host branch, so it runs inside compiled graphs)."""
+        ...
+
+    def plain_apply(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
+        """``optimizer``'s ordinary apply, for iterations where scaling is disabled."""
+        ...
+
+
+@runtime_checkable
+class FunctionalDevice(Protocol):
+    """Device operations as pure functions over a state tree, for jitted steps (see
+    `polyamp.FunctionalLossScaler`, which gives them polyamp's semantics)."""
+
+    def init(self, state: LossScaleState) -> Any:
+        """The device state tree holding ``state`` and a zero skip count."""
+        ...
+
+    def read(self, tree: Any) -> LossScaleState:
+        """The host state a device state tree holds (synchronises)."""
+        ...
+
+    def skipped_count(self, tree: Any) -> Any:
+        """The skip count held in ``tree``, as the framework's integer scalar."""
+        ...
+
+    def scale(self, tree: Any, loss: Any) -> Any:
+        """``loss`` multiplied by the tree's scale."""
+        ...
+
+    def unscale(self, tree: Any, grads: Any) -> tuple[Any, Flag]:
+        """The gradients (any nesting) divided by the scale, and the flag of whether one is non-finite."""
+        ...
+
+    def update(self, tree: Any, found_inf: Flag) -> Any:
+        """The tree after one step of ``config``'s rule, with the skip count advanced if ``found_inf``."""
+        ...
+
+    def select(self, found_inf: Flag, if_skipped: Any, if_applied: Any) -> Any:
+        """``if_skipped`` where ``found_inf`` is set, else ``if_applied`` (trees of equal structure)."""
         ...
 
 
 @runtime_checkable
 class Backend(Protocol):
-    """A framework translation of polyamp's semantics, registered by a `polyamp.BackendSpec`."""
+    """A framework translation of polyamp's semantics, registered by a `polyamp.BackendSpec`.
+
+    ``make_functional(config)`` (returning a `FunctionalDevice`) is optional, for frameworks with jitted,
+    stateless training steps.
+    """
 
     name: str
 
-    def owns(self, obj: object) -> bool:
-        """True if ``obj`` is one of this framework's tensors, variables or optimizers."""
-        ...
-
-    def make_scaler(self, config: LossScaleConfig, state: LossScaleState, enabled: bool) -> ScalerImpl:
-        """Create the device form of a loss scaler starting from ``state``."""
+    def make_device(self, config: LossScaleConfig, state: LossScaleState) -> ScalerDevice:
+        """Create the device form of a loss scaler starting from ``state`` (an `ImperativeDevice` and/or a
+        `TapeDevice`)."""
         ...

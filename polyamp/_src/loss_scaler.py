@@ -1,149 +1,166 @@
-"""`LossScaler`: the framework-neutral loss scaler users construct, bound to a backend on first use."""
+"""`LossScaler`: the framework-neutral loss scaler users construct, bound to a backend on first use.
+
+Everything around a step is decided here, once for every framework (see `polyamp._src.iteration` for the
+stages): when scaling is enabled, which calls are misuse, when a step is skipped and what
+``step_skipped`` / ``skipped_steps`` answer, what a state dict holds, when state may be loaded or pickled.
+The bound backend's device form (`polyamp.backend_api.ImperativeDevice` or `TapeDevice`) only performs the
+device operations: scale, check-and-unscale, apply-or-skip, the device update of the rule.
+"""
 
 from __future__ import annotations
 
+import inspect
+import math
+import numbers
+import weakref
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from polyamp._src import registry
+from polyamp._src.backend import ImperativeDevice, ScalerDevice, TapeDevice
+from polyamp._src.enabling import check_enabled, resolve_enabled
 from polyamp._src.errors import (
     BackendMismatchError,
+    InvalidConfigError,
     PolyampTypeError,
     ScalerUsageError,
     describe,
+    type_error,
 )
-from polyamp._src.global_policy import get_policy
-from polyamp._src.scaling import LossScaleConfig, LossScaleState
+from polyamp._src.functional import FunctionalLossScaler
+from polyamp._src.iteration import Iteration, Stage, no_gradients_error
+from polyamp._src.scaling import NOT_GIVEN, LossScaleConfig, LossScaleState, NotGiven, settings_doc, to_float32
 from polyamp._src.state_dict import parse_state_dict, to_state_dict
 
-__all__ = ["LossScaler", "resolve_enabled", "wrong_object_error"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
-# The step methods a backend may offer, in the order the error messages list them.
-_LOOP_METHODS: Final = ("scale", "unscale_", "step", "update", "unscale", "apply_gradients", "step_skipped")
+    from polyamp._src.scaling import LossScaleSettings
 
+__all__ = ["LossScaler", "bind_arguments"]
 
-def _detect(obj: object) -> str | None:
-    owner = registry.backend_name_for(obj)
-    if owner is None and isinstance(obj, (list, tuple)):
-        for item in obj:
-            if isinstance(item, (list, tuple)):  # (grad, var) pairs
-                item = item[0] if item else None
-            if item is not None:
-                return _detect(item)
-    return owner
+#: The loop methods of each style, in the order error messages list them.
+_STYLE_METHODS: Final = {
+    "imperative": ("scale", "unscale_", "step", "update", "step_skipped", "skipped_steps"),
+    "tape": ("scale", "unscale", "apply_gradients", "step", "update", "step_skipped", "skipped_steps"),
+}
 
 
-def resolve_enabled(enabled: object) -> bool:
-    """``enabled`` as given, or (None) whether the global policy computes in float16 right now."""
-    if enabled is None:
-        return get_policy().needs_loss_scaling
-    if not isinstance(enabled, bool):
-        raise PolyampTypeError(f"`enabled` must be None or a bool. Received: enabled={describe(enabled)}.")
-    return enabled
+def bind_arguments(
+    caller: str, positional_names: tuple[str, ...], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Name positional arguments as ``positional_names`` and merge them with the keywords, as Python would.
 
-
-def wrong_object_error(bound: str, method: str, obj: object, expected: str) -> PolyampTypeError:
-    """The error for a scaler bound to ``bound`` that was handed ``obj``: naming both frameworks when ``obj``
-    belongs to another one (`BackendMismatchError`), else saying what ``method`` takes."""
-    owner = _detect(obj)
-    if owner is not None and owner != bound:
-        return BackendMismatchError(
-            f"This LossScaler is bound to {bound}, but {method}() received a {owner} object: {describe(obj)}. "
-            "A LossScaler serves one framework; create one per framework (their state dicts are interchangeable)."
+    Raises:
+        PolyampTypeError: too many positional arguments, or one given both ways.
+    """
+    if len(args) > len(positional_names):
+        raise PolyampTypeError(
+            f"{caller} takes at most {len(positional_names)} positional arguments ({', '.join(positional_names)}); "
+            f"received {len(args)}. Pass the other settings by keyword."
         )
-    return PolyampTypeError(f"{method}() takes {expected}. Received: {describe(obj)}.")
+    arguments = dict(zip(positional_names, args, strict=False))
+    for key, value in kwargs.items():
+        if key in arguments:
+            raise PolyampTypeError(f"{caller} got two values for {key!r} (positional and keyword).")
+        arguments[key] = value
+    return arguments
+
+
+class _Record:
+    """The outcome of an optimizer's most recent step (or of the last iteration): the device flag, kept in
+    backend storage, and the host answer when something already read it."""
+
+    __slots__ = ("host", "storage")
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = storage
+        self.host: bool | None = None
 
 
 class LossScaler:
-    """Dynamic loss scaling for float16 training, one semantics for PyTorch and TensorFlow.
+    """Dynamic loss scaling for float16 training, one semantics for every framework.
 
-    The scaler multiplies the loss by a scale before backpropagation so small float16 gradients do not
-    flush to zero, divides the gradients by it before the optimizer step, skips steps whose gradients hold
-    inf or NaN, and adapts the scale (see `LossScaleConfig` for the exact rule and a worked trace; with the
-    defaults it reproduces ``torch.amp.GradScaler`` bit for bit).
+        The scaler multiplies the loss by a scale before backpropagation so small float16 gradients do not
+        flush to zero, divides the gradients by it before the optimizer step, skips steps whose gradients hold
+        inf or NaN, and adapts the scale (see `LossScaleConfig` for the exact rule and a worked trace; with the
+        defaults it reproduces ``torch.amp.GradScaler`` bit for bit).
 
-    The scaler binds to a framework the first time it sees one of its tensors or optimizers (or at once with
-    ``backend=``); from then on its scale, growth counter and hysteresis live on that framework's device.
+        The scaler binds to a framework the first time it sees one of its tensors or optimizers (or at once with
+        ``backend=`` or `bind`); from then on its scale, growth counter and hysteresis live on that framework's
+        device, and its loop methods are that framework's: ``scale`` / ``unscale_`` / ``step`` / ``update``
+        (PyTorch), ``scale`` / ``unscale`` / ``apply_gradients`` (TensorFlow; ``apply_gradients`` is ``step``
+        then ``update``, and several optimizers in one iteration use ``step`` each, then one ``update``).
 
-    Args:
-        init_scale: Starting scale, 2**16 like torch (Keras 3 starts at 2**15).
-        growth_factor: Multiplier after ``growth_interval`` consecutive finite steps; > 1.
-        backoff_factor: Multiplier after an overflow; in (0, 1).
-        growth_interval: Consecutive finite steps before the scale grows; >= 1.
-        hysteresis: Overflows tolerated before a backoff; 1 backs off on every overflow.
-        min_scale: Floor for the scale after backoff; None (the default) for none.
-        max_scale: Cap for the scale after growth; None (the default) for none.
-        dynamic: False keeps the scale at ``init_scale``; non-finite steps are still skipped.
-        enabled: None (default) enables scaling iff the global policy computes in float16 at construction.
-            A disabled scaler returns the loss itself from ``scale``, just steps, and reports scale 1.0.
-        backend: "torch" or "tensorflow" (or a registered third-party name) to bind at once; None binds on
-            first use from the type of what it is given.
+        Args:
+            *positional: The first settings by position: init_scale, growth_factor, backoff_factor,
+                growth_interval (``torch.amp.GradScaler``'s order).
+            enabled: None (default) follows the policy in effect each iteration (see
+                `polyamp.backend_api.resolve_enabled`): on under ``"mixed_float16"``, off under bfloat16 and float32
+                policies. True or False fixes it. A disabled scaler returns the loss itself from ``scale``, just
+                steps, and reports scale 1.0.
+            backend: "torch" or "tensorflow" (or a registered third-party name) to bind at once; None binds on
+                first use from the type of what it is given.
+            **settings: The loss-scaling settings, each defined (with its range) by `LossScaleConfig`:
+    {settings}
 
-    Raises:
-        InvalidConfigError: (a ``ValueError``) a setting is out of range.
-        PolyampTypeError: (a ``TypeError``) a setting has the wrong type.
-        UnknownBackendError / BackendNotInstalledError: ``backend`` is unknown or its framework is missing.
+        Raises:
+            InvalidConfigError: (a ``ValueError``) a setting is out of range.
+            PolyampTypeError: (a ``TypeError``) a setting has the wrong type, or is not a setting.
+            UnknownBackendError / BackendNotInstalledError: ``backend`` is unknown or its framework is missing.
 
-    Backends offer subclasses bound from construction (``polyamp_torch.TorchLossScaler``,
-    ``polyamp_tensorflow.TensorFlowLossScaler``): they set `bound_backend` and take the same arguments.
+        Backends offer subclasses bound from construction (``polyamp_torch.TorchLossScaler``,
+        ``polyamp_tensorflow.TensorFlowLossScaler``).
 
-    Example (PyTorch; a TensorFlow loop uses ``apply_gradients`` instead of ``step``/``update``)::
+        Example (PyTorch; a TensorFlow loop uses ``apply_gradients`` instead of ``step``/``update``)::
 
-        import polyamp, polyamp_torch
+            import polyamp, polyamp_torch
 
-        polyamp.set_policy("mixed_float16")
-        scaler = polyamp.LossScaler()          # enabled, since the policy computes in float16
-        for x, y in loader:
-            opt.zero_grad(set_to_none=True)
-            with polyamp_torch.autocast():
-                loss = loss_fn(model(x), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+            polyamp.set_policy("mixed_float16")
+            scaler = polyamp.LossScaler()          # scales while the policy computes in float16
+            for x, y in loader:
+                opt.zero_grad(set_to_none=True)
+                with polyamp_torch.autocast():
+                    loss = loss_fn(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
 
-    The pure state machine, without a framework:
+        The pure state machine, without a framework:
 
-    >>> from polyamp import LossScaler
-    >>> scaler = LossScaler(growth_interval=3, enabled=True)
-    >>> scaler.get_scale(), scaler.backend
-    (65536.0, None)
-    >>> scaler.config.trajectory("FFFO")
-    [65536.0, 65536.0, 131072.0, 65536.0]
+        >>> from polyamp import LossScaler
+        >>> scaler = LossScaler(growth_interval=3, enabled=True)
+        >>> scaler.get_scale(), scaler.backend
+        (65536.0, None)
+        >>> scaler.config.trajectory("FFFO")
+        [65536.0, 65536.0, 131072.0, 65536.0]
     """
 
     #: Subclasses set this to bind every instance to one backend (``backend=`` may then be omitted).
     bound_backend: ClassVar[str | None] = None
+    #: The names positional arguments take, in order.
+    positional_arguments: ClassVar[tuple[str, ...]] = LossScaleConfig.setting_names()[:4]
+    #: The value of ``enabled`` when it is not given.
+    default_enabled: ClassVar[bool | None] = None
 
     def __init__(
         self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        *,
-        hysteresis: int = 1,
-        min_scale: float | None = None,
-        max_scale: float | None = None,
-        dynamic: bool = True,
-        enabled: bool | None = None,
+        *positional: Any,
+        enabled: bool | NotGiven | None = NOT_GIVEN,
         backend: str | None = None,
+        **settings: Unpack[LossScaleSettings],
     ) -> None:
-        config = LossScaleConfig(
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            dynamic=dynamic,
-        )
-        enabled = resolve_enabled(enabled)
+        caller = f"{type(self).__name__}()"
+        arguments = bind_arguments(caller, self.positional_arguments, positional, settings)
+        if enabled is not NOT_GIVEN:
+            if "enabled" in arguments:
+                raise PolyampTypeError(f"{caller} got two values for 'enabled' (positional and keyword).")
+            arguments["enabled"] = enabled
+        self._take_options(arguments)
+        enabled = check_enabled(arguments.pop("enabled", self.default_enabled))
+        config = LossScaleConfig.from_settings(arguments, caller=caller)
         if backend is not None and not isinstance(backend, str):
-            raise PolyampTypeError(
-                "`backend` must be None or a backend name such as 'torch' or 'tensorflow'. "
-                f"Received: backend={describe(backend)}."
-            )
+            raise type_error("`backend`", "None or a backend name such as 'torch' or 'tensorflow'", backend)
         bound = type(self).bound_backend
         if bound is not None:
             if backend not in (None, bound):
@@ -153,56 +170,121 @@ class LossScaler:
                 )
             backend = bound
         self._config = config
-        self._enabled = enabled
-        self._state = config.initial_state()
-        self._impl: Any = None
+        self._enabled_setting = enabled
+        self._host_state = config.initial_state()
+        self._device: Any = None
+        self._style: str | None = None
         self._backend_name: str | None = None
+        self._iteration = Iteration()
+        self._scaled = False
+        self._records: weakref.WeakKeyDictionary[Any, _Record] = weakref.WeakKeyDictionary()
+        self._unweakable_records: dict[int, tuple[Any, _Record]] = {}
+        self._last: _Record | None = None
         if backend is not None:
-            self._bind(backend)
+            self.bind(backend)
+
+    def _take_options(self, arguments: dict[str, Any]) -> None:
+        """Subclasses pop (and keep) their backend's own constructor options from ``arguments`` here."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.__signature__ = _signature(cls)  # type: ignore[attr-defined]
 
     # -- binding -----------------------------------------------------------------------------------------
 
-    def _bind(self, name: str) -> Any:
-        impl = registry.get_backend(name).make_scaler(self._config, self._state, self._enabled)
-        self._impl = impl
-        self._backend_name = name
-        return impl
+    def bind(self, backend: str) -> ScalerDevice:
+        """Bind to ``backend`` now (a no-op if already bound to it) and return the device form.
 
-    def _impl_for(self, method: str, obj: object) -> Any:
-        impl = self._impl
-        owner = _detect(obj)
-        if impl is not None:
+        Raises:
+            BackendMismatchError: the scaler is bound to another backend.
+            UnknownBackendError / BackendNotInstalledError: no such backend, or its framework is missing.
+            PolyampTypeError: the backend's device form offers no loop style polyamp knows.
+        """
+        if self._device is not None:
+            if backend == self._backend_name:
+                return self._device  # type: ignore[no-any-return]
+            raise BackendMismatchError(
+                f"This LossScaler is bound to {self._backend_name}; it cannot bind to {backend!r} as well. "
+                "Create one LossScaler per framework (their state dicts are interchangeable)."
+            )
+        device = registry.get_backend(backend).make_device(self._config, self._host_state)
+        if isinstance(device, ImperativeDevice):
+            style = "imperative"
+        elif isinstance(device, TapeDevice):
+            style = "tape"
+        else:
+            raise PolyampTypeError(
+                f"The {backend!r} backend's device form {describe(device)} implements neither "
+                "polyamp.backend_api.ImperativeDevice nor TapeDevice."
+            )
+        self._device, self._style, self._backend_name = device, style, backend
+        return device
+
+    @property
+    def device_form(self) -> ScalerDevice | None:
+        """The bound backend's device form (None before binding): where the scale and counters live."""
+        return self._device  # type: ignore[no-any-return]
+
+    def _device_for(self, method: str, obj: object) -> Any:
+        owner = registry.detect_backend(obj)
+        if self._device is not None:
             if owner is not None and owner != self._backend_name:
-                raise wrong_object_error(str(self._backend_name), method, obj, "this framework's objects")
-            return impl
+                raise registry.wrong_object_error(str(self._backend_name), method, obj, "this framework's objects")
+            return self._device
         if owner is None:
             raise PolyampTypeError(
                 f"LossScaler.{method}() cannot tell which framework {describe(obj)} belongs to. Pass a tensor "
                 "or optimizer of PyTorch or TensorFlow, or bind the scaler up front with "
                 "LossScaler(backend='torch') or LossScaler(backend='tensorflow')."
             )
-        return self._bind(owner)
+        return self.bind(owner)
 
-    def _bound_method(self, method: str, obj: object) -> Any:
-        impl = self._impl_for(method, obj)
-        function = getattr(impl, method, None)
-        if function is None:
-            offered = [m for m in _LOOP_METHODS if hasattr(impl, m)]
+    def _styled(self, method: str, style: str, obj: object) -> Any:
+        device = self._device_for(method, obj)
+        if self._style != style:
+            offered = _STYLE_METHODS[str(self._style)]
             raise PolyampTypeError(
                 f"LossScaler.{method}() is not part of the {self._backend_name} backend's training loop. "
                 f"A {self._backend_name}-bound scaler offers: {', '.join(m + '()' for m in offered)}."
             )
-        return function
+        return device
+
+    # -- enabled -----------------------------------------------------------------------------------------
+
+    def _decide_enabled(self) -> bool:
+        hint = getattr(self._device, "float16_in_use", None)
+        return resolve_enabled(self._enabled_setting, float16_in_use=bool(hint()) if hint is not None else False)
+
+    def _begin(self) -> bool:
+        """Whether this iteration scales, decided at its first call and kept until it ends."""
+        iteration = self._iteration
+        if iteration.enabled is None:
+            iteration.enabled = self._decide_enabled()
+        return iteration.enabled
+
+    def _require_scaled(self, method: str) -> None:
+        if not self._scaled:
+            raise ScalerUsageError(
+                f"LossScaler.{method} was called before scale(): the gradients were not computed from a scaled "
+                "loss, and dividing them by the scale would shrink them. Call scaler.scale(loss) and "
+                "backpropagate that first in each iteration."
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this scaler scales: in this iteration once it started, else if it started now."""
+        decided = self._iteration.enabled
+        return self._decide_enabled() if decided is None else decided
+
+    @property
+    def enabled_setting(self) -> bool | None:
+        """The ``enabled`` argument: True, False, or None (follow the policy)."""
+        return self._enabled_setting
 
     @property
     def backend(self) -> str | None:
         """The name of the bound backend, or None before first use."""
         return self._backend_name
-
-    @property
-    def enabled(self) -> bool:
-        """Whether this scaler scales at all (see ``enabled`` in the constructor)."""
-        return self._enabled
 
     @property
     def dynamic(self) -> bool:
@@ -214,100 +296,303 @@ class LossScaler:
         """The validated settings, which also run the reference state machine."""
         return self._config
 
-    # -- the training-loop methods (forwarded to the bound backend) ---------------------------------------
+    # -- the training loop -------------------------------------------------------------------------------
 
     def scale(self, loss: Any) -> Any:
         """Multiply a loss (or a list/tuple of losses) by the current scale.
 
         A disabled scaler returns ``loss`` itself. Binds the scaler to the loss's framework on first use.
+        New losses mean new, scaled gradients: a pending TensorFlow-style ``unscale`` stage ends here.
 
         Raises:
             BackendMismatchError: (a ``TypeError``) the loss belongs to another framework than the scaler.
         """
-        if not self._enabled:
-            if self._impl is not None or _detect(loss) is not None:
-                self._impl_for("scale", loss)  # binds, or rejects another framework's loss
+        if self._device is None and registry.detect_backend(loss) is None and not self.enabled:
+            return loss  # a disabled scaler passes anything through, as torch's does
+        device = self._device_for("scale", loss)
+        if not self._begin():
             return loss
-        return self._bound_method("scale", loss)(loss)
+        self._iteration.stages.clear()
+        scaled = device.scale(loss)
+        self._scaled = True
+        return scaled
 
     def unscale_(self, optimizer: Any) -> None:
-        """PyTorch: divide the optimizer's gradients by the scale in place and record non-finite ones.
+        """PyTorch: divide the optimizer's gradients by the scale in place and check them for inf/NaN.
 
         Optional, for inspecting or clipping gradients before `step`. At most once per optimizer per
         `update`.
+
+        Raises:
+            ScalerUsageError: a second call for this optimizer in the iteration, or a call after its step.
         """
-        return self._bound_method("unscale_", optimizer)(optimizer)  # type: ignore[no-any-return]
+        device = self._styled("unscale_", "imperative", optimizer)
+        device.check_optimizer("unscale_", optimizer)
+        if not self._begin():
+            return
+        self._require_scaled("unscale_()")
+        self._iteration.check_unscale(optimizer, "unscale_()")
+        self._iteration.mark(optimizer, Stage.UNSCALED, device.unscale_gradients(optimizer))
+
+    def unscale(self, grads: Iterable[Any]) -> list[Any]:
+        """TensorFlow: return the gradients divided by the scale (None entries stay None).
+
+        The next `apply_gradients` (or `step`) takes its gradients as unscaled: these, or tensors made from
+        them (clipped). Passing the scaled originals instead raises `ScalerUsageError`.
+        """
+        grads = list(grads)
+        device = self._styled("unscale", "tape", grads)
+        device.check_gradients("unscale", grads)
+        if not self._begin():
+            return grads
+        self._require_scaled("unscale()")
+        unscaled = device.unscale(grads)
+        self._iteration.stages.record(grads, unscaled, method="unscale()")
+        return unscaled  # type: ignore[no-any-return]
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        """PyTorch: unscale (unless done) and call ``optimizer.step(*args, **kwargs)`` unless a gradient is
-        non-finite; returns its result, or None when skipped."""
-        return self._bound_method("step", optimizer)(optimizer, *args, **kwargs)
+        """Step ``optimizer`` unless one of its gradients is inf or NaN.
+
+        PyTorch: ``step(optimizer, *args, **kwargs)`` unscales (unless `unscale_` did), then calls
+        ``optimizer.step(*args, **kwargs)`` unless a gradient is non-finite; returns its result, or None when
+        skipped. TensorFlow: ``step(optimizer, grads_and_vars)`` applies or skips in the graph. Either way,
+        each optimizer steps once per iteration; `update` ends the iteration.
+
+        Raises:
+            ScalerUsageError: the optimizer already stepped in this iteration, has no gradients, or a closure
+                was passed while scaling.
+        """
+        if self._style == "tape" or (self._device is None and registry.detect_backend(optimizer) == "tensorflow"):
+            if kwargs.keys() - {"grads_and_vars"} or len(args) + len(kwargs) != 1:
+                raise PolyampTypeError(
+                    "A TensorFlow-style step takes (optimizer, grads_and_vars). Received "
+                    f"{len(args)} positional and {sorted(kwargs)} keyword arguments after the optimizer."
+                )
+            pairs = args[0] if args else kwargs["grads_and_vars"]
+            device = self._styled("step", "tape", optimizer)
+            return self._apply(device, optimizer, pairs, "step()")
+        device = self._styled("step", "imperative", optimizer)
+        device.check_optimizer("step", optimizer)
+        enabled = self._begin()
+        iteration = self._iteration
+        stage = iteration.check_step(optimizer, "step()")
+        if not enabled:
+            result = device.plain_step(optimizer, args, kwargs)
+            iteration.mark(optimizer, Stage.STEPPED, None)
+            self._remember(optimizer, device.finite_flag(), False)
+            return result
+        self._require_scaled("step()")
+        if "closure" in kwargs or (args and callable(args[0])):
+            raise ScalerUsageError(
+                "step() with a closure is not supported while loss scaling is enabled: the closure would "
+                "recompute gradients that are scaled but never unscaled. Compute the loss and gradients before "
+                "step(), or use a bfloat16 policy without loss scaling."
+            )
+        found_inf = None
+        if stage is Stage.UNSCALED:
+            found_inf = iteration.found_inf_of(optimizer)
+            if found_inf is None:
+                raise no_gradients_error()
+        elif not device.unscales_in_step(optimizer):
+            found_inf = device.unscale_gradients(optimizer)
+            if found_inf is None:
+                raise no_gradients_error()
+            iteration.mark(optimizer, Stage.UNSCALED, found_inf)  # the gradients are unscaled now, whatever follows
+        outcome = device.step(optimizer, found_inf, args, kwargs)
+        iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)
+        self._remember(optimizer, outcome.found_inf, outcome.skipped)
+        return outcome.result
+
+    def apply_gradients(self, optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
+        """TensorFlow: `step` then `update` in one call: unscale (unless done), check, apply or skip, update.
+
+        Usable eagerly and inside ``tf.function`` (also ``jit_compile=True``): the skip is decided in the
+        graph, with no Python branch on a tensor value. Returns what the optimizer's apply returns.
+        """
+        device = self._styled("apply_gradients", "tape", optimizer)
+        result = self._apply(device, optimizer, grads_and_vars, "apply_gradients()")
+        self._finish(device, None, "apply_gradients()")
+        return result
+
+    def _apply(self, device: Any, optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]], method: str) -> Any:
+        device.check_optimizer(method.removesuffix("()"), optimizer)
+        pairs = [tuple(pair) for pair in grads_and_vars]
+        grads = [g for g, _ in pairs]
+        variables = [v for _, v in pairs]
+        device.check_gradients(method.removesuffix("()"), grads)
+        enabled = self._begin()
+        iteration = self._iteration
+        iteration.check_step(optimizer, method)
+        if not enabled:
+            result = device.plain_apply(optimizer, grads, variables)
+            iteration.mark(optimizer, Stage.STEPPED, None)
+            self._remember(optimizer, device.finite_flag(), False)
+            return result
+        self._require_scaled(method)
+        stage = iteration.stages.check(grads, method)
+        outcome = device.apply(optimizer, grads, variables, unscaled=stage is not None)
+        if stage is not None:
+            iteration.stages.consume(stage)
+        iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)
+        self._remember(optimizer, outcome.found_inf, outcome.skipped)
+        return outcome.result
 
     def update(self, new_scale: Any = None) -> None:
-        """PyTorch: advance the state machine once per iteration, after every optimizer's `step`.
+        """End the iteration: advance the loss-scale rule once, after every optimizer's `step`.
 
         Args:
-            new_scale: Set the scale to this value instead (a float or one-element tensor).
+            new_scale: Set the scale to this value instead (a positive float within ``[min_scale,
+                max_scale]``, or the framework's one-element tensor). Allowed at any point, also
+                between iterations, as with ``torch.amp.GradScaler``.
+
+        Raises:
+            ScalerUsageError: nothing was stepped or unscaled in this iteration (and no ``new_scale``).
         """
-        if self._impl is None:
-            if not self._enabled:
+        if self._device is None:
+            if new_scale is not None:
+                value = self._checked_new_scale(new_scale)
+                if not isinstance(value, float):
+                    raise ScalerUsageError(
+                        "update(new_scale=<tensor>) was called before the scaler saw any tensor; pass a float."
+                    )
+                self._host_state = LossScaleState(
+                    value, self._host_state.growth_tracker, self._host_state.hysteresis_left
+                )
+                return
+            if not self.enabled:
+                self._iteration.close()
                 return
             raise ScalerUsageError(
                 "LossScaler.update() was called before the scaler saw any tensor; call "
                 "scaler.scale(loss).backward() and scaler.step(optimizer) first in each iteration."
             )
-        self._bound_method("update", None)(new_scale)
+        self._finish(self._device, new_scale, "update()")
 
-    def unscale(self, grads: Iterable[Any]) -> list[Any]:
-        """TensorFlow: return the gradients divided by the scale (None entries stay None)."""
-        grads = list(grads)
-        return self._bound_method("unscale", grads)(grads)  # type: ignore[no-any-return]
+    def _finish(self, device: Any, new_scale: Any, method: str) -> None:
+        iteration = self._iteration
+        if not self._begin() and new_scale is None:
+            if self._last is None:
+                self._last = _Record(device.new_record())
+            device.write_record(self._last.storage, device.finite_flag())
+            self._last.host = False
+            iteration.close()
+            return
+        value = None if new_scale is None else self._checked_new_scale(new_scale)
+        found_infs = iteration.found_infs()
+        if value is None:
+            iteration.check_update(method)
+            if not found_infs:
+                raise ScalerUsageError(
+                    f"{method} was called but none of the optimizers unscaled in this iteration had gradients, "
+                    "so there is nothing to base the update on. Call scaler.scale(loss).backward() first."
+                )
+        combined = device.combine(found_infs) if found_infs else None
+        device.update(combined, value)
+        if combined is not None:
+            if self._last is None:
+                self._last = _Record(device.new_record())
+            device.write_record(self._last.storage, combined)
+            self._last.host = None
+        iteration.close()
 
-    def apply_gradients(self, optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
-        """TensorFlow: unscale (unless done), check for non-finite gradients, apply or skip, update the scale.
-
-        Usable eagerly and inside ``tf.function`` (also ``jit_compile=True``): the skip is decided in the
-        graph, with no Python branch on a tensor value.
-        """
-        return self._bound_method("apply_gradients", optimizer)(optimizer, grads_and_vars)
+    def _checked_new_scale(self, new_scale: Any) -> Any:
+        if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
+            if registry.detect_backend(new_scale) == self._backend_name and self._backend_name is not None:
+                return new_scale  # a framework tensor: the device checks its shape and dtype
+            raise type_error("update(new_scale)", "a float or a one-element tensor", new_scale)
+        try:
+            value = to_float32(float(new_scale))
+        except OverflowError:
+            value = math.inf
+        config = self._config
+        if not (math.isfinite(value) and value > 0):
+            raise InvalidConfigError(f"update(new_scale) needs a finite positive scale. Received: {new_scale!r}.")
+        if (config.min_scale_f32 is not None and value < config.min_scale_f32) or (
+            config.max_scale_f32 is not None and value > config.max_scale_f32
+        ):
+            raise InvalidConfigError(
+                f"update(new_scale={new_scale!r}) is outside [min_scale, max_scale] = "
+                f"[{config.min_scale!r}, {config.max_scale!r}]."
+            )
+        return value
 
     # -- what happened ------------------------------------------------------------------------------------
 
+    def _remember(self, optimizer: Any, found_inf: Any, skipped: bool | None) -> None:
+        record = self._record_of(optimizer)
+        if record is None:
+            record = _Record(self._device.new_record())
+            try:
+                self._records[optimizer] = record
+            except TypeError:  # an optimizer that cannot be weakly referenced is held for its record
+                self._unweakable_records[id(optimizer)] = (optimizer, record)
+        self._device.write_record(record.storage, found_inf)
+        record.host = skipped
+
+    def _record_of(self, optimizer: Any) -> _Record | None:
+        try:
+            return self._records.get(optimizer)
+        except TypeError:
+            entry = self._unweakable_records.get(id(optimizer))
+            return None if entry is None else entry[1]
+
     def step_skipped(self, optimizer: Any = None) -> Any:
-        """Whether the last step was skipped for non-finite gradients, without a host sync.
+        """Whether a step was skipped for non-finite gradients, without a host sync.
 
         Returns the framework's boolean scalar tensor (``bool(...)`` reads it to the host when you want):
-        for ``optimizer``, whether its most recent step through this scaler was skipped; with no optimizer,
-        whether any step of the last completed iteration was skipped. A disabled scaler never skips.
+        with ``optimizer``, whether that optimizer's most recent step through this scaler was skipped; with
+        no optimizer, whether the last completed iteration skipped a step. Steps taken while scaling was
+        disabled count as not skipped.
 
         Raises:
-            ScalerUsageError: the scaler has not stepped ``optimizer`` (or anything) yet.
+            ScalerUsageError: the scaler has not stepped ``optimizer`` (or finished an iteration) yet.
         """
-        if self._impl is None:
-            raise ScalerUsageError("step_skipped() was called before this LossScaler stepped any optimizer.")
-        return self._bound_method("step_skipped", optimizer)(optimizer)
+        if optimizer is None:
+            if self._last is None:
+                raise ScalerUsageError(
+                    "step_skipped() was called before this LossScaler stepped any optimizer: it answers for the "
+                    "last iteration, once update() (or apply_gradients()) has ended one."
+                )
+            return self._device.skipped(self._device.read_record(self._last.storage))
+        record = self._record_of(optimizer) if self._device is not None else None
+        if record is None:
+            raise ScalerUsageError(
+                f"step_skipped(optimizer): {describe(optimizer)} has not been stepped by this scaler."
+            )
+        return self._device.skipped(self._device.read_record(record.storage))
+
+    def was_skipped(self, optimizer: Any) -> bool | None:
+        """The host answer to ``step_skipped(optimizer)``, or None if this scaler never stepped it.
+
+        Reads the device only when the step did not already (fused optimizers skip on the device).
+        """
+        record = self._record_of(optimizer) if self._device is not None else None
+        if record is None:
+            return None
+        if record.host is None:
+            record.host = self._device.read_flag(self._device.read_record(record.storage))
+        return record.host
 
     def skipped_steps(self) -> Any:
         """How many iterations had a skipped step since this scaler was created, as a device integer tensor.
 
         Before the scaler is bound this is the Python int 0.
         """
-        if self._impl is None:
+        if self._device is None:
             return 0
-        return self._bound_method("skipped_steps", None)()
+        return self._device.skipped_steps()
 
     # -- state -------------------------------------------------------------------------------------------
 
+    def get_state(self) -> LossScaleState:
+        """The scale and counters (reading a device state synchronises)."""
+        return self._device.read_state() if self._device is not None else self._host_state
+
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). Reading a device scale synchronises."""
-        if not self._enabled:
+        if not self.enabled:
             return 1.0
-        if self._impl is not None:
-            return float(self._impl.get_scale())
-        return self._state.scale
-
-    def _current_state(self) -> LossScaleState:
-        return self._impl.get_state() if self._impl is not None else self._state
+        return float(self.get_state().scale)
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's settings and state as a JSON-serialisable dict.
@@ -316,7 +601,7 @@ class LossScaler:
         a dict saved from one backend resumes on another with the same trajectory. Save it at the start of
         an iteration or after `update`.
         """
-        return to_state_dict(self._config, self._current_state(), self._enabled)
+        return to_state_dict(self._config, self.get_state(), self._enabled_setting)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore settings and state from `state_dict` output (polyamp's or torch's GradScaler's).
@@ -325,55 +610,104 @@ class LossScaler:
 
         Raises:
             StateDictError: (a ``ValueError``) the dict is malformed, inconsistent, or from a disabled scaler.
+            ScalerUsageError: an iteration is in progress (after a step or unscale, before update).
         """
         config, state = parse_state_dict(state_dict, self._config)
-        if self._impl is not None:
-            self._impl.set_state(config, state)
+        self._refuse_mid_iteration("load_state_dict() was called")
+        if self._device is not None:
+            self._device.write_state(config, state)
         self._config = config
-        self._state = state
+        self._host_state = state
+
+    def _refuse_mid_iteration(self, what: str) -> None:
+        if self._iteration.is_open:
+            raise ScalerUsageError(
+                f"{what} in the middle of an iteration (after step() or unscale, before update()): the "
+                "overflow checks already made would be lost. Do it between iterations: before the first step() "
+                "or after update()."
+            )
+
+    def _change_setting(self, name: str, value: Any) -> None:
+        config = self._config.replace(**{name: value})
+        if self._device is not None:
+            self._device.write_state(config, None)
+        self._config = config
 
     # -- torch.amp.GradScaler-compatible accessors -------------------------------------------------------
 
     def is_enabled(self) -> bool:
         """Same as `enabled` (torch's spelling)."""
-        return self._enabled
+        return self.enabled
 
     def get_growth_factor(self) -> float:
         """The growth factor (torch's spelling)."""
         return self._config.growth_factor
 
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Change the growth factor (validated; torch's spelling)."""
+        self._change_setting("growth_factor", new_factor)
+
     def get_backoff_factor(self) -> float:
         """The backoff factor (torch's spelling)."""
         return self._config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Change the backoff factor (validated; torch's spelling)."""
+        self._change_setting("backoff_factor", new_factor)
 
     def get_growth_interval(self) -> int:
         """The growth interval (torch's spelling)."""
         return self._config.growth_interval
 
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Change the growth interval (validated; torch's spelling)."""
+        self._change_setting("growth_interval", new_interval)
+
+    # -- the functional form ------------------------------------------------------------------------------
+
+    def functional(self, backend: str | None = None) -> FunctionalLossScaler:
+        """This scaler's settings and state as pure functions, for jitted steps (see `FunctionalLossScaler`).
+
+        Args:
+            backend: The backend whose ``make_functional`` to use; None uses the bound backend.
+
+        Raises:
+            PolyampTypeError: no backend given and none bound, or the backend has no functional form.
+        """
+        name = backend or self._backend_name
+        if name is None:
+            raise PolyampTypeError("functional() needs a backend: bind the scaler first or pass backend='...'.")
+        make = getattr(registry.get_backend(name), "make_functional", None)
+        if make is None:
+            raise PolyampTypeError(f"The {name!r} backend offers no functional (stateless) form.")
+        functional = FunctionalLossScaler(make, self._config, self.enabled)
+        return functional
+
     # -- Python protocols --------------------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        between = getattr(self._impl, "between_iterations", None)
-        if between is not None and not between():
-            raise ScalerUsageError(
-                "A LossScaler can be pickled or copied only between iterations (before the first step() or "
-                "after update()): mid-iteration, the overflow checks already made would be lost."
-            )
+        self._refuse_mid_iteration("A LossScaler can be pickled or copied only between iterations; it was copied")
         return {
             "config": self._config,
-            "enabled": self._enabled,
-            "state": self._current_state(),
+            "enabled": self._enabled_setting,
+            "state": self.get_state(),
             "backend": self._backend_name,
         }
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self._config = saved["config"]
-        self._enabled = saved["enabled"]
-        self._state = saved["state"]
-        self._impl = None
+        self._enabled_setting = saved["enabled"]
+        self._host_state = saved["state"]
+        self._device = None
+        self._style = None
         self._backend_name = None
+        self._iteration = Iteration()
+        self._scaled = False
+        self._records = weakref.WeakKeyDictionary()
+        self._unweakable_records = {}
+        self._last = None
         if saved["backend"] is not None:
-            self._bind(saved["backend"])
+            self.bind(saved["backend"])
 
     def __repr__(self) -> str:
         config = self._config
@@ -385,6 +719,29 @@ class LossScaler:
         return (
             f"{type(self).__name__}(scale={self.get_scale()!r}, growth_factor={config.growth_factor!r}, "
             f"backoff_factor={config.backoff_factor!r}, growth_interval={config.growth_interval!r}, "
-            f"hysteresis={config.hysteresis!r}{bounds}, dynamic={config.dynamic!r}, enabled={self._enabled!r}, "
+            f"hysteresis={config.hysteresis!r}{bounds}, dynamic={config.dynamic!r}, enabled={self._enabled_setting!r}, "
             f"backend={self._backend_name!r})"
         )
+
+
+LossScaler.__doc__ = (LossScaler.__doc__ or "").replace("{settings}", settings_doc(indent=12))
+
+
+def _signature(cls: type[LossScaler]) -> inspect.Signature:
+    """The signature `help()` and IDEs show: every setting by name, with its default."""
+    defaults = LossScaleConfig.defaults()
+    kind_positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    parameters = []
+    for name in cls.positional_arguments:
+        default = defaults.get(name, cls.default_enabled if name == "enabled" else None)
+        parameters.append(inspect.Parameter(name, kind_positional, default=default))
+    for name, default in defaults.items():
+        if name not in cls.positional_arguments:
+            parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default))
+    if "enabled" not in cls.positional_arguments:
+        parameters.append(inspect.Parameter("enabled", inspect.Parameter.KEYWORD_ONLY, default=cls.default_enabled))
+    parameters.append(inspect.Parameter("backend", inspect.Parameter.KEYWORD_ONLY, default=None))
+    return inspect.Signature(parameters)
+
+
+LossScaler.__signature__ = _signature(LossScaler)  # type: ignore[attr-defined]

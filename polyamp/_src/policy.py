@@ -79,15 +79,49 @@ def canonical_dtype(dtype: object, *, what: str = "dtype") -> str:
     return canonical
 
 
+#: Names people write for a policy that polyamp spells otherwise (torch / apex / Lightning habits).
+_FAMILIAR: Final = {
+    "fp16": "mixed_float16",
+    "16": "mixed_float16",
+    "16-mixed": "mixed_float16",
+    "half": "mixed_float16",
+    "amp": "mixed_float16",
+    "o1": "mixed_float16",
+    "mixed_fp16": "mixed_float16",
+    "mixed16": "mixed_float16",
+    "bf16": "mixed_bfloat16",
+    "bf16-mixed": "mixed_bfloat16",
+    "mixed_bf16": "mixed_bfloat16",
+    "fp32": "float32",
+    "f32": "float32",
+    "32": "float32",
+    "float": "float32",
+    "single": "float32",
+    "full": "float32",
+    "f16": "mixed_float16",
+    "fp16-true": "float16",
+    "bf16-true": "bfloat16",
+}
+
+
+def _did_you_mean(text: str) -> str:
+    familiar = _FAMILIAR.get(text)
+    if familiar is not None:
+        dtypes = _NAMED[familiar]
+        return f" Did you mean {familiar!r} ({dtypes[0]} parameters, {dtypes[1]} compute, {dtypes[2]} outputs)?" + (
+            " For float16 parameters too, 'float16'." if familiar == "mixed_float16" else ""
+        )
+    hint = difflib.get_close_matches(text, POLICY_NAMES, n=1)
+    return f" Did you mean {hint[0]!r}?" if hint else ""
+
+
 def _parse_spec(spec: str) -> tuple[str, str, str]:
     text = spec.strip().lower()
     named = _NAMED.get(text)
     if named is not None:
         return named
     if "=" not in text:
-        hint = difflib.get_close_matches(text, POLICY_NAMES, n=1)
-        did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
-        raise InvalidPolicyError(f"Unknown policy {spec!r}.{did_you_mean} {_GRAMMAR}")
+        raise InvalidPolicyError(f"Unknown policy {spec!r}.{_did_you_mean(text)} {_GRAMMAR}")
     chosen: dict[str, str] = {}
     for part in text.split(","):
         key, sep, value = (piece.strip() for piece in part.partition("="))
@@ -183,12 +217,10 @@ class Policy:
                 "float32" if value is None else canonical_dtype(value, what=name)
                 for name, value in zip(("param", "compute", "output"), keywords, strict=True)
             )
+        elif _is_framework_policy(spec):
+            dtypes = _from_framework_policy(spec)
         else:
-            raise PolyampTypeError(
-                "`spec` must be a policy name such as 'mixed_float16', a spec string such as "
-                f"'params=float32,compute=bfloat16,output=float32', or a polyamp.Policy. Received: "
-                f"{describe(spec)}."
-            )
+            raise _not_a_policy(spec)
         object.__setattr__(self, "_dtypes", dtypes)
 
     @property
@@ -262,5 +294,42 @@ class Policy:
         return (Policy, (self.name,))
 
 
-#: What every polyamp function that takes a policy accepts: a `Policy`, a policy name or a spec string.
+def _is_framework_policy(value: object) -> bool:
+    # A Keras DTypePolicy (or anything shaped like one): a variable dtype and a compute dtype, by name.
+    return isinstance(getattr(value, "variable_dtype", None), str) and isinstance(
+        getattr(value, "compute_dtype", None), str
+    )
+
+
+def _from_framework_policy(value: object) -> tuple[str, str, str]:
+    name = getattr(value, "name", None)
+    if isinstance(name, str) and name in _NAMED:
+        return _NAMED[name]
+    param = canonical_dtype(value.variable_dtype, what="variable_dtype")  # type: ignore[attr-defined]
+    compute = canonical_dtype(value.compute_dtype, what="compute_dtype")  # type: ignore[attr-defined]
+    # A framework policy has no output dtype; polyamp's named policies output in the parameter dtype.
+    return (param, compute, param)
+
+
+def _not_a_policy(spec: object) -> PolyampTypeError:
+    try:
+        dtype = canonical_dtype(spec)
+    except InvalidPolicyError:
+        dtype = None
+    if dtype is not None and not isinstance(spec, str):
+        mixed = "float32" if dtype == "float32" else f"mixed_{dtype}"
+        return PolyampTypeError(
+            f"A dtype is not a policy: {describe(spec)} could mean computing in {dtype} with float32 parameters "
+            f"({mixed!r}, what torch.autocast(dtype=...) does) or keeping everything in {dtype} ({dtype!r}). "
+            f"Pass the policy name, or Policy(compute={dtype!r}) for the first."
+        )
+    return PolyampTypeError(
+        "`spec` must be a policy name such as 'mixed_float16', a spec string such as "
+        "'params=float32,compute=bfloat16,output=float32', a polyamp.Policy or a Keras DTypePolicy. Received: "
+        f"{describe(spec)}."
+    )
+
+
+#: What every polyamp function that takes a policy accepts: a `Policy`, a policy name or a spec string
+#: (or a Keras ``DTypePolicy``, which names its variable and compute dtypes).
 PolicyLike: TypeAlias = Policy | str

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from polyamp._src.errors import (
+    BackendConflictError,
+    BackendMismatchError,
     BackendNotInstalledError,
     PolyampTypeError,
     UnknownBackendError,
@@ -36,9 +38,11 @@ __all__ = [
     "BackendSpec",
     "backend_name_for",
     "backend_specs",
+    "detect_backend",
     "get_backend",
     "load_target",
     "register_backend",
+    "wrong_object_error",
 ]
 
 ENTRY_POINT_GROUP: Final = "polyamp.backends"
@@ -82,8 +86,32 @@ class BackendSpec:
             raise PolyampTypeError(
                 f"BackendSpec.target must look like 'package.module:attribute'. Received: {self.target!r}."
             )
-        object.__setattr__(self, "frameworks", tuple(self.frameworks))
-        object.__setattr__(self, "policy_modules", tuple(self.policy_modules) or self.frameworks)
+        object.__setattr__(self, "frameworks", _module_names("frameworks", self.frameworks, allow_empty=False))
+        modules = _module_names("policy_modules", self.policy_modules, allow_empty=True)
+        object.__setattr__(self, "policy_modules", modules or self.frameworks)
+        for attr in ("policy_hook", "harness"):
+            value = getattr(self, attr)
+            if value is not None and (not isinstance(value, str) or ":" not in value):
+                raise PolyampTypeError(
+                    f"BackendSpec.{attr} must be None or a 'package.module:attribute' string. "
+                    f"Received: {describe(value)}."
+                )
+
+
+def _module_names(attr: str, value: object, *, allow_empty: bool) -> tuple[str, ...]:
+    # A bare string would silently become a tuple of its characters.
+    if isinstance(value, str) or not isinstance(value, (tuple, list)):
+        raise PolyampTypeError(
+            f"BackendSpec.{attr} must be a tuple of top-level module names, e.g. {attr}=('mylib',). "
+            f"Received: {describe(value)}."
+        )
+    names = tuple(value)
+    if not all(isinstance(name, str) and name and "." not in name for name in names) or (not names and not allow_empty):
+        raise PolyampTypeError(
+            f"BackendSpec.{attr} must hold non-empty top-level module names (no dots), e.g. {attr}=('mylib',). "
+            f"Received: {describe(value)}."
+        )
+    return names
 
 
 _FIRST_PARTY: Final = (
@@ -117,13 +145,13 @@ def register_backend(spec: BackendSpec, *, replace: bool = False) -> None:
     """Make a backend known by name and by the framework modules it handles.
 
     Raises:
-        UnknownBackendError: the name is taken and ``replace`` is False.
+        BackendConflictError: the name is taken (by a different spec) and ``replace`` is False.
     """
     if not isinstance(spec, BackendSpec):
         raise PolyampTypeError(f"register_backend() takes a polyamp.BackendSpec. Received: {describe(spec)}.")
     with _lock:
         if spec.name in _specs and not replace and _specs[spec.name] != spec:
-            raise UnknownBackendError(
+            raise BackendConflictError(
                 f"A backend named {spec.name!r} is already registered ({_specs[spec.name].target}). "
                 "Pass replace=True to override it."
             )
@@ -215,16 +243,48 @@ def _owner_of_type(cls: type) -> str | None:
 
 
 def backend_name_for(obj: object) -> str | None:
-    """The name of the backend that handles ``obj``'s type, or None. Never imports a framework."""
+    """The name of the backend that handles ``obj``'s type, or None. Never imports a framework.
+
+    Lock-free once a type has been seen (a dict lookup), so it costs nothing in a training step and is
+    traceable by compilers such as ``torch.compile``.
+    """
     cls = type(obj)
-    try:
-        return _type_cache[cls]
-    except KeyError:
-        pass
-    with _lock:
+    cached = _type_cache.get(cls, _UNSEEN)
+    if cached is not _UNSEEN:
+        return cached  # type: ignore[return-value]
+    owner = _owner_of_type(cls)
+    if owner is None and not _entry_points_read:
+        _read_entry_points()
         owner = _owner_of_type(cls)
-        if owner is None and not _entry_points_read:
-            _read_entry_points()
-            owner = _owner_of_type(cls)
-        _type_cache[cls] = owner
-        return owner
+    _type_cache[cls] = owner  # one atomic store; racing threads store the same answer
+    return owner
+
+
+_UNSEEN: Final = object()
+
+
+def detect_backend(obj: object) -> str | None:
+    """Like `backend_name_for`, also looking inside lists and tuples (of losses, or of (grad, var) pairs)."""
+    owner = backend_name_for(obj)
+    if owner is None and isinstance(obj, (list, tuple)):
+        for item in obj:
+            if isinstance(item, (list, tuple)):  # (grad, var) pairs
+                item = item[0] if item else None
+            if item is not None:
+                return detect_backend(item)
+    return owner
+
+
+def wrong_object_error(bound: str, method: str, obj: object, expected: str) -> PolyampTypeError:
+    """The error for a scaler bound to ``bound`` that was handed ``obj``.
+
+    Names both frameworks when ``obj`` belongs to another one (`BackendMismatchError`), else says what
+    ``method`` takes, e.g. ``wrong_object_error("torch", "step", 3, "a torch.optim.Optimizer")``.
+    """
+    owner = detect_backend(obj)
+    if owner is not None and owner != bound:
+        return BackendMismatchError(
+            f"This LossScaler is bound to {bound}, but {method}() received a {owner} object: {describe(obj)}. "
+            "A LossScaler serves one framework; create one per framework (their state dicts are interchangeable)."
+        )
+    return PolyampTypeError(f"{method}() takes {expected}. Received: {describe(obj)}.")

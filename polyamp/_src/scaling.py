@@ -8,16 +8,27 @@ the reference reproduces ``torch.amp.GradScaler`` bit for bit for any growth/bac
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import numbers
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final, TypeAlias
+from typing import Any, Final, TypeAlias, TypedDict
 
 from polyamp._src.errors import InvalidConfigError, PolyampTypeError, describe
 
-__all__ = ["INT32_MAX", "LossScaleConfig", "LossScaleState", "OverflowPattern", "to_float32"]
+__all__ = [
+    "INT32_MAX",
+    "NOT_GIVEN",
+    "LossScaleConfig",
+    "LossScaleSettings",
+    "LossScaleState",
+    "NotGiven",
+    "OverflowPattern",
+    "to_float32",
+]
 
 _F32: Final = struct.Struct("<f")
 #: Growth counters and hysteresis live in int32 on the devices.
@@ -66,6 +77,56 @@ def _scale_bound(name: str, value: object) -> float | None:
     return number
 
 
+class NotGiven:
+    """The type of `NOT_GIVEN`: marks a setting the caller did not pass, so its default (or the current
+    value) applies. A sentinel, never a comparison with the default value, tells "not given" apart from
+    "given, equal to the default"."""
+
+    _instance: NotGiven | None = None
+
+    def __new__(cls) -> NotGiven:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "NOT_GIVEN"
+
+    def __reduce__(self) -> str:
+        return "NOT_GIVEN"
+
+
+#: The one `NotGiven` instance.
+NOT_GIVEN: Final = NotGiven()
+
+
+class LossScaleSettings(TypedDict, total=False):
+    """The loss-scaling settings as keyword arguments (``LossScaler(**settings)``); see `LossScaleConfig`."""
+
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    hysteresis: int
+    min_scale: float | None
+    max_scale: float | None
+    dynamic: bool
+
+
+#: One line of documentation per setting, in field order; every docstring that lists the settings is made
+#: from this table, so a setting is documented once.
+SETTING_DOCS: Final = {
+    "init_scale": "Starting scale, held in float32; torch's default (Keras 3 starts at 2**15).",
+    "growth_factor": "Multiplier after ``growth_interval`` consecutive finite steps; > 1.",
+    "backoff_factor": "Multiplier after an overflow (once ``hysteresis`` overflows accumulate); in (0, 1).",
+    "growth_interval": "Consecutive finite steps before the scale grows; >= 1.",
+    "hysteresis": "Overflows needed before the scale backs off; >= 1 (1 backs off on every overflow).",
+    "min_scale": "Floor for the scale after backoff, or None for none (torch has none).",
+    "max_scale": "Cap for the scale after growth, or None for none (growth still never reaches inf).",
+    "dynamic": "False keeps the scale at ``init_scale`` forever; non-finite steps are still skipped.",
+}
+
+
 @dataclass(frozen=True)
 class LossScaleState:
     """The mutable part of a loss scaler, as a value.
@@ -86,43 +147,39 @@ class LossScaleState:
 class LossScaleConfig:
     """The settings of a loss scaler, validated, and the reference state machine that uses them.
 
-    Args:
-        init_scale: Starting scale (held in float32). torch's default, 2**16.
-        growth_factor: Multiplier after ``growth_interval`` consecutive finite steps; > 1.
-        backoff_factor: Multiplier after an overflow (once ``hysteresis`` overflows accumulate); in (0, 1).
-        growth_interval: Consecutive finite steps before the scale grows; >= 1.
-        hysteresis: Overflows needed before the scale backs off; >= 1 (1 = back off on every overflow).
-        min_scale: Floor for backoff, or None for none (torch has none).
-        max_scale: Cap for growth, or None for none (growth still never reaches inf).
-        dynamic: False keeps the scale at ``init_scale`` forever; non-finite steps are still skipped.
+        Every loss scaler in polyamp (`LossScaler`, the Keras ``LossScaleOptimizer``, the state dicts) takes
+        exactly these settings, with these defaults; this class is where they are defined and checked.
 
-    Raises:
-        InvalidConfigError: (a ``ValueError``) a value is out of range.
-        PolyampTypeError: (a ``TypeError``) a value has the wrong type.
+        Args:
+    {settings}
 
-    The algorithm, per optimizer step (``found_inf`` = any gradient is inf or NaN):
+        Raises:
+            InvalidConfigError: (a ``ValueError``) a value is out of range.
+            PolyampTypeError: (a ``TypeError``) a value has the wrong type.
 
-    * all finite: ``growth_tracker += 1``; when it reaches ``growth_interval``, the scale becomes
-      ``min(scale * growth_factor, max_scale)`` unless that is not finite, ``growth_tracker`` resets to 0 and
-      ``hysteresis_left`` refills to ``hysteresis``;
-    * non-finite: the step is skipped, ``growth_tracker`` resets to 0, ``hysteresis_left -= 1``; when it reaches
-      0, the scale becomes ``max(scale * backoff_factor, min_scale)`` and ``hysteresis_left`` refills.
+        The algorithm, per optimizer step (``found_inf`` = any gradient is inf or NaN):
 
-    Each product is rounded to float32 from its double-precision value, as torch's kernel does. With the
-    defaults (hysteresis 1, no bounds) this is exactly ``torch.amp.GradScaler``'s rule.
+        * all finite: ``growth_tracker += 1``; when it reaches ``growth_interval``, the scale becomes
+          ``min(scale * growth_factor, max_scale)`` unless that is not finite, ``growth_tracker`` resets to 0 and
+          ``hysteresis_left`` refills to ``hysteresis``;
+        * non-finite: the step is skipped, ``growth_tracker`` resets to 0, ``hysteresis_left -= 1``; when it reaches
+          0, the scale becomes ``max(scale * backoff_factor, min_scale)`` and ``hysteresis_left`` refills.
 
-    Example: a pattern of finite (F) and overflowing (O) steps at ``growth_interval=3``, and the scale after
-    each step's update:
+        Each product is rounded to float32 from its double-precision value, as torch's kernel does. With the
+        defaults (hysteresis 1, no bounds) this is exactly ``torch.amp.GradScaler``'s rule.
 
-    >>> config = LossScaleConfig(growth_interval=3)
-    >>> config.trajectory("FFFOFFOOFFFFFF")  # doctest: +NORMALIZE_WHITESPACE
-    [65536.0, 65536.0, 131072.0, 65536.0, 65536.0, 65536.0, 32768.0, 16384.0, 16384.0, 16384.0,
-     32768.0, 32768.0, 32768.0, 65536.0]
+        Example: a pattern of finite (F) and overflowing (O) steps at ``growth_interval=3``, and the scale after
+        each step's update:
 
-    With ``hysteresis=2`` a lone overflow is tolerated; a second one before the next growth backs off:
+        >>> config = LossScaleConfig(growth_interval=3)
+        >>> config.trajectory("FFFOFFOOFFFFFF")  # doctest: +NORMALIZE_WHITESPACE
+        [65536.0, 65536.0, 131072.0, 65536.0, 65536.0, 65536.0, 32768.0, 16384.0, 16384.0, 16384.0,
+         32768.0, 32768.0, 32768.0, 65536.0]
 
-    >>> LossScaleConfig(growth_interval=3, hysteresis=2).trajectory("FOFOOO")
-    [65536.0, 65536.0, 65536.0, 32768.0, 32768.0, 16384.0]
+        With ``hysteresis=2`` a lone overflow is tolerated; a second one before the next growth backs off:
+
+        >>> LossScaleConfig(growth_interval=3, hysteresis=2).trajectory("FOFOOO")
+        [65536.0, 65536.0, 65536.0, 32768.0, 32768.0, 16384.0]
     """
 
     init_scale: float = 2.0**16
@@ -198,9 +255,57 @@ class LossScaleConfig:
         return None if self.max_scale is None else to_float32(self.max_scale)
 
     @property
-    def is_torch_compatible(self) -> bool:
-        """True when torch's own update kernel computes this rule (dynamic, hysteresis 1, no bounds)."""
+    def is_standard_rule(self) -> bool:
+        """True for the plain dynamic rule: dynamic, hysteresis 1, no bounds.
+
+        That is the rule frameworks' own loss scalers implement (torch's update kernel computes it), so a
+        backend may hand such a config to its framework's kernel instead of running the extended rule.
+        """
         return self.dynamic and self.hysteresis == 1 and self.min_scale is None and self.max_scale is None
+
+    # -- the settings as data --------------------------------------------------------------------------
+
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        """The names of the settings, in order (the first four are `LossScaler`'s positional arguments)."""
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Each setting's default value."""
+        return {field.name: field.default for field in dataclasses.fields(cls)}
+
+    def settings(self) -> dict[str, Any]:
+        """This config as a plain dict of settings (JSON-serialisable)."""
+        return {name: getattr(self, name) for name in self.setting_names()}
+
+    @classmethod
+    def from_settings(
+        cls, settings: Mapping[str, Any], base: LossScaleConfig | None = None, *, caller: str = "LossScaleConfig()"
+    ) -> LossScaleConfig:
+        """A config from keyword settings; a setting that is absent or `NOT_GIVEN` keeps ``base``'s value
+        (the defaults when ``base`` is None).
+
+        Raises:
+            PolyampTypeError: a name is not a setting (the message suggests the closest one).
+            InvalidConfigError / PolyampTypeError: a value is invalid (see the class docstring).
+        """
+        names = cls.setting_names()
+        unknown = [key for key in settings if key not in names]
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise PolyampTypeError(
+                f"{caller} got an unknown loss-scaling setting {key!r}.{hint} The settings are: {', '.join(names)}."
+            )
+        values = base.settings() if base is not None else cls.defaults()
+        values.update({key: value for key, value in settings.items() if value is not NOT_GIVEN})
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> LossScaleConfig:
+        """A copy with some settings changed (validated like a new config)."""
+        return self.from_settings(changes, self, caller="LossScaleConfig.replace()")
 
     # -- the reference state machine ---------------------------------------------------------------------
 
@@ -269,6 +374,23 @@ class LossScaleConfig:
             raise InvalidConfigError(
                 f"hysteresis_left must be in [1, hysteresis={self.hysteresis}]. Received: {state.hysteresis_left!r}."
             )
+
+
+def settings_doc(indent: int = 8) -> str:
+    """The settings as an ``Args:`` block (name, default and meaning), for the docstrings that list them."""
+    defaults = LossScaleConfig.defaults()
+    shown = {"init_scale": "2**16"}
+    lines = []
+    for name, doc in SETTING_DOCS.items():
+        default = shown.get(name, repr(defaults[name]))
+        lines.append(f"{' ' * indent}{name}: {doc} Default: {default}.")
+    return "\n".join(lines)
+
+
+assert tuple(SETTING_DOCS) == LossScaleConfig.setting_names() == tuple(LossScaleSettings.__annotations__), (
+    "every setting is a LossScaleConfig field, a LossScaleSettings key and a SETTING_DOCS line, in one order"
+)
+LossScaleConfig.__doc__ = (LossScaleConfig.__doc__ or "").replace("{settings}", settings_doc())
 
 
 def _overflows(pattern: OverflowPattern) -> list[bool]:

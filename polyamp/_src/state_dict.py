@@ -18,36 +18,31 @@ from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
 __all__ = ["FORMAT_VERSION", "parse_state_dict", "to_state_dict"]
 
 FORMAT_VERSION: Final = 1
+#: What torch.amp.GradScaler.state_dict() holds: its scale and tracker, and three of the settings.
 _TORCH_KEYS: Final = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_POLYAMP_KEYS: Final = (
-    "init_scale",
-    "hysteresis",
-    "hysteresis_left",
-    "min_scale",
-    "max_scale",
-    "dynamic",
-    "enabled",
-    "polyamp_format",
-)
+#: The state (besides the scale and tracker) and the bookkeeping keys; every setting is a key too.
+_STATE_KEYS: Final = ("hysteresis_left", "enabled", "polyamp_format")
 
 
-def to_state_dict(config: LossScaleConfig, state: LossScaleState, enabled: bool) -> dict[str, Any]:
-    """The state dict of a scaler: torch's five keys plus polyamp's settings, all plain Python values."""
-    return {
+def _known_keys() -> tuple[str, ...]:
+    settings = [name for name in LossScaleConfig.setting_names() if name not in _TORCH_KEYS]
+    return (*_TORCH_KEYS, *settings, *_STATE_KEYS)
+
+
+def to_state_dict(config: LossScaleConfig, state: LossScaleState, enabled: bool | None) -> dict[str, Any]:
+    """The state dict of a scaler: torch's five keys plus every other setting and polyamp's state, as plain
+    Python values. ``enabled`` is the scaler's setting (None: it follows the policy)."""
+    settings = config.settings()
+    result: dict[str, Any] = {
         "scale": float(state.scale),
-        "growth_factor": config.growth_factor,
-        "backoff_factor": config.backoff_factor,
-        "growth_interval": config.growth_interval,
+        "growth_factor": settings.pop("growth_factor"),
+        "backoff_factor": settings.pop("backoff_factor"),
+        "growth_interval": settings.pop("growth_interval"),
         "_growth_tracker": int(state.growth_tracker),
-        "init_scale": config.init_scale,
-        "hysteresis": config.hysteresis,
-        "hysteresis_left": int(state.hysteresis_left),
-        "min_scale": config.min_scale,
-        "max_scale": config.max_scale,
-        "dynamic": config.dynamic,
-        "enabled": enabled,
-        "polyamp_format": FORMAT_VERSION,
     }
+    result.update(settings)
+    result.update({"hysteresis_left": int(state.hysteresis_left), "enabled": enabled, "polyamp_format": FORMAT_VERSION})
+    return result
 
 
 def _fail(reason: str) -> StateDictError:
@@ -57,7 +52,8 @@ def _fail(reason: str) -> StateDictError:
 def parse_state_dict(state_dict: Mapping[str, Any], current: LossScaleConfig) -> tuple[LossScaleConfig, LossScaleState]:
     """Validate a polyamp or native torch state dict; return the config and state it describes.
 
-    Settings a native torch dict does not carry (hysteresis, bounds, ...) keep their ``current`` values.
+    Settings the dict does not carry (a native torch dict has no hysteresis or bounds) keep their
+    ``current`` values.
 
     Raises:
         StateDictError: (a ``ValueError``) anything is missing, unknown, of the wrong type or inconsistent.
@@ -71,40 +67,31 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: LossScaleConfig) ->
             "it is empty, as torch.amp.GradScaler(enabled=False).state_dict() is; a disabled scaler has no "
             "scale to resume. Start with the fresh scaler instead."
         )
-    unknown = sorted(set(state_dict) - set(_TORCH_KEYS) - set(_POLYAMP_KEYS), key=str)
+    known = _known_keys()
+    unknown = sorted(set(state_dict) - set(known), key=str)
     if unknown:
-        raise _fail(f"unknown keys {unknown}. Known keys: {list(_TORCH_KEYS + _POLYAMP_KEYS)}.")
+        raise _fail(f"unknown keys {unknown}. Known keys: {list(known)}.")
     missing = [key for key in _TORCH_KEYS if key not in state_dict]
     if missing:
         raise _fail(f"missing keys {missing}; a state dict holds at least {list(_TORCH_KEYS)}.")
     version = state_dict.get("polyamp_format", FORMAT_VERSION)
-    if version != FORMAT_VERSION or isinstance(version, bool):
+    if type(version) is not int or version != FORMAT_VERSION:
         raise _fail(
             f"polyamp_format={version!r}, but this polyamp reads format {FORMAT_VERSION}. "
             "Upgrade polyamp to read newer checkpoints."
         )
-    if "enabled" in state_dict and state_dict["enabled"] is not True:
-        if state_dict["enabled"] is False:
-            raise _fail(
-                "it was saved from a disabled LossScaler, which has no scale to resume. Start with the "
-                "fresh scaler instead."
-            )
-        raise _fail(f"'enabled' must be a bool. Received: {describe(state_dict['enabled'])}.")
-
-    def get(key: str, default: Any) -> Any:
-        return state_dict[key] if key in state_dict else default
-
-    try:
-        config = LossScaleConfig(
-            init_scale=get("init_scale", current.init_scale),
-            growth_factor=state_dict["growth_factor"],
-            backoff_factor=state_dict["backoff_factor"],
-            growth_interval=state_dict["growth_interval"],
-            hysteresis=get("hysteresis", current.hysteresis),
-            min_scale=get("min_scale", current.min_scale),
-            max_scale=get("max_scale", current.max_scale),
-            dynamic=get("dynamic", current.dynamic),
+    enabled = state_dict.get("enabled", True)
+    if enabled is False:
+        raise _fail(
+            "it was saved from a disabled LossScaler (enabled=False), which has no scale to resume. Start with "
+            "the fresh scaler instead."
         )
+    if not (enabled is True or enabled is None):
+        raise _fail(f"'enabled' must be True, False or None. Received: {describe(enabled)}.")
+
+    settings = {name: state_dict[name] for name in LossScaleConfig.setting_names() if name in state_dict}
+    try:
+        config = LossScaleConfig.from_settings(settings, current, caller="load_state_dict()")
     except (InvalidConfigError, PolyampTypeError) as exc:
         raise _fail(str(exc)) from exc
 
@@ -113,7 +100,7 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: LossScaleConfig) ->
         raise _fail(f"'scale' must be a finite number. Received: {describe(scale)}.")
     counters = {}
     for key, default in (("_growth_tracker", 0), ("hysteresis_left", config.hysteresis)):
-        value = get(key, default)
+        value = state_dict.get(key, default)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise _fail(f"{key!r} must be an int. Received: {describe(value)}.")
         counters[key] = int(value)

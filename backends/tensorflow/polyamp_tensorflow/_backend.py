@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 from polyamp import LossScaleConfig, LossScaleState
-from polyamp_tensorflow._framework import keras, tf
-from polyamp_tensorflow._scaler import TensorFlowScalerImpl
+from polyamp_tensorflow._device import TensorFlowDevice
 
 __all__ = ["TensorFlowBackend"]
 
 
 class TensorFlowBackend:
-    """polyamp's TensorFlow/Keras 3 backend: recognises TF and Keras objects, makes in-graph loss scalers."""
+    """polyamp's TensorFlow/Keras 3 backend: makes device forms of loss scalers that keep their state in
+    ``tf.Variable``s and decide in the graph."""
 
     name = "tensorflow"
 
-    def owns(self, obj: object) -> bool:
-        return tf.is_tensor(obj) or isinstance(obj, (tf.Variable, keras.Variable, keras.optimizers.Optimizer))
-
-    def make_scaler(self, config: LossScaleConfig, state: LossScaleState, enabled: bool) -> TensorFlowScalerImpl:
-        return TensorFlowScalerImpl(config, state, enabled)
+    def make_device(self, config: LossScaleConfig, state: LossScaleState) -> TensorFlowDevice:
+        return TensorFlowDevice(config, state)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from polyamp import PolyampTypeError
-from polyamp._src.errors import describe
+from polyamp.backend_api import describe
 from polyamp_tensorflow._framework import keras
 from polyamp_tensorflow._optimizer import LossScaleOptimizer
-from polyamp_tensorflow._update import to_python
+from polyamp_tensorflow._rule import read_scalar
 
 __all__ = ["LossScaleCallback"]
 
@@ -40,7 +40,7 @@ class LossScaleCallback(keras.callbacks.Callback):  # type: ignore[misc]
             return
         optimizer = self._optimizer()
         logs["loss_scale"] = optimizer.get_scale()
-        logs["skipped_steps"] = int(to_python(optimizer.skipped_steps)) if optimizer.built else 0
+        logs["skipped_steps"] = int(read_scalar(optimizer.skipped_steps)) if optimizer.built else 0
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._add(logs)

@@ -5,15 +5,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from polyamp import (
-    LossScaleConfig,
-    LossScaleState,
-    PolyampTypeError,
+from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
+from polyamp.backend_api import (
+    NOT_GIVEN,
+    UnscaleStages,
+    check_enabled,
+    describe,
+    parse_state_dict,
+    resolve_enabled,
+    to_state_dict,
 )
-from polyamp._src.errors import describe
-from polyamp._src.loss_scaler import resolve_enabled
-from polyamp._src.state_dict import parse_state_dict, to_state_dict
 from polyamp_tensorflow._framework import keras
+from polyamp_tensorflow._gradients import all_finite, refuse_loss_scale_factor, unscale
+from polyamp_tensorflow._rule import ScaleState, advance, read_scalar
 
 try:  # what Keras's own LossScaleOptimizer.build uses: variables are tracked through add_variable only
     from keras.src.utils.tracking import no_automatic_dependency_tracking
@@ -23,50 +27,27 @@ except ImportError:  # pragma: no cover - a Keras without it tracks attributes h
         return function
 
 
-from polyamp_tensorflow._update import (
-    UnscaleTracker,
-    advance,
-    all_finite,
-    refuse_loss_scale_factor,
-    to_python,
-    unscale,
-)
-
 __all__ = ["LossScaleOptimizer"]
 
 ops = keras.ops
 
+#: Keras's names for two of polyamp's settings, accepted (and written by get_config) for porting.
+KERAS_NAMES = {"initial_scale": "init_scale", "dynamic_growth_steps": "growth_interval"}
 
-def _config_kwargs(
-    init_scale: float,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-    min_scale: float | None,
-    max_scale: float | None,
-    dynamic: bool,
-    initial_scale: float | None,
-    dynamic_growth_steps: int | None,
-) -> dict[str, Any]:
-    if initial_scale is not None:  # Keras's spelling, accepted so existing code and configs keep working
-        if init_scale != 2.0**16:
-            raise PolyampTypeError("Give init_scale or Keras's initial_scale, not both.")
-        init_scale = initial_scale
-    if dynamic_growth_steps is not None:
-        if growth_interval != 2000:
-            raise PolyampTypeError("Give growth_interval or Keras's dynamic_growth_steps, not both.")
-        growth_interval = dynamic_growth_steps
-    return dict(
-        init_scale=init_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        hysteresis=hysteresis,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        dynamic=dynamic,
-    )
+
+def _settings(settings: dict[str, Any], keras_names: dict[str, Any]) -> dict[str, Any]:
+    """polyamp's settings from polyamp's and Keras's spellings; both may be given only if they agree."""
+    for keras_name, name in KERAS_NAMES.items():
+        value = keras_names[keras_name]
+        if value is NOT_GIVEN:
+            continue
+        given = settings.get(name, NOT_GIVEN)
+        if given is not NOT_GIVEN and given != value:
+            raise PolyampTypeError(
+                f"Give {name} or Keras's {keras_name}, not both (received {name}={given!r}, {keras_name}={value!r})."
+            )
+        settings[name] = value
+    return settings
 
 
 @keras.saving.register_keras_serializable(package="polyamp", name="LossScaleOptimizer")
@@ -99,10 +80,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
 
     Args:
         inner_optimizer: The Keras optimizer to wrap.
-        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
-            dynamic, enabled: As for `polyamp.LossScaler`.
+        *positional: The first settings by position, as for `polyamp.LossScaler`.
+        enabled: None (default) follows the policy in effect when the optimizer is used: polyamp's, or
+            Keras's own global policy (``keras.mixed_precision.set_global_policy``) when that computes in
+            float16. True or False fixes it.
         initial_scale, dynamic_growth_steps: Keras's names for ``init_scale`` and ``growth_interval``.
         name: The optimizer's name.
+        **settings: polyamp's loss-scaling settings, see `polyamp.LossScaleConfig`.
 
     Raises:
         InvalidConfigError / PolyampTypeError: a setting is invalid.
@@ -111,35 +95,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
     def __init__(
         self,
         inner_optimizer: Any,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        *,
-        hysteresis: int = 1,
-        min_scale: float | None = None,
-        max_scale: float | None = None,
-        dynamic: bool = True,
+        *positional: Any,
         enabled: bool | None = None,
-        initial_scale: float | None = None,
-        dynamic_growth_steps: int | None = None,
+        initial_scale: Any = NOT_GIVEN,
+        dynamic_growth_steps: Any = NOT_GIVEN,
         name: str | None = None,
-        **kwargs: Any,
+        **settings: Any,
     ) -> None:
-        config = LossScaleConfig(
-            **_config_kwargs(
-                init_scale,
-                growth_factor,
-                backoff_factor,
-                growth_interval,
-                hysteresis,
-                min_scale,
-                max_scale,
-                dynamic,
-                initial_scale,
-                dynamic_growth_steps,
-            )
-        )
+        from polyamp.backend_api import bind_arguments
+
+        arguments = bind_arguments("LossScaleOptimizer()", LossScaleConfig.setting_names()[:4], positional, settings)
+        arguments = _settings(arguments, {"initial_scale": initial_scale, "dynamic_growth_steps": dynamic_growth_steps})
+        config = LossScaleConfig.from_settings(arguments, caller="LossScaleOptimizer()")
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise PolyampTypeError(
                 f"`inner_optimizer` must be a Keras 3 optimizer such as keras.optimizers.Adam(). "
@@ -150,31 +117,45 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
                 "`inner_optimizer` is already a LossScaleOptimizer; wrapping it again would scale the loss "
                 "twice. Pass the plain optimizer."
             )
-        enabled = resolve_enabled(enabled)
+        enabled = check_enabled(enabled)
         super().__init__(
             inner_optimizer,
             initial_scale=config.initial_state().scale,
             dynamic_growth_steps=config.growth_interval,
             name=name,
-            **kwargs,
         )
         self._polyamp_config = config
         self._polyamp_enabled = enabled
         self._polyamp_initial_state = config.initial_state()
-        self._unscaled = UnscaleTracker()
+        self._stages = UnscaleStages()
         self._grads_are_unscaled = False
+        self._step_enabled: bool | None = None
 
-    # -- state -------------------------------------------------------------------------------------------
+    # -- settings and state ------------------------------------------------------------------------------
 
     @property
-    def config_(self) -> LossScaleConfig:
-        """The validated polyamp settings."""
+    def loss_scale_config(self) -> LossScaleConfig:
+        """The validated polyamp settings (see `polyamp.LossScaleConfig`)."""
         return self._polyamp_config
+
+    def _decide_enabled(self) -> bool:
+        keras_float16 = str(keras.config.dtype_policy().compute_dtype) == "float16"
+        return resolve_enabled(self._polyamp_enabled, float16_in_use=keras_float16)
 
     @property
     def enabled(self) -> bool:
-        """Whether the loss is scaled at all."""
+        """Whether the loss is scaled: in the step in progress once it started, else if it started now."""
+        return self._step_enabled if self._step_enabled is not None else self._decide_enabled()
+
+    @property
+    def enabled_setting(self) -> bool | None:
+        """The ``enabled`` argument: True, False, or None (follow the policy)."""
         return self._polyamp_enabled
+
+    def _begin(self) -> bool:
+        if self._step_enabled is None:
+            self._step_enabled = self._decide_enabled()
+        return self._step_enabled
 
     @no_automatic_dependency_tracking  # type: ignore[untyped-decorator]
     def build(self, var_list: list[Any]) -> None:
@@ -194,59 +175,59 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self.last_skipped = self.add_variable(
             shape=(), dtype="bool", initializer=keras.initializers.Zeros(), aggregation="none", name="last_skipped"
         )
-
-    # Names the shared update expects.
-    @property
-    def scale(self) -> Any:
-        return self.dynamic_scale
-
-    @property
-    def growth_tracker(self) -> Any:
-        return self.step_counter
+        self._scale_state = ScaleState(self.dynamic_scale, self.step_counter, self.hysteresis_left, self.skipped_steps)
 
     @property
     def loss_scale(self) -> Any:
         """The current loss scale (a float32 tensor; tf.keras 2's name). 1.0 when disabled."""
-        if not self._polyamp_enabled:
+        if not self.enabled:
             return ops.convert_to_tensor(1.0)
         return ops.convert_to_tensor(self.dynamic_scale if self.built else self.initial_scale)
 
     def get_scale(self) -> float:
         """The current loss scale as a Python float (reads the variable)."""
-        return float(to_python(self.loss_scale))
+        return float(read_scalar(self.loss_scale))
 
     def _get_state(self) -> LossScaleState:
         if not self.built:
             return self._polyamp_initial_state
-        return LossScaleState(
-            float(to_python(self.dynamic_scale)),
-            int(to_python(self.step_counter)),
-            int(to_python(self.hysteresis_left)),
-        )
+        return self._scale_state.read()
 
     def state_dict(self) -> dict[str, Any]:
         """The loss-scaler state as `polyamp.LossScaler.state_dict` gives it (portable across backends)."""
         return to_state_dict(self._polyamp_config, self._get_state(), self._polyamp_enabled)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a polyamp (or torch GradScaler) loss-scaler state dict; validated first, all or nothing."""
+        """Restore a polyamp (or torch GradScaler) loss-scaler state dict; validated first, all or nothing.
+
+        Raises:
+            StateDictError: the dict is malformed (nothing changes).
+            ScalerUsageError: gradients unscaled by `get_unscaled_gradients` wait for their apply.
+        """
         config, state = parse_state_dict(state_dict, self._polyamp_config)
+        if self._stages.pending:
+            raise ScalerUsageError(
+                "load_state_dict() was called in the middle of an iteration (after get_unscaled_gradients(), "
+                "before apply_gradients()). Load the state at the start of an iteration."
+            )
         self._polyamp_config = config
         self._polyamp_initial_state = state
         self.dynamic_growth_steps = config.growth_interval
         if self.built:
-            self.dynamic_scale.assign(state.scale)
-            self.step_counter.assign(state.growth_tracker)
-            self.hysteresis_left.assign(state.hysteresis_left)
+            self._scale_state.write(state)
         else:
             self.initial_scale = state.scale
 
     # -- scaling -----------------------------------------------------------------------------------------
 
     def scale_loss(self, loss: Any) -> Any:
-        """Multiply the loss by the current scale (Keras 3's name). A disabled optimizer returns it as is."""
-        if not self._polyamp_enabled:
+        """Multiply the loss by the current scale (Keras 3's name). A disabled optimizer returns it as is.
+
+        New losses mean new, scaled gradients: a pending `get_unscaled_gradients` stage ends here.
+        """
+        if not self._begin():
             return loss
+        self._stages.clear()
         return super().scale_loss(loss)
 
     def get_scaled_loss(self, loss: Any) -> Any:
@@ -260,22 +241,29 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         of them. Passing the scaled gradients given here instead raises `polyamp.ScalerUsageError`.
         """
         grads = list(grads)
-        if not self._polyamp_enabled:
+        if not self._begin():
             return grads
         result = unscale(grads, self.dynamic_scale if self.built else self.initial_scale)
-        self._unscaled.record(grads, result)
+        self._stages.record(grads, result, method="get_unscaled_gradients()")
         return result
 
     # -- applying ----------------------------------------------------------------------------------------
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
         grads = list(grads)
-        if not self._polyamp_enabled:
+        enabled = self._begin()
+        self._step_enabled = None  # the step ends here; the next one decides anew
+        if not enabled:
+            self._stages.clear()
             self.inner_optimizer.apply(grads, trainable_variables)
             return
         refuse_loss_scale_factor(self.inner_optimizer, "a LossScaleOptimizer wraps it")
         # Decided in Python, once per trace, before Keras's distribution machinery touches the tensors.
-        self._grads_are_unscaled = self._unscaled.consume(grads, "apply_gradients()")
+        stage = self._stages.check(grads, "apply_gradients()")
+        self._grads_are_unscaled = stage is not None
+        if stage is not None:
+            self._stages.consume(stage)
+        self._stages.clear()
         super().apply(grads, trainable_variables)
 
     def check_finite(self, grads: Any) -> Any:
@@ -287,10 +275,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             skip = [self._overwrite_variable_with_gradient(v) for v in variables]
             grads = unscale(list(grads), self.dynamic_scale, skip)
         self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
-        advance(self, False, self._polyamp_config)
+        self.last_skipped.assign(False)
+        advance(self._scale_state, False, self._polyamp_config)
 
     def _stateful_handle_non_finite_grads(self) -> None:
-        advance(self, True, self._polyamp_config)
+        self.last_skipped.assign(True)
+        advance(self._scale_state, True, self._polyamp_config)
 
     def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
         raise NotImplementedError(
@@ -302,17 +292,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
 
     def get_config(self) -> dict[str, Any]:
         config = self._polyamp_config
+        keras_spellings = {keras_name: getattr(config, name) for keras_name, name in KERAS_NAMES.items()}
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "init_scale": config.init_scale,
-            "growth_factor": config.growth_factor,
-            "backoff_factor": config.backoff_factor,
-            "growth_interval": config.growth_interval,
-            "hysteresis": config.hysteresis,
-            "min_scale": config.min_scale,
-            "max_scale": config.max_scale,
-            "dynamic": config.dynamic,
+            **config.settings(),
+            **keras_spellings,
             "enabled": self._polyamp_enabled,
         }
 

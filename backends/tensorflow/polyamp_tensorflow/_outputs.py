@@ -13,7 +13,7 @@ from typing import Any
 from keras.src.models import Functional
 
 from polyamp import Policy, PolicyLike, PolyampTypeError, get_policy
-from polyamp._src.errors import describe
+from polyamp.backend_api import describe
 from polyamp_tensorflow._framework import keras
 
 __all__ = ["OutputCast", "cast_outputs"]

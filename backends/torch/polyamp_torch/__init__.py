@@ -1,8 +1,9 @@
 """polyamp's PyTorch backend: policies as ``torch.autocast``, loss scaling on the device.
 
 * `autocast` - ``torch.autocast`` with its dtype from a polyamp policy (context manager and decorator).
-* `TorchLossScaler` - ``polyamp.LossScaler`` bound to torch: GradScaler's protocol and results, plus
-  hysteresis, bounds, skip records; what ``polyamp.LossScaler()`` becomes on first use with torch tensors.
+* `TorchLossScaler` - ``polyamp.LossScaler`` bound to torch from construction, a drop-in for
+  ``torch.amp.GradScaler`` (its arguments, its defaults, its results) with hysteresis, bounds and skip
+  records on top.
 * `apply_policy` - a policy on a model: outputs in the output dtype, chosen submodules in float32.
 * `SchedulerGuard` - an LR scheduler that does not advance on skipped steps.
 
@@ -13,7 +14,7 @@ saying ``pip install 'polyamp[torch]'``.
 # First: without PyTorch this raises BackendNotInstalledError saying what to install.
 from polyamp_torch._framework import TORCH_DTYPES  # isort: split
 
-from polyamp_torch._autocast import PolicyRegion, autocast
+from polyamp_torch._autocast import PolicyRegion, autocast, policy_in_effect
 from polyamp_torch._backend import TorchBackend
 from polyamp_torch._cpu_float32 import FLOAT32_OP_NAMES
 from polyamp_torch._modules import apply_policy, module_policy, remove_policy
@@ -30,5 +31,6 @@ __all__ = [
     "apply_policy",
     "autocast",
     "module_policy",
+    "policy_in_effect",
     "remove_policy",
 ]

@@ -3,23 +3,68 @@
 from __future__ import annotations
 
 import contextlib
-import functools
+import contextvars
 from types import TracebackType
 from typing import Any
 
 import polyamp
-from polyamp import Policy, PolicyLike, PolyampTypeError
-from polyamp._src.errors import InvalidConfigError, describe
+from polyamp import Policy, PolicyLike, PolyampTypeError, PolyampValueError
+from polyamp.backend_api import describe, type_error
 from polyamp_torch._cpu_float32 import CudaFloat32Ops
 from polyamp_torch._framework import TORCH_DTYPES, torch
 
-__all__ = ["PolicyRegion", "autocast", "default_device_type"]
+__all__ = ["PolicyRegion", "autocast", "default_device_type", "float16_regions_entered", "policy_in_effect"]
+
+_default_device_type: list[str] = []
+
+#: The policy of the innermost polyamp region entered in this thread / task (float32 for a disabled one).
+_region_policy: contextvars.ContextVar[Policy | None] = contextvars.ContextVar("polyamp_torch_region", default=None)
+
+#: How many regions computing in float16 were entered (a loss scaler that follows the policy checks it).
+_float16_regions = [0]
 
 
-@functools.lru_cache(maxsize=1)
 def default_device_type() -> str:
     """ "cuda" when a CUDA device is available, else "cpu" (checked once per process)."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    # A plain list cache, not functools.lru_cache, which torch.compile warns about on every compile.
+    if not _default_device_type:
+        _default_device_type.append("cuda" if torch.cuda.is_available() else "cpu")
+    return _default_device_type[0]
+
+
+def policy_in_effect() -> Policy:
+    """The policy a region or model given ``policy=None`` runs under: the innermost enclosing
+    ``polyamp_torch.autocast`` region's (float32 for ``enabled=False``), else ``polyamp.get_policy()``."""
+    if _is_compiling():  # compiled regions are plain torch.autocast regions; only the global policy is known
+        return polyamp.get_policy()
+    region = _region_policy.get()
+    return polyamp.get_policy() if region is None else region
+
+
+def float16_regions_entered() -> int:
+    """How many polyamp regions computing in float16 this process has entered."""
+    return _float16_regions[0]
+
+
+def _policy_argument(policy: object, dtype: object) -> Policy | None:
+    """A region's policy from ``policy`` or torch.autocast's ``dtype`` (the compute dtype)."""
+    if dtype is not None:
+        if policy is not None:
+            raise PolyampTypeError(
+                f"autocast() takes a policy or a dtype, not both. Received policy={policy!r} and dtype={dtype!r}."
+            )
+        policy = dtype
+    if policy is None:
+        return None
+    if isinstance(policy, torch.dtype):
+        # As in torch.autocast(dtype=...): the compute dtype, with float32 parameters and outputs.
+        name = str(policy).removeprefix("torch.")
+        if name not in TORCH_DTYPES:
+            raise PolyampValueError(
+                f"autocast(dtype=...) takes torch.float16, torch.bfloat16 or torch.float32. Received: {policy}."
+            )
+        return Policy(compute=name)
+    return Policy(policy)  # type: ignore[arg-type]
 
 
 def _device_type(device_type: object) -> str | None:
@@ -28,9 +73,8 @@ def _device_type(device_type: object) -> str | None:
     if isinstance(device_type, torch.device):
         return device_type.type
     if not isinstance(device_type, str):
-        raise PolyampTypeError(
-            "`device_type` must be None, a device type string such as 'cuda' or 'cpu', or a torch.device. "
-            f"Received: device_type={describe(device_type)}."
+        raise type_error(
+            "`device_type`", "None, a device type string such as 'cuda' or 'cpu', or a torch.device", device_type
         )
     name = device_type.partition(":")[0]
     checker = getattr(torch.amp, "is_autocast_available", None)
@@ -39,7 +83,7 @@ def _device_type(device_type: object) -> str | None:
     except RuntimeError:  # not even a device type torch knows
         available = False
     if not available:
-        raise InvalidConfigError(
+        raise PolyampValueError(
             f"torch.autocast does not support device_type={device_type!r}. Use 'cuda' or 'cpu' (or another "
             "device type your torch build supports), or leave device_type=None for cuda-if-available."
         )
@@ -52,10 +96,11 @@ def _is_compiling() -> bool:
 
 
 def autocast(
-    policy: PolicyLike | None = None,
+    policy: PolicyLike | torch.dtype | None = None,
     *,
     device_type: str | torch.device | None = None,
     enabled: bool = True,
+    dtype: torch.dtype | None = None,
     cache_enabled: bool | None = None,
     cpu_float32_ops: bool = True,
 ) -> PolicyRegion | torch.autocast:
@@ -67,11 +112,19 @@ def autocast(
     torch's own op lists.
     """
     region = PolicyRegion(
-        policy, device_type=device_type, enabled=enabled, cache_enabled=cache_enabled, cpu_float32_ops=cpu_float32_ops
+        policy,
+        device_type=device_type,
+        enabled=enabled,
+        dtype=dtype,
+        cache_enabled=cache_enabled,
+        cpu_float32_ops=cpu_float32_ops,
     )
     if _is_compiling():
         return region.as_torch_autocast()
     return region
+
+
+_FLOAT32 = Policy("float32")
 
 
 class PolicyRegion(contextlib.ContextDecorator):
@@ -85,10 +138,14 @@ class PolicyRegion(contextlib.ContextDecorator):
     makes a float32 region inside an outer autocast region; so does ``enabled=False``.
 
     Args:
-        policy: A `polyamp.Policy`, name or spec; None (default) uses ``polyamp.get_policy()`` as it is each
-            time the region is entered.
+        policy: A `polyamp.Policy`, name or spec, or a ``torch.dtype`` (the compute dtype, as
+            ``torch.autocast``'s ``dtype``: ``torch.bfloat16`` means ``"mixed_bfloat16"``). None (default)
+            uses the policy in effect each time the region is entered: the enclosing polyamp region's, else
+            ``polyamp.get_policy()`` (see `policy_in_effect`).
         device_type: "cuda", "cpu" (or a ``torch.device``); None picks "cuda" if available, else "cpu".
-        enabled: False makes the region run in float32 (autocast off).
+        enabled: False makes the region run in float32 (autocast off); regions and models inside it that
+            follow the policy in effect run in float32 too.
+        dtype: ``torch.autocast``'s spelling of a compute dtype, instead of ``policy``.
         cache_enabled: Forwarded to ``torch.autocast`` (None keeps torch's default).
         cpu_float32_ops: On CPU, run CUDA's float32 op list in float32 (default). False gives torch's CPU
             lists exactly, saving the per-op dispatch cost (about 1-4 us per torch call in the region; see
@@ -96,7 +153,7 @@ class PolicyRegion(contextlib.ContextDecorator):
 
     Raises:
         InvalidPolicyError / PolyampTypeError: ``policy`` is invalid.
-        InvalidConfigError: torch.autocast does not support ``device_type``.
+        PolyampValueError: torch.autocast does not support ``device_type``.
 
     Example::
 
@@ -113,10 +170,11 @@ class PolicyRegion(contextlib.ContextDecorator):
 
     def __init__(
         self,
-        policy: PolicyLike | None = None,
+        policy: PolicyLike | torch.dtype | None = None,
         *,
         device_type: str | torch.device | None = None,
         enabled: bool = True,
+        dtype: torch.dtype | None = None,
         cache_enabled: bool | None = None,
         cpu_float32_ops: bool = True,
     ) -> None:
@@ -130,17 +188,17 @@ class PolicyRegion(contextlib.ContextDecorator):
             raise PolyampTypeError(
                 f"`cache_enabled` must be None or a bool. Received: cache_enabled={describe(cache_enabled)}."
             )
-        self._policy = None if policy is None else Policy(policy)
+        self._policy = _policy_argument(policy, dtype)
         self._device_type = _device_type(device_type)
         self._enabled = enabled
         self._cache_enabled = cache_enabled
         self._cpu_float32_ops = cpu_float32_ops
-        self._entered: list[tuple[torch.autocast, CudaFloat32Ops | None]] = []
+        self._entered: list[tuple[torch.autocast, CudaFloat32Ops | None, contextvars.Token[Policy | None]]] = []
 
     @property
     def policy(self) -> Policy:
-        """The policy this region uses: the explicit one, or the global policy right now."""
-        return self._policy if self._policy is not None else polyamp.get_policy()
+        """The policy this region uses: the explicit one, or the policy in effect right now."""
+        return self._policy if self._policy is not None else policy_in_effect()
 
     @property
     def device_type(self) -> str:
@@ -149,8 +207,11 @@ class PolicyRegion(contextlib.ContextDecorator):
 
     def as_torch_autocast(self) -> torch.autocast:
         """The plain ``torch.autocast`` this region amounts to under the current policy."""
-        compute = self.policy.compute_dtype
-        if not self._enabled or compute == "float32":
+        return self._torch_autocast(self.policy if self._enabled else _FLOAT32)
+
+    def _torch_autocast(self, policy: Policy) -> torch.autocast:
+        compute = policy.compute_dtype
+        if compute == "float32":
             return torch.autocast(self.device_type, enabled=False)
         kwargs: dict[str, Any] = {}
         if self._cache_enabled is not None:
@@ -158,13 +219,16 @@ class PolicyRegion(contextlib.ContextDecorator):
         return torch.autocast(self.device_type, dtype=TORCH_DTYPES[compute], **kwargs)
 
     def __enter__(self) -> PolicyRegion:
-        region = self.as_torch_autocast()
-        low_precision = self._enabled and self.policy.compute_dtype != "float32"
+        policy = self.policy if self._enabled else _FLOAT32
+        region = self._torch_autocast(policy)
+        low_precision = policy.compute_dtype != "float32"
+        if policy.compute_dtype == "float16":
+            _float16_regions[0] += 1
         mode = CudaFloat32Ops() if low_precision and self._cpu_float32_ops and self.device_type == "cpu" else None
         region.__enter__()  # type: ignore[no-untyped-call]
         if mode is not None:
             mode.__enter__()  # type: ignore[no-untyped-call]
-        self._entered.append((region, mode))
+        self._entered.append((region, mode, _region_policy.set(policy)))
         return self
 
     def __exit__(
@@ -173,7 +237,8 @@ class PolicyRegion(contextlib.ContextDecorator):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        region, mode = self._entered.pop()
+        region, mode, token = self._entered.pop()
+        _region_policy.reset(token)
         if mode is not None:
             mode.__exit__(exc_type, exc, traceback)  # type: ignore[no-untyped-call]
         region.__exit__(exc_type, exc, traceback)

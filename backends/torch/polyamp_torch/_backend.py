@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 from polyamp import LossScaleConfig, LossScaleState
-from polyamp_torch._framework import torch
-from polyamp_torch._scaler import TorchScalerImpl
+from polyamp_torch._device import TorchDevice
 
 __all__ = ["TorchBackend"]
 
 
 class TorchBackend:
-    """polyamp's PyTorch backend: recognises torch objects and makes device-side loss scalers."""
+    """polyamp's PyTorch backend: makes device forms of loss scalers that keep their state in tensors."""
 
     name = "torch"
 
-    def owns(self, obj: object) -> bool:
-        return isinstance(obj, (torch.Tensor, torch.optim.Optimizer))
-
-    def make_scaler(self, config: LossScaleConfig, state: LossScaleState, enabled: bool) -> TorchScalerImpl:
-        return TorchScalerImpl(config, state, enabled)
+    def make_device(self, config: LossScaleConfig, state: LossScaleState) -> TorchDevice:
+        return TorchDevice(config, state)

@@ -15,16 +15,16 @@ It works by giving each affected module an instance-level ``forward`` (a picklab
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 from torch.utils import _pytree as pytree
 
 import polyamp
-from polyamp import Policy, PolicyLike, PolicyOverrides, PolyampTypeError
-from polyamp._src.errors import InvalidConfigError, describe
-from polyamp._src.overrides import OverridesLike
-from polyamp_torch._autocast import autocast, default_device_type
+from polyamp import OverridesLike, Policy, PolicyLike, PolicyOverrides, PolyampTypeError, PolyampValueError
+from polyamp.backend_api import describe
+from polyamp_torch._autocast import autocast, default_device_type, policy_in_effect
 from polyamp_torch._framework import TORCH_DTYPES, torch
 
 __all__ = ["apply_policy", "module_policy", "remove_policy"]
@@ -49,30 +49,54 @@ def _first_device_type(tree: Any) -> str | None:
 
 
 class _PolicyForward:
-    """A module's forward, run under a policy. Held in the module's ``__dict__`` (so it pickles with it)."""
+    """A module's forward, run under a policy. Held in the module's ``__dict__`` (so it pickles with it).
 
-    def __init__(self, module: torch.nn.Module, policy: Policy, device_type: str | None, is_root: bool) -> None:
+    ``policy`` None means the policy in effect at each call (`polyamp_torch.policy_in_effect`), with
+    parameters cast for ``param_dtype`` when the policy was applied.
+    """
+
+    def __init__(
+        self, module: torch.nn.Module, policy: Policy | None, device_type: str | None, is_root: bool, param_dtype: str
+    ) -> None:
         self.module = module
         self.policy = policy
         self.device_type = device_type
         self.is_root = is_root
+        self.param_dtype = param_dtype
         self.previous = module.__dict__.get("forward")  # an instance forward someone else installed
-        self._output_dtype = TORCH_DTYPES[policy.output_dtype]
-        self._float32_region = policy.compute_dtype == "float32"
+        self._warned = False
+
+    def _current_policy(self) -> Policy:
+        if self.policy is not None:
+            return self.policy
+        policy = policy_in_effect()
+        if policy.param_dtype != self.param_dtype and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{type(self.module).__name__} follows the policy in effect, now {policy.name!r}, which keeps "
+                f"{policy.param_dtype} parameters; apply_policy() cast them to {self.param_dtype} for the policy "
+                "in effect then. Call polyamp_torch.apply_policy(model) again to cast them (before creating the "
+                "optimizer).",
+                UserWarning,
+                stacklevel=4,
+            )
+        return policy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        policy = self._current_policy()
         device_type = self.device_type or _first_device_type((args, kwargs)) or default_device_type()
-        if self._float32_region:
+        if policy.compute_dtype == "float32":
             args, kwargs = _cast_floating((args, kwargs), torch.float32)
-        with autocast(self.policy, device_type=device_type):
+        with autocast(policy, device_type=device_type):
             if self.previous is not None:
                 out = self.previous(*args, **kwargs)
             else:
                 out = type(self.module).forward(self.module, *args, **kwargs)
-        return _cast_floating(out, self._output_dtype)
+        return _cast_floating(out, TORCH_DTYPES[policy.output_dtype])
 
     def __repr__(self) -> str:
-        return f"<polyamp policy {self.policy.name!r} forward of {type(self.module).__name__}>"
+        name = "the policy in effect" if self.policy is None else repr(self.policy.name)
+        return f"<polyamp policy {name} forward of {type(self.module).__name__}>"
 
 
 def remove_policy(module: torch.nn.Module) -> torch.nn.Module:
@@ -88,9 +112,12 @@ def remove_policy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def module_policy(module: torch.nn.Module) -> Policy | None:
-    """The policy `apply_policy` gave ``module`` itself, or None (it then runs under its parent's)."""
+    """The policy `apply_policy` gave ``module`` itself (the policy in effect right now for a model applied
+    with ``policy=None``), or None (it then runs under its parent's)."""
     wrapper = module.__dict__.get("forward")
-    return wrapper.policy if isinstance(wrapper, _PolicyForward) else None
+    if not isinstance(wrapper, _PolicyForward):
+        return None
+    return wrapper.policy if wrapper.policy is not None else policy_in_effect()
 
 
 def apply_policy(
@@ -114,7 +141,10 @@ def apply_policy(
 
     Args:
         module: The model.
-        policy: The model's policy; None uses ``polyamp.get_policy()`` now.
+        policy: The model's policy; None follows the policy in effect at each call, as
+            ``polyamp_torch.autocast()`` does: the enclosing polyamp region's (float32 inside
+            ``autocast(enabled=False)``), else ``polyamp.get_policy()``. Parameters are cast for the policy
+            in effect now; a later policy with another parameter dtype warns once.
         keep_float32: Submodule names (as in ``named_modules()``), glob patterns over them
             (``"*norm*"``, ``"encoder.layers.*.attn"``), or submodule instances to keep in float32.
         overrides: Per-submodule policies (`polyamp.PolicyOverrides` or a mapping); None uses
@@ -127,8 +157,11 @@ def apply_policy(
     Raises:
         PolyampTypeError: ``module`` is not an ``nn.Module``, or ``keep_float32`` holds something else than
             names, patterns and submodules.
-        InvalidConfigError: a ``keep_float32`` instance is not a submodule of ``module``, or a name or
+        PolyampValueError: a ``keep_float32`` instance is not a submodule of ``module``, or a name or
             pattern matches no submodule (a typo would otherwise silently keep nothing in float32).
+
+    A parameter shared by submodules that would get different parameter dtypes (e.g. an embedding tied to
+    a head kept in float32 under a bfloat16-parameter policy) stays in the widest of them, with a warning.
 
     Example::
 
@@ -138,7 +171,8 @@ def apply_policy(
     """
     if not isinstance(module, torch.nn.Module):
         raise PolyampTypeError(f"apply_policy() takes a torch.nn.Module. Received: {describe(module)}.")
-    root_policy = polyamp.get_policy() if policy is None else Policy(policy)
+    fixed_policy = None if policy is None else Policy(policy)
+    root_policy = fixed_policy if fixed_policy is not None else policy_in_effect()
     override_map = polyamp.get_policy_overrides() if overrides is None else PolicyOverrides(overrides)
     if isinstance(keep_float32, (str, torch.nn.Module)):
         keep_float32 = [keep_float32]
@@ -149,14 +183,14 @@ def apply_policy(
     for item in keep_float32:
         if isinstance(item, torch.nn.Module):
             if id(item) not in ids:
-                raise InvalidConfigError(
+                raise PolyampValueError(
                     f"keep_float32 holds a {type(item).__name__} that is not a submodule of the model passed "
                     "to apply_policy(). Pass submodules of that model (or their names)."
                 )
             keep_ids.add(id(item))
         elif isinstance(item, str) and item:
             if not any(fnmatch.fnmatchcase(name, item) for name, _ in named if name):
-                raise InvalidConfigError(
+                raise PolyampValueError(
                     f"keep_float32 entry {item!r} matches no submodule name. Names look like "
                     f"{[name for name, _ in named if name][:5]}; patterns may use * and ?."
                 )
@@ -168,6 +202,7 @@ def apply_policy(
     float32 = Policy("float32")
     remove_policy(module)
     effective: dict[int, Policy] = {}
+    names: dict[int, str] = {}
     for name, sub in named:
         if sub is module:
             own: Policy | None = root_policy
@@ -176,22 +211,50 @@ def apply_policy(
         else:
             own = override_map.match(name)
         if own is not None:
-            sub.__dict__["forward"] = _PolicyForward(sub, own, device_type, is_root=sub is module)
+            follows = sub is module and fixed_policy is None
+            sub.__dict__["forward"] = _PolicyForward(
+                sub, None if follows else own, device_type, is_root=sub is module, param_dtype=own.param_dtype
+            )
         parent = name.rpartition(".")[0]
         effective[id(sub)] = own or effective[id(module.get_submodule(parent))]
-    for _, sub in named:
-        dtype = TORCH_DTYPES[effective[id(sub)].param_dtype]
-        _cast_own_tensors(sub, dtype)
+        names[id(sub)] = name or type(module).__name__
+    _cast_parameters(named, effective, names)
     return module
 
 
-def _cast_own_tensors(module: torch.nn.Module, dtype: torch.dtype) -> None:
-    with torch.no_grad():
-        for param in module.parameters(recurse=False):
-            if param.dtype in _CASTABLE and param.dtype != dtype:
-                param.data = param.data.to(dtype)
-                if param.grad is not None:
-                    param.grad = param.grad.to(dtype)
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer.dtype in _CASTABLE and buffer.dtype != dtype:
-                module._buffers[name] = buffer.to(dtype)
+_WIDTH = {"float32": 2, "bfloat16": 1, "float16": 0}
+
+
+def _cast_parameters(
+    named: list[tuple[str, torch.nn.Module]], effective: dict[int, Policy], names: dict[int, str]
+) -> None:
+    """Cast each module's own tensors to its policy's param dtype; a tied parameter takes the widest."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for _, sub in named:
+        for param in sub.parameters(recurse=False):
+            owners.setdefault(id(param), []).append((names[id(sub)], effective[id(sub)].param_dtype))
+    for _, sub in named:
+        dtype = effective[id(sub)].param_dtype
+        with torch.no_grad():
+            for param in sub.parameters(recurse=False):
+                wanted = {d for _, d in owners[id(param)]}
+                chosen = max(wanted, key=_WIDTH.__getitem__)
+                if len(wanted) > 1 and dtype == chosen:
+                    listed = ", ".join(f"{owner!r} ({d})" for owner, d in owners[id(param)])
+                    warnings.warn(
+                        f"A parameter of shape {tuple(param.shape)} is shared by modules with different parameter "
+                        f"dtypes: {listed}. It stays {chosen} for all of them (the widest).",
+                        UserWarning,
+                        stacklevel=3,
+                    )
+                _cast_tensor(param, TORCH_DTYPES[chosen])
+            for buffer_name, buffer in sub.named_buffers(recurse=False):
+                if buffer.dtype in _CASTABLE and buffer.dtype != TORCH_DTYPES[dtype]:
+                    sub._buffers[buffer_name] = buffer.to(TORCH_DTYPES[dtype])
+
+
+def _cast_tensor(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
+    if param.dtype in _CASTABLE and param.dtype != dtype:
+        param.data = param.data.to(dtype)
+        if param.grad is not None:
+            param.grad = param.grad.to(dtype)

@@ -1,6 +1,6 @@
 """The loss-scale state machine on the device: polyamp's rule as tensor ops, never read to the host.
 
-With torch-compatible settings (dynamic, hysteresis 1, no bounds) torch's own fused
+With the standard rule (dynamic, hysteresis 1, no bounds: `LossScaleConfig.is_standard_rule`) torch's own fused
 ``_amp_update_scale_`` kernel does the update. Otherwise the same rule, plus hysteresis and the min/max
 bounds, is a handful of elementwise ops with ``torch.where`` instead of Python branches, so it never
 synchronises and traces under ``torch.compile``. Products are formed in float64 and rounded to float32,
@@ -42,7 +42,7 @@ def advance(state: DeviceState, found_inf: torch.Tensor, config: LossScaleConfig
     """Apply one update of ``config``'s rule in place; ``found_inf`` > 0 means a non-finite gradient."""
     if not config.dynamic:
         return
-    if config.is_torch_compatible:
+    if config.is_standard_rule:
         torch._amp_update_scale_(
             state.scale,
             state.growth_tracker,

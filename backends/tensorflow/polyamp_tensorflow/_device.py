@@ -1,0 +1,153 @@
+"""The TensorFlow device form of a loss scaler: its state in ``tf.Variable``s, the skip decided in the graph.
+
+It implements `polyamp.backend_api.TapeDevice`; `polyamp.LossScaler` drives it and decides every step
+semantic (stages, misuse, skip records). Variables are created outside any function graph
+(``tf.init_scope``), so first use may be inside ``tf.function``. `apply` checks the gradients and applies
+or skips them with a ``cond``, and `update` advances the rule with another, so nothing branches in Python on
+a tensor value: it runs eagerly, in ``tf.function`` and with ``jit_compile=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
+from polyamp.backend_api import StepOutcome, describe, wrong_object_error
+from polyamp_tensorflow._framework import keras, tf
+from polyamp_tensorflow._gradients import all_finite, refuse_loss_scale_factor, unscale
+from polyamp_tensorflow._rule import ScaleState, advance_on_flag
+
+__all__ = ["TensorFlowDevice"]
+
+ops = keras.ops
+
+
+def _variable(name: str, dtype: str, value: Any) -> tf.Variable:
+    with tf.init_scope():  # created eagerly even when first touched inside tf.function
+        return tf.Variable(value, dtype=dtype, trainable=False, name=name)
+
+
+class TensorFlowDevice:
+    """polyamp's loss-scaler state in TensorFlow variables, and the device operations of a step."""
+
+    def __init__(self, config: LossScaleConfig, state: LossScaleState) -> None:
+        self._config = config
+        self._host_state = state
+        self._variables: ScaleState | None = None
+
+    def _state(self) -> ScaleState:
+        if self._variables is None:
+            self._variables = ScaleState.create(self._host_state, _variable)
+        return self._variables
+
+    # -- state -------------------------------------------------------------------------------------------
+
+    def read_state(self) -> LossScaleState:
+        return self._host_state if self._variables is None else self._variables.read()
+
+    def write_state(self, config: LossScaleConfig, state: LossScaleState | None) -> None:
+        self._config = config
+        if state is None:
+            return
+        self._host_state = state
+        if self._variables is not None:
+            self._variables.write(state)
+
+    def float16_in_use(self) -> bool:
+        """Whether Keras's own global dtype policy computes in float16 (e.g. set with
+        ``keras.mixed_precision.set_global_policy("mixed_float16")``)."""
+        return str(keras.config.dtype_policy().compute_dtype) == "float16"
+
+    # -- the step ----------------------------------------------------------------------------------------
+
+    def check_optimizer(self, method: str, optimizer: object) -> None:
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise wrong_object_error("tensorflow", method, optimizer, "a Keras 3 optimizer (keras.optimizers.*)")
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ScalerUsageError(
+                "apply_gradients() received a LossScaleOptimizer, which scales by itself: the gradients would "
+                "be unscaled twice. Pass the plain optimizer, or use the LossScaleOptimizer without this scaler."
+            )
+        refuse_loss_scale_factor(optimizer, "a polyamp LossScaler does the scaling")
+
+    def scale(self, loss: Any) -> Any:
+        if isinstance(loss, (list, tuple)):
+            return type(loss)(self.scale(item) for item in loss)
+        if not (tf.is_tensor(loss) or isinstance(loss, tf.Variable)):
+            raise wrong_object_error("tensorflow", "scale", loss, "a TensorFlow tensor (or a list of them)")
+        # Like Keras, scale in at least float32: 2**16 is beyond float16's range.
+        dtype = tf.float64 if loss.dtype == tf.float64 else tf.float32
+        return tf.cast(loss, dtype) * tf.cast(self._state().scale, dtype)
+
+    def check_gradients(self, method: str, grads: Sequence[Any]) -> None:
+        for grad in grads:
+            if grad is not None and not (tf.is_tensor(grad) or isinstance(grad, (tf.IndexedSlices, tf.Variable))):
+                raise wrong_object_error(
+                    "tensorflow", method, grad, "TensorFlow tensors (None for variables without a gradient)"
+                )
+
+    def unscale(self, grads: Sequence[Any]) -> list[Any]:
+        return unscale(grads, self._state().scale)
+
+    def apply(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], *, unscaled: bool) -> StepOutcome:
+        state = self._state()
+        if not optimizer.built:  # variables cannot be created inside the cond below
+            optimizer.build(list(variables))
+        unscaled_grads = list(grads) if unscaled else unscale(grads, state.scale)
+        finite = all_finite(unscaled_grads)
+
+        def apply() -> Any:
+            optimizer.apply(unscaled_grads, list(variables))
+            return tf.constant(True)
+
+        tf.cond(finite, apply, lambda: tf.constant(False))
+        return StepOutcome(optimizer.iterations, tf.cast(tf.logical_not(finite), tf.float32), None)
+
+    def plain_apply(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
+        return optimizer.apply_gradients(zip(grads, variables, strict=True))
+
+    def combine(self, flags: Sequence[Any]) -> Any:
+        return flags[0] if len(flags) == 1 else tf.reduce_max(tf.stack(list(flags)))
+
+    def update(self, found_inf: Any, new_scale: Any) -> None:
+        state = self._state()
+        if new_scale is None:
+            advance_on_flag(state, found_inf, self._config)
+            return
+        if tf.is_tensor(new_scale) or isinstance(new_scale, tf.Variable):
+            if new_scale.shape.num_elements() != 1 or not new_scale.dtype.is_floating:
+                raise PolyampTypeError(
+                    "update(new_scale) takes a float or a one-element floating tensor. Received a tensor of shape "
+                    f"{tuple(new_scale.shape)} and dtype {new_scale.dtype.name}."
+                )
+            state.scale.assign(tf.reshape(tf.cast(new_scale, tf.float32), ()))
+        elif isinstance(new_scale, float):
+            state.scale.assign(new_scale)
+        else:
+            raise PolyampTypeError(f"update(new_scale) takes a float or a tensor. Received: {describe(new_scale)}.")
+        if found_inf is not None:
+            state.skipped_steps.assign_add(tf.cast(found_inf > 0, tf.int64))
+
+    # -- records -----------------------------------------------------------------------------------------
+
+    def skipped(self, found_inf: Any) -> Any:
+        return tf.greater(found_inf, 0.0)
+
+    def read_flag(self, found_inf: Any) -> bool:
+        return bool(tf.greater(found_inf, 0.0).numpy())
+
+    def finite_flag(self) -> Any:
+        return tf.constant(0.0)
+
+    def new_record(self) -> tf.Variable:
+        return _variable("step_skipped", "float32", 0.0)
+
+    def write_record(self, record: tf.Variable, found_inf: Any) -> None:
+        record.assign(found_inf)
+
+    def read_record(self, record: tf.Variable) -> Any:
+        return tf.convert_to_tensor(record)
+
+    def skipped_steps(self) -> Any:
+        return tf.convert_to_tensor(self._state().skipped_steps)

@@ -1,0 +1,128 @@
+"""polyamp's loss-scale rule on Keras variables, and the one holder of those variables.
+
+`ScaleState` holds the state (scale, growth tracker, hysteresis, skip count) for both the TensorFlow
+`LossScaler` device form and the Keras `LossScaleOptimizer`; the functions apply
+`polyamp.LossScaleConfig`'s rule to it with Keras ops and no Python branch on a tensor value, so they run
+eagerly, in ``tf.function`` and under ``jit_compile=True``. Each product is formed in float64 and rounded
+to float32, as polyamp's reference and torch's kernel do, so trajectories agree bit for bit across backends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from polyamp import LossScaleConfig, LossScaleState
+from polyamp.backend_api import to_float32
+from polyamp_tensorflow._framework import keras
+
+__all__ = ["ScaleState", "advance", "advance_on_flag", "read_scalar"]
+
+ops = keras.ops
+
+#: ``make(name, dtype, initial_value)`` -> a variable with ``assign`` / ``assign_add``.
+VariableFactory = Callable[[str, str, Any], Any]
+
+
+@dataclass
+class ScaleState:
+    """The variables of a loss scaler: ``scale`` (float32), ``growth_tracker`` and ``hysteresis_left``
+    (int32), ``skipped_steps`` (int64, iterations with a skipped step)."""
+
+    scale: Any
+    growth_tracker: Any
+    hysteresis_left: Any
+    skipped_steps: Any
+
+    @classmethod
+    def create(cls, state: LossScaleState, make: VariableFactory) -> ScaleState:
+        """New variables holding ``state`` and a zero skip count, made by ``make``."""
+        return cls(
+            scale=make("loss_scale", "float32", state.scale),
+            growth_tracker=make("growth_tracker", "int32", state.growth_tracker),
+            hysteresis_left=make("hysteresis_left", "int32", state.hysteresis_left),
+            skipped_steps=make("skipped_steps", "int64", 0),
+        )
+
+    def read(self) -> LossScaleState:
+        """The host state (reads the variables)."""
+        return LossScaleState(
+            float(read_scalar(self.scale)),
+            int(read_scalar(self.growth_tracker)),
+            int(read_scalar(self.hysteresis_left)),
+        )
+
+    def write(self, state: LossScaleState) -> None:
+        """Assign ``state`` to the variables (the skip count is kept)."""
+        self.scale.assign(state.scale)
+        self.growth_tracker.assign(state.growth_tracker)
+        self.hysteresis_left.assign(state.hysteresis_left)
+
+
+def read_scalar(value: Any) -> Any:
+    """A scalar variable or tensor as a Python number (via ``.numpy()``: numpy 2 warns on ``np.array`` of TF
+    tensors)."""
+    tensor = ops.convert_to_tensor(value)
+    if hasattr(tensor, "numpy") and keras.backend.backend() == "tensorflow":
+        return tensor.numpy().item()
+    return ops.convert_to_numpy(tensor).item()
+
+
+def _times(scale: Any, factor: float) -> Any:
+    # A float32 product of two float32 values is the correctly rounded exact product, which is what
+    # rounding the float64 product gives; only factors float32 cannot hold exactly need the float64 detour.
+    if to_float32(factor) == factor:
+        return ops.multiply(scale, ops.cast(factor, "float32"))
+    return ops.cast(ops.multiply(ops.cast(scale, "float64"), factor), "float32")
+
+
+def advance(state: ScaleState, overflow: bool, config: LossScaleConfig) -> None:
+    """One update of ``config``'s rule, for a step that overflowed or not, and the skip count.
+
+    ``overflow`` is a Python bool: callers run this inside the two branches of a ``cond`` on the device
+    flag, where it is known, so each branch builds only its half of the rule (a few scalar ops).
+    """
+    if overflow:
+        state.skipped_steps.assign_add(ops.cast(1, "int64"))
+    if not config.dynamic:
+        return
+    scale = ops.convert_to_tensor(state.scale)
+    if overflow:
+        state.growth_tracker.assign(ops.cast(0, "int32"))
+        backed = _times(scale, config.backoff_factor)
+        if config.min_scale_f32 is not None:
+            backed = ops.maximum(backed, config.min_scale_f32)
+        if config.hysteresis == 1:
+            state.scale.assign(backed)
+            return
+        hysteresis_after = ops.convert_to_tensor(state.hysteresis_left) - 1
+        back_off = hysteresis_after <= 0
+        state.scale.assign(ops.where(back_off, backed, scale))
+        state.hysteresis_left.assign(ops.where(back_off, config.hysteresis, hysteresis_after))
+        return
+    next_tracker = ops.convert_to_tensor(state.growth_tracker) + 1
+    grow = next_tracker >= config.growth_interval
+    grown = _times(scale, config.growth_factor)
+    if config.max_scale_f32 is not None:
+        grown = ops.minimum(grown, config.max_scale_f32)
+    state.scale.assign(ops.where(ops.logical_and(grow, ops.isfinite(grown)), grown, scale))
+    state.growth_tracker.assign(ops.cast(ops.where(grow, 0, next_tracker), "int32"))
+    if config.hysteresis > 1:
+        state.hysteresis_left.assign(
+            ops.cast(ops.where(grow, config.hysteresis, ops.convert_to_tensor(state.hysteresis_left)), "int32")
+        )
+
+
+def advance_on_flag(state: ScaleState, found_inf: Any, config: LossScaleConfig) -> None:
+    """`advance` decided on the device: ``found_inf`` is a float32 flag (``> 0``: a gradient was non-finite)."""
+
+    def on_overflow() -> Any:
+        advance(state, True, config)
+        return ops.convert_to_tensor(True)
+
+    def on_finite() -> Any:
+        advance(state, False, config)
+        return ops.convert_to_tensor(False)
+
+    ops.cond(ops.greater(found_inf, 0.0), on_overflow, on_finite)

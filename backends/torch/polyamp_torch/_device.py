@@ -1,0 +1,209 @@
+"""The torch device form of a loss scaler: the scale and counters as tensors, torch's kernels for the work.
+
+It implements `polyamp.backend_api.ImperativeDevice`; `polyamp.LossScaler` drives it and decides every
+step semantic (stages, misuse, skip records). The device operations follow ``torch.amp.GradScaler`` call
+for call, so results match it bit for bit:
+
+* gradients are unscaled and checked by torch's fused ``_amp_foreach_non_finite_check_and_unscale_``
+  (one launch per device and dtype), with the reciprocal formed in float64 as GradScaler does;
+* optimizers that unscale inside their fused kernel receive ``grad_scale`` and ``found_inf`` tensors and
+  skip on the device: no host sync;
+* other optimizers are stepped only if no gradient was non-finite, which costs the one host read of the
+  flag that GradScaler also makes;
+* `update` never reads the state to the host (see `polyamp_torch._rule`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections import abc
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from polyamp import InvalidConfigError, LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
+from polyamp.backend_api import StepOutcome, backend_name_for, describe, no_gradients_error, wrong_object_error
+from polyamp_torch._autocast import float16_regions_entered
+from polyamp_torch._framework import torch
+from polyamp_torch._gradients import PerDevice, fused_amp_capable, fused_step, unscale_gradients
+from polyamp_torch._rule import DeviceState, advance
+
+__all__ = ["TorchDevice"]
+
+
+class TorchDevice:
+    """polyamp's loss-scaler state on a torch device, and the device operations of a step."""
+
+    def __init__(self, config: LossScaleConfig, state: LossScaleState) -> None:
+        self._config = config
+        self._host_state = state
+        self._state: DeviceState | None = None
+        self._warned_bfloat16 = False
+        self._float16_regions_seen = float16_regions_entered()
+
+    # -- state -------------------------------------------------------------------------------------------
+
+    def _materialize(self, device: torch.device) -> DeviceState:
+        state = self._host_state
+        self._state = DeviceState(state.scale, state.growth_tracker, state.hysteresis_left, device)
+        return self._state
+
+    def _state_near(self, optimizer: Any) -> DeviceState:
+        """The device state, created next to the optimizer's parameters if ``scale`` never ran (it may have
+        run while scaling was disabled)."""
+        if self._state is not None:
+            return self._state
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                return self._materialize(param.device)
+        return self._materialize(torch.device("cpu"))
+
+    def read_state(self) -> LossScaleState:
+        if self._state is None:
+            return self._host_state
+        state = self._state
+        values = torch.stack([state.scale.double(), state.growth_tracker.double(), state.hysteresis_left.double()])
+        scale, tracker, hysteresis = values.tolist()
+        return LossScaleState(float(scale), int(tracker), int(hysteresis))
+
+    def write_state(self, config: LossScaleConfig, state: LossScaleState | None) -> None:
+        self._config = config
+        if state is None:
+            return
+        self._host_state = state
+        if self._state is not None:
+            self._state.fill(state.scale, state.growth_tracker, state.hysteresis_left)
+
+    def float16_in_use(self) -> bool:
+        """Whether a ``polyamp_torch.autocast`` region computing in float16 was entered since the last call."""
+        seen = float16_regions_entered()
+        in_use = seen != self._float16_regions_seen
+        self._float16_regions_seen = seen
+        return in_use
+
+    # -- the step ----------------------------------------------------------------------------------------
+
+    def check_optimizer(self, method: str, optimizer: object) -> None:
+        if not hasattr(optimizer, "param_groups"):
+            raise wrong_object_error("torch", method, optimizer, "a torch.optim.Optimizer")
+
+    def scale(self, outputs: Any) -> Any:
+        if isinstance(outputs, torch.Tensor):
+            state = self._state or self._materialize(outputs.device)
+            return outputs * state.scale.to(device=outputs.device, non_blocking=True)
+        replicas: list[PerDevice] = []
+
+        def apply(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                if not replicas:
+                    state = self._state or self._materialize(value.device)
+                    replicas.append(PerDevice(state.scale))
+                return value * replicas[0].get(value.device)
+            if (
+                isinstance(value, abc.Iterable)
+                and not isinstance(value, (str, bytes))
+                and backend_name_for(value) is None
+            ):
+                scaled = map(apply, value)
+                return type(value)(scaled) if isinstance(value, (list, tuple)) else scaled
+            raise wrong_object_error("torch", "scale", value, "a torch.Tensor or an iterable of torch.Tensors")
+
+        return apply(outputs)
+
+    def unscale_gradients(self, optimizer: Any) -> torch.Tensor | None:
+        state = self._state_near(optimizer)
+        scale = state.scale
+        inv_scale = scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        flag, bfloat16 = unscale_gradients(
+            optimizer, inv_scale, found_inf, allow_fp16=False, warn_bfloat16=not self._warned_bfloat16
+        )
+        self._warned_bfloat16 |= bfloat16
+        return flag
+
+    def unscales_in_step(self, optimizer: Any) -> bool:
+        return fused_amp_capable(optimizer)
+
+    def step(
+        self, optimizer: Any, found_inf: torch.Tensor | None, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> StepOutcome:
+        if fused_amp_capable(optimizer):
+            state = self._state_near(optimizer)
+            if found_inf is None:
+                # Check only (inverse scale 1): the fused kernel unscales by grad_scale itself, as with GradScaler.
+                one = torch.ones((), dtype=torch.float32, device=state.scale.device)
+                zero = torch.zeros((), dtype=torch.float32, device=state.scale.device)
+                found_inf, _ = unscale_gradients(optimizer, one, zero, allow_fp16=True, warn_bfloat16=False)
+                if found_inf is None:
+                    raise no_gradients_error()
+                grad_scale: Any = state.scale * getattr(optimizer, "grad_scale", 1)
+            else:
+                grad_scale = getattr(optimizer, "grad_scale", None)
+            return StepOutcome(fused_step(optimizer, grad_scale, found_inf, args, kwargs), found_inf, None)
+        assert found_inf is not None, "the core unscales before a non-fused step"
+        skipped = bool(found_inf.item())  # the one host read GradScaler also makes
+        return StepOutcome(None if skipped else optimizer.step(*args, **kwargs), found_inf, skipped)
+
+    def plain_step(self, optimizer: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        return optimizer.step(*args, **kwargs)
+
+    def combine(self, flags: Sequence[torch.Tensor]) -> torch.Tensor:
+        if len(flags) == 1:
+            return flags[0]
+        device = flags[0].device
+        return torch.stack([flag.to(device, non_blocking=True) for flag in flags]).sum()
+
+    def update(self, found_inf: torch.Tensor | None, new_scale: Any) -> None:
+        state = self._state
+        if state is None:
+            raise ScalerUsageError("update() was called before the scaler created its state with scale().")
+        if new_scale is not None:
+            self._set_scale(state, new_scale)
+        elif found_inf is not None:
+            advance(state, found_inf.to(state.scale.device, non_blocking=True), self._config)
+        if found_inf is not None:
+            state.skipped.add_(found_inf.to(state.skipped.device, non_blocking=True) > 0)
+
+    def _set_scale(self, state: DeviceState, new_scale: Any) -> None:
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1 or new_scale.requires_grad or not new_scale.is_floating_point():
+                raise PolyampTypeError(
+                    "update(new_scale) takes a float or a one-element floating tensor with requires_grad=False. "
+                    f"Received a tensor of shape {tuple(new_scale.shape)}, dtype {new_scale.dtype}, "
+                    f"requires_grad={new_scale.requires_grad}."
+                )
+            state.scale.copy_(new_scale.reshape(()))
+            return
+        if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real) or not math.isfinite(new_scale):
+            raise InvalidConfigError(
+                f"update(new_scale) needs a finite positive scale. Received: {describe(new_scale)}."
+            )
+        state.scale.fill_(float(new_scale))
+
+    # -- records -----------------------------------------------------------------------------------------
+
+    def skipped(self, found_inf: torch.Tensor) -> torch.Tensor:
+        return found_inf > 0
+
+    def read_flag(self, found_inf: torch.Tensor) -> bool:
+        return bool(found_inf.item() > 0)
+
+    def finite_flag(self) -> torch.Tensor:
+        device = self._state.scale.device if self._state is not None else torch.device("cpu")
+        return torch.zeros((), dtype=torch.float32, device=device)
+
+    def new_record(self) -> list[torch.Tensor | None]:
+        return [None]
+
+    def write_record(self, record: list[torch.Tensor | None], found_inf: torch.Tensor) -> None:
+        record[0] = found_inf
+
+    def read_record(self, record: list[torch.Tensor | None]) -> torch.Tensor:
+        flag = record[0]
+        assert flag is not None, "a record is written when it is created"
+        return flag
+
+    def skipped_steps(self) -> torch.Tensor:
+        if self._state is None:
+            return torch.zeros((), dtype=torch.int64)
+        return self._state.skipped

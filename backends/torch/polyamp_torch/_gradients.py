@@ -1,0 +1,136 @@
+"""Gradient kernels for the torch scaler: check-and-unscale with torch's fused kernel, fused optimizer steps.
+
+* `unscale_gradients` runs torch's ``_amp_foreach_non_finite_check_and_unscale_`` once per device and dtype
+  over an optimizer's gradients (sparse gradients by their values), as ``torch.amp.GradScaler`` does.
+* Optimizers that unscale inside their own fused kernel (``_step_supports_amp_scaling``: fused Adam,
+  AdamW, SGD, Adagrad) get ``grad_scale`` and ``found_inf`` tensors through `fused_step` and skip on the
+  device, with no host sync.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections import defaultdict
+from typing import Any
+
+from polyamp import ScalerUsageError
+from polyamp_torch._framework import torch
+
+__all__ = ["PerDevice", "fused_amp_capable", "fused_step", "unscale_gradients"]
+
+
+class PerDevice:
+    """Copies of one tensor on each device that asks for it (model-parallel gradients)."""
+
+    __slots__ = ("copies", "master")
+
+    def __init__(self, master: torch.Tensor) -> None:
+        self.master = master
+        self.copies: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        copy = self.copies.get(device)
+        if copy is None:
+            copy = self.master.to(device=device, non_blocking=True, copy=True)
+            self.copies[device] = copy
+        return copy
+
+
+def _gradients_by_device_and_dtype(
+    optimizer: Any, *, allow_fp16: bool
+) -> tuple[dict[torch.device, dict[torch.dtype, list[torch.Tensor]]], bool]:
+    """The optimizer's gradients grouped for the fused kernel, and whether any is bfloat16.
+
+    Raises before anything changes when a gradient is float16 and ``allow_fp16`` is False.
+    """
+    grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+    has_bfloat16 = False
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.dtype == torch.float16 and not allow_fp16:
+                raise ScalerUsageError(
+                    f"Cannot unscale float16 gradients (a parameter of shape {tuple(param.shape)} has a float16 "
+                    "gradient). Loss scaling needs float32 master parameters: 1/scale and the unscaled values "
+                    "underflow in float16. Keep the parameters in float32 and let polyamp_torch.autocast() run "
+                    "the float16 math (the 'mixed_float16' policy), or train with a bfloat16 policy without "
+                    "loss scaling."
+                )
+            has_bfloat16 |= grad.dtype == torch.bfloat16
+            if grad.is_sparse:
+                # Duplicate indices of a float16 sparse grad may overflow once summed: check coalesced.
+                if grad.dtype == torch.float16:
+                    param.grad = grad = grad.coalesce()
+                grad = grad._values()
+            grouped[grad.device][grad.dtype].append(grad)
+    return grouped, has_bfloat16
+
+
+def unscale_gradients(
+    optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, allow_fp16: bool, warn_bfloat16: bool
+) -> tuple[torch.Tensor | None, bool]:
+    """Multiply the optimizer's gradients by ``inv_scale`` in place and check them for inf/NaN.
+
+    Returns the found-inf flag on ``found_inf``'s device (None when no parameter has a gradient) and
+    whether bfloat16 gradients were seen (warned about once when ``warn_bfloat16``).
+    """
+    with torch.no_grad():
+        grouped, has_bfloat16 = _gradients_by_device_and_dtype(optimizer, allow_fp16=allow_fp16)
+        if has_bfloat16 and warn_bfloat16:
+            warnings.warn(
+                "Loss scaling is enabled but the gradients are bfloat16. bfloat16 has float32's range, so "
+                "scaling only costs time (and rounds, for non-power-of-two scales). Construct the LossScaler "
+                "with enabled=False, or leave enabled=None under a bfloat16 policy.",
+                UserWarning,
+                stacklevel=5,
+            )
+        if not grouped:
+            return None, has_bfloat16
+        per_device_inv_scale = PerDevice(inv_scale)
+        per_device_found_inf = PerDevice(found_inf)
+        for device, by_dtype in grouped.items():
+            for grads in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)
+                )
+        flags = [flag.to(found_inf.device, non_blocking=True) for flag in per_device_found_inf.copies.values()]
+    return (flags[0] if len(flags) == 1 else torch.stack(flags).sum()), has_bfloat16
+
+
+_TAKES_GRAD_SCALER: dict[type, bool] = {}
+
+
+def takes_grad_scaler(step_type: type) -> bool:
+    """Whether an optimizer's ``step`` takes the scaler itself (torch's legacy ``grad_scaler=`` protocol)."""
+    # A plain dict cache (not functools.lru_cache) keeps this traceable by torch.compile.
+    known = _TAKES_GRAD_SCALER.get(step_type)
+    if known is None:
+        try:
+            known = "grad_scaler" in inspect.signature(step_type.step).parameters  # type: ignore[attr-defined]
+        except (TypeError, ValueError):
+            known = False
+        _TAKES_GRAD_SCALER[step_type] = known
+    return known
+
+
+def fused_amp_capable(optimizer: Any) -> bool:
+    """True for optimizers that take ``grad_scale``/``found_inf`` and skip on the device."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and not takes_grad_scaler(type(optimizer))
+
+
+def _fused_step(optimizer: Any, grad_scale: Any, found_inf: torch.Tensor, args: Any, kwargs: Any) -> Any:
+    # torch's Optimizer.step breaks the graph twice under torch.compile (pytorch#104053), so the step is
+    # never part of a graph; running this block eagerly as one unit keeps the attribute hand-over exact.
+    optimizer.grad_scale = grad_scale
+    optimizer.found_inf = found_inf
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale
+        del optimizer.found_inf
+
+
+fused_step = torch.compiler.disable(_fused_step)  # type: ignore[no-untyped-call]

@@ -1,0 +1,54 @@
+"""When loss scaling is on: the one rule every scaler follows (`polyamp.LossScaler`, Keras's optimizer)."""
+
+from __future__ import annotations
+
+import warnings
+
+from polyamp._src.errors import type_error
+from polyamp._src.global_policy import get_policy
+from polyamp._src.policy import Policy
+
+__all__ = ["check_enabled", "resolve_enabled"]
+
+
+def check_enabled(enabled: object) -> bool | None:
+    """Validate an ``enabled`` argument: True, False or None (follow the policy)."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise type_error("`enabled`", "None or a bool (None follows the policy)", enabled)
+    return enabled
+
+
+def resolve_enabled(enabled: bool | None, policy: Policy | None = None, *, float16_in_use: bool = False) -> bool:
+    """Whether a scaler with setting ``enabled`` scales now.
+
+    An explicit bool wins. ``None`` follows the policy in effect (``polyamp.get_policy()`` unless ``policy`` is
+    given) at the moment the scaler is used, each iteration anew: scaling is on when the policy computes in
+    float16 with float32 parameters (``"mixed_float16"``), or when the backend reports float16 computation
+    outside polyamp's policy (``float16_in_use``: e.g. ``polyamp_torch.autocast`` given an explicit float16
+    policy, or Keras's own global policy). bfloat16 has float32's range and needs no scaling.
+
+    A policy that keeps float16 *parameters* (``"float16"``) leaves scaling off with a warning: unscaled
+    float16 gradients underflow and overflow, so loss scaling needs float32 master parameters.
+
+    >>> from polyamp import Policy
+    >>> resolve_enabled(None, Policy("mixed_float16")), resolve_enabled(None, Policy("mixed_bfloat16"))
+    (True, False)
+    >>> resolve_enabled(False, Policy("mixed_float16"))
+    False
+    """
+    if enabled is not None:
+        return enabled
+    policy = get_policy() if policy is None else policy
+    if policy.compute_dtype == "float16":
+        if policy.param_dtype == "float16":
+            warnings.warn(
+                f"Loss scaling stays off under the policy {policy.name!r}: it keeps float16 parameters, whose "
+                "gradients cannot be unscaled without underflow. Use 'mixed_float16' (float32 parameters, "
+                "float16 compute) to train with loss scaling, or pass enabled=True if your optimizer keeps "
+                "float32 master weights.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return False
+        return True
+    return float16_in_use

@@ -1,0 +1,91 @@
+"""The public API for writing a polyamp backend: everything a framework translation may use.
+
+A backend never imports ``polyamp._src``; it imports this module (and ``polyamp``). It provides:
+
+* a `polyamp.BackendSpec` (import-free: a name, a ``"module:attribute"`` target, the framework modules it
+  handles) registered with `polyamp.register_backend` or the ``polyamp.backends`` entry-point group;
+* a `Backend` object whose ``make_device(config, state)`` returns a device form implementing
+  `ImperativeDevice` (PyTorch-style loops) or `TapeDevice` (TensorFlow-style loops), and optionally
+  ``make_functional(config)`` returning a `FunctionalDevice` (jitted, stateless steps);
+* optionally a conformance harness (see `polyamp.conformance.Harness`) named in the spec.
+
+`polyamp.LossScaler` owns the semantics (stages, misuse errors, skip records, the enabled rule, state
+dicts); the device form only performs device operations. The helpers below give backends the same
+wording and the same numerics as the core. A complete worked example is the NumPy backend in polyamp's
+test suite (tests/numpy_backend/).
+"""
+
+from polyamp._src.backend import (
+    Backend,
+    Flag,
+    FunctionalDevice,
+    ImperativeDevice,
+    ScalerDevice,
+    StepOutcome,
+    TapeDevice,
+)
+from polyamp._src.enabling import check_enabled, resolve_enabled
+from polyamp._src.errors import describe, type_error
+from polyamp._src.functional import FunctionalLossScaler
+from polyamp._src.iteration import UnscaleStages, no_gradients_error
+from polyamp._src.loss_scaler import bind_arguments
+from polyamp._src.registry import (
+    ENTRY_POINT_GROUP,
+    BackendSpec,
+    backend_name_for,
+    backend_specs,
+    detect_backend,
+    get_backend,
+    load_target,
+    register_backend,
+    wrong_object_error,
+)
+from polyamp._src.scaling import (
+    INT32_MAX,
+    NOT_GIVEN,
+    SETTING_DOCS,
+    LossScaleConfig,
+    LossScaleSettings,
+    LossScaleState,
+    NotGiven,
+    to_float32,
+)
+from polyamp._src.state_dict import FORMAT_VERSION, parse_state_dict, to_state_dict
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "FORMAT_VERSION",
+    "INT32_MAX",
+    "NOT_GIVEN",
+    "SETTING_DOCS",
+    "Backend",
+    "BackendSpec",
+    "Flag",
+    "FunctionalDevice",
+    "FunctionalLossScaler",
+    "ImperativeDevice",
+    "LossScaleConfig",
+    "LossScaleSettings",
+    "LossScaleState",
+    "NotGiven",
+    "ScalerDevice",
+    "StepOutcome",
+    "TapeDevice",
+    "UnscaleStages",
+    "backend_name_for",
+    "backend_specs",
+    "bind_arguments",
+    "check_enabled",
+    "describe",
+    "detect_backend",
+    "get_backend",
+    "load_target",
+    "no_gradients_error",
+    "parse_state_dict",
+    "register_backend",
+    "resolve_enabled",
+    "to_float32",
+    "to_state_dict",
+    "type_error",
+    "wrong_object_error",
+]
