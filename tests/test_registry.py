@@ -152,8 +152,8 @@ def test_third_party_backend_from_an_entry_point(tmp_path: Path, monkeypatch: py
         "                           frameworks=('pluginfw',), install_hint='pip install polyamp-plugin')\n"
     )
     (tmp_path / "polyamp_plugin_impl.py").write_text(
-        "class Backend:\n    name = 'plugin'\n    def owns(self, obj):\n        return False\n"
-        "    def make_scaler(self, config, state, enabled):\n        return ('impl', config, state, enabled)\n"
+        "class Backend:\n    name = 'plugin'\n"
+        "    def make_device(self, config, state):\n        return ('device', config, state)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "_entry_points_read", False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from polyamp._src import registry
 from polyamp.conformance._runner import format_table, run
 
 
@@ -20,18 +19,20 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         help="backend to check (repeatable); default: every backend with a harness",
     )
-    parser.add_argument("--device", action="append", help="device type to check (repeatable); default: cpu and cuda")
+    parser.add_argument(
+        "--device",
+        action="append",
+        help="device type to check (repeatable); default: every device each harness declares",
+    )
     parser.add_argument("-k", "--keyword", help="only cases whose id contains this text")
     parser.add_argument("--verbose", action="store_true", help="print each case as it finishes")
     args = parser.parse_args(argv)
-    backends = args.backend or [name for name, spec in registry.backend_specs().items() if spec.harness]
-    devices = args.device or ["cpu", "cuda"]
 
     def progress(result: object) -> None:
         if args.verbose:
             print(result, flush=True)
 
-    results = run(backends, devices, keyword=args.keyword, on_result=progress)
+    results = run(args.backend, args.device, keyword=args.keyword, on_result=progress)
     print(format_table(results))
     return 0 if all(r.ok for r in results) else 1
 

@@ -17,6 +17,7 @@ __all__ = [
     "expect_divergence",
     "parametrize",
     "reporting",
+    "requires",
     "skip",
     "stop_reporting",
 ]
@@ -82,6 +83,25 @@ def parametrize(name: str, values: Iterable[Any]) -> Callable[[F], F]:
         return case
 
     return mark
+
+
+def requires(*capabilities: str) -> Callable[[F], F]:
+    """Declare the harness capabilities a case needs (see `polyamp.conformance.CAPABILITIES`); a harness
+    lacking one skips the case with the reason."""
+
+    def mark(case: F) -> F:
+        case.polyamp_requires = (*getattr(case, "polyamp_requires", ()), *capabilities)  # type: ignore[attr-defined]
+        return case
+
+    return mark
+
+
+def missing_capabilities(case: Callable[..., Any], harness: object) -> list[str]:
+    """The capabilities ``case`` needs that ``harness`` lacks, in the case's order."""
+    from polyamp.conformance._protocol import capabilities_of
+
+    offered = capabilities_of(harness)
+    return [name for name in getattr(case, "polyamp_requires", ()) if name not in offered]
 
 
 def assert_dtype(actual: str, expected: str, what: str) -> None:

@@ -2,20 +2,44 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
 
     from polyamp import LossScaler, Policy
 
-__all__ = ["OPS", "Harness", "HarnessUnavailable", "Trainer"]
+__all__ = ["CAPABILITIES", "OPS", "Harness", "HarnessUnavailable", "Loop", "Trainer", "capabilities_of"]
 
 #: Op classes whose output dtype the cases check. The first three run in the compute dtype; the others in
 #: float32 (as CUDA's autocast lists have them).
 OPS = ("matmul", "dense", "conv", "softmax", "log_softmax", "cross_entropy", "layer_norm", "sum")
 COMPUTE_OPS = frozenset({"matmul", "dense", "conv"})
+
+
+#: What a harness may offer, and what each capability means. Harness methods named here count as offered
+#: when present; the others are declared in ``Harness.capabilities``. A case that needs a capability a
+#: harness lacks is skipped with the reason, never failed.
+CAPABILITIES: Final = {
+    "op_dtype": "Harness.op_dtype: run one op class under a policy",
+    "model_dtypes": "Harness.model_dtypes: build the tiny model under a policy",
+    "trainer": "Harness.trainer: train the tiny model through a LossScaler",
+    "loop": "Harness.loop: drive an iteration call by call, with two optimizers",
+    "tiny_gradient": "Harness.tiny_gradient: one gradient through the scaler",
+    "passes_loss_through": "Harness.passes_loss_through: check a disabled scaler's scale()",
+    "functional": "Harness.functional_trainer: train through the backend's functional (stateless) form",
+    "low_precision": "computes in float16/bfloat16 when the policy says so (declared)",
+}
+
+
+def capabilities_of(harness: object) -> frozenset[str]:
+    """The capabilities ``harness`` offers: its declared ``capabilities`` and the protocol methods it has."""
+    declared = frozenset(getattr(harness, "capabilities", ()))
+    methods = {name for name in CAPABILITIES if callable(getattr(harness, name, None))}
+    if callable(getattr(harness, "functional_trainer", None)):
+        methods.add("functional")
+    return declared | methods
 
 
 class HarnessUnavailable(Exception):
@@ -46,12 +70,56 @@ class Trainer(Protocol):
 
 
 @runtime_checkable
+class Loop(Protocol):
+    """One training iteration driven call by call: a two-layer model whose first layer belongs to optimizer 0
+    and second layer to optimizer 1 (SGD with momentum 0.9, lr 0.1), and the `polyamp.LossScaler` in use.
+
+    The loop's calls map to the backend's loop style: PyTorch's ``unscale_(opt)`` / ``step(opt)``,
+    TensorFlow's ``unscale(grads)`` / ``step(opt, zip(grads, vars))``; ``update()`` on both.
+    """
+
+    scaler: LossScaler
+    #: The two optimizers (for ``scaler.step_skipped(optimizer)``).
+    optimizers: Sequence[Any]
+
+    def backward(self, overflow: Collection[int] = ()) -> None:
+        """Forward a batch, scale the loss, backpropagate; plant an inf in a (scaled) gradient of each listed
+        optimizer."""
+        ...
+
+    def unscale(self, index: int) -> None:
+        """Unscale optimizer ``index``'s gradients through the scaler."""
+        ...
+
+    def step(self, index: int) -> None:
+        """Step optimizer ``index`` through the scaler (one step, no update)."""
+        ...
+
+    def update(self) -> None:
+        """End the iteration (``scaler.update()``)."""
+        ...
+
+    def params(self, index: int) -> list[np.ndarray]:
+        """Optimizer ``index``'s parameters as NumPy arrays."""
+        ...
+
+    def optimizer_state(self, index: int) -> list[np.ndarray]:
+        """Optimizer ``index``'s slots and counters as NumPy arrays."""
+        ...
+
+
+@runtime_checkable
 class Harness(Protocol):
     """One backend on one device, as the conformance cases see it.
+
+    Every method is optional: a harness offers what its backend can do (see `CAPABILITIES`), and cases it
+    cannot run are skipped with the reason.
 
     Attributes:
         backend: The backend's name ("torch", "tensorflow", ...).
         device: The device type ("cpu", "cuda").
+        devices: (class attribute) The device types the harness can run on; targets are made from them.
+        capabilities: (optional) Declared capabilities besides the methods, e.g. ``{"low_precision"}``.
         divergences: Case keys (see `polyamp.conformance.expect_divergence`) where this backend knowingly
             differs from polyamp's semantics, with the reason. Those cases are expected to fail (strictly:
             a passing one is reported, so the table stays true).
@@ -93,4 +161,13 @@ class Harness(Protocol):
 
     def passes_loss_through(self, scaler: LossScaler) -> bool:
         """Whether ``scaler.scale(loss)`` returns the very loss object, for one of this backend's tensors."""
+        ...
+
+    def loop(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> Loop:
+        """A `Loop` under ``policy`` with a `polyamp.LossScaler` made from ``scaler`` (keyword arguments)."""
+        ...
+
+    def functional_trainer(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> Trainer:
+        """A `Trainer` whose step runs through ``LossScaler(**scaler).functional()`` (state in, state out);
+        its ``scaler`` offers ``state_dict()`` of the current functional state."""
         ...

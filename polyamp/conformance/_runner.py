@@ -12,10 +12,10 @@ from typing import Any
 
 from polyamp._src import registry
 from polyamp.conformance import cases as case_module
-from polyamp.conformance._context import CaseSkipped, Reporter, reporting, stop_reporting
-from polyamp.conformance._protocol import Harness, HarnessUnavailable
+from polyamp.conformance._context import CaseSkipped, Reporter, missing_capabilities, reporting, stop_reporting
+from polyamp.conformance._protocol import CAPABILITIES, Harness, HarnessUnavailable
 
-__all__ = ["CaseResult", "case_functions", "expand", "make_harness", "run"]
+__all__ = ["CaseResult", "case_functions", "expand", "harness_class", "make_harness", "run", "skip_reason", "targets"]
 
 OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed")
 
@@ -52,11 +52,11 @@ def expand(case: Callable[..., None]) -> list[tuple[str, dict[str, Any]]]:
     return [("-".join(str(v) for v in combo), dict(zip(names, combo, strict=True))) for combo in combos]
 
 
-def make_harness(backend: str, device: str) -> Harness:
-    """Create ``backend``'s harness on ``device``.
+def harness_class(backend: str) -> Any:
+    """The harness class (or factory) ``backend``'s spec names.
 
     Raises:
-        HarnessUnavailable: the backend's framework, its harness or the device is not available.
+        HarnessUnavailable: no such backend, no harness, or it cannot be imported here.
     """
     spec = registry.backend_specs().get(backend)
     if spec is None:
@@ -64,16 +64,59 @@ def make_harness(backend: str, device: str) -> Harness:
     if spec.harness is None:
         raise HarnessUnavailable(f"backend {backend!r} ships no conformance harness")
     try:
-        factory = registry.load_target(
+        return registry.load_target(
             spec.harness, backend=backend, install_hint=spec.install_hint, frameworks=spec.frameworks
         )
     except ImportError as exc:
         raise HarnessUnavailable(str(exc)) from exc
-    harness: Harness = factory(device)
+
+
+def make_harness(backend: str, device: str) -> Harness:
+    """Create ``backend``'s harness on ``device``.
+
+    Raises:
+        HarnessUnavailable: the backend's framework, its harness or the device is not available.
+    """
+    harness: Harness = harness_class(backend)(device)
     return harness
 
 
+def targets(backends: Sequence[str] | None = None, devices: Sequence[str] | None = None) -> list[tuple[str, str]]:
+    """The (backend, device) pairs to run: every backend with a harness (or ``backends``), on the devices its
+    harness declares (``devices`` attribute, default ``("cpu",)``) or on ``devices`` when given."""
+    if backends is None:
+        backends = [name for name, spec in registry.backend_specs().items() if spec.harness]
+    result = []
+    for backend in backends:
+        if devices is not None:
+            declared: tuple[str, ...] = tuple(devices)
+        else:
+            try:
+                declared = tuple(getattr(harness_class(backend), "devices", ("cpu",)))
+            except HarnessUnavailable:
+                declared = ("cpu",)  # one target, which reports why the backend cannot run
+        result += [(backend, device) for device in declared]
+    return result
+
+
+def skip_reason(case: Callable[..., Any], *harnesses: object) -> str | None:
+    """Why ``case`` cannot run on these harnesses (a capability one of them lacks), or None."""
+    for harness in harnesses:
+        missing = missing_capabilities(case, harness)
+        if missing:
+            name = missing[0]
+            return (
+                f"{getattr(harness, 'backend', '?')}-{getattr(harness, 'device', '?')} lacks the {name!r} "
+                f"capability ({CAPABILITIES.get(name, 'declared by the case')})"
+            )
+    return None
+
+
 def _run_one(case: Callable[..., None], case_id: str, target: str, kwargs: dict[str, Any]) -> CaseResult:
+    harnesses = kwargs.get("harness_pair") or (kwargs["harness"],)
+    reason = skip_reason(case, *harnesses)
+    if reason is not None:
+        return CaseResult(case_id, target, "skipped", reason)
     expected: list[str] = []
 
     def on_skip(reason: str) -> None:
@@ -105,13 +148,13 @@ def _run_one(case: Callable[..., None], case_id: str, target: str, kwargs: dict[
 
 
 def run(
-    backends: Sequence[str],
-    devices: Sequence[str],
+    backends: Sequence[str] | None = None,
+    devices: Sequence[str] | None = None,
     *,
     keyword: str | None = None,
     on_result: Callable[[CaseResult], None] | None = None,
 ) -> list[CaseResult]:
-    """Run every case on every backend x device; unavailable ones give one "skipped" row with the reason."""
+    """Run every case on every target (see `targets`); unavailable ones give one "skipped" row with the reason."""
     results: list[CaseResult] = []
 
     def record(result: CaseResult) -> None:
@@ -120,7 +163,7 @@ def run(
             on_result(result)
 
     harnesses: list[Harness] = []
-    for backend, device in itertools.product(backends, devices):
+    for backend, device in targets(backends, devices):
         try:
             harnesses.append(make_harness(backend, device))
         except HarnessUnavailable as exc:

@@ -16,6 +16,7 @@ from polyamp.conformance._context import (
     assert_equal_arrays,
     expect_divergence,
     parametrize,
+    requires,
     skip,
 )
 from polyamp.conformance._protocol import COMPUTE_OPS, OPS
@@ -62,6 +63,7 @@ def _batches(steps: int, size: int = 32) -> list[tuple[Any, Any]]:
 
 @parametrize("op", OPS)
 @parametrize("policy", POLICIES)
+@requires("op_dtype")
 def test_op_dtype(harness: Any, policy: str, op: str) -> None:
     """matmul/dense/conv run in the compute dtype; softmax, log-softmax, losses, norms, sums in float32."""
     parsed = Policy(policy)
@@ -72,6 +74,7 @@ def test_op_dtype(harness: Any, policy: str, op: str) -> None:
 
 
 @parametrize("policy", POLICIES)
+@requires("model_dtypes")
 def test_model_dtypes(harness: Any, policy: str) -> None:
     """Parameters in the param dtype, model outputs in the output dtype."""
     parsed = Policy(policy)
@@ -82,6 +85,15 @@ def test_model_dtypes(harness: Any, policy: str) -> None:
 
 
 # -- loss-scale trajectories -----------------------------------------------------------------------------
+
+
+def _mismatch(states: list[Any], expected: list[Any], pattern: str, what: str) -> None:
+    for step, (got, want) in enumerate(zip(states, expected, strict=True)):
+        if got != want:
+            raise AssertionError(
+                f"after step {step} ({pattern[: step + 1]}): (scale, tracker, hysteresis)={got}, but should be "
+                f"{want} [{what}]"
+            )
 
 
 def _drive(trainer: Any, pattern: str) -> list[tuple[float, int, int]]:
@@ -99,20 +111,61 @@ def _reference(config: dict[str, Any], pattern: str, state: Any = None) -> list[
 
 
 @parametrize("vector", [name for name, *_ in TRAJECTORY_VECTORS])
+@requires("trainer")
 def test_trajectory_matches_the_reference(harness: Any, vector: str) -> None:
     """Scale, growth counter and hysteresis after every step equal the core reference's."""
     _, config, policy, pattern = next(v for v in TRAJECTORY_VECTORS if v[0] == vector)
     trainer = harness.trainer(Policy(policy), scaler={**config, "enabled": True})
     states = _drive(trainer, pattern)
-    expected = _reference(config, pattern)
-    for step, (got, want) in enumerate(zip(states, expected, strict=True)):
-        if got != want:
-            raise AssertionError(
-                f"after step {step} ({pattern[: step + 1]}): (scale, tracker, hysteresis)={got}, but should be "
-                f"{want} [{vector} on {harness.backend}-{harness.device}]"
-            )
+    _mismatch(states, _reference(config, pattern), pattern, f"{vector} on {harness.backend}-{harness.device}")
 
 
+def random_settings(seed: int) -> tuple[dict[str, Any], str]:
+    """Loss-scaling settings and an overflow pattern drawn from ``seed`` (the same on every machine)."""
+    import random
+
+    rng = random.Random(seed)
+    # Scales stay far from float32's overflow, so only the planted overflows overflow.
+    init_scale = rng.choice([1.0, 3.0, 512.0, 1000.0, 2.0**16, 2.0**40])
+    config: dict[str, Any] = {
+        "init_scale": init_scale,
+        "growth_factor": rng.choice([2.0, 1.5, rng.uniform(1.01, 4.0)]),
+        "backoff_factor": rng.choice([0.5, 0.25, rng.uniform(0.05, 0.95)]),
+        "growth_interval": rng.randint(1, 4),
+        "hysteresis": rng.randint(1, 3),
+        "dynamic": rng.random() > 0.1,
+    }
+    if rng.random() < 0.4:
+        config["min_scale"] = init_scale / rng.choice([2.0, 8.0, 64.0])
+    if rng.random() < 0.4:
+        config["max_scale"] = init_scale * rng.choice([1.0, 4.0, 1000.0])
+    pattern = "".join(rng.choice("FFO") for _ in range(18))
+    return config, pattern
+
+
+@parametrize("seed", list(range(6)))
+@requires("trainer")
+def test_random_settings_follow_the_reference(harness: Any, seed: int) -> None:
+    """Seeded random settings and overflow patterns: the device state equals the reference after every step."""
+    config, pattern = random_settings(seed)
+    trainer = harness.trainer(Policy("float32"), scaler={**config, "enabled": True}, seed=seed)
+    _mismatch(_drive(trainer, pattern), _reference(config, pattern), pattern, f"seed {seed}: {config}")
+
+
+@parametrize("vector", ["default_rule", "hysteresis", "min_max", "odd_factors"])
+@requires("functional")
+def test_functional_form_follows_the_reference(harness: Any, vector: str) -> None:
+    """The stateless form (state in, state out) follows the same rule, and skips the same steps."""
+    _, config, policy, pattern = next(v for v in TRAJECTORY_VECTORS if v[0] == vector)
+    trainer = harness.functional_trainer(Policy(policy), scaler={**config, "enabled": True})
+    _mismatch(_drive(trainer, pattern), _reference(config, pattern), pattern, f"functional {vector}")
+    before = trainer.params()
+    ((x, y),) = _batches(1)
+    trainer.step(x, y, overflow=True)
+    assert_equal_arrays(trainer.params(), before, "parameters after a skipped functional step")
+
+
+@requires("trainer")
 def test_cross_backend_same_trajectory_and_resume(harness_pair: Any) -> None:
     """One pattern on two backends gives one trajectory; a state dict saved by one resumes on the other."""
     first, second = harness_pair
@@ -135,10 +188,103 @@ def test_cross_backend_same_trajectory_and_resume(harness_pair: Any) -> None:
             )
 
 
+# -- one iteration, several optimizers; misuse --------------------------------------------------------------
+
+
+def _flag(value: Any) -> bool:
+    return bool(value)
+
+
+@requires("loop")
+def test_two_optimizers_skip_separately_and_update_once(harness: Any) -> None:
+    """First optimizer overflows, second does not: the first skips, the second applies, one backoff."""
+    loop = harness.loop(Policy("mixed_float16"), scaler={"growth_interval": 3, "enabled": True})
+    scaler = loop.scaler
+    loop.backward()
+    loop.step(0)
+    loop.step(1)
+    loop.update()  # a finite iteration: the growth counter goes up once, not once per optimizer
+    state = scaler.state_dict()
+    if (state["scale"], state["_growth_tracker"]) != (65536.0, 1):
+        raise AssertionError(f"after one finite iteration: scale {state['scale']}, tracker {state['_growth_tracker']}")
+    first, second = loop.params(0), loop.params(1)
+    first_state = loop.optimizer_state(0)
+    loop.backward(overflow=(0,))
+    loop.step(0)
+    loop.step(1)
+    loop.update()
+    answers = (_flag(scaler.step_skipped(loop.optimizers[0])), _flag(scaler.step_skipped(loop.optimizers[1])))
+    if answers != (True, False):
+        raise AssertionError(f"step_skipped per optimizer = {answers}, but should be (True, False)")
+    if not _flag(scaler.step_skipped()):
+        raise AssertionError("step_skipped() for the iteration should be True: one of its steps was skipped")
+    assert_equal_arrays(loop.params(0), first, "parameters of the optimizer whose step was skipped")
+    assert_equal_arrays(loop.optimizer_state(0), first_state, "state of the optimizer whose step was skipped")
+    changed = [not __import__("numpy").array_equal(a, b) for a, b in zip(loop.params(1), second, strict=True)]
+    if not any(changed):
+        raise AssertionError("the optimizer with finite gradients did not step")
+    state = scaler.state_dict()
+    expected = LossScaleConfig(growth_interval=3).states("FO")[-1]
+    if (state["scale"], state["_growth_tracker"]) != (expected.scale, expected.growth_tracker):
+        raise AssertionError(
+            f"after the overflowing iteration: (scale, tracker)=({state['scale']}, {state['_growth_tracker']}), "
+            f"but should be ({expected.scale}, {expected.growth_tracker}): one update per iteration"
+        )
+    if int(scaler.skipped_steps()) != 1:
+        raise AssertionError(f"skipped_steps()={int(scaler.skipped_steps())}, but one iteration was skipped")
+
+
+#: Misuse and the calls that commit it, after a backward pass; the same ScalerUsageError on every backend.
+MISUSES: dict[str, Any] = {
+    "step_twice": lambda loop: (loop.step(0), loop.step(0)),
+    "unscale_twice": lambda loop: (loop.unscale(0), loop.unscale(0)),
+    "update_with_nothing_stepped": lambda loop: loop.update(),
+    "load_state_dict_mid_iteration": lambda loop: (loop.step(0), loop.scaler.load_state_dict(loop.scaler.state_dict())),
+    "pickle_mid_iteration": lambda loop: (loop.step(0), __import__("pickle").dumps(loop.scaler)),
+}
+
+
+@parametrize("misuse", list(MISUSES))
+@requires("loop")
+def test_misuse_is_the_same_error_everywhere_and_leaves_no_trace(harness: Any, misuse: str) -> None:
+    """Each misuse raises polyamp.ScalerUsageError (a RuntimeError); afterwards the iteration completes."""
+    from polyamp import ScalerUsageError
+
+    loop = harness.loop(Policy("mixed_float16"), scaler={"growth_interval": 3, "enabled": True})
+    loop.backward()
+    before = loop.scaler.state_dict()
+    try:
+        MISUSES[misuse](loop)
+    except ScalerUsageError as exc:
+        if not isinstance(exc, RuntimeError):
+            raise AssertionError("ScalerUsageError should be a RuntimeError") from exc
+    else:
+        raise AssertionError(f"{misuse}: no ScalerUsageError on {harness.backend}-{harness.device}")
+    if loop.scaler.state_dict() != before:
+        raise AssertionError(f"{misuse}: the refused call changed the scaler's state")
+    for index in (0, 1):  # finish the iteration the ordinary way
+        try:
+            loop.step(index)
+        except ScalerUsageError:
+            pass  # already stepped by the misuse sequence
+    loop.update()
+    loop.backward()
+    loop.step(0)
+    loop.step(1)
+    loop.update()
+    state = loop.scaler.state_dict()
+    if (state["scale"], state["_growth_tracker"]) != (65536.0, 2):
+        raise AssertionError(
+            f"{misuse}: (scale, tracker)=({state['scale']}, {state['_growth_tracker']}) after two finite "
+            "iterations, but should be (65536.0, 2)"
+        )
+
+
 # -- skipping, underflow, clipping, the disabled path ------------------------------------------------------
 
 
 @parametrize("optimizer", ["sgd", "adam"])
+@requires("trainer")
 def test_skipped_step_changes_nothing(harness: Any, optimizer: str) -> None:
     """Parameters, optimizer slots and step counters are bitwise unchanged by a skipped step."""
     trainer = harness.trainer(Policy("mixed_float16"), scaler={"enabled": True}, optimizer=optimizer)
@@ -152,6 +298,7 @@ def test_skipped_step_changes_nothing(harness: Any, optimizer: str) -> None:
     assert_equal_arrays(trainer.optimizer_state(), state, f"{optimizer} state after a skipped step")
 
 
+@requires("tiny_gradient", "low_precision")
 def test_underflow_rescue(harness: Any) -> None:
     """A ~1e-8 gradient flushes to zero in float16 without scaling and survives with it."""
     import numpy as np
@@ -175,6 +322,7 @@ def test_underflow_rescue(harness: Any) -> None:
         )
 
 
+@requires("trainer")
 def test_unscale_then_clip_equals_the_float32_update(harness: Any) -> None:
     """Clipping after unscaling gives the float32 run's clipped update (to float16 precision)."""
     import numpy as np
@@ -196,6 +344,7 @@ def test_unscale_then_clip_equals_the_float32_update(harness: Any) -> None:
             raise AssertionError(f"update of parameter {index} differs from float32's beyond float16 precision")
 
 
+@requires("trainer", "passes_loss_through")
 def test_disabled_scaler_passes_the_loss_through_and_changes_nothing(harness: Any) -> None:
     """Under a bfloat16 policy the scaler is off: scale() returns the loss itself; training is unchanged."""
     from polyamp import LossScaler
@@ -231,6 +380,7 @@ CONVERGENCE_REL = 0.10
 
 
 @parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@requires("trainer", "low_precision")
 def test_converges_like_float32(harness: Any, policy: str) -> None:
     """80 Adam steps under a mixed policy end within tolerance of the float32 run's loss."""
     batches = _batches(80)

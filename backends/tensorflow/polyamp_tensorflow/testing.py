@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -89,10 +89,61 @@ class _KerasTrainer:
         return self.scaler is not None and bool(self.scaler.step_skipped(self.opt).numpy())
 
 
+class _KerasLoop:
+    """A two-layer model, one SGD optimizer per layer, driven call by call (see `polyamp.conformance.Loop`)."""
+
+    def __init__(self, device: str, policy: Policy, scaler: Mapping[str, Any], seed: int) -> None:
+        self.device = device
+        with tf.device(device), polyamp.policy_scope(policy):
+            keras.utils.set_random_seed(seed)
+            self.model = cast_outputs(_mlp(), policy)
+            self.scaler = LossScaler(**scaler, backend="tensorflow")
+        dense = [layer for layer in self.model.layers[0].layers if isinstance(layer, keras.layers.Dense)]
+        self._variables = [layer.trainable_variables for layer in dense]
+        self.optimizers = [keras.optimizers.SGD(0.1, momentum=0.9) for _ in dense]
+        for optimizer, variables in zip(self.optimizers, self._variables, strict=True):
+            optimizer.build(variables)
+        self.grads: list[list[Any]] = [[], []]
+        self._loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        self._batch = 0
+
+    def backward(self, overflow: Collection[int] = ()) -> None:
+        rng = np.random.default_rng(self._batch)
+        self._batch += 1
+        x = rng.normal(size=(16, 8)).astype("float32")
+        y = rng.integers(0, 4, size=(16,))
+        with tf.device(self.device):
+            with tf.GradientTape() as tape:
+                scaled = self.scaler.scale(self._loss_fn(y, self.model(x, training=True)))
+            grads = tape.gradient(scaled, self._variables)
+        for index in overflow:
+            kernel = grads[index][0]
+            grads[index][0] = tf.tensor_scatter_nd_update(kernel, [[0] * len(kernel.shape)], [float("inf")])
+        self.grads = [list(group) for group in grads]
+
+    def unscale(self, index: int) -> None:
+        self.grads[index] = self.scaler.unscale(self.grads[index])
+
+    def step(self, index: int) -> None:
+        with tf.device(self.device):
+            self.scaler.step(self.optimizers[index], zip(self.grads[index], self._variables[index], strict=True))
+
+    def update(self) -> None:
+        self.scaler.update()
+
+    def params(self, index: int) -> list[np.ndarray]:
+        return [np.array(v.value.numpy(), dtype=np.float32) for v in self._variables[index]]
+
+    def optimizer_state(self, index: int) -> list[np.ndarray]:
+        return [np.array(v.value.numpy()) for v in self.optimizers[index].variables]
+
+
 class TensorFlowHarness:
     """TensorFlow / Keras 3 on one device type ("cpu" or "cuda")."""
 
     backend = "tensorflow"
+    devices = ("cpu", "cuda")
+    capabilities = frozenset({"low_precision"})
     divergences: Mapping[str, str] = {
         f"op:{op}": _LAYER_DTYPE.format(op=op) for op in ("softmax", "log_softmax", "layer_norm", "sum")
     }
@@ -173,3 +224,6 @@ class TensorFlowHarness:
     def passes_loss_through(self, scaler: LossScaler) -> bool:
         loss = tf.constant(1.5)
         return scaler.scale(loss) is loss
+
+    def loop(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> _KerasLoop:
+        return _KerasLoop(self._device, policy, scaler, seed)

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ __all__ = ["TorchHarness"]
 F = torch.nn.functional
 
 
-def _mlp() -> torch.nn.Module:
+def _mlp() -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
@@ -91,10 +91,65 @@ class _TorchTrainer:
         return self.scaler is not None and bool(self.scaler.step_skipped(self.opt))
 
 
+class _TorchLoop:
+    """A two-layer model, one SGD optimizer per layer, driven call by call (see `polyamp.conformance.Loop`)."""
+
+    def __init__(self, device: str, policy: Policy, scaler: Mapping[str, Any], seed: int) -> None:
+        self.device = device
+        self.policy = policy
+        torch.manual_seed(seed)
+        mlp = _mlp().to(device)
+        layers: list[torch.nn.Module] = [mlp[0], mlp[2]]
+        self.model = apply_policy(mlp, policy, device_type=device)
+        self.optimizers = [torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9) for layer in layers]
+        self._layers = layers
+        with polyamp.policy_scope(policy):
+            self.scaler = LossScaler(**scaler, backend="torch")
+        self._batch = 0
+
+    def backward(self, overflow: Collection[int] = ()) -> None:
+        generator = torch.Generator().manual_seed(self._batch)
+        self._batch += 1
+        x = torch.randn(16, 8, generator=generator).to(self.device)
+        y = torch.randint(0, 4, (16,), generator=generator).to(self.device)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        with autocast(self.policy, device_type=self.device):
+            loss = F.cross_entropy(self.model(x), y)
+        self.scaler.scale(loss).backward()
+        for index in overflow:
+            grad = next(self._layers[index].parameters()).grad
+            assert grad is not None
+            grad.view(-1)[0] = float("inf")
+
+    def unscale(self, index: int) -> None:
+        self.scaler.unscale_(self.optimizers[index])
+
+    def step(self, index: int) -> None:
+        self.scaler.step(self.optimizers[index])
+
+    def update(self) -> None:
+        self.scaler.update()
+
+    def params(self, index: int) -> list[np.ndarray]:
+        return [p.detach().float().cpu().numpy().copy() for p in self._layers[index].parameters()]
+
+    def optimizer_state(self, index: int) -> list[np.ndarray]:
+        optimizer = self.optimizers[index]
+        arrays = []
+        for param in self._layers[index].parameters():
+            for _, value in sorted(optimizer.state.get(param, {}).items()):
+                tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+                arrays.append(tensor.detach().cpu().numpy().copy())
+        return arrays
+
+
 class TorchHarness:
     """PyTorch on one device type ("cpu" or "cuda")."""
 
     backend = "torch"
+    devices = ("cpu", "cuda")
+    capabilities = frozenset({"low_precision"})
     #: PyTorch follows polyamp's semantics everywhere (on CPU, polyamp regions supply CUDA's float32 ops).
     divergences: Mapping[str, str] = {}
 
@@ -172,3 +227,6 @@ class TorchHarness:
     def passes_loss_through(self, scaler: LossScaler) -> bool:
         loss = torch.tensor(1.5, device=self.device)
         return scaler.scale(loss) is loss
+
+    def loop(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> _TorchLoop:
+        return _TorchLoop(self.device, policy, scaler, seed)

@@ -1,0 +1,351 @@
+"""polyamp_npfw: a complete polyamp backend for the NumPy framework ``npfw``, written only against
+``polyamp`` and ``polyamp.backend_api`` (and ``polyamp.conformance`` for its harness).
+
+It is the worked example of the README's "Backends" section: a spec that imports nothing, a backend
+object, an imperative device form (PyTorch-style loop), a functional device form (state in, state out)
+and a conformance harness declaring what it can do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import npfw
+import numpy as np
+
+import polyamp
+from polyamp import LossScaleConfig, LossScaler, LossScaleState, Policy, PolyampTypeError
+from polyamp.backend_api import BackendSpec, StepOutcome, wrong_object_error
+from polyamp.conformance import HarnessUnavailable
+
+#: What a package would publish through the ``polyamp.backends`` entry-point group.
+SPEC = BackendSpec(
+    name="npfw",
+    target="polyamp_npfw:NumpyBackend",
+    frameworks=("npfw",),
+    install_hint="pip install npfw",
+    harness="polyamp_npfw:NumpyHarness",
+)
+
+
+def _inverse(scale: float) -> np.float32:
+    return np.float32(1.0 / scale)  # formed in double, rounded to float32, as the torch backend does
+
+
+class NumpyDevice:
+    """The imperative device form: the state as NumPy scalars, gradients on the parameters."""
+
+    def __init__(self, config: LossScaleConfig, state: LossScaleState) -> None:
+        self._config = config
+        self._state = state
+        self._skipped = np.int64(0)
+
+    def check_optimizer(self, method: str, optimizer: object) -> None:
+        if not isinstance(optimizer, npfw.Optimizer):
+            raise wrong_object_error("npfw", method, optimizer, "an npfw.Optimizer")
+
+    def read_state(self) -> LossScaleState:
+        return self._state
+
+    def write_state(self, config: LossScaleConfig, state: LossScaleState | None) -> None:
+        self._config = config
+        if state is not None:
+            self._state = state
+
+    def scale(self, loss: Any) -> Any:
+        if isinstance(loss, (list, tuple)):
+            return type(loss)(self.scale(item) for item in loss)
+        if not isinstance(loss, npfw.Tensor):
+            raise wrong_object_error("npfw", "scale", loss, "an npfw.Tensor")
+        return loss * self._state.scale
+
+    def unscale_gradients(self, optimizer: npfw.Optimizer) -> np.float32 | None:
+        grads = [p for p in optimizer.params if p.grad is not None]
+        if not grads:
+            return None
+        inverse = _inverse(self._state.scale)
+        found = False
+        for param in grads:
+            assert param.grad is not None
+            param.grad = (param.grad * inverse).astype(np.float32)
+            found |= not bool(np.isfinite(param.grad).all())
+        return np.float32(found)
+
+    def unscales_in_step(self, optimizer: npfw.Optimizer) -> bool:
+        return False
+
+    def step(
+        self, optimizer: npfw.Optimizer, found_inf: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> StepOutcome:
+        skipped = bool(found_inf > 0)
+        return StepOutcome(None if skipped else optimizer.step(*args, **kwargs), found_inf, skipped)
+
+    def plain_step(self, optimizer: npfw.Optimizer, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        return optimizer.step(*args, **kwargs)
+
+    def combine(self, flags: Sequence[Any]) -> np.float32:
+        return np.float32(max(flags))
+
+    def update(self, found_inf: Any, new_scale: Any) -> None:
+        if new_scale is not None:
+            if not isinstance(new_scale, float):
+                raise PolyampTypeError(f"npfw's update(new_scale) takes a float, not {type(new_scale).__name__}")
+            self._state = LossScaleState(new_scale, self._state.growth_tracker, self._state.hysteresis_left)
+        else:
+            # The device rule: this backend computes on the host, so it runs the reference itself.
+            self._state = self._config.next_state(self._state, bool(found_inf > 0))
+        if found_inf is not None and found_inf > 0:
+            self._skipped += 1
+
+    def skipped(self, found_inf: Any) -> np.bool_:
+        return np.bool_(found_inf > 0)
+
+    def read_flag(self, found_inf: Any) -> bool:
+        return bool(found_inf > 0)
+
+    def finite_flag(self) -> np.float32:
+        return np.float32(0.0)
+
+    def new_record(self) -> list[Any]:
+        return [None]
+
+    def write_record(self, record: list[Any], found_inf: Any) -> None:
+        record[0] = found_inf
+
+    def read_record(self, record: list[Any]) -> Any:
+        return record[0]
+
+    def skipped_steps(self) -> np.int64:
+        return self._skipped
+
+
+class NumpyFunctional:
+    """The functional device form: a state dict of NumPy scalars in, a new one out."""
+
+    def __init__(self, config: LossScaleConfig) -> None:
+        self._config = config
+
+    def init(self, state: LossScaleState) -> dict[str, Any]:
+        return {
+            "scale": np.float32(state.scale),
+            "growth_tracker": np.int32(state.growth_tracker),
+            "hysteresis_left": np.int32(state.hysteresis_left),
+            "skipped": np.int64(0),
+        }
+
+    def read(self, tree: Mapping[str, Any]) -> LossScaleState:
+        return LossScaleState(float(tree["scale"]), int(tree["growth_tracker"]), int(tree["hysteresis_left"]))
+
+    def skipped_count(self, tree: Mapping[str, Any]) -> Any:
+        return tree["skipped"]
+
+    def scale(self, tree: Mapping[str, Any], loss: Any) -> Any:
+        return loss * float(tree["scale"])
+
+    def unscale(self, tree: Mapping[str, Any], grads: list[np.ndarray]) -> tuple[list[np.ndarray], np.float32]:
+        inverse = _inverse(float(tree["scale"]))
+        unscaled = [(g * inverse).astype(np.float32) for g in grads]
+        return unscaled, np.float32(not all(np.isfinite(g).all() for g in unscaled))
+
+    def update(self, tree: Mapping[str, Any], found_inf: Any) -> dict[str, Any]:
+        state = self._config.next_state(self.read(tree), bool(found_inf > 0))
+        new = self.init(state)
+        new["skipped"] = tree["skipped"] + np.int64(found_inf > 0)
+        return new
+
+    def select(self, found_inf: Any, if_skipped: Any, if_applied: Any) -> Any:
+        return if_skipped if found_inf > 0 else if_applied
+
+
+class NumpyBackend:
+    name = "npfw"
+
+    def make_device(self, config: LossScaleConfig, state: LossScaleState) -> NumpyDevice:
+        return NumpyDevice(config, state)
+
+    def make_functional(self, config: LossScaleConfig) -> NumpyFunctional:
+        return NumpyFunctional(config)
+
+
+# -- the conformance harness ----------------------------------------------------------------------------
+
+
+def _optimizer(kind: str, params: Sequence[npfw.Parameter]) -> npfw.Optimizer:
+    if kind == "sgd":
+        return npfw.SGD(params, lr=0.1, momentum=0.9)
+    if kind == "adam":
+        return npfw.Adam(params, lr=0.01)
+    raise ValueError(f"unknown optimizer {kind!r}")
+
+
+def _clip(params: Sequence[npfw.Parameter], max_norm: float) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads))
+    factor = np.float32(min(1.0, max_norm / (norm + 1e-6)))
+    for param in params:
+        if param.grad is not None:
+            param.grad = (param.grad * factor).astype(np.float32)
+
+
+class NumpyTrainer:
+    def __init__(
+        self, policy: Policy, scaler: Mapping[str, Any] | None, optimizer: str, clip: float | None, seed: int
+    ) -> None:
+        self.params_ = npfw.mlp(seed)
+        self.opt = _optimizer(optimizer, self.params_)
+        self.clip = clip
+        with polyamp.policy_scope(policy):  # enabled=None follows this trainer's policy
+            self.scaler = None if scaler is None else LossScaler(**scaler, backend="npfw")
+
+    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
+        self.opt.zero_grad()
+        loss = npfw.loss(self.params_, x, y)
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if overflow:
+            grad = self.params_[0].grad
+            assert grad is not None
+            grad.reshape(-1)[0] = np.inf
+        if self.clip is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.opt)
+            _clip(self.params_, self.clip)
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        return loss.value
+
+    def params(self) -> list[np.ndarray]:
+        return [p.data.copy() for p in self.params_]
+
+    def optimizer_state(self) -> list[np.ndarray]:
+        return [np.array(value) for state in self.opt.state for _, value in sorted(state.items())]
+
+    def step_skipped(self) -> bool:
+        return self.scaler is not None and bool(self.scaler.step_skipped(self.opt))
+
+
+class NumpyLoop:
+    def __init__(self, policy: Policy, scaler: Mapping[str, Any], seed: int) -> None:
+        self.params_ = npfw.mlp(seed)
+        self.optimizers = [_optimizer("sgd", self.params_[:2]), _optimizer("sgd", self.params_[2:])]
+        with polyamp.policy_scope(policy):
+            self.scaler = LossScaler(**scaler, backend="npfw")
+        self._batch = 0
+
+    def backward(self, overflow: Collection[int] = ()) -> None:
+        rng = np.random.default_rng(self._batch)
+        self._batch += 1
+        x = rng.normal(size=(16, 8)).astype(np.float32)
+        y = rng.integers(0, 4, size=(16,))
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+        self.scaler.scale(npfw.loss(self.params_, x, y)).backward()
+        for index in overflow:
+            grad = self.optimizers[index].params[0].grad
+            assert grad is not None
+            grad.reshape(-1)[0] = np.inf
+
+    def unscale(self, index: int) -> None:
+        self.scaler.unscale_(self.optimizers[index])
+
+    def step(self, index: int) -> None:
+        self.scaler.step(self.optimizers[index])
+
+    def update(self) -> None:
+        self.scaler.update()
+
+    def params(self, index: int) -> list[np.ndarray]:
+        return [p.data.copy() for p in self.optimizers[index].params]
+
+    def optimizer_state(self, index: int) -> list[np.ndarray]:
+        return [np.array(value) for state in self.optimizers[index].state for _, value in sorted(state.items())]
+
+
+class _FunctionalView:
+    """What the cases read from a functional trainer's ``scaler``: the state dict of the current state."""
+
+    def __init__(self, trainer: NumpyFunctionalTrainer) -> None:
+        self._trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._trainer.fn.state_dict(self._trainer.state)
+
+
+class NumpyFunctionalTrainer:
+    """SGD with momentum written as a pure function, driven through `polyamp.FunctionalLossScaler`."""
+
+    def __init__(self, policy: Policy, scaler: Mapping[str, Any], seed: int) -> None:
+        with polyamp.policy_scope(policy):
+            self.fn = LossScaler(**scaler).functional(backend="npfw")
+        self.state = self.fn.init()
+        self.arrays = [p.data for p in npfw.mlp(seed)]
+        self.momentum = [np.zeros_like(a) for a in self.arrays]
+        self.scaler = _FunctionalView(self)
+        self._found_inf: Any = None
+
+    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
+        value, grads = npfw.loss_and_grads(self.arrays, x, y)
+        scale = np.float32(self.fn.scale(self.state, 1.0))  # d(scaled loss)/d(loss)
+        grads = [(g * scale).astype(np.float32) for g in grads]
+        if overflow:
+            grads[0].reshape(-1)[0] = np.inf
+        grads, found_inf = self.fn.unscale(self.state, grads)
+        momentum = [(np.float32(0.9) * m + g).astype(np.float32) for m, g in zip(self.momentum, grads, strict=True)]
+        arrays = [(a - np.float32(0.1) * m).astype(np.float32) for a, m in zip(self.arrays, momentum, strict=True)]
+        self.arrays, self.momentum = self.fn.apply_if_finite(
+            found_inf, (arrays, momentum), (self.arrays, self.momentum)
+        )
+        self.state = self.fn.update(self.state, found_inf)
+        self._found_inf = found_inf
+        return value
+
+    def params(self) -> list[np.ndarray]:
+        return [a.copy() for a in self.arrays]
+
+    def optimizer_state(self) -> list[np.ndarray]:
+        return [m.copy() for m in self.momentum]
+
+    def step_skipped(self) -> bool:
+        return bool(self._found_inf is not None and self._found_inf > 0)
+
+
+class NumpyHarness:
+    """npfw on the CPU. It computes in float32 whatever the policy (no "low_precision" capability), and has
+    no op classes or model dtypes to report."""
+
+    backend = "npfw"
+    devices = ("cpu",)
+    divergences: Mapping[str, str] = {}
+
+    def __init__(self, device: str) -> None:
+        if device != "cpu":
+            raise HarnessUnavailable(f"npfw runs on the CPU only, not {device!r}")
+        self.device = device
+
+    def trainer(
+        self,
+        policy: Policy,
+        *,
+        scaler: Mapping[str, Any] | None = None,
+        optimizer: str = "sgd",
+        clip: float | None = None,
+        seed: int = 0,
+    ) -> NumpyTrainer:
+        return NumpyTrainer(policy, scaler, optimizer, clip, seed)
+
+    def loop(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> NumpyLoop:
+        return NumpyLoop(policy, scaler, seed)
+
+    def functional_trainer(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> NumpyFunctionalTrainer:
+        return NumpyFunctionalTrainer(policy, scaler, seed)
+
+    def passes_loss_through(self, scaler: LossScaler) -> bool:
+        loss = npfw.Tensor(1.5)
+        return scaler.scale(loss) is loss
+
+
+__all__ = ["SPEC", "NumpyBackend", "NumpyDevice", "NumpyFunctional", "NumpyHarness"]
