@@ -69,33 +69,15 @@ def differs(reason: str, raises: type[BaseException]) -> pytest.MarkDecorator:
     return pytest.mark.xfail(strict=True, raises=raises, reason=reason)
 
 
-NO_DEVICE = (
-    "TorchLossScaler takes no `device` argument: GradScaler(device='cpu', ...) raises "
-    "TypeError: LossScaler.__init__() got an unexpected keyword argument 'device'"
-)
 POLYAMP_EXPECTED: dict[str, pytest.MarkDecorator] = {
     "test_pickle_gradscaler": private("_scale, _init_growth_tracker, _per_optimizer_states"),
     "test_grad_scaling_unscale": private("_unscale_grads_"),
     "test_grad_scaling_unscale_sparse": private("_unscale_grads_"),
     "test_grad_scaling_state_dict": private("_init_growth_tracker, _scale"),
     "test_grad_scale_will_not_overflow": private("_scale"),
-    "test_grad_scaling_autocast": differs(NO_DEVICE, TypeError),
-    "test_params_invalidated_with_grads_invalidated_between_unscale_and_step": differs(NO_DEVICE, TypeError),
-    "test_params_invalidated_with_grads_invalidated_and_graph_partition": differs(NO_DEVICE, TypeError),
-    "test_grad_scaling_clipping": differs(NO_DEVICE, TypeError),
-    "test_grad_scaling_clipping_separate_unscale": differs(NO_DEVICE, TypeError),
-    "test_grad_scaling_penalty": differs(NO_DEVICE, TypeError),
-    "test_grad_scaling_accumulation": differs(NO_DEVICE, TypeError),
-    "test_grad_scaling_multiple": differs(NO_DEVICE, TypeError),
-    "test_grad_scaler_pass_itself": differs(
-        NO_DEVICE + "; behind it, an optimizer with _step_supports_amp_scaling whose step() takes `grad_scaler` "
-        "is unscaled and stepped plainly, where GradScaler warns FutureWarning and calls step(grad_scaler=self)",
-        TypeError,
-    ),
-    "test_grad_scaler_deprecated_warning": differs(
-        "TorchLossScaler in place of torch.cpu.amp.GradScaler warns nothing on construction; upstream expects "
-        "FutureWarning '`torch.cpu.amp.GradScaler(args...)` is deprecated'",
-        AssertionError,
+    "test_grad_scaler_deprecated_warning": pytest.mark.skip(
+        reason="checks the deprecation warning of torch's own alias torch.cpu.amp.GradScaler; polyamp is a drop-in "
+        "for torch.amp.GradScaler and does not stand in for deprecated aliases"
     ),
 }
 

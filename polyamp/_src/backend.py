@@ -52,7 +52,13 @@ class StepOutcome(NamedTuple):
 
 @runtime_checkable
 class ScalerDevice(Protocol):
-    """Operations every device form provides, whatever its loop style."""
+    """Operations every device form provides, whatever its loop style.
+
+    Optionally, ``float16_in_use(*, since_last_iteration: bool) -> bool`` reports float16 computation the
+    framework does outside polyamp's global policy (the enabled rule, `polyamp.backend_api.resolve_enabled`,
+    uses it): with ``since_last_iteration=True`` the core is starting an iteration, and the device may start
+    counting anew.
+    """
 
     def check_optimizer(self, method: str, optimizer: object) -> None:
         """Raise unless ``optimizer`` is one this device can step through ``method``: a `polyamp.PolyampTypeError`
@@ -116,7 +122,12 @@ class ScalerDevice(Protocol):
 
 @runtime_checkable
 class ImperativeDevice(ScalerDevice, Protocol):
-    """PyTorch-style device form: optimizers own their gradients (``param.grad``)."""
+    """PyTorch-style device form: optimizers own their gradients (``param.grad``).
+
+    Optionally, ``step_own_scaling(optimizer, scaler, args, kwargs)`` steps optimizers that do their own
+    scaling with the scaler handed to them (torch's legacy ``step(grad_scaler=...)`` protocol) and returns
+    ``NotImplemented`` for every other optimizer; the core then neither unscales nor checks for them.
+    """
 
     def unscale_gradients(self, optimizer: Any) -> Flag | None:
         """Divide ``optimizer``'s gradients by the scale in place and check them; return the flag, or None

@@ -23,9 +23,10 @@ def resolve_enabled(enabled: bool | None, policy: Policy | None = None, *, float
 
     An explicit bool wins. ``None`` follows the policy in effect (``polyamp.get_policy()`` unless ``policy`` is
     given) at the moment the scaler is used, each iteration anew: scaling is on when the policy computes in
-    float16 with float32 parameters (``"mixed_float16"``), or when the backend reports float16 computation
-    outside polyamp's policy (``float16_in_use``: e.g. ``polyamp_torch.autocast`` given an explicit float16
-    policy, or Keras's own global policy). bfloat16 has float32's range and needs no scaling.
+    float16 with float32 parameters (``"mixed_float16"``), or, under a float32 policy (polyamp's default),
+    when the backend reports float16 computation outside polyamp's global policy (``float16_in_use``: e.g.
+    ``polyamp_torch.autocast`` given an explicit float16 policy, or Keras's own global policy). bfloat16 has
+    float32's range and needs no scaling.
 
     A policy that keeps float16 *parameters* (``"float16"``) leaves scaling off with a warning: unscaled
     float16 gradients underflow and overflow, so loss scaling needs float32 master parameters.
@@ -39,6 +40,8 @@ def resolve_enabled(enabled: bool | None, policy: Policy | None = None, *, float
     if enabled is not None:
         return enabled
     policy = get_policy() if policy is None else policy
+    if policy.compute_dtype == "bfloat16":
+        return False  # a bfloat16 policy is a choice: float16 seen elsewhere does not override it
     if policy.compute_dtype == "float16":
         if policy.param_dtype == "float16":
             warnings.warn(

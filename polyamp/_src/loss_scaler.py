@@ -251,15 +251,18 @@ class LossScaler:
 
     # -- enabled -----------------------------------------------------------------------------------------
 
-    def _decide_enabled(self) -> bool:
+    def _decide_enabled(self, *, starting: bool = False) -> bool:
+        if self._enabled_setting is not None:
+            return self._enabled_setting
         hint = getattr(self._device, "float16_in_use", None)
-        return resolve_enabled(self._enabled_setting, float16_in_use=bool(hint()) if hint is not None else False)
+        in_use = bool(hint(since_last_iteration=starting)) if hint is not None else False
+        return resolve_enabled(None, float16_in_use=in_use)
 
     def _begin(self) -> bool:
         """Whether this iteration scales, decided at its first call and kept until it ends."""
         iteration = self._iteration
         if iteration.enabled is None:
-            iteration.enabled = self._decide_enabled()
+            iteration.enabled = self._decide_enabled(starting=True)
         return iteration.enabled
 
     def _require_scaled(self, method: str) -> None:
@@ -388,6 +391,15 @@ class LossScaler:
                 "recompute gradients that are scaled but never unscaled. Compute the loss and gradients before "
                 "step(), or use a bfloat16 policy without loss scaling."
             )
+        own_scaling = getattr(device, "step_own_scaling", None)
+        if own_scaling is not None:
+            result = own_scaling(optimizer, self, args, kwargs)
+            if result is not NotImplemented:
+                # The optimizer scaled by itself (through this scaler's public methods); record what it checked.
+                checked = iteration.found_inf_of(optimizer)
+                iteration.mark(optimizer, Stage.STEPPED, checked)
+                self._remember(optimizer, device.finite_flag() if checked is None else checked, None)
+                return result
         found_inf = None
         if stage is Stage.UNSCALED:
             found_inf = iteration.found_inf_of(optimizer)

@@ -352,10 +352,10 @@ def test_disabled_scaler_passes_the_loss_through_and_changes_nothing(harness: An
     policy = Policy("mixed_bfloat16")
     with _policy(policy):
         scaler = LossScaler(backend=harness.backend)
-    if scaler.enabled or scaler.get_scale() != 1.0:
-        raise AssertionError("a LossScaler created under mixed_bfloat16 should be disabled with scale 1.0")
-    if not harness.passes_loss_through(scaler):
-        raise AssertionError("a disabled scaler's scale(loss) did not return the loss object itself")
+        if scaler.enabled or scaler.get_scale() != 1.0:
+            raise AssertionError("a LossScaler used under mixed_bfloat16 should be disabled with scale 1.0")
+        if not harness.passes_loss_through(scaler):
+            raise AssertionError("a disabled scaler's scale(loss) did not return the loss object itself")
     runs = []
     scaler_kwargs: dict[str, Any] | None
     for scaler_kwargs in ({}, None):

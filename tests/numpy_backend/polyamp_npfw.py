@@ -196,10 +196,15 @@ class NumpyTrainer:
         self.params_ = npfw.mlp(seed)
         self.opt = _optimizer(optimizer, self.params_)
         self.clip = clip
+        self.policy = policy
         with polyamp.policy_scope(policy):  # enabled=None follows this trainer's policy
             self.scaler = None if scaler is None else LossScaler(**scaler, backend="npfw")
 
     def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
+        with polyamp.policy_scope(self.policy):  # the program this trainer stands for set this policy
+            return self._step(x, y, overflow)
+
+    def _step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
         self.opt.zero_grad()
         loss = npfw.loss(self.params_, x, y)
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()

@@ -47,6 +47,7 @@ class _KerasTrainer:
     ) -> None:
         self.device = device
         self.clip = clip
+        self.policy = policy
         with tf.device(device), polyamp.policy_scope(policy):
             keras.utils.set_random_seed(seed)
             self.model = cast_outputs(_mlp(), policy)
@@ -61,6 +62,10 @@ class _KerasTrainer:
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
+        with polyamp.policy_scope(self.policy):  # the program this trainer stands for set this policy
+            return self._step(x, y, overflow)
+
+    def _step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
         variables = self.model.trainable_variables
         with tf.device(self.device):
             with tf.GradientTape() as tape:
@@ -94,6 +99,7 @@ class _KerasLoop:
 
     def __init__(self, device: str, policy: Policy, scaler: Mapping[str, Any], seed: int) -> None:
         self.device = device
+        self.policy = policy
         with tf.device(device), polyamp.policy_scope(policy):
             keras.utils.set_random_seed(seed)
             self.model = cast_outputs(_mlp(), policy)
@@ -108,6 +114,10 @@ class _KerasLoop:
         self._batch = 0
 
     def backward(self, overflow: Collection[int] = ()) -> None:
+        with polyamp.policy_scope(self.policy):
+            self._backward(overflow)
+
+    def _backward(self, overflow: Collection[int]) -> None:
         rng = np.random.default_rng(self._batch)
         self._batch += 1
         x = rng.normal(size=(16, 8)).astype("float32")

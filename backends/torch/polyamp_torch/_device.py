@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections import abc
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,7 +26,7 @@ from polyamp import InvalidConfigError, LossScaleConfig, LossScaleState, Polyamp
 from polyamp.backend_api import StepOutcome, backend_name_for, describe, no_gradients_error, wrong_object_error
 from polyamp_torch._autocast import float16_regions_entered
 from polyamp_torch._framework import torch
-from polyamp_torch._gradients import PerDevice, fused_amp_capable, fused_step, unscale_gradients
+from polyamp_torch._gradients import PerDevice, fused_amp_capable, fused_step, takes_grad_scaler, unscale_gradients
 from polyamp_torch._rule import DeviceState, advance
 
 __all__ = ["TorchDevice"]
@@ -39,7 +40,9 @@ class TorchDevice:
         self._host_state = state
         self._state: DeviceState | None = None
         self._warned_bfloat16 = False
-        self._float16_regions_seen = float16_regions_entered()
+        # Counted from the process start, so the regions of a first forward pass that ran before this scaler
+        # bound count too (a scaler that scales one float32 iteration needlessly loses nothing).
+        self._float16_regions_seen = 0
 
     # -- state -------------------------------------------------------------------------------------------
 
@@ -74,11 +77,13 @@ class TorchDevice:
         if self._state is not None:
             self._state.fill(state.scale, state.growth_tracker, state.hysteresis_left)
 
-    def float16_in_use(self) -> bool:
-        """Whether a ``polyamp_torch.autocast`` region computing in float16 was entered since the last call."""
+    def float16_in_use(self, *, since_last_iteration: bool = False) -> bool:
+        """Whether a ``polyamp_torch.autocast`` region computing in float16 was entered since the previous
+        iteration started (for the first: since the process started)."""
         seen = float16_regions_entered()
         in_use = seen != self._float16_regions_seen
-        self._float16_regions_seen = seen
+        if since_last_iteration:
+            self._float16_regions_seen = seen
         return in_use
 
     # -- the step ----------------------------------------------------------------------------------------
@@ -143,6 +148,21 @@ class TorchDevice:
         assert found_inf is not None, "the core unscales before a non-fused step"
         skipped = bool(found_inf.item())  # the one host read GradScaler also makes
         return StepOutcome(None if skipped else optimizer.step(*args, **kwargs), found_inf, skipped)
+
+    def step_own_scaling(self, optimizer: Any, scaler: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """torch's legacy protocol: an optimizer with ``_step_supports_amp_scaling`` whose ``step`` takes
+        ``grad_scaler`` gets the scaler itself and does its own unscaling, as with GradScaler."""
+        if not (getattr(optimizer, "_step_supports_amp_scaling", False) and takes_grad_scaler(type(optimizer))):
+            return NotImplemented
+        warnings.warn(
+            "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. In the "
+            "near future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the passed "
+            "optimizer and let the optimizer use them directly. (polyamp hands over the LossScaler, whose "
+            "public unscale_() and get_scale() such an optimizer may use.)",
+            FutureWarning,
+            stacklevel=4,
+        )
+        return optimizer.step(*args, **dict(kwargs, grad_scaler=scaler))
 
     def plain_step(self, optimizer: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         return optimizer.step(*args, **kwargs)

@@ -56,6 +56,10 @@ class _TorchTrainer:
             self.scaler: LossScaler | None = None if scaler is None else LossScaler(**scaler, backend="torch")
 
     def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
+        with polyamp.policy_scope(self.policy):  # the program this trainer stands for set this policy
+            return self._step(x, y, overflow)
+
+    def _step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
         inputs = torch.from_numpy(x).to(self.device)
         targets = torch.from_numpy(y).to(self.device)
         self.opt.zero_grad(set_to_none=True)
@@ -108,6 +112,10 @@ class _TorchLoop:
         self._batch = 0
 
     def backward(self, overflow: Collection[int] = ()) -> None:
+        with polyamp.policy_scope(self.policy):
+            self._backward(overflow)
+
+    def _backward(self, overflow: Collection[int]) -> None:
         generator = torch.Generator().manual_seed(self._batch)
         self._batch += 1
         x = torch.randn(16, 8, generator=generator).to(self.device)
