@@ -20,3 +20,17 @@ def test_docstring_examples(module_name: str) -> None:
     module = importlib.import_module(module_name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False)
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {module_name}"
+
+
+def test_readme_settings_table_is_the_configs() -> None:
+    """The README's settings table lists exactly LossScaleConfig's settings, in order, with their defaults."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme.split("<!-- settings-table -->")[1].split("<!-- /settings-table -->")[0]
+    rows = re.findall(r"^\| `(\w+)` \| `([^`]+)` \|", table, flags=re.MULTILINE)
+    defaults = polyamp.LossScaleConfig.defaults()
+    assert [name for name, _ in rows] == list(defaults)
+    for name, default in rows:
+        assert eval(default) == defaults[name], name

@@ -202,3 +202,15 @@ def test_cast_outputs_sequential_and_subclassed() -> None:
 def test_cast_outputs_needs_a_model() -> None:
     with pytest.raises(PolyampTypeError, match="takes a Keras model"):
         polyamp_tensorflow.cast_outputs(LAYERS.Dense(2))
+
+
+@pytest.mark.parametrize("name", ["float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16"])
+def test_keras_dtype_policies_are_accepted_as_polyamp_policies(name: str) -> None:
+    assert polyamp.Policy(keras.DTypePolicy(name)) == polyamp.Policy(name)
+    polyamp.set_policy(keras.DTypePolicy(name))
+    assert polyamp.get_policy().name == name
+
+
+def test_a_keras_dtype_is_not_a_policy() -> None:
+    with pytest.raises(polyamp.PolyampTypeError, match=r"A dtype is not a policy.*'mixed_float16'"):
+        polyamp.set_policy(tf.float16)  # type: ignore[arg-type]

@@ -267,3 +267,33 @@ def test_jit_compiled_step() -> None:
     skipped = [bool(step(tf.constant(b))) for b in (1.0, math.inf, 1.0, 1.0)]
     assert skipped == [False, True, False, False]
     assert scaler.get_scale() == 65536.0 and int(optimizer.iterations.numpy()) == 3
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["tf_function", "jit_compile"])
+def test_two_optimizers_in_one_compiled_iteration_skip_separately(jit: bool) -> None:
+    scaler = polyamp.LossScaler(growth_interval=10)
+    a, b = tf.Variable([1.0, 1.0]), tf.Variable([1.0, 1.0])
+    opt_a, opt_b = keras.optimizers.SGD(0.5), keras.optimizers.SGD(0.5)
+    opt_a.build([a])
+    opt_b.build([b])
+
+    @tf.function(jit_compile=jit)
+    def iteration(bad_a: Any) -> None:
+        with tf.GradientTape() as tape:
+            scaled = scaler.scale(tf.reduce_sum(a * bad_a) + tf.reduce_sum(b))
+        grad_a, grad_b = tape.gradient(scaled, [a, b])
+        scaler.step(opt_a, [(grad_a, a)])
+        scaler.step(opt_b, [(grad_b, b)])
+        scaler.update()
+
+    iteration(tf.constant(math.inf))
+    assert (bool(scaler.step_skipped(opt_a)), bool(scaler.step_skipped(opt_b)), bool(scaler.step_skipped())) == (
+        True,
+        False,
+        True,
+    )
+    assert np.array_equal(a.numpy(), [1.0, 1.0]) and np.array_equal(b.numpy(), [0.5, 0.5])
+    assert scaler.get_scale() == 32768.0 and int(scaler.skipped_steps()) == 1  # one backoff for the iteration
+    iteration(tf.constant(1.0))
+    assert not bool(scaler.step_skipped(opt_a)) and not bool(scaler.step_skipped())
+    assert scaler.state_dict()["_growth_tracker"] == 1
