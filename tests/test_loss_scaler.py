@@ -366,7 +366,7 @@ def test_load_state_dict_takes_a_mapping() -> None:
 
 
 def test_scale_in_a_state_dict_is_held_in_float32() -> None:
-    scaler = LossScaler(enabled=True)
+    scaler = LossScaler(min_scale=0.01, enabled=True)
     state = scaler.state_dict()
     state["scale"] = 0.1
     scaler.load_state_dict(state)

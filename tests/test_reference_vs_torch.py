@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from polyamp import LossScaleConfig
@@ -50,9 +50,26 @@ configs = st.builds(
 @settings(max_examples=150, deadline=None)
 @given(config=configs, overflows=st.lists(st.booleans(), min_size=1, max_size=40))
 def test_reference_matches_grad_scaler_bit_for_bit(config: LossScaleConfig, overflows: list[bool]) -> None:
+    """Bit for bit while GradScaler stays at or above polyamp's floor; there polyamp stops and GradScaler goes on."""
     expected = run_grad_scaler(config, overflows)
     states = config.states(overflows)
-    assert [(s.scale, s.growth_tracker) for s in states] == expected
+    floor = config.floor_f32
+    for step, ((scale, tracker), state) in enumerate(zip(expected, states, strict=True)):
+        if scale < floor:
+            assert state.scale == floor, f"step {step}: GradScaler went below the floor, polyamp stops at it"
+            break
+        assert (state.scale, state.growth_tracker) == (scale, tracker), f"step {step}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(config=configs, overflows=st.lists(st.booleans(), min_size=1, max_size=40))
+def test_with_a_floor_below_grad_scalers_range_the_trajectories_are_identical(
+    config: LossScaleConfig, overflows: list[bool]
+) -> None:
+    config = config.replace(min_scale=2.0**-126)  # float32's smallest normal: GradScaler stays above it here
+    expected = run_grad_scaler(config, overflows)
+    assume(all(scale >= 2.0**-126 for scale, _ in expected))  # below, GradScaler is subnormal, then 0
+    assert [(s.scale, s.growth_tracker) for s in config.states(overflows)] == expected
 
 
 @settings(max_examples=25, deadline=None)

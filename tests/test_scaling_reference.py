@@ -85,7 +85,7 @@ def test_static_scale_never_changes() -> None:
 
 
 def test_products_round_through_float32_like_torchs_kernel() -> None:
-    config = LossScaleConfig(init_scale=1.0, growth_factor=1.1, backoff_factor=0.3, growth_interval=1)
+    config = LossScaleConfig(init_scale=1.0, growth_factor=1.1, backoff_factor=0.3, growth_interval=1, min_scale=0.01)
     scales = config.trajectory("FFFOO")
     expected, value = [], 1.0
     for overflow in "FFFOO":

@@ -519,12 +519,10 @@ class LossScaler:
         config = self._config
         if not (math.isfinite(value) and value > 0):
             raise InvalidConfigError(f"update(new_scale) needs a finite positive scale. Received: {new_scale!r}.")
-        if (config.min_scale_f32 is not None and value < config.min_scale_f32) or (
-            config.max_scale_f32 is not None and value > config.max_scale_f32
-        ):
+        if value < config.floor_f32 or (config.max_scale_f32 is not None and value > config.max_scale_f32):
             raise InvalidConfigError(
                 f"update(new_scale={new_scale!r}) is outside [min_scale, max_scale] = "
-                f"[{config.min_scale!r}, {config.max_scale!r}]."
+                f"[{config.floor_f32!r}, {config.max_scale!r}] (without a min_scale, the floor is 1.0)."
             )
         return value
 

@@ -47,10 +47,19 @@ def to_float32(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
+#: float32's smallest normal number. Scales below it would be subnormal, which some kernels flush to zero.
+FLOAT32_TINY: Final = 2.0**-126
+
+
 def _real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise PolyampTypeError(f"`{name}` must be a real number. Received: {name}={describe(value)}.")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float's range, e.g. 10**400
+        raise InvalidConfigError(
+            f"`{name}` must be a finite number. Received: {name}={describe(value)}, which is beyond float's range."
+        ) from None
 
 
 def _positive_int(name: str, value: object, example: str) -> int:
@@ -69,10 +78,10 @@ def _scale_bound(name: str, value: object) -> float | None:
     if value is None:
         return None
     number = _real(name, value)
-    if not (math.isfinite(number) and number > 0 and math.isfinite(to_float32(number)) and to_float32(number) > 0):
+    if not (math.isfinite(number) and FLOAT32_TINY <= number and math.isfinite(to_float32(number))):
         raise InvalidConfigError(
-            f"`{name}` must be None or a positive number representable in float32, e.g. {name}=1.0. "
-            f"Received: {name}={number!r}."
+            f"`{name}` must be None or a positive number representable in float32, from 2**-126 (float32's "
+            f"smallest normal number) to 3.4e38, e.g. {name}=1.0. Received: {name}={number!r}."
         )
     return number
 
@@ -121,7 +130,7 @@ SETTING_DOCS: Final = {
     "backoff_factor": "Multiplier after an overflow (once ``hysteresis`` overflows accumulate); in (0, 1).",
     "growth_interval": "Consecutive finite steps before the scale grows; >= 1.",
     "hysteresis": "Overflows needed before the scale backs off; >= 1 (1 backs off on every overflow).",
-    "min_scale": "Floor for the scale after backoff, or None for none (torch has none).",
+    "min_scale": "Floor for the scale after backoff (>= 2**-126); None: 1.0, or init_scale if lower.",
     "max_scale": "Cap for the scale after growth, or None for none (growth still never reaches inf).",
     "dynamic": "False keeps the scale at ``init_scale`` forever; non-finite steps are still skipped.",
 }
@@ -193,10 +202,10 @@ class LossScaleConfig:
 
     def __post_init__(self) -> None:
         init_scale = _real("init_scale", self.init_scale)
-        if not (math.isfinite(init_scale) and init_scale > 0 and 0 < to_float32(init_scale) < math.inf):
+        if not (math.isfinite(init_scale) and FLOAT32_TINY <= init_scale and to_float32(init_scale) < math.inf):
             raise InvalidConfigError(
-                "`init_scale` must be a positive number representable in float32, e.g. init_scale=2.0**16. "
-                f"Received: init_scale={init_scale!r}."
+                "`init_scale` must be a positive number representable in float32, from 2**-126 (float32's "
+                f"smallest normal number) to 3.4e38, e.g. init_scale=2.0**16. Received: init_scale={init_scale!r}."
             )
         growth_factor = _real("growth_factor", self.growth_factor)
         if not (math.isfinite(growth_factor) and growth_factor > 1):
@@ -255,11 +264,32 @@ class LossScaleConfig:
         return None if self.max_scale is None else to_float32(self.max_scale)
 
     @property
+    def floor_f32(self) -> float:
+        """The lowest scale the rule reaches, in float32: ``min_scale``, or else 1.0 (``init_scale`` if that
+        starts lower).
+
+        At or above 1, 1/scale is at most 1, so an unscaled gradient is never larger than its scaled value:
+        checking the scaled gradients (what torch's fused kernels do) is enough, and 1/scale is always
+        finite. torch's GradScaler has no floor; after a long run of overflows its scale reaches float32's
+        subnormals and 0, where 1/scale is inf and the optimizer applies inf/NaN.
+        """
+        if self.min_scale is not None:
+            return to_float32(self.min_scale)
+        return to_float32(min(1.0, self.init_scale))
+
+    @property
+    def checks_unscaled(self) -> bool:
+        """True when the scale may fall below 1 (``min_scale`` or ``init_scale`` below 1): an unscaled gradient
+        can then overflow where its scaled value did not, and backends check the unscaled gradients too."""
+        return self.floor_f32 < 1.0
+
+    @property
     def is_standard_rule(self) -> bool:
         """True for the plain dynamic rule: dynamic, hysteresis 1, no bounds.
 
         That is the rule frameworks' own loss scalers implement (torch's update kernel computes it), so a
-        backend may hand such a config to its framework's kernel instead of running the extended rule.
+        backend may hand such a config to its framework's kernel instead of running the extended rule, then
+        keep the scale at `floor_f32`, which those kernels lack.
         """
         return self.dynamic and self.hysteresis == 1 and self.min_scale is None and self.max_scale is None
 
@@ -325,8 +355,8 @@ class LossScaleConfig:
             if hysteresis_left > 0:
                 return LossScaleState(state.scale, 0, hysteresis_left)
             scale = to_float32(state.scale * self.backoff_factor)
-            floor = self.min_scale_f32
-            if floor is not None and scale < floor:
+            floor = self.floor_f32
+            if scale < floor:
                 scale = floor
             return LossScaleState(scale, 0, self.hysteresis)
         tracker = state.growth_tracker + 1
@@ -361,8 +391,11 @@ class LossScaleConfig:
         scale = state.scale
         if not (math.isfinite(scale) and scale > 0):
             raise InvalidConfigError(f"The loss scale must be a finite positive number. Received: scale={scale!r}.")
-        if self.min_scale_f32 is not None and scale < self.min_scale_f32:
-            raise InvalidConfigError(f"scale={scale!r} is below min_scale={self.min_scale!r}.")
+        if scale < self.floor_f32:
+            floor = f"{self.min_scale!r}" if self.min_scale is not None else f"{self.floor_f32!r} (none set)"
+            raise InvalidConfigError(
+                f"scale={scale!r} is below min_scale={floor}, the lowest scale this config reaches."
+            )
         if self.max_scale_f32 is not None and scale > self.max_scale_f32:
             raise InvalidConfigError(f"scale={scale!r} is above max_scale={self.max_scale!r}.")
         if not 0 <= state.growth_tracker < self.growth_interval:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -96,7 +97,11 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: LossScaleConfig) ->
         raise _fail(str(exc)) from exc
 
     scale = state_dict["scale"]
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(float(scale)):
+    try:
+        finite = not isinstance(scale, bool) and isinstance(scale, numbers.Real) and math.isfinite(float(scale))
+    except OverflowError:
+        finite = False
+    if not finite:
         raise _fail(f"'scale' must be a finite number. Received: {describe(scale)}.")
     counters = {}
     for key, default in (("_growth_tracker", 0), ("hysteresis_left", config.hysteresis)):
@@ -105,6 +110,16 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: LossScaleConfig) ->
             raise _fail(f"{key!r} must be an int. Received: {describe(value)}.")
         counters[key] = int(value)
     state = LossScaleState(to_float32(float(scale)), counters["_growth_tracker"], counters["hysteresis_left"])
+    if "polyamp_format" not in state_dict and 0 <= state.scale < config.floor_f32:
+        # A native GradScaler checkpoint from after a long run of overflows: resume at polyamp's floor, saying so.
+        warnings.warn(
+            f"The state dict's scale, {state.scale!r}, is below the lowest scale polyamp uses, "
+            f"{config.floor_f32!r} (min_scale, or 1.0 without one), where 1/scale overflows or unscaled gradients "
+            f"can; the scaler resumes at {config.floor_f32!r}. Pass min_scale to go lower.",
+            UserWarning,
+            stacklevel=3,
+        )
+        state = LossScaleState(config.floor_f32, state.growth_tracker, state.hysteresis_left)
     try:
         config.check_state(state)
     except InvalidConfigError as exc:

@@ -35,8 +35,11 @@ class TensorFlowDevice:
         self._config = config
         self._host_state = state
         self._variables: ScaleState | None = None
+        self._traced = False
 
     def _state(self) -> ScaleState:
+        if not tf.executing_eagerly():
+            self._traced = True  # the settings are becoming constants of a graph
         if self._variables is None:
             self._variables = ScaleState.create(self._host_state, _variable)
         return self._variables
@@ -47,6 +50,13 @@ class TensorFlowDevice:
         return self._host_state if self._variables is None else self._variables.read()
 
     def write_state(self, config: LossScaleConfig, state: LossScaleState | None) -> None:
+        if self._traced and config != self._config:
+            raise ScalerUsageError(
+                f"The loss-scaling settings would change ({self._config} -> {config}), but a tf.function has "
+                "already traced a step with this scaler: the settings are constants in that graph, which would "
+                "go on using the old ones. Change settings before the first traced step, or create a new "
+                "LossScaler (its state can be loaded at any time)."
+            )
         self._config = config
         if state is None:
             return

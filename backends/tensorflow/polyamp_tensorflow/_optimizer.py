@@ -15,7 +15,7 @@ from polyamp.backend_api import (
     resolve_enabled,
     to_state_dict,
 )
-from polyamp_tensorflow._framework import keras
+from polyamp_tensorflow._framework import keras, tf
 from polyamp_tensorflow._gradients import all_finite, refuse_loss_scale_factor, unscale
 from polyamp_tensorflow._rule import ScaleState, advance, read_scalar
 
@@ -30,6 +30,13 @@ except ImportError:  # pragma: no cover - a Keras without it tracks attributes h
 __all__ = ["LossScaleOptimizer"]
 
 ops = keras.ops
+
+_TRACED_SETTINGS = (
+    "{method} would change the loss-scaling settings ({old} -> {new}), but a tf.function (or model.fit) has "
+    "already traced a step with them: the settings are constants in those graphs, which would go on using the old "
+    "ones. Load the state before the first traced step, or build a new scaler/optimizer with the new settings "
+    "(the scale and counters can be loaded at any time)."
+)
 
 #: Keras's names for two of polyamp's settings, accepted (and written by get_config) for porting.
 KERAS_NAMES = {"initial_scale": "init_scale", "dynamic_growth_steps": "growth_interval"}
@@ -129,6 +136,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self._polyamp_initial_state = config.initial_state()
         self._stages = UnscaleStages()
         self._grads_are_unscaled = False
+        self._polyamp_traced = False
         self._step_enabled: bool | None = None
 
     # -- settings and state ------------------------------------------------------------------------------
@@ -205,6 +213,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             ScalerUsageError: gradients unscaled by `get_unscaled_gradients` wait for their apply.
         """
         config, state = parse_state_dict(state_dict, self._polyamp_config)
+        if config != self._polyamp_config and self._polyamp_traced:
+            raise ScalerUsageError(
+                _TRACED_SETTINGS.format(method="load_state_dict()", new=config, old=self._polyamp_config)
+            )
         if self._stages.pending:
             raise ScalerUsageError(
                 "load_state_dict() was called in the middle of an iteration (after get_unscaled_gradients(), "
@@ -267,7 +279,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         super().apply(grads, trainable_variables)
 
     def check_finite(self, grads: Any) -> Any:
-        return all_finite(list(grads))
+        grads = list(grads)
+        if self._polyamp_config.checks_unscaled and not self._grads_are_unscaled:
+            # Below scale 1 an unscaled gradient can overflow where its scaled value did not.
+            grads = unscale(grads, self.dynamic_scale)
+        self._note_tracing()
+        return all_finite(grads)
+
+    def _note_tracing(self) -> None:
+        if not tf.executing_eagerly():
+            self._polyamp_traced = True
 
     def _stateful_handle_finite_grads(self, grads: Any, trainable_variables: Any) -> None:
         variables = trainable_variables or self._trainable_variables

@@ -90,9 +90,7 @@ def advance(state: ScaleState, overflow: bool, config: LossScaleConfig) -> None:
     scale = ops.convert_to_tensor(state.scale)
     if overflow:
         state.growth_tracker.assign(ops.cast(0, "int32"))
-        backed = _times(scale, config.backoff_factor)
-        if config.min_scale_f32 is not None:
-            backed = ops.maximum(backed, config.min_scale_f32)
+        backed = ops.maximum(_times(scale, config.backoff_factor), config.floor_f32)
         if config.hysteresis == 1:
             state.scale.assign(backed)
             return

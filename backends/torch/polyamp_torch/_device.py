@@ -121,13 +121,19 @@ class TorchDevice:
         inv_scale = scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         flag, bfloat16 = unscale_gradients(
-            optimizer, inv_scale, found_inf, allow_fp16=False, warn_bfloat16=not self._warned_bfloat16
+            optimizer,
+            inv_scale,
+            found_inf,
+            allow_fp16=False,
+            warn_bfloat16=not self._warned_bfloat16,
+            check_unscaled=self._config.checks_unscaled,
         )
         self._warned_bfloat16 |= bfloat16
         return flag
 
     def unscales_in_step(self, optimizer: Any) -> bool:
-        return fused_amp_capable(optimizer)
+        # Fused kernels check the scaled gradients only; below scale 1 the unscaled ones need checking too.
+        return fused_amp_capable(optimizer) and not self._config.checks_unscaled
 
     def step(
         self, optimizer: Any, found_inf: torch.Tensor | None, args: Sequence[Any], kwargs: Mapping[str, Any]

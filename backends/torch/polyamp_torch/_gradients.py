@@ -70,9 +70,18 @@ def _gradients_by_device_and_dtype(
 
 
 def unscale_gradients(
-    optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, allow_fp16: bool, warn_bfloat16: bool
+    optimizer: Any,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    allow_fp16: bool,
+    warn_bfloat16: bool,
+    check_unscaled: bool = False,
 ) -> tuple[torch.Tensor | None, bool]:
     """Multiply the optimizer's gradients by ``inv_scale`` in place and check them for inf/NaN.
+
+    torch's kernel checks the values it is given (the scaled gradients). With ``check_unscaled`` (scales
+    below 1, where ``inv_scale > 1`` can overflow a finite value) a second pass checks the unscaled ones.
 
     Returns the found-inf flag on ``found_inf``'s device (None when no parameter has a gradient) and
     whether bfloat16 gradients were seen (warned about once when ``warn_bfloat16``).
@@ -91,11 +100,16 @@ def unscale_gradients(
             return None, has_bfloat16
         per_device_inv_scale = PerDevice(inv_scale)
         per_device_found_inf = PerDevice(found_inf)
+        ones = PerDevice(torch.ones((), dtype=torch.float32, device=inv_scale.device)) if check_unscaled else None
         for device, by_dtype in grouped.items():
             for grads in by_dtype.values():
                 torch._amp_foreach_non_finite_check_and_unscale_(
                     grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)
                 )
+                if ones is not None:  # inverse scale 1: the kernel only checks
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        grads, per_device_found_inf.get(device), ones.get(device)
+                    )
         flags = [flag.to(found_inf.device, non_blocking=True) for flag in per_device_found_inf.copies.values()]
     return (flags[0] if len(flags) == 1 else torch.stack(flags).sum()), has_bfloat16
 

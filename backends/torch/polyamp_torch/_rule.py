@@ -1,7 +1,7 @@
 """The loss-scale state machine on the device: polyamp's rule as tensor ops, never read to the host.
 
 With the standard rule (dynamic, hysteresis 1, no bounds: `LossScaleConfig.is_standard_rule`) torch's own fused
-``_amp_update_scale_`` kernel does the update. Otherwise the same rule, plus hysteresis and the min/max
+``_amp_update_scale_`` kernel does the update, and one clamp keeps the scale at polyamp's floor. Otherwise the same rule, plus hysteresis and the min/max
 bounds, is a handful of elementwise ops with ``torch.where`` instead of Python branches, so it never
 synchronises and traces under ``torch.compile``. Products are formed in float64 and rounded to float32,
 as torch's kernel and polyamp's reference do (MPS has no float64; there they are float32 products).
@@ -51,6 +51,7 @@ def advance(state: DeviceState, found_inf: torch.Tensor, config: LossScaleConfig
             config.backoff_factor,
             config.growth_interval,
         )
+        state.scale.clamp_(min=config.floor_f32)  # torch's kernel has no floor; polyamp's rule stops at it
         return
     scale, tracker, hysteresis_left = state.scale, state.growth_tracker, state.hysteresis_left
     overflow = found_inf > 0
@@ -61,9 +62,7 @@ def advance(state: DeviceState, found_inf: torch.Tensor, config: LossScaleConfig
         grown = torch.clamp(grown, max=config.max_scale_f32)
     hysteresis_after = hysteresis_left - 1
     back_off = overflow & (hysteresis_after <= 0)
-    backed = _times(scale, config.backoff_factor)
-    if config.min_scale_f32 is not None:
-        backed = torch.clamp(backed, min=config.min_scale_f32)
+    backed = torch.clamp(_times(scale, config.backoff_factor), min=config.floor_f32)
     new_scale = torch.where(grow & torch.isfinite(grown), grown, torch.where(back_off, backed, scale))
     refill = back_off | grow
     new_hysteresis = torch.where(refill, config.hysteresis, torch.where(overflow, hysteresis_after, hysteresis_left))
