@@ -14,14 +14,20 @@ ROOT = Path(__file__).resolve().parent.parent
 FRAMEWORKS = ("torch", "tensorflow", "keras", "jax", "tf_keras")
 
 
-@pytest.mark.parametrize("folder", ["backends", "backends/torch", "backends/tensorflow", "tests"])
+@pytest.mark.parametrize("folder", ["backends", "backends/torch", "backends/tensorflow", "backends/keras", "tests"])
 def test_folder_has_no_init_py(folder: str) -> None:
     # backends/torch/__init__.py would make `import torch` find polyamp's folder instead of PyTorch.
     assert not (ROOT / folder / "__init__.py").exists(), f"{folder}/__init__.py must not exist"
 
 
 @pytest.mark.parametrize(
-    "package", ["polyamp", "backends/torch/polyamp_torch", "backends/tensorflow/polyamp_tensorflow"]
+    "package",
+    [
+        "polyamp",
+        "backends/torch/polyamp_torch",
+        "backends/tensorflow/polyamp_tensorflow",
+        "backends/keras/polyamp_keras",
+    ],
 )
 def test_packages_exist_with_py_typed(package: str) -> None:
     assert (ROOT / package / "__init__.py").is_file()
@@ -52,9 +58,9 @@ def test_core_use_without_tensors_imports_no_framework() -> None:
     assert _imported_frameworks(code) == []
 
 
-def test_core_source_never_imports_a_framework() -> None:
+def _framework_imports(package: str, forbidden: tuple[str, ...]) -> list[str]:
     offenders = []
-    for path in sorted((ROOT / "polyamp").rglob("*.py")):
+    for path in sorted((ROOT / package).rglob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -64,8 +70,17 @@ def test_core_source_never_imports_a_framework() -> None:
             else:
                 continue
             offenders += [
-                f"{path.relative_to(ROOT)}:{node.lineno} imports {n}"
-                for n in names
-                if n.partition(".")[0] in FRAMEWORKS
+                f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names if n.partition(".")[0] in forbidden
             ]
-    assert offenders == []
+    return offenders
+
+
+def test_core_source_never_imports_a_framework() -> None:
+    assert _framework_imports("polyamp", FRAMEWORKS) == []
+
+
+def test_keras_package_source_imports_keras_only() -> None:
+    # Keras 3 runs on JAX or PyTorch without TensorFlow; polyamp_keras must too (and never load the
+    # TensorFlow backend package, which imports TensorFlow).
+    forbidden = (*(fw for fw in FRAMEWORKS if fw != "keras"), "polyamp_tensorflow", "polyamp_torch")
+    assert _framework_imports("backends/keras/polyamp_keras", forbidden) == []
