@@ -18,9 +18,11 @@ from polyamp._src.errors import (
     UnknownBackendError,
 )
 from polyamp._src.global_policy import (
+    PolicySetting,
     add_policy_listener,
     get_policy,
     get_policy_overrides,
+    get_policy_setting,
     policy_scope,
     set_policy,
 )
@@ -48,6 +50,7 @@ __all__ = [
     "Policy",
     "PolicyLike",
     "PolicyOverrides",
+    "PolicySetting",
     "PolyampError",
     "PolyampTypeError",
     "ScalerImpl",
@@ -59,6 +62,7 @@ __all__ = [
     "get_backend",
     "get_policy",
     "get_policy_overrides",
+    "get_policy_setting",
     "policy_scope",
     "register_backend",
     "set_policy",
