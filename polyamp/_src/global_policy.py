@@ -11,7 +11,8 @@ Two kinds of code react to changes:
 * backends with a global precision setting of their own declare a ``policy_hook`` in their `BackendSpec`;
   it is called as ``hook(policy, overrides)`` on every change (in the thread making it) if the framework
   is imported, or once it has been imported (see `import_hooks`), so the order of ``import keras`` and
-  ``polyamp.set_policy(...)`` does not matter;
+  ``polyamp.set_policy(...)`` does not matter. Keras's hook makes Keras read `get_policy_setting` itself,
+  so its layers follow in every thread;
 * anything else can subscribe with `add_policy_listener`.
 
 If a hook or listener raises, the previous setting is restored (and re-announced) and the error propagates.
@@ -161,10 +162,11 @@ def set_policy(spec: PolicyLike, *, overrides: OverridesLike | None = None) -> P
     """Make ``spec`` the process-wide policy and tell every framework that keeps one of its own.
 
     Threads: every thread sees it at once, threads started earlier included, except inside a
-    `policy_scope` (which wins in its own thread or task until it ends). Keras layers built afterwards use it
-    (float16 or bfloat16 compute, float32 variables for the mixed policies), whether ``keras`` is imported
-    before or after this call. PyTorch has no global setting; ``polyamp_torch.autocast()`` reads
-    `get_policy` when it is entered.
+    `policy_scope` (which wins in its own thread or task until it ends). Keras layers built afterwards use
+    it in every thread (float16 or bfloat16 compute, float32 variables for the mixed policies), whether
+    ``keras`` is imported before or after this call; an explicit ``keras.config.set_dtype_policy(...)`` in
+    a thread wins there until the next polyamp change. PyTorch has no global setting;
+    ``polyamp_torch.autocast()`` reads `get_policy` when it is entered.
 
     It never imports a framework and never waits for another thread's import.
 

@@ -1,8 +1,10 @@
 """polyamp's Keras 3 package: polyamp policies for Keras on any backend (TensorFlow, JAX, PyTorch).
 
-* Keras's global dtype policy follows ``polyamp.set_policy`` and ``polyamp.policy_scope``, in either
-  import order. polyamp loads this package by itself when it needs it; import it yourself only for the
-  names below.
+* Keras's default dtype policy follows ``polyamp.set_policy`` in every thread, and ``polyamp.policy_scope``
+  in the thread that entered it, in either import order. polyamp loads this package by itself when it
+  needs it; import it yourself only for the names below. With Keras's own
+  ``keras.config.set_dtype_policy``, the later of the two settings wins in each thread (the rule is in
+  `follow_polyamp_policy`).
 * `to_keras_policy` - the Keras dtype policy for a ``polyamp.Policy``; `PolyampDTypePolicy` for the pairs
   Keras has no name for (e.g. bfloat16 variables, float16 compute).
 * `PolicyOverridesMap` - per-layer overrides (``polyamp.set_policy(..., overrides=...)``) as a Keras
