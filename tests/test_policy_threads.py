@@ -253,6 +253,30 @@ def test_listeners_hear_scopes_in_the_thread_that_entered_them() -> None:
     assert heard == [("scoper", "float16"), ("scoper", "float32")]
 
 
+def test_compiled_torch_regions_follow_scopes() -> None:
+    """torch.compile traces the read while no scope is open; with one open it still computes right."""
+    torch = pytest.importorskip("torch")
+    polyamp_torch = pytest.importorskip("polyamp_torch")
+    from torch import _dynamo as dynamo
+
+    model = torch.nn.Linear(4, 4)
+
+    def forward(x: Any) -> Any:
+        with polyamp_torch.autocast(device_type="cpu"):
+            return model(x)
+
+    x = torch.randn(2, 4)
+    polyamp.set_policy("mixed_bfloat16")
+    dynamo.reset()
+    compiled = torch.compile(forward, backend="eager")
+    assert compiled(x).dtype == torch.bfloat16
+    assert dynamo.explain(forward)(x).graph_break_count == 0
+    with polyamp.policy_scope("mixed_float16"):
+        assert compiled(x).dtype == torch.float16
+        assert start(lambda: compiled(x).dtype).finish() == torch.bfloat16
+    assert compiled(x).dtype == torch.bfloat16
+
+
 # -- framework imports in progress in another thread ------------------------------------------------------
 
 

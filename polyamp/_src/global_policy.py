@@ -256,7 +256,8 @@ def add_policy_listener(listener: PolicyListener) -> Callable[[], None]:
 
     It is called in the thread making the change, with the policy that change put in effect there: the
     new process-wide policy for `set_policy`, the scope's policy on entering a `policy_scope`, the
-    policy in effect again on leaving one. Changes are announced one at a time, in order.
+    policy in effect again on leaving one. Changes are announced one at a time, in order, so a listener
+    must not wait for another thread that changes the policy.
     """
     if not callable(listener):
         raise PolyampTypeError(f"add_policy_listener() takes a callable. Received: {describe(listener)}.")

@@ -36,7 +36,7 @@ ImportState = Literal["absent", "importing", "imported"]
 
 _lock = threading.RLock()
 _pending: dict[str, list[Callback]] = {}
-_executing: set[str] = set()  # modules whose body runs under polyamp's loader and has not fired yet
+_executing: set[str] = set()  # modules polyamp's loader was handed out for, not fired yet
 
 
 def import_state(name: str) -> ImportState:
@@ -186,6 +186,8 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         spec.loader = _NotifyingLoader(spec.loader, fullname)
+        with _lock:  # from here on the import is polyamp's to fire, even before the module body starts
+            _executing.add(fullname)
         return spec
 
 
