@@ -148,18 +148,18 @@ def test_set_policy_inside_a_scope_takes_over_when_the_scope_ends() -> None:
 def test_scopes_are_local_to_asyncio_tasks() -> None:
     async def main() -> dict[str, str]:
         seen: dict[str, str] = {}
-        first_inside, second_inside = asyncio.Event(), asyncio.Event()
+        entered = {"first": asyncio.Event(), "second": asyncio.Event()}
+        done = {"first": asyncio.Event(), "second": asyncio.Event()}
 
-        async def task(name: str, spec: str, mine: asyncio.Event, other: asyncio.Event) -> None:
+        async def task(name: str, other: str, spec: str) -> None:
             with polyamp.policy_scope(spec):
-                mine.set()
-                await other.wait()  # both scopes are open now, in interleaved tasks on one thread
+                entered[name].set()
+                await entered[other].wait()  # both scopes are open now, in two tasks on one thread
                 seen[name] = polyamp.get_policy().name
+                done[name].set()
+                await done[other].wait()  # and stay open until both tasks have looked
 
-        await asyncio.gather(
-            task("first", "mixed_float16", first_inside, second_inside),
-            task("second", "bfloat16", second_inside, first_inside),
-        )
+        await asyncio.gather(task("first", "second", "mixed_float16"), task("second", "first", "bfloat16"))
         seen["after"] = polyamp.get_policy().name
         return seen
 
