@@ -22,9 +22,11 @@ from polyamp._src.errors import (
 )
 from polyamp._src.functional import FunctionalLossScaler
 from polyamp._src.global_policy import (
+    PolicySetting,
     add_policy_listener,
     get_policy,
     get_policy_overrides,
+    get_policy_setting,
     policy_scope,
     set_policy,
 )
@@ -55,6 +57,7 @@ __all__ = [
     "Policy",
     "PolicyLike",
     "PolicyOverrides",
+    "PolicySetting",
     "PolyampError",
     "PolyampTypeError",
     "PolyampValueError",
@@ -66,6 +69,7 @@ __all__ = [
     "get_backend",
     "get_policy",
     "get_policy_overrides",
+    "get_policy_setting",
     "policy_scope",
     "register_backend",
     "set_policy",

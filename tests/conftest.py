@@ -32,17 +32,17 @@ def isolated_polyamp_state() -> Iterator[None]:
         dict(registry._loaded),
         registry._entry_points_read,
     )
-    saved_overrides = global_policy._current_overrides
     saved_policy = (
-        global_policy._current,
+        global_policy._process,
         list(global_policy._listeners),
         dict(global_policy._hooks),
         set(global_policy._watching),
     )
     saved_pending = {name: list(cbs) for name, cbs in import_hooks._pending.items()}
     yield
-    if global_policy._current != saved_policy[0] or global_policy._current_overrides != saved_overrides:
-        polyamp.set_policy(saved_policy[0], overrides=saved_overrides)
+    # The very object: frameworks read the setting when they need it (Keras included), and "default"
+    # (nothing set) must stay distinguishable from an explicit float32.
+    global_policy._process = saved_policy[0]
     registry._specs.clear()
     registry._specs.update(saved_registry[0])
     registry._framework_owner.clear()

@@ -14,14 +14,20 @@ ROOT = Path(__file__).resolve().parent.parent
 FRAMEWORKS = ("torch", "tensorflow", "keras", "jax", "tf_keras")
 
 
-@pytest.mark.parametrize("folder", ["backends", "backends/torch", "backends/tensorflow", "tests"])
+@pytest.mark.parametrize("folder", ["backends", "backends/torch", "backends/tensorflow", "backends/keras", "tests"])
 def test_folder_has_no_init_py(folder: str) -> None:
     # backends/torch/__init__.py would make `import torch` find polyamp's folder instead of PyTorch.
     assert not (ROOT / folder / "__init__.py").exists(), f"{folder}/__init__.py must not exist"
 
 
 @pytest.mark.parametrize(
-    "package", ["polyamp", "backends/torch/polyamp_torch", "backends/tensorflow/polyamp_tensorflow"]
+    "package",
+    [
+        "polyamp",
+        "backends/torch/polyamp_torch",
+        "backends/tensorflow/polyamp_tensorflow",
+        "backends/keras/polyamp_keras",
+    ],
 )
 def test_packages_exist_with_py_typed(package: str) -> None:
     assert (ROOT / package / "__init__.py").is_file()
@@ -67,9 +73,19 @@ def _imports(folder: str) -> list[tuple[str, str]]:
     return found
 
 
+def _framework_imports(folder: str, forbidden: tuple[str, ...]) -> list[str]:
+    return [f"{where} imports {n}" for where, n in _imports(folder) if n.partition(".")[0] in forbidden]
+
+
 def test_core_source_never_imports_a_framework() -> None:
-    offenders = [f"{where} imports {n}" for where, n in _imports("polyamp") if n.partition(".")[0] in FRAMEWORKS]
-    assert offenders == []
+    assert _framework_imports("polyamp", FRAMEWORKS) == []
+
+
+def test_keras_package_source_imports_keras_only() -> None:
+    # Keras 3 runs on JAX or PyTorch without TensorFlow; polyamp_keras must too (and never load the
+    # TensorFlow backend package, which imports TensorFlow).
+    forbidden = (*(fw for fw in FRAMEWORKS if fw != "keras"), "polyamp_tensorflow", "polyamp_torch")
+    assert _framework_imports("backends/keras/polyamp_keras", forbidden) == []
 
 
 def test_backends_use_only_the_public_backend_api() -> None:

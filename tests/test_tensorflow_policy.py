@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,8 @@ import polyamp_tensorflow  # noqa: E402
 from polyamp import Policy, PolyampTypeError  # noqa: E402
 
 LAYERS = keras.layers
+# A clean environment for subprocesses, but the same packages: the tree under test, not another install.
+SEARCH_PATH = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +54,7 @@ def test_keras_follows_the_policy_in_either_import_order(order: str) -> None:
                           "polyamp_tensorflow" in sys.modules]))
         """
     )
-    env = {"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin"}
+    env = {"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin", **SEARCH_PATH}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     policy, compute, variable, _ = json.loads(out.stdout.strip().splitlines()[-1])
     assert (policy, compute, variable) == ("mixed_float16", "float16", "float32")
@@ -72,7 +75,7 @@ def test_keras_on_torch_without_tensorflow_follows_the_policy(run_without: Any) 
     print(json.dumps([keras.backend.backend(), [layer.compute_dtype for layer in model.layers[1:]],
                       polyamp_tensorflow.to_keras_policy(polyamp.Policy("float16")).name]))
     """
-    env = {"KERAS_BACKEND": "torch", "PATH": "/usr/bin:/bin", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env = {"KERAS_BACKEND": "torch", "PATH": "/usr/bin:/bin", "TF_CPP_MIN_LOG_LEVEL": "3", **SEARCH_PATH}
     out = run_without("tensorflow", code, env=env)
     assert json.loads(out.strip().splitlines()[-1]) == ["torch", ["bfloat16", "float32"], "float16"]
 

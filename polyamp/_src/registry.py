@@ -127,7 +127,7 @@ _FIRST_PARTY: Final = (
         target="polyamp_tensorflow._backend:TensorFlowBackend",
         frameworks=("tensorflow", "keras"),
         install_hint="pip install 'polyamp[tensorflow]'",
-        policy_hook="polyamp_tensorflow._keras_policy:follow_polyamp_policy",
+        policy_hook="polyamp_keras:follow_polyamp_policy",
         policy_modules=("keras",),
         harness="polyamp_tensorflow.testing:TensorFlowHarness",
     ),

@@ -239,6 +239,12 @@ class LossScaleConfig:
             )
         if not isinstance(self.dynamic, bool):
             raise PolyampTypeError(f"`dynamic` must be a bool. Received: dynamic={describe(self.dynamic)}.")
+        # Derived values, computed once: they are read every step (and traced by compilers, which cannot
+        # trace the struct-based float32 rounding).
+        floor = to_float32(min_scale) if min_scale is not None else to_float32(min(1.0, init_scale))
+        object.__setattr__(self, "_floor_f32", floor)
+        object.__setattr__(self, "_min_f32", None if min_scale is None else to_float32(min_scale))
+        object.__setattr__(self, "_max_f32", None if max_scale is None else to_float32(max_scale))
         # Normalise numeric types (numpy scalars, ints) so equality and serialisation are plain Python.
         for name, value in (
             ("init_scale", init_scale),
@@ -256,12 +262,12 @@ class LossScaleConfig:
     @property
     def min_scale_f32(self) -> float | None:
         """``min_scale`` rounded to float32, or None."""
-        return None if self.min_scale is None else to_float32(self.min_scale)
+        return self._min_f32  # type: ignore[attr-defined,no-any-return]
 
     @property
     def max_scale_f32(self) -> float | None:
         """``max_scale`` rounded to float32, or None."""
-        return None if self.max_scale is None else to_float32(self.max_scale)
+        return self._max_f32  # type: ignore[attr-defined,no-any-return]
 
     @property
     def floor_f32(self) -> float:
@@ -273,9 +279,7 @@ class LossScaleConfig:
         finite. torch's GradScaler has no floor; after a long run of overflows its scale reaches float32's
         subnormals and 0, where 1/scale is inf and the optimizer applies inf/NaN.
         """
-        if self.min_scale is not None:
-            return to_float32(self.min_scale)
-        return to_float32(min(1.0, self.init_scale))
+        return self._floor_f32  # type: ignore[attr-defined,no-any-return]
 
     @property
     def checks_unscaled(self) -> bool:

@@ -1,7 +1,8 @@
 """polyamp's TensorFlow / Keras 3 backend.
 
-* Keras's global dtype policy follows ``polyamp.set_policy`` (in either import order), with per-layer
-  overrides (`PolicyOverridesMap`).
+* Keras's default dtype policy follows ``polyamp.set_policy`` (in either import order, in every thread), with
+  per-layer overrides (`PolicyOverridesMap`); that part is the Keras-only package ``polyamp_keras``, whose
+  names this package re-exports.
 * `LossScaleOptimizer` - Keras 3's loss-scale optimizer with polyamp's rule and safeguards, for
   ``model.compile``/``fit`` and custom loops (Keras 3 and tf.keras 2 APIs).
 * `TensorFlowLossScaler` - ``polyamp.LossScaler`` bound to TensorFlow: ``scale`` / ``unscale`` /
@@ -13,7 +14,8 @@ With TensorFlow installed, importing this package imports TensorFlow and Keras a
 Keras classes for ``keras.models.load_model``. Keras 3 also runs without TensorFlow (on JAX or PyTorch):
 then the policy parts (`to_keras_policy`, `PolicyOverridesMap`, and ``polyamp.set_policy`` driving Keras)
 still work, and the TensorFlow parts raise ``polyamp.BackendNotInstalledError`` saying
-``pip install 'polyamp[tensorflow]'`` when used.
+``pip install 'polyamp[tensorflow]'`` when used. Code for Keras on any backend can use ``polyamp_keras``
+directly.
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ _EXPORTS = {
     "cast_outputs": "polyamp_tensorflow._outputs",
     "TensorFlowBackend": "polyamp_tensorflow._backend",
     "TensorFlowLossScaler": "polyamp_tensorflow._scaler",
-    # Keras only: these work on any Keras 3 backend.
-    "PolicyOverridesMap": "polyamp_tensorflow._keras_policy",
-    "PolyampDTypePolicy": "polyamp_tensorflow._keras_policy",
-    "to_keras_policy": "polyamp_tensorflow._keras_policy",
+    # Keras only: these work on any Keras 3 backend (re-exported from polyamp_keras).
+    "PolicyOverridesMap": "polyamp_keras",
+    "PolyampDTypePolicy": "polyamp_keras",
+    "to_keras_policy": "polyamp_keras",
 }
-_KERAS_ONLY = "polyamp_tensorflow._keras_policy"
+_KERAS_ONLY = "polyamp_keras"
 
 __all__ = [
     "LossScaleCallback",
@@ -71,9 +73,9 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from polyamp_keras import PolicyOverridesMap, PolyampDTypePolicy, to_keras_policy
     from polyamp_tensorflow._backend import TensorFlowBackend
     from polyamp_tensorflow._callbacks import LossScaleCallback
-    from polyamp_tensorflow._keras_policy import PolicyOverridesMap, PolyampDTypePolicy, to_keras_policy
     from polyamp_tensorflow._optimizer import LossScaleOptimizer
     from polyamp_tensorflow._outputs import OutputCast, cast_outputs
     from polyamp_tensorflow._scaler import TensorFlowLossScaler

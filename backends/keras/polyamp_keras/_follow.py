@@ -1,0 +1,194 @@
+"""Keras's default dtype policy follows polyamp's, in every thread: the policy hook `follow_polyamp_policy`.
+
+Keras 3 keeps its default dtype policy per thread. ``keras.config.set_dtype_policy`` stores it with
+``global_state.set_global_attribute("dtype_policy", ...)`` in the calling thread's slot of a
+``threading.local``, and ``keras.config.dtype_policy()`` (which every layer built without ``dtype=`` calls)
+reads it back with ``global_state.get_global_attribute("dtype_policy")``, falling back to ``floatx`` in
+threads that never set one. Setting Keras's policy on each polyamp change would reach only the thread
+making the change, and only until ``keras.utils.clear_session()``.
+
+So, once per process, polyamp interposes on those two accessors of Keras's global state for the one
+attribute ``"dtype_policy"`` (every other attribute goes straight through). Keras then asks polyamp when a
+layer is built, in whatever thread builds it, and gets `polyamp.get_policy_setting` for that thread: the
+thread's innermost ``polyamp.policy_scope``, else the process-wide ``polyamp.set_policy``. The rule
+between the two settings, per thread, is that the later one wins:
+
+* ``keras.config.set_dtype_policy(...)`` (or ``keras.mixed_precision.set_global_policy``) in a thread wins
+  in that thread, as Keras documents, for as long as the polyamp setting it was made under is in effect
+  there; the next ``polyamp.set_policy`` (from any thread) or a ``policy_scope`` entered in that thread
+  takes over again, and leaving that scope gives the Keras setting back;
+* until polyamp has a setting at all, Keras keeps its own behaviour untouched.
+
+Why this is robust: the accessors are found through the public ``keras.config.dtype_policy`` and
+``keras.config.set_dtype_policy`` (the module they are defined in and the ``global_state`` it uses),
+and are used only after checking that those functions really call them, so nothing depends on a private
+import path. Both accessors and the attribute name have been the same since Keras 3.0. They are module
+functions, which ``clear_session`` (it replaces the ``threading.local``) leaves in place, and the mark
+telling which polyamp setting a Keras setting was made under is stored in the same per-thread state, so
+``clear_session`` drops the two together. Should a future Keras store its policy differently, the hook
+says so once (a ``RuntimeWarning``) and sets Keras's policy in the calling thread, as Keras alone would.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from keras.dtype_policies import DTypePolicy
+
+import polyamp
+from polyamp import Policy, PolicyOverrides, PolicySetting
+from polyamp_keras._keras import keras
+from polyamp_keras._policies import to_keras_default
+
+__all__ = ["follow_polyamp_policy"]
+
+_ATTRIBUTE = "dtype_policy"  # the name Keras stores its default dtype policy under
+_PIN = "polyamp_dtype_policy_made_under"  # beside it: the polyamp setting in effect when Keras's was made
+_MARK = "__polyamp_follows__"
+
+_lock = threading.RLock()
+_state: ModuleType | None = None  # Keras's global_state module, once polyamp reads through it
+_warned = False
+_cache: dict[int, tuple[PolicySetting, DTypePolicy]] = {}  # id(setting) -> (setting, its Keras policy)
+_CACHE_SIZE = 32
+
+
+def follow_polyamp_policy(policy: Policy, overrides: PolicyOverrides) -> None:
+    """polyamp's policy hook for Keras: make Keras's default dtype policy follow polyamp's, in every thread.
+
+    polyamp calls it on every policy change, at once if keras is imported, else right after keras gets
+    imported. The first call makes Keras ask polyamp whenever it needs its default policy (a layer built
+    without ``dtype=``, ``keras.config.dtype_policy()``), in whatever thread asks, so later calls have
+    nothing left to do; ``policy`` and ``overrides`` only matter where that is impossible (see below).
+
+    What Keras gets, per thread: the policy of ``polyamp.get_policy_setting()`` there (the thread's
+    innermost ``polyamp.policy_scope``, else the process-wide ``polyamp.set_policy``), as a Keras
+    ``DTypePolicy`` or, with overrides, a `PolicyOverridesMap`; with Keras's own setting, the later wins:
+
+    * ``keras.config.set_dtype_policy(...)`` (or ``keras.mixed_precision.set_global_policy``) in a thread
+      holds in that thread, as Keras documents, while the polyamp setting it was made under is in effect
+      there; the next ``polyamp.set_policy`` (from any thread) or a ``policy_scope`` entered in that thread
+      takes over, and leaving that scope gives the Keras setting back;
+    * until polyamp has a setting at all (``get_policy_setting().source == "default"``), Keras behaves as
+      if polyamp were not there;
+    * ``keras.utils.clear_session()`` drops Keras's settings, not polyamp's: Keras follows polyamp again.
+
+    Should a future Keras keep its default policy where polyamp cannot find it, this warns once
+    (``RuntimeWarning``) and sets Keras's policy in the calling thread only, as Keras alone would.
+    """
+    if _follow():
+        return
+    if polyamp.get_policy_setting().source == "default":
+        return  # nothing chosen yet (this runs when keras is imported): leave Keras as it is
+    keras.config.set_dtype_policy(to_keras_default(policy, overrides))
+
+
+def _follow() -> bool:
+    """Make Keras read polyamp's setting (once per process); False where this Keras does not allow it."""
+    global _state, _warned
+    state = _state
+    if state is not None and getattr(state.get_global_attribute, _MARK, False):
+        return True
+    with _lock:
+        state = _keras_global_state()
+        if state is None:
+            if not _warned and polyamp.get_policy_setting().source != "default":
+                _warned = True
+                warnings.warn(
+                    f"polyamp cannot find where Keras {keras.__version__} keeps its default dtype policy "
+                    "(keras.config.dtype_policy no longer reads global_state.get_global_attribute). Keras "
+                    "follows polyamp's policy only in the thread that sets it. Please report this, with "
+                    "your Keras version, to polyamp.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return False
+        if not getattr(state.get_global_attribute, _MARK, False):
+            _interpose(state)
+        _state = state
+    return True
+
+
+def _keras_global_state() -> ModuleType | None:
+    """Keras's global-state module, if the public policy getter and setter go through its accessors."""
+    getter = getattr(keras.config, "dtype_policy", None) or getattr(keras.mixed_precision, "global_policy", None)
+    setter = getattr(keras.config, "set_dtype_policy", None) or getattr(
+        keras.mixed_precision, "set_global_policy", None
+    )
+    module = sys.modules.get(getattr(getter, "__module__", None) or "")
+    state = getattr(module, "global_state", None)
+    if not isinstance(state, ModuleType) or getattr(setter, "__module__", None) != module.__name__:  # type: ignore[union-attr]
+        return None
+    if not (
+        callable(getattr(state, "get_global_attribute", None))
+        and callable(getattr(state, "set_global_attribute", None))
+    ):
+        return None
+    if not {"global_state", "get_global_attribute"} <= _names_used(getter):
+        return None
+    if not {"global_state", "set_global_attribute"} <= _names_used(setter):
+        return None
+    return state
+
+
+def _names_used(function: object) -> set[str]:
+    return set(getattr(getattr(function, "__code__", None), "co_names", ()))
+
+
+def _interpose(state: ModuleType) -> None:
+    original_get: Callable[..., Any] = state.get_global_attribute
+    original_set: Callable[[str, Any], None] = state.set_global_attribute
+
+    def get_global_attribute(name: str, default: Any = None, set_to_default: bool = False) -> Any:
+        if name == _ATTRIBUTE:
+            policy = _polyamp_default(original_get)
+            if policy is not None:
+                return policy
+        return original_get(name, default, set_to_default)
+
+    def set_global_attribute(name: str, value: Any) -> None:
+        original_set(name, value)
+        if name == _ATTRIBUTE:
+            original_set(_PIN, None if value is None else polyamp.get_policy_setting())
+
+    wrappers: dict[str, Callable[..., Any]] = {
+        "set_global_attribute": set_global_attribute,  # first: the getter is what marks the install done
+        "get_global_attribute": get_global_attribute,
+    }
+    for name, wrapper in wrappers.items():
+        functools.update_wrapper(wrapper, getattr(state, name))  # Keras's name and doc, and __wrapped__
+        setattr(wrapper, _MARK, True)
+        setattr(state, name, wrapper)
+
+
+def _polyamp_default(original_get: Callable[..., Any]) -> DTypePolicy | None:
+    """Keras's default policy in the calling thread, or None where Keras's own setting applies."""
+    setting = polyamp.get_policy_setting()
+    if setting.source == "default":
+        return None  # polyamp has no setting: Keras as if polyamp were not there
+    if original_get(_ATTRIBUTE) is not None and original_get(_PIN) is setting:
+        return None  # this thread set Keras's policy under the setting still in effect: the later one wins
+    return _keras_policy_for(setting)
+
+
+def _keras_policy_for(setting: PolicySetting) -> DTypePolicy:
+    # One Keras object per setting: a layer built under a map may write its own entry into it (as with
+    # Keras's own global DTypePolicyMap), and each polyamp setting starts from a fresh map.
+    entry = _cache.get(id(setting))
+    if entry is not None and entry[0] is setting:
+        return entry[1]
+    with _lock:
+        entry = _cache.get(id(setting))
+        if entry is not None and entry[0] is setting:
+            return entry[1]
+        policy = to_keras_default(setting.policy, setting.overrides)
+        if len(_cache) >= _CACHE_SIZE:
+            del _cache[next(iter(_cache))]
+        _cache[id(setting)] = (setting, policy)
+        return policy

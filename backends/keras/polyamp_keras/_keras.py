@@ -1,0 +1,19 @@
+"""Import Keras 3 once, turning its absence into advice on what to install. Imports no Keras backend itself."""
+
+from __future__ import annotations
+
+from polyamp import BackendNotInstalledError
+
+_HINT = "Install it with: pip install 'polyamp[keras]' (or 'polyamp[tensorflow]' for Keras on TensorFlow)"
+
+try:
+    import keras
+except ModuleNotFoundError as exc:
+    if (exc.name or "").partition(".")[0] != "keras":
+        raise
+    raise BackendNotInstalledError(f"polyamp_keras needs Keras 3, which is not installed. {_HINT}") from exc
+
+if int(keras.__version__.partition(".")[0]) < 3:
+    raise BackendNotInstalledError(f"polyamp_keras needs Keras 3; found keras {keras.__version__}. {_HINT}")
+
+__all__ = ["keras"]
