@@ -57,7 +57,8 @@ class ScalerDevice(Protocol):
     Optionally, ``float16_in_use(*, since_last_iteration: bool) -> bool`` reports float16 computation the
     framework does outside polyamp's global policy (the enabled rule, `polyamp.backend_api.resolve_enabled`,
     uses it): with ``since_last_iteration=True`` the core is starting an iteration, and the device may start
-    counting anew.
+    counting anew. And ``compiling() -> bool`` says whether a compiler is tracing the call (the core then
+    skips host-only bookkeeping it cannot trace).
     """
 
     def check_optimizer(self, method: str, optimizer: object) -> None:

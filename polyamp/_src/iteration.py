@@ -129,6 +129,8 @@ class Iteration:
 
     enabled: bool | None = None
     stages: UnscaleStages = field(default_factory=UnscaleStages)
+    #: The thread that started the iteration (one scaler serves one training loop).
+    thread: int | None = None
     _entries: dict[int, _Entry] = field(default_factory=dict)
 
     @property
@@ -194,3 +196,4 @@ class Iteration:
         self._entries.clear()
         self.stages.clear()
         self.enabled = None
+        self.thread = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import threading
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Final
@@ -261,8 +262,20 @@ class LossScaler:
     def _begin(self) -> bool:
         """Whether this iteration scales, decided at its first call and kept until it ends."""
         iteration = self._iteration
+        compiling = getattr(self._device, "compiling", None)
+        # A compiler tracing the step (torch.compile) cannot trace the thread lookup; it runs in one thread.
+        thread = iteration.thread if compiling is not None and compiling() else threading.get_ident()
         if iteration.enabled is None:
             iteration.enabled = self._decide_enabled(starting=True)
+            iteration.thread = thread
+        elif iteration.thread is None:  # opened inside a compiled region
+            iteration.thread = thread
+        elif thread is not None and iteration.thread != thread:
+            raise ScalerUsageError(
+                "This LossScaler is in the middle of an iteration started by another thread. A scaler serves one "
+                "training loop: its stages and checks belong to one thread at a time. Give each thread its own "
+                "LossScaler (their state dicts are interchangeable), or finish the iteration (update()) first."
+            )
         return iteration.enabled
 
     def _require_scaled(self, method: str) -> None:
@@ -507,11 +520,27 @@ class LossScaler:
             self._last.host = None
         iteration.close()
 
+    def discard_iteration(self) -> None:
+        """Forget the current iteration without updating the scale: its stages, checks and pending unscaled
+        gradients, as if it never started.
+
+        For recovering after an exception in the middle of a training step (the next iteration starts
+        clean); the scale, counters and skip records stay as they were.
+        """
+        self._iteration.close()
+
     def _checked_new_scale(self, new_scale: Any) -> Any:
         if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
-            if registry.detect_backend(new_scale) == self._backend_name and self._backend_name is not None:
-                return new_scale  # a framework tensor: the device checks its shape and dtype
-            raise type_error("update(new_scale)", "a float or a one-element tensor", new_scale)
+            if registry.detect_backend(new_scale) != self._backend_name or self._backend_name is None:
+                raise type_error("update(new_scale)", "a float or a one-element tensor", new_scale)
+            try:  # a framework tensor: read it (one host sync) and check its value like a float's
+                number = float(new_scale)
+            except (TypeError, ValueError, RuntimeError):
+                # A symbolic tensor inside a compiled function, or one of several elements: the device checks
+                # what it can (shape, dtype) and takes the value as is.
+                return new_scale
+            self._checked_new_scale(number)
+            return new_scale
         try:
             value = to_float32(float(new_scale))
         except OverflowError:
@@ -564,6 +593,8 @@ class LossScaler:
                     "last iteration, once update() (or apply_gradients()) has ended one."
                 )
             return self._device.skipped(self._device.read_record(self._last.storage))
+        if self._device is not None:
+            self._device.check_optimizer("step_skipped", optimizer)
         record = self._record_of(optimizer) if self._device is not None else None
         if record is None:
             raise ScalerUsageError(

@@ -65,6 +65,8 @@ class PolicyOverrides(Mapping[str, Policy]):
         items: dict[str, Policy] = {}
         for pair in pairs:
             try:
+                if isinstance(pair, (str, bytes)):
+                    raise ValueError  # "ab" would unpack to ("a", "b")
                 key, value = pair
             except (TypeError, ValueError):
                 raise PolyampTypeError(
@@ -75,6 +77,10 @@ class PolicyOverrides(Mapping[str, Policy]):
                     f"An override key must be a non-empty layer name or glob pattern. Received: {describe(key)}."
                 )
             try:
+                if value is None:  # Policy() alone would mean float32; an override must say which
+                    raise InvalidPolicyError(
+                        f"The override for {key!r} is None. Give a policy, e.g. {{{key!r}: 'float32'}}."
+                    )
                 items[key] = Policy(value)  # type: ignore[arg-type]
             except (InvalidPolicyError, PolyampTypeError) as exc:
                 raise type(exc)(f"Override for {key!r}: {exc}") from exc
@@ -84,6 +90,8 @@ class PolicyOverrides(Mapping[str, Policy]):
 
     def match(self, path: str) -> Policy | None:
         """The override for ``path`` itself (exact key first, then the first matching pattern), or None."""
+        if not isinstance(path, str):
+            raise PolyampTypeError(f"A layer path is a string such as 'encoder.norm'. Received: {describe(path)}.")
         exact = self._exact.get(path)
         if exact is not None:
             return exact
@@ -99,6 +107,11 @@ class PolicyOverrides(Mapping[str, Policy]):
             path: The layer's full path.
             separators: The characters that separate path components.
         """
+        if not isinstance(path, str) or not isinstance(separators, str) or not separators:
+            raise PolyampTypeError(
+                "resolve() takes a layer path and separator characters, both strings, e.g. "
+                f"resolve('encoder/norm', separators='/'). Received: {describe(path)}, {describe(separators)}."
+            )
         candidate = path
         while candidate:
             policy = self.match(candidate)

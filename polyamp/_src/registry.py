@@ -59,7 +59,7 @@ class BackendSpec:
         frameworks: Top-level modules whose objects (tensors, optimizers, variables) this backend handles.
         install_hint: What to run when the framework is missing, e.g. ``pip install 'polyamp[torch]'``.
         policy_hook: Optional ``"module:function"`` called as ``hook(policy, overrides)`` (a `Policy` and a
-            `PolicyOverrides`) on every global policy change,
+            `PolicyOverrides`) on every policy change (`set_policy`, and `policy_scope` in the thread entering it),
             for frameworks that keep their own global precision setting (Keras). It must import nothing but
             the framework modules in ``policy_modules``.
         policy_modules: Modules whose presence (now, or once imported later) makes ``policy_hook`` run;

@@ -440,4 +440,17 @@ def _overflows(pattern: OverflowPattern) -> list[bool]:
                 )
             flags.append(char == "O")
         return flags
-    return [bool(flag) for flag in pattern]
+    if not isinstance(pattern, Iterable):
+        raise PolyampTypeError(
+            f"An overflow pattern is a string of 'F'/'O' or an iterable of bools. Received: {describe(pattern)}."
+        )
+    flags = []
+    for flag in pattern:
+        # bools, or array scalars of a boolean dtype; 2.0 or "x" is a mistake, not an overflow
+        if not (isinstance(flag, bool) or getattr(getattr(flag, "dtype", None), "kind", None) == "b"):
+            raise PolyampTypeError(
+                "An overflow pattern holds bools (True = a non-finite gradient was found). "
+                f"Received an item {describe(flag)} in {describe(pattern)}."
+            )
+        flags.append(bool(flag))
+    return flags

@@ -86,6 +86,10 @@ class TorchDevice:
             self._float16_regions_seen = seen
         return in_use
 
+    def compiling(self) -> bool:
+        """Whether torch.compile is tracing the call."""
+        return bool(torch.compiler.is_compiling())
+
     # -- the step ----------------------------------------------------------------------------------------
 
     def check_optimizer(self, method: str, optimizer: object) -> None:

@@ -172,8 +172,9 @@ def apply_policy(
     if not isinstance(module, torch.nn.Module):
         raise PolyampTypeError(f"apply_policy() takes a torch.nn.Module. Received: {describe(module)}.")
     fixed_policy = None if policy is None else Policy(policy)
+    setting = polyamp.get_policy_setting()  # policy and overrides in one read (another thread may set_policy)
     root_policy = fixed_policy if fixed_policy is not None else policy_in_effect()
-    override_map = polyamp.get_policy_overrides() if overrides is None else PolicyOverrides(overrides)
+    override_map = setting.overrides if overrides is None else PolicyOverrides(overrides)
     if isinstance(keep_float32, (str, torch.nn.Module)):
         keep_float32 = [keep_float32]
     named = list(module.named_modules())
