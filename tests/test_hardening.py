@@ -464,3 +464,90 @@ def test_fuzzed_state_dicts_load_or_change_nothing(change: dict[str, Any]) -> No
     state = scaler.state_dict()
     assert json.loads(json.dumps(state)) == state
     assert state["scale"] >= scaler.config.floor_f32
+
+
+# -- the same on TensorFlow / Keras ------------------------------------------------------------------------------
+
+
+def _tensorflow_states(config: dict[str, Any], pattern: list[bool]) -> list[tuple[float, int, int]]:
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    import polyamp_tensorflow
+
+    scaler = polyamp_tensorflow.TensorFlowLossScaler(enabled=True, **config)
+    w = tf.Variable([0.0, 0.0])
+    opt = keras.optimizers.SGD(0.0)
+    opt.build([w])
+
+    @tf.function
+    def step(bad: Any) -> Any:
+        with tf.GradientTape() as tape:
+            scaled = scaler.scale(tf.reduce_sum(w * bad))
+        scaler.apply_gradients(opt, zip(tape.gradient(scaled, [w]), [w]))
+        return scaler.device_form._state().scale  # type: ignore[union-attr]
+
+    states = []
+    for overflow in pattern:
+        step(tf.constant(math.inf if overflow else 0.0))
+        state = scaler.get_state()
+        states.append((state.scale, state.growth_tracker, state.hysteresis_left))
+    return states
+
+
+@pytest.mark.parametrize("index", range(len(EXTREME)))
+def test_storms_at_extreme_scales_follow_the_reference_on_tensorflow(index: int) -> None:
+    """TensorFlow's CPU kernels flush subnormals to zero: scales stay normal, so it never diverges."""
+    config = EXTREME[index]
+    pattern = [True] * 200 + [False] * 20 + [random.Random(index).random() < 0.3 for _ in range(80)]
+    expected = [(s.scale, s.growth_tracker, s.hysteresis_left) for s in LossScaleConfig(**config).states(pattern)]
+    assert _tensorflow_states(config, pattern) == expected
+
+
+@pytest.mark.parametrize("index", [1, 2])
+def test_a_10000_step_soak_on_tensorflow_matches_the_reference(index: int) -> None:
+    config = {**SOAK_CONFIGS[index]}
+    rng = random.Random(100 + index)
+    pattern = [rng.random() < 0.1 for _ in range(10_000)]
+    expected = [(s.scale, s.growth_tracker, s.hysteresis_left) for s in LossScaleConfig(**config).states(pattern)]
+    assert _tensorflow_states(config, pattern) == expected
+
+
+@pytest.mark.parametrize("which", ["tensorflow_scaler", "keras_optimizer"])
+def test_200_nan_steps_then_20_finite_ones_train_on_finite_weights(which: str) -> None:
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    import polyamp_tensorflow
+
+    w = tf.Variable([1.0, 2.0])
+    if which == "keras_optimizer":
+        optimizer = polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.SGD(0.01), enabled=True)
+
+        def step(bad: float) -> None:
+            with tf.GradientTape() as tape:
+                scaled = optimizer.scale_loss(tf.reduce_sum(w * w) * bad)
+            optimizer.apply_gradients(zip(tape.gradient(scaled, [w]), [w]))
+
+        def skipped() -> bool:
+            return bool(optimizer.last_skipped.numpy())
+
+        scale = optimizer.get_scale
+    else:
+        scaler = polyamp_tensorflow.TensorFlowLossScaler(enabled=True)
+        inner = keras.optimizers.SGD(0.01)
+
+        def step(bad: float) -> None:
+            with tf.GradientTape() as tape:
+                scaled = scaler.scale(tf.reduce_sum(w * w) * bad)
+            scaler.apply_gradients(inner, zip(tape.gradient(scaled, [w]), [w]))
+
+        def skipped() -> bool:
+            return bool(scaler.step_skipped())
+
+        scale = scaler.get_scale
+    for _ in range(200):
+        step(math.nan)
+    assert scale() == 1.0 and np.array_equal(w.numpy(), [1.0, 2.0])
+    for _ in range(20):
+        step(1.0)
+        assert not skipped()  # training goes on: never stuck skipping
+    assert np.isfinite(w.numpy()).all() and w.numpy()[0] < 1.0
