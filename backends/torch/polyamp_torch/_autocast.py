@@ -10,7 +10,7 @@ from typing import Any
 import polyamp
 from polyamp import Policy, PolicyLike, PolyampTypeError
 from polyamp._src.errors import InvalidConfigError, describe
-from polyamp_torch._cpu_float32 import CudaFloat32Ops
+from polyamp_torch import _cpu_float32
 from polyamp_torch._framework import TORCH_DTYPES, torch
 
 __all__ = ["PolicyRegion", "autocast", "default_device_type"]
@@ -135,7 +135,8 @@ class PolicyRegion(contextlib.ContextDecorator):
         self._enabled = enabled
         self._cache_enabled = cache_enabled
         self._cpu_float32_ops = cpu_float32_ops
-        self._entered: list[tuple[torch.autocast, CudaFloat32Ops | None]] = []
+        # Per entry: the torch.autocast entered and, for CPU regions, the float32-op setting to restore.
+        self._entered: list[tuple[torch.autocast, bool | None]] = []
 
     @property
     def policy(self) -> Policy:
@@ -160,11 +161,11 @@ class PolicyRegion(contextlib.ContextDecorator):
     def __enter__(self) -> PolicyRegion:
         region = self.as_torch_autocast()
         low_precision = self._enabled and self.policy.compute_dtype != "float32"
-        mode = CudaFloat32Ops() if low_precision and self._cpu_float32_ops and self.device_type == "cpu" else None
         region.__enter__()  # type: ignore[no-untyped-call]
-        if mode is not None:
-            mode.__enter__()  # type: ignore[no-untyped-call]
-        self._entered.append((region, mode))
+        previous = None
+        if self.device_type == "cpu":  # CUDA regions leave the CPU setting of an enclosing region alone
+            previous = _cpu_float32.enter_region(low_precision and self._cpu_float32_ops)
+        self._entered.append((region, previous))
         return self
 
     def __exit__(
@@ -173,9 +174,9 @@ class PolicyRegion(contextlib.ContextDecorator):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        region, mode = self._entered.pop()
-        if mode is not None:
-            mode.__exit__(exc_type, exc, traceback)  # type: ignore[no-untyped-call]
+        region, previous = self._entered.pop()
+        if previous is not None:
+            _cpu_float32.exit_region(previous)
         region.__exit__(exc_type, exc, traceback)
 
     def _recreate_cm(self) -> PolicyRegion:
