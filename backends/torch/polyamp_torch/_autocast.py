@@ -58,19 +58,22 @@ def autocast(
     enabled: bool = True,
     cache_enabled: bool | None = None,
     cpu_float32_ops: bool = True,
-) -> PolicyRegion | torch.autocast:
+) -> PolicyRegion | contextlib.AbstractContextManager[Any]:
     """``torch.autocast`` with the dtype taken from a polyamp policy; a context manager and a decorator.
 
     Returns a `PolicyRegion` (see there for the arguments and semantics). Inside code being compiled by
-    ``torch.compile`` it returns the equivalent plain ``torch.autocast`` instead, which dynamo traces
-    without graph breaks; there the policy is read when the region is created, and CPU regions use
-    torch's own op lists.
+    ``torch.compile`` it returns the equivalent ``torch.autocast`` instead (on CPU wrapped so that CUDA's
+    float32 op list applies as in eager regions), which dynamo traces without graph breaks; there the
+    policy is read when the region is created.
     """
     region = PolicyRegion(
         policy, device_type=device_type, enabled=enabled, cache_enabled=cache_enabled, cpu_float32_ops=cpu_float32_ops
     )
     if _is_compiling():
-        return region.as_torch_autocast()
+        if region.device_type != "cpu":
+            return region.as_torch_autocast()
+        low_precision = enabled and region.policy.compute_dtype != "float32"
+        return _cpu_float32.compiled_region(region.as_torch_autocast(), low_precision and cpu_float32_ops)
     return region
 
 
@@ -91,8 +94,8 @@ class PolicyRegion(contextlib.ContextDecorator):
         enabled: False makes the region run in float32 (autocast off).
         cache_enabled: Forwarded to ``torch.autocast`` (None keeps torch's default).
         cpu_float32_ops: On CPU, run CUDA's float32 op list in float32 (default). False gives torch's CPU
-            lists exactly, saving the per-op dispatch cost (about 1-4 us per torch call in the region; see
-            benchmarks/).
+            lists exactly, saving the listed ops' dispatch cost (a few us per listed op, nothing for other
+            ops; see benchmarks/).
 
     Raises:
         InvalidPolicyError / PolyampTypeError: ``policy`` is invalid.

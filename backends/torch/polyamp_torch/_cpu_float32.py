@@ -22,6 +22,13 @@ The kernels are registered the first time a polyamp CPU region with these ops is
 polyamp_torch changes nothing for programs that never use one. From then on, a listed op called in a
 native CPU autocast region costs one Python call more (about 2 us) than before.
 
+Under ``torch.compile`` a polyamp CPU region is ``torch.autocast`` plus two ops of polyamp's own
+(`compiled_region`): dynamo records them in the graph, and while the graph is traced (dynamo's fake
+propagation, AOTAutograd) they switch the kernels on for the ops between them, so the float32 casts are
+traced into the graph; with the ``eager`` backend they run and switch them on at run time. The tracing
+state is kept per tracing context, so a trace that is abandoned half-way (a graph break inside the
+region restarts dynamo's analysis) cannot leave it switched on.
+
 ``torch.utils.checkpoint`` re-runs the checkpointed function restoring torch's autocast state, not
 polyamp's region flag. So that recomputation computes what the forward computed, the checkpoint entry
 points are wrapped (`_patch_checkpoint`): a function checkpointed inside a polyamp region is recomputed
@@ -30,16 +37,18 @@ inside one. Outside polyamp regions the wrapper passes the function through unch
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from polyamp_torch._framework import torch
 
 __all__ = [
     "FLOAT32_OP_NAMES",
+    "compiled_region",
     "cpu_float32_ops_active",
     "enter_region",
     "exit_region",
@@ -112,13 +121,33 @@ class _RegionState(threading.local):
     # A class attribute, so every thread starts outside polyamp regions without initialising anything.
     active: bool = False
 
+    def __init__(self) -> None:
+        self.compiled: list[bool] = []  # settings to restore, pushed by the compiled-region op at run time
+
 
 _STATE = _RegionState()
+
+# While torch.compile traces, the setting is kept per tracing context (dynamo makes a new one for each
+# attempt at a frame, and AOTAutograd traces in dynamo's): a stack of region settings per context.
+_TRACED: weakref.WeakKeyDictionary[Any, list[bool]] = weakref.WeakKeyDictionary()
+_tracing_context: Callable[[], Any] = getattr(
+    getattr(getattr(torch, "_guards", None), "TracingContext", None), "try_get", lambda: None
+)
+
+
+def _applies() -> bool:
+    """Whether CUDA's rules apply to the op being dispatched: a polyamp CPU region is active here."""
+    context = _tracing_context()
+    if context is None:
+        return _STATE.active
+    # Tracing for torch.compile: only regions inside the traced code count, not eager ones around it.
+    stack = _TRACED.get(context)
+    return stack[-1] if stack else False
 
 
 def cpu_float32_ops_active() -> bool:
     """Whether CPU autocast on this thread follows CUDA's float32 op list (inside a polyamp CPU region)."""
-    return _STATE.active
+    return _applies()
 
 
 def enter_region(active: bool) -> bool:
@@ -185,7 +214,7 @@ def _fp32_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     positions, keywords = _tensor_positions(op)
 
     def kernel(keyset: torch._C.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
-        if not _STATE.active:
+        if not _applies():
             return redispatch(keyset & _BELOW_AUTOCAST_CPU, *args, **kwargs)
         cast = list(args)
         for index in positions:
@@ -212,7 +241,7 @@ def _set_opt_dtype_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
         index += not argument.kwarg_only
 
     def kernel(keyset: torch._C.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
-        if not _STATE.active:
+        if not _applies():
             return redispatch(keyset & _BELOW_AUTOCAST_CPU, *args, **kwargs)
         if _eligible(args[0]):
             if dtype_index is not None and dtype_index < len(args):
@@ -233,7 +262,7 @@ def _append_dtype_kernel(op: torch._ops.OpOverload, target: torch._ops.OpOverloa
     defaults = [argument.default_value for argument in op._schema.arguments]
 
     def kernel(keyset: torch._C.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
-        if not _STATE.active:
+        if not _applies():
             return redispatch(keyset & _BELOW_AUTOCAST_CPU, *args, **kwargs)
         full = (*args, *defaults[len(args) :])
         dtype = _FLOAT32 if _eligible(args[0]) else args[0].dtype
@@ -350,11 +379,59 @@ def _patch_checkpoint() -> None:
         checkpoint._checkpoint_without_reentrant_generator = functools.wraps(generator)(non_reentrant)
 
 
-@contextmanager
-def _active(active: bool) -> Iterator[None]:
-    # Test and benchmark helper: the flag alone, without entering torch.autocast.
-    previous = enter_region(active)
-    try:
-        yield
-    finally:
-        exit_region(previous)
+# -- compiled regions ------------------------------------------------------------------------------------
+
+
+def _define_compile_ops() -> bool:
+    """Defines ``polyamp::cpu_float32_ops_enter(bool)`` / ``polyamp::cpu_float32_ops_exit()``; False if torch
+    is too old for ``torch.library.custom_op`` (torch < 2.4: compiled CPU regions then use torch's lists)."""
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:  # pragma: no cover - torch < 2.4
+        return False
+
+    @custom_op("polyamp::cpu_float32_ops_enter", mutates_args=())  # type: ignore[untyped-decorator]
+    def enter(active: bool) -> None:
+        # Run time (the eager backend runs the graph op by op): the thread's setting, as eager regions do.
+        _STATE.compiled.append(enter_region(active))
+
+    @enter.register_fake  # type: ignore[untyped-decorator]
+    def _(active: bool) -> None:
+        # Trace time: this context's stack.
+        if active and not _installed:
+            _install()
+        context = _tracing_context()
+        if context is not None:
+            _TRACED.setdefault(context, []).append(active)
+
+    @custom_op("polyamp::cpu_float32_ops_exit", mutates_args=())  # type: ignore[untyped-decorator]
+    def exit_() -> None:
+        exit_region(_STATE.compiled.pop() if _STATE.compiled else False)
+
+    @exit_.register_fake  # type: ignore[untyped-decorator]
+    def _() -> None:
+        context = _tracing_context()
+        stack = None if context is None else _TRACED.get(context)
+        if stack:
+            stack.pop()
+
+    return True
+
+
+_COMPILE_OPS = _define_compile_ops()
+
+
+@contextlib.contextmanager
+def compiled_region(region: Any, active: bool) -> Iterator[None]:
+    """``region`` (a ``torch.autocast``) with CUDA's float32 list on or off inside, in code torch.compile traces.
+
+    A generator context manager of torch ops only, which dynamo traces without a graph break.
+    """
+    with region:
+        if not _COMPILE_OPS:  # pragma: no cover - torch < 2.4
+            yield
+            return
+        torch.ops.polyamp.cpu_float32_ops_enter(active)
+        try:
+            yield
+        finally:
+            torch.ops.polyamp.cpu_float32_ops_exit()
