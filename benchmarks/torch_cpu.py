@@ -1,0 +1,176 @@
+"""Target: eager PyTorch CPU training-step time, polyamp against torch.autocast + torch.amp.GradScaler.
+
+One iteration = zero_grad, forward under the region (4 x (Linear + LayerNorm + GELU), cross-entropy),
+scaled backward, step, update. float16 compute. Variants, built from identical initial weights and timed in
+interleaved rounds in one process:
+
+* ``native``: ``torch.autocast("cpu", dtype=torch.float16)`` + ``torch.amp.GradScaler("cpu")``;
+* ``polyamp``: ``polyamp_torch.autocast("mixed_float16")`` (default ``cpu_float32_ops=True``: CUDA's float32
+  op list, via kernels at the AutocastCPU dispatch key) + ``polyamp.LossScaler()``;
+* ``polyamp, torch CPU lists``: the same with ``cpu_float32_ops=False``;
+* ``polyamp, function mode (previous)``: torch's CPU lists plus the TorchFunctionMode polyamp used before
+  (benchmarks/_alternatives.py), i.e. the earlier implementation of the same semantics.
+
+The polyamp and function-mode variants run LayerNorm in float32 (as CUDA autocast does), native runs it in
+float16: different, more precise work. Before timing, the run checks that each variant produces the
+dtypes it claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+import polyamp
+import polyamp_torch
+from benchmarks import _common
+from benchmarks._alternatives import FunctionModeFloat32Ops
+
+VARIANTS = ("native", "polyamp", "polyamp, torch CPU lists", "polyamp, function mode (previous)")
+OPTIMIZERS = ("sgd", "adam", "adam_fused")
+OPTIMIZER_NAMES = {"sgd": "SGD momentum", "adam": "Adam", "adam_fused": "Adam fused"}
+
+
+def build(width: int, depth: int, optimizer: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The MLP (same initial weights every call) and its optimizer."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers)
+    if optimizer == "sgd":
+        return model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    if optimizer == "adam":
+        return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+
+
+def region_factory(variant: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """A callable returning a fresh autocast region of the variant."""
+    if variant == "native":
+        return lambda: torch.autocast("cpu", dtype=torch.float16)
+    if variant == "polyamp":
+        return lambda: polyamp_torch.autocast("mixed_float16", device_type="cpu")
+    if variant == "polyamp, torch CPU lists":
+        return lambda: polyamp_torch.autocast("mixed_float16", device_type="cpu", cpu_float32_ops=False)
+
+    @contextlib.contextmanager
+    def function_mode() -> Iterator[None]:
+        with polyamp_torch.autocast("mixed_float16", device_type="cpu", cpu_float32_ops=False):
+            with FunctionModeFloat32Ops():
+                yield
+
+    return function_mode
+
+
+def make_step(variant: str, width: int, depth: int, optimizer: str, x: torch.Tensor, y: torch.Tensor) -> Any:
+    """One training iteration of the variant, as a closure; also returns the model (for dtype checks)."""
+    model, opt = build(width, depth, optimizer)
+    region = region_factory(variant)
+    scaler: Any = torch.amp.GradScaler("cpu") if variant == "native" else polyamp.LossScaler(enabled=True)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with region():
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    return step, model
+
+
+def norm_dtype(variant: str, model: torch.nn.Module, x: torch.Tensor) -> str:
+    """The dtype the first LayerNorm produces under the variant's region."""
+    seen: list[torch.dtype] = []
+    handle = model[1].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    try:
+        with torch.no_grad(), region_factory(variant)():
+            model(x)
+    finally:
+        handle.remove()
+    return str(seen[0]).replace("torch.", "")
+
+
+def calibrate(step: Callable[[], None], seconds: float) -> int:
+    """Iterations per round so that one round of one variant takes about ``seconds``."""
+    import time
+
+    step()
+    start = time.perf_counter()
+    step()
+    elapsed = max(time.perf_counter() - start, 1e-6)
+    return max(1, math.ceil(seconds / elapsed))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    configs = [(16, 8, 2)] if args.quick else [(64, 32, 4), (512, 64, 4)]
+    if args.widths:
+        configs = [(int(w), 32 if int(w) <= 64 else 64, 4) for w in args.widths.split(",")]
+    optimizers = args.optimizers.split(",") if args.optimizers else list(OPTIMIZERS)
+    variants = list(VARIANTS)
+    rounds = 2 if args.quick else args.rounds
+    rows: list[list[str]] = []
+    raw: list[dict[str, Any]] = []
+    for width, batch, depth in configs:
+        generator = torch.Generator().manual_seed(1)
+        x = torch.randn(batch, width, generator=generator)
+        y = torch.randint(0, width, (batch,), generator=generator)
+        for optimizer in optimizers:
+            steps = {}
+            dtypes = {}
+            for variant in variants:
+                steps[variant], model = make_step(variant, width, depth, optimizer, x, y)
+                dtypes[variant] = norm_dtype(variant, model, x)
+            assert dtypes["native"] == "float16" and dtypes["polyamp, torch CPU lists"] == "float16", dtypes
+            assert dtypes["polyamp"] == dtypes["polyamp, function mode (previous)"] == "float32", dtypes
+            iters = 1 if args.quick else calibrate(steps["native"], args.round_seconds)
+            times = _common.interleaved(steps, iters=iters, rounds=rounds, warmup=1 if args.quick else 5)
+            summary = _common.summarize(times, "native")
+            label = f"{depth} x (Linear {width} + LayerNorm + GELU), batch {batch}"
+            rows.append(
+                [
+                    label if optimizer == optimizers[0] else "",
+                    OPTIMIZER_NAMES[optimizer],
+                    _common.fmt_ms(summary["native"]["median_ms"]),
+                    *(_common.fmt_ratio(summary[v]["ratio"]) for v in variants[1:]),
+                ]
+            )
+            raw.append(
+                {
+                    "width": width,
+                    "batch": batch,
+                    "depth": depth,
+                    "optimizer": optimizer,
+                    "iters_per_round": iters,
+                    "rounds": rounds,
+                    "layer_norm_dtype": dtypes,
+                    "summary": summary,
+                    "times_ms": times,
+                }
+            )
+            print(label, optimizer, {v: round(s["ratio"], 3) for v, s in summary.items()}, flush=True)
+    columns = ["model", "optimizer", "native ms", *variants[1:]]
+    env = _common.environment("cpu", threads=torch.get_num_threads())
+    notes = [
+        "Ratios: median ms/iteration of the variant over native's, same run, interleaved rounds "
+        f"({rounds} rounds; JSON also has the median of per-round ratios and the minima).",
+        "LayerNorm output dtype per variant: native float16, polyamp float32 (CUDA autocast's classification), "
+        "torch CPU lists float16, function mode float32 (checked before timing).",
+    ]
+    return _common.result(
+        "torch-cpu",
+        "PyTorch eager CPU training step: polyamp vs torch.autocast + GradScaler",
+        quick=args.quick,
+        env=env,
+        tables=[{"caption": "float16 compute, cross-entropy loss", "columns": columns, "rows": rows}],
+        notes=notes,
+        raw=raw,
+    )
