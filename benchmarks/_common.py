@@ -92,11 +92,14 @@ def interleaved(
     rounds: int,
     warmup: int,
     sync: Callable[[], None] = lambda: None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
     """Milliseconds per call of each variant, one value per round; variants alternate within each round.
 
     Interleaving spreads machine noise (other processes, frequency changes) over all variants alike; the
-    order is rotated every round so no variant always runs right after the same neighbour.
+    order is rotated every round so no variant always runs right after the same neighbour. ``clock`` is
+    wall time by default; ``time.thread_time`` (CPU time of this thread) makes single-threaded measurements
+    insensitive to other processes taking the CPU away, on a shared machine.
     """
     names = list(variants)
     for name in names:
@@ -109,12 +112,15 @@ def interleaved(
         for name in names[shift:] + names[:shift]:
             run = variants[name]
             sync()
-            start = time.perf_counter()
+            start = clock()
             for _ in range(iters):
                 run()
             sync()
-            times[name].append((time.perf_counter() - start) / iters * 1e3)
+            times[name].append((clock() - start) / iters * 1e3)
     return times
+
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, float]]:

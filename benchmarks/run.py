@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--round-seconds", type=float, default=0.1, help="time per variant per round")
     p.add_argument("--widths", default=None, help="comma-separated widths (default 64,512)")
     p.add_argument("--optimizers", default=None, help="comma-separated, from sgd,adam,adam_fused")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time, or CPU time of the one computing thread (sets --threads 1; for shared machines)",
+    )
     p = target("keras", "Keras/TensorFlow step time, polyamp vs Keras LossScaleOptimizer")
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--round-seconds", type=float, default=0.2, help="time per variant per round")

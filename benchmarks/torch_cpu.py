@@ -109,6 +109,8 @@ def calibrate(step: Callable[[], None], seconds: float) -> int:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.clock == "cpu":
+        args.threads = 1  # thread_time sees this thread only: torch must not compute on others
     if args.threads:
         torch.set_num_threads(args.threads)
     configs = [(16, 8, 2)] if args.quick else [(64, 32, 4), (512, 64, 4)]
@@ -132,7 +134,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert dtypes["native"] == "float16" and dtypes["polyamp, torch CPU lists"] == "float16", dtypes
             assert dtypes["polyamp"] == dtypes["polyamp, function mode (previous)"] == "float32", dtypes
             iters = 1 if args.quick else calibrate(steps["native"], args.round_seconds)
-            times = _common.interleaved(steps, iters=iters, rounds=rounds, warmup=1 if args.quick else 5)
+            times = _common.interleaved(
+                steps, iters=iters, rounds=rounds, warmup=1 if args.quick else 5, clock=_common.CLOCKS[args.clock]
+            )
             summary = _common.summarize(times, "native")
             label = f"{depth} x (Linear {width} + LayerNorm + GELU), batch {batch}"
             rows.append(
@@ -161,7 +165,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = _common.environment("cpu", threads=torch.get_num_threads())
     notes = [
         "Ratios: median ms/iteration of the variant over native's, same run, interleaved rounds "
-        f"({rounds} rounds; JSON also has the median of per-round ratios and the minima).",
+        f"({rounds} rounds; JSON also has the median of per-round ratios and the minima). Clock: "
+        + ("CPU time of the (single) computing thread." if args.clock == "cpu" else "wall time."),
         "LayerNorm output dtype per variant: native float16, polyamp float32 (CUDA autocast's classification), "
         "torch CPU lists float16, function mode float32 (checked before timing).",
     ]

@@ -104,19 +104,6 @@ _Key = torch._C.DispatchKey
 _BELOW_AUTOCAST_CPU = torch._C._dispatch_keyset_full_after(_Key.AutocastCPU)
 
 
-def _autocast_keys() -> torch._C.DispatchKeySet:
-    # CUDA's wrappers exclude every autocast key (DispatchKey::AutocastFunctionality) around the call.
-    keys = torch._C.DispatchKeySet(_Key.AutocastCPU)
-    for name in dir(_Key):
-        if name.startswith("Autocast"):
-            keys = keys | torch._C.DispatchKeySet(getattr(_Key, name))
-    return keys
-
-
-_AUTOCAST_KEYS = _autocast_keys()
-_NoAutocast = torch._C._ExcludeDispatchKeyGuard
-
-
 class _RegionState(threading.local):
     # A class attribute, so every thread starts outside polyamp regions without initialising anything.
     active: bool = False
@@ -135,14 +122,20 @@ _tracing_context: Callable[[], Any] = getattr(
 )
 
 
+_fake_mode = torch._C._get_dispatch_mode
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+
+
 def _applies() -> bool:
     """Whether CUDA's rules apply to the op being dispatched: a polyamp CPU region is active here."""
-    context = _tracing_context()
-    if context is None:
-        return _STATE.active
-    # Tracing for torch.compile: only regions inside the traced code count, not eager ones around it.
-    stack = _TRACED.get(context)
-    return stack[-1] if stack else False
+    # torch.compile traces with fake tensors; the fake-mode lookup is what keeps the eager path cheap.
+    if _fake_mode(_FAKE) is not None:
+        context = _tracing_context()
+        if context is not None:
+            # Tracing for torch.compile: regions inside the traced code count, not eager ones around it.
+            stack = _TRACED.get(context)
+            return stack[-1] if stack else False
+    return _STATE.active
 
 
 def cpu_float32_ops_active() -> bool:
@@ -169,12 +162,23 @@ def exit_region(previous: bool) -> None:
 
 
 # -- kernels ---------------------------------------------------------------------------------------------
+#
+# The kernels are on the hot path of every listed op in a region, so they avoid what costs microseconds in
+# Python: the op is called through its generated Python binding (the parsing the OpOverload call does
+# costs 3-4 us more) and autocast is excluded by two TLS calls rather than a guard object.
+
+_Tensor = torch.Tensor
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_AUTOCAST_CPU = _Key.AutocastCPU
+_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+_torch_function_mode = torch._C._is_torch_function_mode_enabled
 
 
 def _eligible(value: Any) -> bool:
     # at::autocast::is_eligible for CPU: a defined floating CPU (or mkldnn) tensor other than float64.
     return (
-        isinstance(value, torch.Tensor)
+        isinstance(value, _Tensor)
         and value.is_floating_point()
         and value.dtype is not _FLOAT64
         and (value.is_cpu or value.is_mkldnn)
@@ -183,11 +187,45 @@ def _eligible(value: Any) -> bool:
 
 def _to_float32(value: Any) -> Any:
     # at::autocast::cached_cast(kFloat, ...): eligible tensors, also inside tensor lists, become float32.
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, _Tensor):
         return value.to(_FLOAT32) if value.dtype is not _FLOAT32 and _eligible(value) else value
     if isinstance(value, (list, tuple)):
         return type(value)(_to_float32(item) for item in value)
     return value
+
+
+def _binding(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
+    """The generated Python binding that reaches ``op`` for ``op``'s own arguments, if there is one."""
+    name = op._schema.name.partition("::")[2]
+    for namespace in ("_VariableFunctions", "_nn", "_linalg", "_special", "_fft"):
+        binding = getattr(getattr(torch._C, namespace, None), name, None)
+        if binding is not None:
+            return binding  # type: ignore[no-any-return]
+    return None
+
+
+def _caller(op: torch._ops.OpOverload) -> Callable[[bool], Callable[..., Any]]:
+    """``call(plain)``: the fastest exact way to call ``op``: its binding for plain tensors when no torch
+    function mode is active (nothing could see the call twice), else the OpOverload itself."""
+    exact = op._op
+    binding = _binding(op)
+    if binding is None:
+        return lambda plain: exact
+
+    def call(plain: bool) -> Callable[..., Any]:
+        return binding if plain and not _torch_function_mode() else exact
+
+    return call
+
+
+def _run_without_autocast(call: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
+    # CUDA's wrappers run the op under ExcludeDispatchKeyGuard(autocast): nested ops see no autocast.
+    previous = _is_excluded(_AUTOCAST_CPU)
+    _set_excluded(_AUTOCAST_CPU, True)
+    try:
+        return call(*args, **kwargs)
+    finally:
+        _set_excluded(_AUTOCAST_CPU, previous)
 
 
 def _tensor_positions(op: torch._ops.OpOverload) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -210,21 +248,29 @@ def _tensor_positions(op: torch._ops.OpOverload) -> tuple[tuple[int, ...], tuple
 def _fp32_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     """CastPolicy::fp32: every eligible tensor argument is cast to float32."""
     redispatch = op._handle.redispatch_boxed
-    call = op._op
+    caller = _caller(op)
     positions, keywords = _tensor_positions(op)
 
     def kernel(keyset: torch._C.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
         if not _applies():
             return redispatch(keyset & _BELOW_AUTOCAST_CPU, *args, **kwargs)
         cast = list(args)
+        plain = True
+        count = len(cast)
         for index in positions:
-            if index < len(cast):
-                cast[index] = _to_float32(cast[index])
+            if index < count:
+                value = cast[index]
+                if type(value) in _PLAIN:
+                    if value.dtype is not _FLOAT32 and _eligible(value):
+                        cast[index] = value.to(_FLOAT32)
+                elif value is not None:
+                    plain = plain and isinstance(value, (list, tuple))
+                    cast[index] = _to_float32(value)
         for name in keywords:
             if name in kwargs:
+                plain = False
                 kwargs[name] = _to_float32(kwargs[name])
-        with _NoAutocast(_AUTOCAST_KEYS):
-            return call(*cast, **kwargs)
+        return _run_without_autocast(caller(plain), cast, kwargs)
 
     return kernel
 
@@ -232,7 +278,7 @@ def _fp32_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
 def _set_opt_dtype_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     """CastPolicy::fp32_set_opt_dtype: ``dtype=float32`` unless a dtype was given or the input is ineligible."""
     redispatch = op._handle.redispatch_boxed
-    call = op._op
+    caller = _caller(op)
     dtype_index = None  # where a positional ``dtype`` sits (softmax, log_softmax); None if keyword-only
     index = 0
     for argument in op._schema.arguments:
@@ -243,14 +289,14 @@ def _set_opt_dtype_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     def kernel(keyset: torch._C.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
         if not _applies():
             return redispatch(keyset & _BELOW_AUTOCAST_CPU, *args, **kwargs)
-        if _eligible(args[0]):
+        first = args[0]
+        if _eligible(first):
             if dtype_index is not None and dtype_index < len(args):
                 if args[dtype_index] is None:
                     args = (*args[:dtype_index], _FLOAT32, *args[dtype_index + 1 :])
             elif kwargs.get("dtype") is None:
                 kwargs["dtype"] = _FLOAT32
-        with _NoAutocast(_AUTOCAST_KEYS):
-            return call(*args, **kwargs)
+        return _run_without_autocast(caller(type(first) in _PLAIN), args, kwargs)
 
     return kernel
 
@@ -258,7 +304,7 @@ def _set_opt_dtype_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
 def _append_dtype_kernel(op: torch._ops.OpOverload, target: torch._ops.OpOverload) -> Callable[..., Any]:
     """CastPolicy::fp32_append_dtype: call the dtype-taking overload with float32 (or the input's dtype)."""
     redispatch = op._handle.redispatch_boxed
-    call = target._op
+    call = target._op  # rare ops (Python's norm goes to linalg_vector_norm): no binding lookup needed
     defaults = [argument.default_value for argument in op._schema.arguments]
 
     def kernel(keyset: torch._C.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
@@ -266,8 +312,7 @@ def _append_dtype_kernel(op: torch._ops.OpOverload, target: torch._ops.OpOverloa
             return redispatch(keyset & _BELOW_AUTOCAST_CPU, *args, **kwargs)
         full = (*args, *defaults[len(args) :])
         dtype = _FLOAT32 if _eligible(args[0]) else args[0].dtype
-        with _NoAutocast(_AUTOCAST_KEYS):
-            return call(*full, dtype=dtype)
+        return _run_without_autocast(call, full, {"dtype": dtype})
 
     return kernel
 
