@@ -187,7 +187,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             },
         ],
         notes=[
-            "Ratios: median time of the variant over Keras's LossScaleOptimizer, same run, interleaved rounds.",
+            "Ratios: median over interleaved rounds of (variant's time / Keras LossScaleOptimizer's in the same "
+            "round); wall time.",
             f"TensorFlow {tf.__version__}, Keras {keras.__version__}; TensorFlow's default thread pools.",
         ],
         raw=raw,

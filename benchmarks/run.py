@@ -64,8 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     # the parser imports no framework.
     p = target("torch-cpu", "eager CPU step time, polyamp vs native torch.amp")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--rounds", type=int, default=21)
-    p.add_argument("--round-seconds", type=float, default=0.1, help="time per variant per round")
+    p.add_argument("--rounds", type=int, default=61)
+    p.add_argument("--round-seconds", type=float, default=0.03, help="time per variant per round")
     p.add_argument("--widths", default=None, help="comma-separated widths (default 64,512)")
     p.add_argument("--optimizers", default=None, help="comma-separated, from sgd,adam,adam_fused")
     p.add_argument(
@@ -83,12 +83,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-params", type=float, default=1e8, help="largest model tried (parameters)")
     p.add_argument("--max-step-seconds", type=float, default=20.0, help="stop growing past this step time")
     p.add_argument("--plot", default=None, help="PNG path (default: <out>/scale.png; full runs only)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="as for torch-cpu")
     for name in GPU_TARGETS:
         p = target(name, GPU_HELP[name])
         p.add_argument("--rounds", type=int, default=11)
         p.add_argument("--device", default="cuda", help="cuda (default); cpu only to smoke-test the code")
     everything = target("cpu", "all CPU targets, each in a fresh process, then the markdown report")
     everything.add_argument("--threads", type=int, default=None, help="passed to torch-cpu and scale")
+    everything.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="passed to torch-cpu and scale")
     report = sub.add_parser("report", help="render results/*.json as benchmarks/RESULTS.md")
     report.add_argument("--results", default=str(_common.RESULTS))
     report.add_argument("--output", default=str(ROOT / "benchmarks" / "RESULTS.md"))
@@ -103,6 +105,8 @@ def _run_cpu(args: argparse.Namespace) -> int:
             command.append("--quick")
         if args.threads and name != "keras":
             command += ["--threads", str(args.threads)]
+        if args.clock != "wall" and name != "keras":
+            command += ["--clock", args.clock]
         print("::", " ".join(command[1:]), flush=True)
         code = subprocess.run(command, check=False).returncode
         if code:

@@ -76,7 +76,7 @@ def _available_bytes() -> int | None:
     return None
 
 
-def measure(width: int, depth: int, batch: int, rounds: int, quick: bool) -> dict[str, Any]:
+def measure(width: int, depth: int, batch: int, rounds: int, quick: bool, clock: str = "wall") -> dict[str, Any]:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(batch, width, generator=generator)
     y = torch.randint(0, width, (batch,), generator=generator)
@@ -86,7 +86,9 @@ def measure(width: int, depth: int, batch: int, rounds: int, quick: bool) -> dic
     steps["native"]()
     one = time.perf_counter() - start
     iters = 1 if quick else max(1, math.ceil(0.2 / max(one / 2, 1e-6)))
-    times = _common.interleaved(steps, iters=iters, rounds=rounds, warmup=1 if quick else 2)
+    times = _common.interleaved(
+        steps, iters=iters, rounds=rounds, warmup=1 if quick else 2, clock=_common.CLOCKS[clock]
+    )
     summary = _common.summarize(times, "native")
     return {
         "width": width,
@@ -144,6 +146,8 @@ def plot(measured: list[dict[str, Any]], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.clock == "cpu":
+        args.threads = 1  # thread_time sees this thread only: torch must not compute on others
     if args.threads:
         torch.set_num_threads(args.threads)
     rounds = 2 if args.quick else args.rounds
@@ -161,7 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if available is not None and needed > available // 3:  # three variants hold a model each
             skipped.append(f"{count:.1e} parameters: needs ~{needed / 2**30:.1f} GiB per variant")
             continue
-        measured = measure(width, 4, batch, rounds, args.quick)
+        measured = measure(width, 4, batch, rounds, args.quick, args.clock)
         by_size.append(measured)
         print(f"width {width}: {count:.2e} params, overhead {measured['overhead_ms']:+.3f} ms", flush=True)
         gc.collect()
@@ -170,11 +174,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             break
     by_tensors = []
     for depth in (1, 2) if args.quick else DEPTHS:
-        measured = measure(16, depth, batch, rounds, args.quick)
+        measured = measure(16, depth, batch, rounds, args.quick, args.clock)
         by_tensors.append(measured)
         print(f"depth {depth}: {4 * depth} tensors, overhead {measured['overhead_ms']:+.3f} ms", flush=True)
     notes = [
-        "overhead = median polyamp step minus median native step, same run; ratios as in the other tables.",
+        "overhead = median polyamp step minus median native step, same run; ratios as in the other tables. "
+        + ("Clock: CPU time of the (single) computing thread." if args.clock == "cpu" else "Clock: wall time."),
         "polyamp's float32 list runs each block's LayerNorm in float32 (native: float16), a different amount "
         "of work that grows with width; the 'torch CPU lists' column isolates the scaler and region cost.",
     ]

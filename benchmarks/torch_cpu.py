@@ -7,7 +7,8 @@ interleaved rounds in one process:
 * ``native``: ``torch.autocast("cpu", dtype=torch.float16)`` + ``torch.amp.GradScaler("cpu")``;
 * ``polyamp``: ``polyamp_torch.autocast("mixed_float16")`` (default ``cpu_float32_ops=True``: CUDA's float32
   op list, via kernels at the AutocastCPU dispatch key) + ``polyamp.LossScaler()``;
-* ``polyamp, torch CPU lists``: the same with ``cpu_float32_ops=False``;
+* ``polyamp region + GradScaler``: polyamp's region with torch's scaler, the region's cost alone;
+* ``polyamp, torch CPU lists``: polyamp with ``cpu_float32_ops=False``;
 * ``polyamp, function mode (previous)``: torch's CPU lists plus the TorchFunctionMode polyamp used before
   (benchmarks/_alternatives.py), i.e. the earlier implementation of the same semantics.
 
@@ -31,7 +32,13 @@ import polyamp_torch
 from benchmarks import _common
 from benchmarks._alternatives import FunctionModeFloat32Ops
 
-VARIANTS = ("native", "polyamp", "polyamp, torch CPU lists", "polyamp, function mode (previous)")
+VARIANTS = (
+    "native",
+    "polyamp",
+    "polyamp region + GradScaler",
+    "polyamp, torch CPU lists",
+    "polyamp, function mode (previous)",
+)
 OPTIMIZERS = ("sgd", "adam", "adam_fused")
 OPTIMIZER_NAMES = {"sgd": "SGD momentum", "adam": "Adam", "adam_fused": "Adam fused"}
 
@@ -54,7 +61,7 @@ def region_factory(variant: str) -> Callable[[], contextlib.AbstractContextManag
     """A callable returning a fresh autocast region of the variant."""
     if variant == "native":
         return lambda: torch.autocast("cpu", dtype=torch.float16)
-    if variant == "polyamp":
+    if variant in ("polyamp", "polyamp region + GradScaler"):
         return lambda: polyamp_torch.autocast("mixed_float16", device_type="cpu")
     if variant == "polyamp, torch CPU lists":
         return lambda: polyamp_torch.autocast("mixed_float16", device_type="cpu", cpu_float32_ops=False)
@@ -72,7 +79,8 @@ def make_step(variant: str, width: int, depth: int, optimizer: str, x: torch.Ten
     """One training iteration of the variant, as a closure; also returns the model (for dtype checks)."""
     model, opt = build(width, depth, optimizer)
     region = region_factory(variant)
-    scaler: Any = torch.amp.GradScaler("cpu") if variant == "native" else polyamp.LossScaler(enabled=True)
+    native_scaler = variant in ("native", "polyamp region + GradScaler")
+    scaler: Any = torch.amp.GradScaler("cpu") if native_scaler else polyamp.LossScaler(enabled=True)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -133,6 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 dtypes[variant] = norm_dtype(variant, model, x)
             assert dtypes["native"] == "float16" and dtypes["polyamp, torch CPU lists"] == "float16", dtypes
             assert dtypes["polyamp"] == dtypes["polyamp, function mode (previous)"] == "float32", dtypes
+            assert dtypes["polyamp region + GradScaler"] == "float32", dtypes
             iters = 1 if args.quick else calibrate(steps["native"], args.round_seconds)
             times = _common.interleaved(
                 steps, iters=iters, rounds=rounds, warmup=1 if args.quick else 5, clock=_common.CLOCKS[args.clock]
@@ -164,8 +173,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     columns = ["model", "optimizer", "native ms", *variants[1:]]
     env = _common.environment("cpu", threads=torch.get_num_threads())
     notes = [
-        "Ratios: median ms/iteration of the variant over native's, same run, interleaved rounds "
-        f"({rounds} rounds; JSON also has the median of per-round ratios and the minima). Clock: "
+        "Ratios: median over interleaved rounds of (variant's ms/iteration / native's in the same round), "
+        f"{rounds} rounds; the JSON also has each round's times, the ratio of medians and of minima. Clock: "
         + ("CPU time of the (single) computing thread." if args.clock == "cpu" else "wall time."),
         "LayerNorm output dtype per variant: native float16, polyamp float32 (CUDA autocast's classification), "
         "torch CPU lists float16, function mode float32 (checked before timing).",

@@ -188,7 +188,7 @@ def _eligible(value: Any) -> bool:
 def _to_float32(value: Any) -> Any:
     # at::autocast::cached_cast(kFloat, ...): eligible tensors, also inside tensor lists, become float32.
     if isinstance(value, _Tensor):
-        return value.to(_FLOAT32) if value.dtype is not _FLOAT32 and _eligible(value) else value
+        return value.float() if value.dtype is not _FLOAT32 and _eligible(value) else value
     if isinstance(value, (list, tuple)):
         return type(value)(_to_float32(item) for item in value)
     return value
@@ -261,8 +261,14 @@ def _fp32_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
             if index < count:
                 value = cast[index]
                 if type(value) in _PLAIN:
-                    if value.dtype is not _FLOAT32 and _eligible(value):
-                        cast[index] = value.to(_FLOAT32)
+                    dtype = value.dtype  # _eligible, inlined: this loop runs for every listed op call
+                    if (
+                        dtype is not _FLOAT32
+                        and dtype.is_floating_point
+                        and dtype is not _FLOAT64
+                        and (value.is_cpu or value.is_mkldnn)
+                    ):
+                        cast[index] = value.float()
                 elif value is not None:
                     plain = plain and isinstance(value, (list, tuple))
                     cast[index] = _to_float32(value)
