@@ -82,7 +82,9 @@ def command() -> str:
         script = script.resolve().relative_to(ROOT)
     except ValueError:
         pass
-    return shlex.join(["python", str(script), *sys.argv[1:]])
+    # Paths inside the repository are written relative to it, as typed from its root.
+    args = [arg.replace(f"{ROOT}/", "") for arg in sys.argv[1:]]
+    return shlex.join(["python", str(script), *args])
 
 
 def interleaved(
@@ -93,16 +95,21 @@ def interleaved(
     warmup: int,
     sync: Callable[[], None] = lambda: None,
     clock: Callable[[], float] = time.perf_counter,
+    prepare: dict[str, Callable[[], Any]] | None = None,
 ) -> dict[str, list[float]]:
     """Milliseconds per call of each variant, one value per round; variants alternate within each round.
 
     Interleaving spreads machine noise (other processes, frequency changes) over all variants alike; the
     order is rotated every round so no variant always runs right after the same neighbour. ``clock`` is
     wall time by default; ``time.thread_time`` (CPU time of this thread) makes single-threaded measurements
-    insensitive to other processes taking the CPU away, on a shared machine.
+    insensitive to other processes taking the CPU away, on a shared machine. ``prepare[name]``, if given,
+    runs (untimed) before each of that variant's blocks.
     """
+    prepare = prepare or {}
     names = list(variants)
     for name in names:
+        if name in prepare:
+            prepare[name]()
         for _ in range(warmup):
             variants[name]()
     sync()
@@ -111,6 +118,8 @@ def interleaved(
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             run = variants[name]
+            if name in prepare:
+                prepare[name]()
             sync()
             start = clock()
             for _ in range(iters):

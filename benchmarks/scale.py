@@ -25,6 +25,7 @@ import torch
 import polyamp
 import polyamp_torch
 from benchmarks import _common
+from polyamp_torch import _cpu_float32
 
 VARIANTS = ("native", "polyamp", "polyamp, torch CPU lists")
 QUICK_WIDTHS = (8, 16)
@@ -81,13 +82,15 @@ def measure(width: int, depth: int, batch: int, rounds: int, quick: bool, clock:
     x = torch.randn(batch, width, generator=generator)
     y = torch.randint(0, width, (batch,), generator=generator)
     steps = {variant: make_step(variant, width, depth, x, y) for variant in VARIANTS}
+    _cpu_float32._uninstall()
     start = time.perf_counter()
     steps["native"]()
     steps["native"]()
     one = time.perf_counter() - start
     iters = 1 if quick else max(1, math.ceil(0.2 / max(one / 2, 1e-6)))
+    prepare = {name: _cpu_float32._install if name == "polyamp" else _cpu_float32._uninstall for name in VARIANTS}
     times = _common.interleaved(
-        steps, iters=iters, rounds=rounds, warmup=1 if quick else 2, clock=_common.CLOCKS[clock]
+        steps, iters=iters, rounds=rounds, warmup=1 if quick else 2, clock=_common.CLOCKS[clock], prepare=prepare
     )
     summary = _common.summarize(times, "native")
     return {
@@ -186,8 +189,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notes += [f"not measured: {reason}" for reason in skipped]
     if not args.quick:
         png = Path(args.plot) if args.plot else Path(args.out) / "scale.png"
-        plot(by_size, png)
-        notes.append(f"plot: {png.name}")
+        try:
+            plot(by_size, png)
+            notes.append(f"plot: {png.name}")
+        except ImportError:
+            notes.append("plot not drawn: matplotlib is not installed (pip install matplotlib)")
     columns = ["parameters", "native ms", "polyamp ms", "overhead ms", "polyamp", "polyamp, torch CPU lists"]
     tensor_columns = ["parameter tensors", *columns[1:]]
     return _common.result(

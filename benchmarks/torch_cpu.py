@@ -31,6 +31,7 @@ import polyamp
 import polyamp_torch
 from benchmarks import _common
 from benchmarks._alternatives import FunctionModeFloat32Ops
+from polyamp_torch import _cpu_float32
 
 VARIANTS = (
     "native",
@@ -105,6 +106,14 @@ def norm_dtype(variant: str, model: torch.nn.Module, x: torch.Tensor) -> str:
     return str(seen[0]).replace("torch.", "")
 
 
+def prepare_variants(variants: list[str]) -> dict[str, Callable[[], None]]:
+    """Before each block: polyamp's AutocastCPU kernels installed for the variants that use them, removed
+    for the others, so that native and torch-list runs see torch exactly as a process that never entered
+    a polyamp float32 region does (a listed op costs a redispatch there once the kernels exist)."""
+    uses_kernels = ("polyamp", "polyamp region + GradScaler")
+    return {name: _cpu_float32._install if name in uses_kernels else _cpu_float32._uninstall for name in variants}
+
+
 def calibrate(step: Callable[[], None], seconds: float) -> int:
     """Iterations per round so that one round of one variant takes about ``seconds``."""
     import time
@@ -142,9 +151,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert dtypes["native"] == "float16" and dtypes["polyamp, torch CPU lists"] == "float16", dtypes
             assert dtypes["polyamp"] == dtypes["polyamp, function mode (previous)"] == "float32", dtypes
             assert dtypes["polyamp region + GradScaler"] == "float32", dtypes
+            _cpu_float32._uninstall()
             iters = 1 if args.quick else calibrate(steps["native"], args.round_seconds)
             times = _common.interleaved(
-                steps, iters=iters, rounds=rounds, warmup=1 if args.quick else 5, clock=_common.CLOCKS[args.clock]
+                steps,
+                iters=iters,
+                rounds=rounds,
+                warmup=1 if args.quick else 5,
+                clock=_common.CLOCKS[args.clock],
+                prepare=prepare_variants(variants),
             )
             summary = _common.summarize(times, "native")
             label = f"{depth} x (Linear {width} + LayerNorm + GELU), batch {batch}"
@@ -176,6 +191,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "Ratios: median over interleaved rounds of (variant's ms/iteration / native's in the same round), "
         f"{rounds} rounds; the JSON also has each round's times, the ratio of medians and of minima. Clock: "
         + ("CPU time of the (single) computing thread." if args.clock == "cpu" else "wall time."),
+        "polyamp's AutocastCPU kernels are installed before each polyamp block and removed before the others: "
+        "native and torch-list variants run as in a process that never entered a polyamp float32 region.",
         "LayerNorm output dtype per variant: native float16, polyamp float32 (CUDA autocast's classification), "
         "torch CPU lists float16, function mode float32 (checked before timing).",
     ]
