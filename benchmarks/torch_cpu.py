@@ -7,6 +7,8 @@ interleaved rounds in one process:
 * ``native``: ``torch.autocast("cpu", dtype=torch.float16)`` + ``torch.amp.GradScaler("cpu")``;
 * ``polyamp``: ``polyamp_torch.autocast("mixed_float16")`` (default ``cpu_float32_ops=True``: CUDA's float32
   op list, via kernels at the AutocastCPU dispatch key) + ``polyamp.LossScaler()``;
+* ``native + LayerNorm input cast by hand``: native, with ``.float()`` written before each LayerNorm: the
+  float32 work CUDA's classification implies, with no mechanism at all (the floor for the polyamp column);
 * ``polyamp region + GradScaler``: polyamp's region with torch's scaler, the region's cost alone;
 * ``polyamp, torch CPU lists``: polyamp with ``cpu_float32_ops=False``;
 * ``polyamp, function mode (previous)``: torch's CPU lists plus the TorchFunctionMode polyamp used before
@@ -33,8 +35,10 @@ from benchmarks import _common
 from benchmarks._alternatives import FunctionModeFloat32Ops
 from polyamp_torch import _cpu_float32
 
+HAND_CAST = "native + LayerNorm input cast by hand"
 VARIANTS = (
     "native",
+    HAND_CAST,
     "polyamp",
     "polyamp region + GradScaler",
     "polyamp, torch CPU lists",
@@ -44,12 +48,26 @@ OPTIMIZERS = ("sgd", "adam", "adam_fused")
 OPTIMIZER_NAMES = {"sgd": "SGD momentum", "adam": "Adam", "adam_fused": "Adam fused"}
 
 
-def build(width: int, depth: int, optimizer: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+class CastToFloat32(torch.nn.Module):
+    """``module(x.float())``: CUDA autocast's float32 rule for LayerNorm, written out by hand."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x.float())  # type: ignore[no-any-return]
+
+
+def build(
+    width: int, depth: int, optimizer: str, hand_cast: bool = False
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The MLP (same initial weights every call) and its optimizer."""
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.GELU()]
+        norm: torch.nn.Module = torch.nn.LayerNorm(width)
+        layers += [torch.nn.Linear(width, width), CastToFloat32(norm) if hand_cast else norm, torch.nn.GELU()]
     model = torch.nn.Sequential(*layers)
     if optimizer == "sgd":
         return model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -60,7 +78,7 @@ def build(width: int, depth: int, optimizer: str) -> tuple[torch.nn.Module, torc
 
 def region_factory(variant: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     """A callable returning a fresh autocast region of the variant."""
-    if variant == "native":
+    if variant in ("native", HAND_CAST):
         return lambda: torch.autocast("cpu", dtype=torch.float16)
     if variant in ("polyamp", "polyamp region + GradScaler"):
         return lambda: polyamp_torch.autocast("mixed_float16", device_type="cpu")
@@ -78,9 +96,9 @@ def region_factory(variant: str) -> Callable[[], contextlib.AbstractContextManag
 
 def make_step(variant: str, width: int, depth: int, optimizer: str, x: torch.Tensor, y: torch.Tensor) -> Any:
     """One training iteration of the variant, as a closure; also returns the model (for dtype checks)."""
-    model, opt = build(width, depth, optimizer)
+    model, opt = build(width, depth, optimizer, hand_cast=variant == HAND_CAST)
     region = region_factory(variant)
-    native_scaler = variant in ("native", "polyamp region + GradScaler")
+    native_scaler = variant in ("native", HAND_CAST, "polyamp region + GradScaler")
     scaler: Any = torch.amp.GradScaler("cpu") if native_scaler else polyamp.LossScaler(enabled=True)
 
     def step() -> None:
@@ -150,7 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 dtypes[variant] = norm_dtype(variant, model, x)
             assert dtypes["native"] == "float16" and dtypes["polyamp, torch CPU lists"] == "float16", dtypes
             assert dtypes["polyamp"] == dtypes["polyamp, function mode (previous)"] == "float32", dtypes
-            assert dtypes["polyamp region + GradScaler"] == "float32", dtypes
+            assert dtypes["polyamp region + GradScaler"] == dtypes[HAND_CAST] == "float32", dtypes
             _cpu_float32._uninstall()
             iters = 1 if args.quick else calibrate(steps["native"], args.round_seconds)
             times = _common.interleaved(
@@ -193,8 +211,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         + ("CPU time of the (single) computing thread." if args.clock == "cpu" else "wall time."),
         "polyamp's AutocastCPU kernels are installed before each polyamp block and removed before the others: "
         "native and torch-list variants run as in a process that never entered a polyamp float32 region.",
-        "LayerNorm output dtype per variant: native float16, polyamp float32 (CUDA autocast's classification), "
-        "torch CPU lists float16, function mode float32 (checked before timing).",
+        "LayerNorm output dtype per variant: native float16; hand cast, polyamp, polyamp region and function mode "
+        "float32 (CUDA autocast's classification); torch CPU lists float16 (checked before timing).",
     ]
     return _common.result(
         "torch-cpu",
