@@ -19,6 +19,7 @@ read "n/a on cpu".
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import warnings
 from collections.abc import Callable
@@ -91,7 +92,7 @@ def syncs(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     raw = {}
     for name, make in OPTIMIZERS.items():
-        counts = {}
+        counts: dict[str, float | None] = {}
         for kind in ("native", "polyamp"):
             model = _mlp(size, 3, device)
             opt = make(model.parameters())
@@ -145,7 +146,7 @@ def cuda_graph(args: argparse.Namespace) -> dict[str, Any]:
 
         def fresh(kind: str = kind) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, Callable[[], Any]]:
             model = _mlp(size, 3, device)
-            capturable = {"capturable": True} if device == "cuda" else {}
+            capturable: dict[str, Any] = {"capturable": True} if device == "cuda" else {}
             opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True, **capturable)
             scaler, region = _scaler_and_region(kind, device)
             return model, opt, scaler, region
@@ -157,7 +158,7 @@ def cuda_graph(args: argparse.Namespace) -> dict[str, Any]:
         _sync(device)()
         eager_params = [p.detach().clone() for p in model.parameters()]
         eager_ms = _common.interleaved(
-            {"eager": lambda m=model, o=opt, s=scaler, r=region: _train_step(m, o, s, r, x, y)},
+            {"eager": functools.partial(_train_step, model, opt, scaler, region, x, y)},
             iters=replays,
             rounds=1 if args.quick else args.rounds,
             warmup=0,
@@ -167,7 +168,7 @@ def cuda_graph(args: argparse.Namespace) -> dict[str, Any]:
             rows.append([kind, "n/a on cpu", "", _common.fmt_ms(min(eager_ms)), ""])
             continue
         model, opt, scaler, region = fresh()
-        stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):  # warm-up on a side stream, as torch's whole-network capture recipe does
@@ -226,6 +227,13 @@ def cuda_graph(args: argparse.Namespace) -> dict[str, Any]:
 # -- the AMP recipe --------------------------------------------------------------------------------------
 
 
+def _recipe_step(opt: torch.optim.Optimizer, scaler: Any, compute: Callable[[], torch.Tensor]) -> None:
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(compute()).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
 def recipe(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """``mode``: "eager", "compiled" (forward + loss under torch.compile) or "bf16" (no scaler)."""
     device = args.device
@@ -250,13 +258,7 @@ def recipe(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
         compute = torch.compile(forward_loss) if mode == "compiled" else forward_loss
 
-        def step(opt: Any = opt, scaler: Any = scaler, compute: Any = compute) -> None:
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(compute()).backward()
-            scaler.step(opt)
-            scaler.update()
-
-        steps[kind] = step
+        steps[kind] = functools.partial(_recipe_step, opt, scaler, compute)
     peaks: dict[str, int | None] = {}
     for kind, step in steps.items():  # peak memory: each variant alone, after its warm-up
         for _ in range(2):
@@ -277,7 +279,7 @@ def recipe(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             kind,
             _common.fmt_ms(summary[kind]["median_ms"]),
             _common.fmt_ratio(summary[kind]["ratio"]),
-            "n/a on cpu" if peaks[kind] is None else f"{peaks[kind] / 2**20:.0f}",
+            _mib(peaks[kind]),
         ]
         for kind in kinds
     ]
@@ -301,6 +303,10 @@ def recipe(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         ],
         raw={"summary": summary, "times_ms": times, "peak_bytes": peaks},
     )
+
+
+def _mib(peak: int | None) -> str:
+    return "n/a on cpu" if peak is None else f"{peak / 2**20:.0f}"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

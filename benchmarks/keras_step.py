@@ -61,7 +61,7 @@ def make_step(variant: str, width: int, depth: int, jit: bool) -> Any:
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     scaler = polyamp.LossScaler(backend="tensorflow") if variant == "polyamp LossScaler" else None
 
-    @tf.function(jit_compile=jit)
+    @tf.function(jit_compile=jit)  # type: ignore[untyped-decorator]
     def step(x: Any, y: Any) -> Any:
         with tf.GradientTape() as tape:
             loss = loss_fn(y, tf.cast(model(x, training=True), tf.float32))

@@ -115,7 +115,8 @@ def make_step(variant: str, width: int, depth: int, optimizer: str, x: torch.Ten
 def norm_dtype(variant: str, model: torch.nn.Module, x: torch.Tensor) -> str:
     """The dtype the first LayerNorm produces under the variant's region."""
     seen: list[torch.dtype] = []
-    handle = model[1].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    norm = list(model.children())[1]
+    handle = norm.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     try:
         with torch.no_grad(), region_factory(variant)():
             model(x)

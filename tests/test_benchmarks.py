@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,12 +20,12 @@ def run(*args: str) -> str:
     return result.stdout
 
 
-def load(path: Path) -> dict[str, object]:
-    payload = json.loads(path.read_text())
+def load(path: Path) -> dict[str, Any]:
+    payload: dict[str, Any] = json.loads(path.read_text())
     assert payload["quick"] is True and payload["status"] == "measured"
-    assert payload["environment"]["cpu_model"] and payload["environment"]["date"]  # type: ignore[index]
-    assert payload["command"].startswith("python benchmarks/run.py")  # type: ignore[attr-defined]
-    for table in payload["tables"]:  # type: ignore[attr-defined]
+    assert payload["environment"]["cpu_model"] and payload["environment"]["date"]
+    assert payload["command"].startswith("python benchmarks/run.py")
+    for table in payload["tables"]:
         assert table["rows"] and all(len(row) == len(table["columns"]) for row in table["rows"])
     return payload
 
