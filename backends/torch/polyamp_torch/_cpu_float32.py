@@ -23,8 +23,9 @@ polyamp_torch changes nothing for programs that never use one. From then on, a l
 autocast region that is not a polyamp float32 region (native ``torch.autocast``, ``cpu_float32_ops=False``)
 computes exactly as before but costs a Python call and a boxed redispatch more, about 10 us on a 2.3 GHz
 Xeon core: an exact fallthrough must let the op's own nested calls see autocast, which only the boxed
-``redispatch`` offers from Python. Inside polyamp regions a listed op costs what casting its inputs by
-hand would (the float32 work CUDA autocast does, nothing more measurable).
+``redispatch`` offers from Python. Inside polyamp regions a listed op costs the float32 work CUDA autocast
+does (the casts) plus the Python kernel's boundary, about 4-5 us per call on the same core (see
+benchmarks/RESULTS.md: the "cast by hand" column is the same work without any mechanism).
 
 Under ``torch.compile`` a polyamp CPU region is ``torch.autocast`` plus two ops of polyamp's own
 (`compiled_region`): dynamo records them in the graph, and while the graph is traced (dynamo's fake
