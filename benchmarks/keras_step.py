@@ -1,17 +1,21 @@
-"""Keras training-step time: polyamp's LossScaleOptimizer against keras.mixed_precision.LossScaleOptimizer.
+"""Target: Keras 3 / TensorFlow training-step time, polyamp's loss scaling against Keras's LossScaleOptimizer.
 
-Both wrap the same inner optimizer and run the same compiled train step (tf.function, optionally XLA) on
-the same model; variants are timed in interleaved rounds, median reported with the ratio to Keras's.
+Same model (4 x (Dense gelu + LayerNorm), sparse cross-entropy on float32 logits), same inner Adam, same
+``mixed_float16`` policy; variants timed in interleaved rounds in one process:
 
-Run: python benchmarks/keras_step.py [--width 512] [--iters 50] [--rounds 7] [--jit]
+* GradientTape step in ``tf.function`` and in ``tf.function(jit_compile=True)``:
+  ``keras.mixed_precision.LossScaleOptimizer`` (``scale_loss`` + ``apply_gradients``) against
+  ``polyamp_tensorflow.LossScaleOptimizer`` (same calls) and ``polyamp.LossScaler`` (``scale`` +
+  ``apply_gradients(optimizer, ...)`` around a plain Adam);
+* ``model.fit``: steps per second of one epoch, compiled with either LossScaleOptimizer (width 64 only).
+
+Run: python benchmarks/run.py keras [--quick] [--rounds 11]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
-import statistics
 import time
 from typing import Any
 
@@ -19,15 +23,20 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import polyamp
 
-polyamp.set_policy("mixed_float16")
+polyamp.set_policy("mixed_float16")  # before any layer is built
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import polyamp_tensorflow  # noqa: E402
+from benchmarks import _common  # noqa: E402
+
+STEP_VARIANTS = ("Keras LossScaleOptimizer", "polyamp LossScaleOptimizer", "polyamp LossScaler")
 
 
 def build(width: int, depth: int) -> Any:
+    """The model, from the same seed every call."""
     keras.utils.set_random_seed(0)
     layers: list[Any] = [keras.Input((width,))]
     for _ in range(depth):
@@ -35,60 +44,175 @@ def build(width: int, depth: int) -> Any:
     return keras.Sequential(layers)
 
 
-def make_step(variant: str, width: int, depth: int, jit: bool) -> Any:
-    model = build(width, depth)
+def make_optimizer(variant: str) -> Any:
     inner = keras.optimizers.Adam(1e-4)
-    if variant == "keras":
-        optimizer = keras.mixed_precision.LossScaleOptimizer(inner, initial_scale=2.0**16)
-    else:
-        optimizer = polyamp_tensorflow.LossScaleOptimizer(inner)
-    optimizer.build(model.trainable_variables)
+    if variant == "Keras LossScaleOptimizer":
+        return keras.mixed_precision.LossScaleOptimizer(inner, initial_scale=2.0**16)
+    if variant == "polyamp LossScaleOptimizer":
+        return polyamp_tensorflow.LossScaleOptimizer(inner)
+    return inner
 
-    @tf.function(jit_compile=jit)
-    def step(x: Any) -> Any:
+
+def make_step(variant: str, width: int, depth: int, jit: bool) -> Any:
+    """A compiled GradientTape train step of the variant."""
+    model = build(width, depth)
+    optimizer = make_optimizer(variant)
+    optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    scaler = polyamp.LossScaler(backend="tensorflow") if variant == "polyamp LossScaler" else None
+
+    @tf.function(jit_compile=jit)  # type: ignore[untyped-decorator]
+    def step(x: Any, y: Any) -> Any:
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(tf.cast(model(x, training=True), tf.float32)))
-            scaled = optimizer.scale_loss(loss)
+            loss = loss_fn(y, tf.cast(model(x, training=True), tf.float32))
+            scaled = scaler.scale(loss) if scaler is not None else optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        if scaler is not None:
+            scaler.apply_gradients(optimizer, zip(grads, model.trainable_variables))
+        else:
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
     return step
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--jit", action="store_true")
-    args = parser.parse_args()
-    device = "GPU" if tf.config.list_physical_devices("GPU") else "CPU"
-    print(
-        f"device {device} ({platform.machine()}), TensorFlow {tf.__version__}, Keras {keras.__version__}, "
-        f"python {platform.python_version()}, jit_compile={args.jit}"
+def time_steps(width: int, batch: int, depth: int, jit: bool, args: argparse.Namespace) -> dict[str, Any]:
+    print(f"timing GradientTape steps: width {width}, jit_compile={jit}", flush=True)
+    x = tf.random.stateless_normal((batch, width), seed=(1, 2))
+    y = tf.random.stateless_uniform((batch,), seed=(3, 4), maxval=width, dtype=tf.int32)
+    steps = {name: make_step(name, width, depth, jit) for name in STEP_VARIANTS}
+
+    def runner(step: Any) -> Any:
+        def run() -> None:
+            step(x, y)
+
+        return run
+
+    calls = {name: runner(step) for name, step in steps.items()}
+    for call in calls.values():  # trace and compile before calibrating
+        call()
+    iters = 1 if args.quick else _calibrate(calls["Keras LossScaleOptimizer"], args.round_seconds)
+    # On CPU a tf.function call returns once its work is done, so no explicit sync is needed.
+    times = _common.interleaved(
+        calls,
+        iters=iters,
+        rounds=2 if args.quick else args.rounds,
+        warmup=1 if args.quick else 5,
+        clock=_clock(args),
     )
-    print(f"model {args.depth} x (Dense {args.width} gelu + LayerNorm), batch {args.batch}, mixed_float16, Adam")
-    x = tf.random.normal((args.batch, args.width))
-    steps = {name: make_step(name, args.width, args.depth, args.jit) for name in ("keras", "polyamp")}
-    for step in steps.values():
-        for _ in range(5):
-            step(x).numpy()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            for _ in range(args.iters):
-                loss = step(x)
-            loss.numpy()
-            times[name].append((time.perf_counter() - start) / args.iters * 1e3)
-    native = statistics.median(times["keras"])
-    for name, values in times.items():
-        median = statistics.median(values)
-        print(f"{name:>8}: {median:.3f} ms/iteration ({median / native:.3f}x)")
+    return {"iters_per_round": iters, "summary": _common.summarize(times, STEP_VARIANTS[0]), "times_ms": times}
 
 
-if __name__ == "__main__":
-    main()
+def time_fit(width: int, batch: int, depth: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Seconds per ``model.fit`` epoch for each LossScaleOptimizer, interleaved; reported as steps/s."""
+    print(f"timing model.fit: width {width}", flush=True)
+    n_steps = 2 if args.quick else _fit_steps(width)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n_steps * batch, width)).astype("float32")
+    y = rng.integers(0, width, size=(n_steps * batch,)).astype("int32")
+    models = {}
+    for name in STEP_VARIANTS[:2]:
+        model = build(width, depth)
+        model.compile(
+            optimizer=make_optimizer(name),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=False,
+        )
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)  # trace, build
+        models[name] = model
+    rounds = 1 if args.quick else args.rounds
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for round_index in range(rounds):
+        names = list(models)
+        if round_index % 2:
+            names.reverse()
+        for name in names:
+            clock = _clock(args)
+            start = clock()
+            models[name].fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+            times[name].append((clock() - start) / n_steps * 1e3)
+    return {"steps_per_epoch": n_steps, "summary": _common.summarize(times, STEP_VARIANTS[0]), "times_ms": times}
+
+
+def _clock(args: argparse.Namespace) -> Any:
+    return time.process_time if args.clock == "cpu" else time.perf_counter
+
+
+def _fit_steps(width: int) -> int:
+    return 100 if width <= 64 else 20
+
+
+def _calibrate(call: Any, seconds: float) -> int:
+    call()
+    start = time.perf_counter()
+    call()
+    return max(1, int(seconds / max(time.perf_counter() - start, 1e-6)))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.clock == "cpu":
+        # CPU time of the whole process (TensorFlow computes on its own pool threads): one thread each,
+        # so the clock counts work, not waiting, on a shared machine.
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    configs = [(16, 8, 2)] if args.quick else [(512, 64, 4), (64, 32, 4)]
+    step_rows: list[list[str]] = []
+    fit_rows: list[list[str]] = []
+    raw: list[dict[str, Any]] = []
+    for width, batch, depth in configs:
+        label = f"{depth} x (Dense {width} gelu + LayerNorm), batch {batch}"
+        for jit in (False, True):
+            measured = time_steps(width, batch, depth, jit, args)
+            summary = measured["summary"]
+            compiled = "tf.function(jit_compile=True)" if jit else "tf.function"
+            step_rows.append(
+                [
+                    label if not jit else "",
+                    compiled,
+                    _common.fmt_ms(summary[STEP_VARIANTS[0]]["median_ms"]),
+                    *(_common.fmt_ratio(summary[name]["ratio"]) for name in STEP_VARIANTS[1:]),
+                ]
+            )
+            raw.append({"kind": "gradient_tape", "width": width, "batch": batch, "jit_compile": jit, **measured})
+            print(label, compiled, {k: round(v["ratio"], 3) for k, v in summary.items()}, flush=True)
+        if width > 64 and not args.quick:
+            continue  # fit's per-step overhead shows at width 64; a 512-wide epoch takes minutes on one thread
+        measured = time_fit(width, batch, depth, args)
+        summary = measured["summary"]
+        keras_rate = 1e3 / summary[STEP_VARIANTS[0]]["median_ms"]
+        ours_rate = 1e3 / summary[STEP_VARIANTS[1]]["median_ms"]
+        fit_rows.append(
+            [label, f"{keras_rate:.1f}", f"{ours_rate:.1f}", _common.fmt_ratio(summary[STEP_VARIANTS[1]]["ratio"])]
+        )
+        raw.append({"kind": "fit", "width": width, "batch": batch, **measured})
+        print(label, "fit", {k: round(v["ratio"], 3) for k, v in summary.items()}, flush=True)
+    env = _common.environment("cpu", threads=None)
+    return _common.result(
+        "keras",
+        "Keras 3 / TensorFlow training step: polyamp vs keras.mixed_precision.LossScaleOptimizer",
+        quick=args.quick,
+        env=env,
+        tables=[
+            {
+                "caption": "GradientTape train step, mixed_float16, inner Adam: median ms (Keras) and time ratios",
+                "columns": ["model", "compiled with", "Keras LSO ms", *STEP_VARIANTS[1:]],
+                "rows": step_rows,
+            },
+            {
+                "caption": "model.fit, one epoch per round: steps/s, and polyamp's time ratio",
+                "columns": ["model", "Keras LSO steps/s", "polyamp LSO steps/s", "polyamp time ratio"],
+                "rows": fit_rows,
+            },
+        ],
+        notes=[
+            "Ratios: median over interleaved rounds of (variant's time / Keras LossScaleOptimizer's in the same "
+            "round). "
+            + (
+                "Clock: CPU time of the process, TensorFlow limited to one intra-op and one inter-op thread."
+                if args.clock == "cpu"
+                else "Clock: wall time, TensorFlow's default thread pools."
+            ),
+            f"TensorFlow {tf.__version__}, Keras {keras.__version__}.",
+        ],
+        raw=raw,
+    )

@@ -10,7 +10,7 @@ from typing import Any
 import polyamp
 from polyamp import Policy, PolicyLike, PolyampTypeError, PolyampValueError
 from polyamp.backend_api import describe, type_error
-from polyamp_torch._cpu_float32 import CudaFloat32Ops
+from polyamp_torch import _cpu_float32
 from polyamp_torch._framework import TORCH_DTYPES, torch
 
 __all__ = ["PolicyRegion", "autocast", "default_device_type", "float16_regions_entered", "policy_in_effect"]
@@ -103,13 +103,13 @@ def autocast(
     dtype: torch.dtype | None = None,
     cache_enabled: bool | None = None,
     cpu_float32_ops: bool = True,
-) -> PolicyRegion | torch.autocast:
+) -> PolicyRegion | contextlib.AbstractContextManager[Any]:
     """``torch.autocast`` with the dtype taken from a polyamp policy; a context manager and a decorator.
 
     Returns a `PolicyRegion` (see there for the arguments and semantics). Inside code being compiled by
-    ``torch.compile`` it returns the equivalent plain ``torch.autocast`` instead, which dynamo traces
-    without graph breaks; there the policy is read when the region is created, and CPU regions use
-    torch's own op lists.
+    ``torch.compile`` it returns the equivalent ``torch.autocast`` instead (on CPU wrapped so that CUDA's
+    float32 op list applies as in eager regions), which dynamo traces without graph breaks; there the
+    policy is read when the region is created.
     """
     region = PolicyRegion(
         policy,
@@ -120,7 +120,10 @@ def autocast(
         cpu_float32_ops=cpu_float32_ops,
     )
     if _is_compiling():
-        return region.as_torch_autocast()
+        if region.device_type != "cpu":
+            return region.as_torch_autocast()
+        low_precision = enabled and region.policy.compute_dtype != "float32"
+        return _cpu_float32.compiled_region(region.as_torch_autocast(), low_precision and cpu_float32_ops)
     return region
 
 
@@ -148,8 +151,8 @@ class PolicyRegion(contextlib.ContextDecorator):
         dtype: ``torch.autocast``'s spelling of a compute dtype, instead of ``policy``.
         cache_enabled: Forwarded to ``torch.autocast`` (None keeps torch's default).
         cpu_float32_ops: On CPU, run CUDA's float32 op list in float32 (default). False gives torch's CPU
-            lists exactly, saving the per-op dispatch cost (about 1-4 us per torch call in the region; see
-            benchmarks/).
+            lists exactly, saving the listed ops' dispatch cost (a few us per listed op, nothing for other
+            ops; see benchmarks/).
 
     Raises:
         InvalidPolicyError / PolyampTypeError: ``policy`` is invalid.
@@ -193,7 +196,9 @@ class PolicyRegion(contextlib.ContextDecorator):
         self._enabled = enabled
         self._cache_enabled = cache_enabled
         self._cpu_float32_ops = cpu_float32_ops
-        self._entered: list[tuple[torch.autocast, CudaFloat32Ops | None, contextvars.Token[Policy | None]]] = []
+        # Per entry: the torch.autocast entered, for CPU regions the float32-op setting to restore, and the
+        # token restoring the enclosing region's policy.
+        self._entered: list[tuple[torch.autocast, bool | None, contextvars.Token[Policy | None]]] = []
 
     @property
     def policy(self) -> Policy:
@@ -224,11 +229,11 @@ class PolicyRegion(contextlib.ContextDecorator):
         low_precision = policy.compute_dtype != "float32"
         if policy.compute_dtype == "float16":
             _float16_regions[0] += 1
-        mode = CudaFloat32Ops() if low_precision and self._cpu_float32_ops and self.device_type == "cpu" else None
         region.__enter__()  # type: ignore[no-untyped-call]
-        if mode is not None:
-            mode.__enter__()  # type: ignore[no-untyped-call]
-        self._entered.append((region, mode, _region_policy.set(policy)))
+        previous = None
+        if self.device_type == "cpu":  # CUDA regions leave the CPU setting of an enclosing region alone
+            previous = _cpu_float32.enter_region(low_precision and self._cpu_float32_ops)
+        self._entered.append((region, previous, _region_policy.set(policy)))
         return self
 
     def __exit__(
@@ -237,10 +242,10 @@ class PolicyRegion(contextlib.ContextDecorator):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        region, mode, token = self._entered.pop()
+        region, previous, token = self._entered.pop()
         _region_policy.reset(token)
-        if mode is not None:
-            mode.__exit__(exc_type, exc, traceback)  # type: ignore[no-untyped-call]
+        if previous is not None:
+            _cpu_float32.exit_region(previous)
         region.__exit__(exc_type, exc, traceback)
 
     def _recreate_cm(self) -> PolicyRegion:

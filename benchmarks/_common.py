@@ -1,0 +1,196 @@
+"""Shared pieces of the benchmark suite: the environment record, interleaved timing, JSON results.
+
+Every target writes one JSON file: ``{"target", "title", "quick", "environment", "command", "tables":
+[{"caption", "columns", "rows"}], "notes", "raw"}``. ``report.py`` renders those files as markdown, so the
+tables in RESULTS.md are generated, never typed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+NOT_MEASURED = "not yet measured"
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (Linux /proc/cpuinfo), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(distribution: str) -> str | None:
+    # Read from the installed metadata: importing tensorflow or jax just to print a version costs seconds.
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def environment(device: str = "cpu", threads: int | None = None, accelerator: str | None = None) -> dict[str, Any]:
+    """Where and with what a measurement was taken."""
+    return {
+        "device": device,
+        "accelerator": accelerator,
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "threads": threads,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": _version("torch"),
+        "tensorflow": _version("tensorflow"),
+        "keras": _version("keras"),
+        "jax": _version("jax"),
+        "numpy": _version("numpy"),
+        "commit": _git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def command() -> str:
+    """The command line that produced this result, as one would type it from the repository root."""
+    script = Path(sys.argv[0])
+    try:
+        script = script.resolve().relative_to(ROOT)
+    except ValueError:
+        pass
+    # Paths inside the repository are written relative to it, as typed from its root.
+    args = [arg.replace(f"{ROOT}/", "") for arg in sys.argv[1:]]
+    return shlex.join(["python", str(script), *args])
+
+
+def interleaved(
+    variants: dict[str, Callable[[], Any]],
+    *,
+    iters: int,
+    rounds: int,
+    warmup: int,
+    sync: Callable[[], None] = lambda: None,
+    clock: Callable[[], float] = time.perf_counter,
+    prepare: dict[str, Callable[[], Any]] | None = None,
+) -> dict[str, list[float]]:
+    """Milliseconds per call of each variant, one value per round; variants alternate within each round.
+
+    Interleaving spreads machine noise (other processes, frequency changes) over all variants alike; the
+    order is rotated every round so no variant always runs right after the same neighbour. ``clock`` is
+    wall time by default; ``time.thread_time`` (CPU time of this thread) makes single-threaded measurements
+    insensitive to other processes taking the CPU away, on a shared machine. ``prepare[name]``, if given,
+    runs (untimed) before each of that variant's blocks.
+    """
+    prepare = prepare or {}
+    names = list(variants)
+    for name in names:
+        if name in prepare:
+            prepare[name]()
+        for _ in range(warmup):
+            variants[name]()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            run = variants[name]
+            if name in prepare:
+                prepare[name]()
+            sync()
+            start = clock()
+            for _ in range(iters):
+                run()
+            sync()
+            times[name].append((clock() - start) / iters * 1e3)
+    return times
+
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, float]]:
+    """Per variant: median ms, and its ratio to the baseline as the median of per-round ratios.
+
+    Each round times every variant back to back, so a round's ratio compares measurements taken under
+    the same machine conditions; its median over rounds is what the tables report ("ratio"). The ratio
+    of the medians and of the minima are kept too.
+    """
+    base = statistics.median(times[baseline])
+    summary = {}
+    for name, values in times.items():
+        paired = [value / ref for value, ref in zip(values, times[baseline], strict=True)]
+        summary[name] = {
+            "median_ms": statistics.median(values),
+            "min_ms": min(values),
+            "ratio": statistics.median(paired),
+            "ratio_of_medians": statistics.median(values) / base,
+            "ratio_of_minima": min(values) / min(times[baseline]),
+        }
+    return summary
+
+
+def write(out_dir: Path, payload: dict[str, Any]) -> Path:
+    """Writes one target's result as ``<target>[-quick].json`` in ``out_dir``; returns the path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    suffix = "-quick" if payload.get("quick") else ""
+    path = out_dir / f"{payload['target']}{suffix}.json"
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def result(
+    target: str,
+    title: str,
+    *,
+    quick: bool,
+    env: dict[str, Any],
+    tables: list[dict[str, Any]],
+    notes: list[str] | None = None,
+    raw: Any = None,
+    status: str = "measured",
+) -> dict[str, Any]:
+    """The JSON payload every target writes (see the module doc)."""
+    return {
+        "target": target,
+        "title": title,
+        "status": status,
+        "quick": quick,
+        "environment": env,
+        "command": command(),
+        "tables": tables,
+        "notes": notes or [],
+        "raw": raw,
+    }
+
+
+def fmt_ratio(value: float) -> str:
+    return f"{value:.3f}x"
+
+
+def fmt_ms(value: float) -> str:
+    return f"{value:.3f}" if value < 10 else f"{value:.2f}" if value < 100 else f"{value:.1f}"

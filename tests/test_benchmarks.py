@@ -1,0 +1,81 @@
+"""The benchmark suite's smoke runs complete and write their JSON; timings are never asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = ROOT / "benchmarks" / "run.py"
+
+
+def run(*args: str) -> str:
+    result = subprocess.run([sys.executable, str(RUNNER), *args], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def load(path: Path) -> dict[str, Any]:
+    payload: dict[str, Any] = json.loads(path.read_text())
+    assert payload["quick"] is True and payload["status"] == "measured"
+    assert payload["environment"]["cpu_model"] and payload["environment"]["date"]
+    assert payload["command"].startswith("python benchmarks/run.py")
+    for table in payload["tables"]:
+        assert table["rows"] and all(len(row) == len(table["columns"]) for row in table["rows"])
+    return payload
+
+
+@pytest.mark.parametrize(
+    ("target", "needs"),
+    [
+        ("torch-cpu", "torch"),
+        ("scale", "torch"),
+        ("keras", "tensorflow"),
+        ("gpu-recipe", "torch"),
+        ("gpu-compiled", "torch"),
+        ("gpu-bf16", "torch"),
+        ("gpu-syncs", "torch"),
+        ("gpu-cuda-graph", "torch"),
+    ],
+)
+def test_quick_run_writes_its_json(target: str, needs: str, tmp_path: Path) -> None:
+    pytest.importorskip(needs)
+    extra = ["--device", "cpu"] if target.startswith("gpu-") else []  # the CUDA code, at toy sizes on CPU
+    run(target, "--quick", "--out", str(tmp_path), *extra)
+    payload = load(tmp_path / f"{target}-quick.json")
+    assert payload["target"] == target
+
+
+def test_report_renders_full_results_and_marks_the_rest_not_yet_measured(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    run("torch-cpu", "--quick", "--out", str(tmp_path))
+    quick = json.loads((tmp_path / "torch-cpu-quick.json").read_text())
+    quick["quick"] = False  # as a full run would write it
+    (tmp_path / "torch-cpu.json").write_text(json.dumps(quick))
+    output = tmp_path / "RESULTS.md"
+    run("report", "--results", str(tmp_path), "--output", str(output))
+    text = output.read_text()
+    assert quick["title"] in text and quick["command"] in text
+    assert "| model | optimizer | native ms |" in text
+    for target in ("keras", "scale", "gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16"):
+        assert f"Not yet measured: `python benchmarks/run.py {target}`" in text
+
+
+def test_gpu_targets_refuse_to_run_without_cuda(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    result = subprocess.run(
+        [sys.executable, str(RUNNER), "gpu-recipe", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode != 0 and "needs a CUDA device" in result.stderr
+    assert list(tmp_path.iterdir()) == []

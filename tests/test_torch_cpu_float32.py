@@ -1,0 +1,353 @@
+"""CUDA's float32 op list in polyamp CPU regions: exact dtypes and values, native regions untouched,
+activation checkpointing, threads, and torch.compile classifying ops as eager regions do."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import polyamp_torch  # noqa: E402
+from polyamp_torch import _cpu_float32  # noqa: E402
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+
+
+def _low(*shape: int, dtype: torch.dtype = F16, positive: bool = False) -> torch.Tensor:
+    values = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+    return (values.abs() + 0.5 if positive else values).to(dtype)
+
+
+# (name, call on low-precision inputs, the same computation under CUDA's rule written out by hand)
+FP32_CASES: list[tuple[str, Callable[[], Any], Callable[[], Any]]] = []
+
+
+def _case(name: str, call: Callable[[], Any], reference: Callable[[], Any]) -> None:
+    FP32_CASES.append((name, call, reference))
+
+
+x, p, img, vol = _low(4, 8), _low(4, 8, positive=True), _low(2, 4, 6, 6), _low(1, 2, 4, 4, 4)
+w8 = torch.randn(8)
+_case("exp", lambda: x.exp(), lambda: x.float().exp())
+_case("log", lambda: torch.log(p), lambda: torch.log(p.float()))
+_case("log1p", lambda: p.log1p(), lambda: p.float().log1p())
+_case("rsqrt", lambda: p.rsqrt(), lambda: p.float().rsqrt())
+_case("reciprocal", lambda: p.reciprocal(), lambda: p.float().reciprocal())
+_case("pow.Tensor_Scalar", lambda: x**2, lambda: x.float() ** 2)
+_case("pow.Tensor_Tensor", lambda: p.pow(x), lambda: p.float().pow(x.float()))
+_case("pow.Scalar", lambda: 2.0**x, lambda: 2.0 ** x.float())
+_case("softplus", lambda: F.softplus(x), lambda: F.softplus(x.float()))
+_case("layer_norm", lambda: F.layer_norm(x, (8,), w8, w8), lambda: F.layer_norm(x.float(), (8,), w8, w8))
+_case("group_norm", lambda: F.group_norm(img, 2), lambda: F.group_norm(img.float(), 2))
+_case("rms_norm", lambda: F.rms_norm(x, (8,)), lambda: F.rms_norm(x.float(), (8,)))
+_case("cosine_similarity", lambda: F.cosine_similarity(x, p), lambda: F.cosine_similarity(x.float(), p.float()))
+_case("dist", lambda: torch.dist(x, p), lambda: torch.dist(x.float(), p.float()))
+_case("pdist", lambda: F.pdist(x), lambda: F.pdist(x.float()))
+_case("renorm", lambda: x.renorm(2, 0, 1.0), lambda: x.float().renorm(2, 0, 1.0))
+_case("logsumexp", lambda: x.logsumexp(1), lambda: x.float().logsumexp(1))
+_case(
+    "upsample_nearest2d",
+    lambda: F.interpolate(img, scale_factor=2),
+    lambda: F.interpolate(img.float(), scale_factor=2),
+)
+_case(
+    "upsample_bilinear2d",
+    lambda: F.interpolate(img, size=(9, 9), mode="bilinear"),
+    lambda: F.interpolate(img.float(), size=(9, 9), mode="bilinear"),
+)
+_case(
+    "_upsample_bicubic2d_aa",
+    lambda: F.interpolate(img, size=(3, 3), mode="bicubic", antialias=True),
+    lambda: F.interpolate(img.float(), size=(3, 3), mode="bicubic", antialias=True),
+)
+_case(
+    "upsample_trilinear3d",
+    lambda: F.interpolate(vol, scale_factor=2, mode="trilinear"),
+    lambda: F.interpolate(vol.float(), scale_factor=2, mode="trilinear"),
+)
+# fp32_set_opt_dtype: the op is asked for a float32 result
+_case("softmax", lambda: x.softmax(-1), lambda: x.softmax(-1, dtype=F32))
+_case("log_softmax", lambda: F.log_softmax(x, 0), lambda: F.log_softmax(x, 0, dtype=F32))
+_case("sum", lambda: x.sum(), lambda: x.sum(dtype=F32))
+_case("sum.dim_IntList", lambda: x.sum(1, keepdim=True), lambda: x.sum(1, keepdim=True, dtype=F32))
+_case("cumsum", lambda: x.cumsum(1), lambda: x.cumsum(1, dtype=F32))
+_case("cumprod", lambda: p.cumprod(0), lambda: p.cumprod(0, dtype=F32))
+_case("vector_norm", lambda: torch.linalg.vector_norm(x), lambda: torch.linalg.vector_norm(x, dtype=F32))
+_case("matrix_norm", lambda: torch.linalg.matrix_norm(x), lambda: torch.linalg.matrix_norm(x, dtype=F32))
+_case("norm", lambda: x.norm(dim=1), lambda: x.norm(dim=1, dtype=F32))
+
+
+@pytest.mark.parametrize("low", [F16, BF16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize(("name", "call", "reference"), FP32_CASES, ids=[c[0] for c in FP32_CASES])
+def test_listed_ops_compute_exactly_as_cuda_autocast_would(
+    name: str, call: Callable[[], Any], reference: Callable[[], Any], low: torch.dtype
+) -> None:
+    policy = "mixed_float16" if low == F16 else "mixed_bfloat16"
+    global x, p, img, vol
+    saved = x, p, img, vol
+    x, p, img, vol = (t.to(low) for t in saved)
+    try:
+        with polyamp_torch.autocast(policy, device_type="cpu"):
+            ours = call()
+        expected = reference()  # outside autocast
+    finally:
+        x, p, img, vol = saved
+    assert ours.dtype == F32, name
+    assert torch.equal(ours, expected), name
+
+
+def test_every_op_cuda_autocast_registers_is_classified() -> None:
+    """A torch that adds an op to CUDA's float32 lists fails here until polyamp's tables know it."""
+    lower_or_promote = {
+        "_convolution", "_convolution.deprecated", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
+        "conv_transpose2d.input", "conv_transpose3d.input", "convolution", "prelu", "addmm", "addmv", "addr",
+        "matmul", "einsum", "mm", "mv", "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul",
+        "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell",
+        "rnn_tanh_cell", "rnn_relu_cell", "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
+        "cudnn_convolution", "cudnn_convolution_transpose", "binary_cross_entropy", "addcdiv", "addcmul",
+        "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put", "tensordot", "scatter_add",
+    }  # fmt: skip
+    float32 = {*_cpu_float32._FP32, *_cpu_float32._FP32_SET_OPT_DTYPE, *_cpu_float32._FP32_APPEND_DTYPE}
+    float32 = {name.removesuffix(".default") for name in float32}
+    cuda = {
+        name.removeprefix("aten::")
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCUDA")
+    }
+    assert cuda - lower_or_promote - float32 == set()
+
+
+def test_registered_ops_are_cuda_float32_ops_torch_cpu_passes_through() -> None:
+    registered = set(_cpu_float32.registered_ops())
+    assert {"layer_norm", "softmax.int", "log_softmax.int", "sum", "sum.dim_IntList", "exp", "rms_norm"} <= registered
+    for name in registered:
+        qualified = "aten::" + name.removesuffix(".default")
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "AutocastCUDA"), name
+    # Ops torch's CPU list already runs in float32 keep torch's kernel (and CUDA's dtypes).
+    assert not {"mse_loss", "nll_loss", "cdist", "prod", "binary_cross_entropy_with_logits"} & registered
+    with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+        h = _low(4, 8)
+        assert F.mse_loss(h, h).dtype == F32
+        assert F.nll_loss(F.log_softmax(h, -1), torch.tensor([0, 1, 2, 3])).dtype == F32
+        assert torch.cdist(h, h).dtype == F32
+        assert h.prod().dtype == F32
+
+
+def test_explicit_dtype_out_and_disabled_regions_are_left_alone() -> None:
+    low = _low(4, 8)
+    out = torch.empty(4, 8, dtype=F16)
+    with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+        assert low.softmax(-1, dtype=F16).dtype == F16
+        assert torch.softmax(low, -1, F16).dtype == F16  # dtype given positionally
+        assert low.sum(dtype=F16).dtype == F16
+        assert torch.exp(low, out=out).dtype == F16 and out.dtype == F16
+        assert torch.sum(low, 0, out=torch.empty(8, dtype=F16)).dtype == F16
+        assert low.double().exp().dtype == torch.float64  # float64 is never cast
+        with pytest.raises(RuntimeError, match="Low precision dtypes not supported"):
+            torch.linalg.matrix_norm(low, "nuc")  # dtype=float32 does not help here, on CUDA either
+        assert torch.arange(4).cumsum(0).dtype == torch.int64  # integers are not eligible
+        with polyamp_torch.autocast(enabled=False, device_type="cpu"):
+            assert low.exp().dtype == F16 and low.softmax(-1).dtype == F16
+        with torch.autocast("cpu", enabled=False):
+            assert low.sum().dtype == F16
+        with polyamp_torch.autocast("mixed_float16", device_type="cpu", cpu_float32_ops=False):
+            assert low.softmax(-1).dtype == F16 and F.layer_norm(low, (8,)).dtype == F16
+        assert low.softmax(-1).dtype == F32  # the outer region's setting is back
+
+
+NATIVE_BATTERY = """
+import torch
+F = torch.nn.functional
+g = torch.Generator().manual_seed(0)
+x = torch.randn(4, 8, generator=g).half()
+p = x.float().abs().add(0.5).half()
+img = torch.randn(2, 4, 6, 6, generator=g).bfloat16()
+w = torch.randn(8, 8, generator=g)
+
+def battery():
+    with torch.autocast("cpu", dtype=torch.float16):
+        yield from (x.exp(), p.log(), x ** 2, F.softplus(x), F.layer_norm(x, (8,)), x.softmax(-1),
+                    F.log_softmax(x, 0), x.sum(), x.sum(1), x.cumsum(1), torch.linalg.vector_norm(x),
+                    F.cosine_similarity(x, p), x.logsumexp(1), F.mse_loss(x, p), x @ w, F.linear(x, w),
+                    torch.cat([x, x.float()]), torch.linalg.matrix_norm(x.float(), 2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yield from (F.group_norm(img, 2), F.interpolate(img, scale_factor=2, mode="bilinear"),
+                    torch.cdist(x.float(), p.float()), x.prod())
+
+before = [t.clone() for t in battery()]
+import polyamp_torch
+with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+    assert x.exp().dtype == torch.float32  # the kernels are installed now
+after = list(battery())
+assert len(before) == len(after)
+for i, (a, b) in enumerate(zip(before, after)):
+    assert a.dtype == b.dtype and torch.equal(a, b), (i, a.dtype, b.dtype)
+print("OK", len(before))
+"""
+
+
+def test_native_cpu_autocast_is_exactly_torchs_after_polyamp_installed_its_kernels() -> None:
+    """In a fresh process, with warnings as errors: native regions compute the same before and after."""
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", textwrap.dedent(NATIVE_BATTERY)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("OK")
+
+
+def test_importing_polyamp_torch_registers_nothing() -> None:
+    code = (
+        "import torch, polyamp_torch\n"
+        "assert not torch._C._dispatch_has_kernel_for_dispatch_key('aten::layer_norm', 'AutocastCPU')\n"
+        "with polyamp_torch.autocast('mixed_float16', device_type='cpu', cpu_float32_ops=False):\n"
+        "    pass\n"
+        "assert not torch._C._dispatch_has_kernel_for_dispatch_key('aten::layer_norm', 'AutocastCPU')\n"
+        "with polyamp_torch.autocast('mixed_float16', device_type='cpu'):\n"
+        "    pass\n"
+        "assert torch._C._dispatch_has_kernel_for_dispatch_key('aten::layer_norm', 'AutocastCPU')\n"
+    )
+    result = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+# -- activation checkpointing ----------------------------------------------------------------------------
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.out = torch.nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.norm(self.proj(h)))
+        return self.out(h).softmax(-1) * h.pow(2).sum(-1, keepdim=True).rsqrt()
+
+
+def _gradients(checkpoint: bool | None, policy: str, float32_ops: bool = True) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    stem, blocks, head = torch.nn.Linear(16, 16), torch.nn.ModuleList([Block(), Block()]), torch.nn.Linear(16, 4)
+    data = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    target = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    with polyamp_torch.autocast(policy, device_type="cpu", cpu_float32_ops=float32_ops):
+        h = stem(data)
+        for block in blocks:
+            if checkpoint is None:
+                h = block(h)
+            else:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=checkpoint)
+        loss = F.cross_entropy(head(h), target)
+    loss.backward()  # outside the region, as in a training loop: recomputation happens here
+    return [p.grad for module in (stem, blocks, head) for p in module.parameters()]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("float32_ops", [True, False], ids=["cuda_lists", "torch_cpu_lists"])
+def test_checkpointed_and_plain_runs_give_bitwise_equal_gradients(
+    use_reentrant: bool, policy: str, float32_ops: bool
+) -> None:
+    plain = _gradients(None, policy, float32_ops)
+    checkpointed = _gradients(use_reentrant, policy, float32_ops)
+    assert len(plain) == len(checkpointed) == 16
+    for a, b in zip(plain, checkpointed, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_outside_polyamp_regions_gets_the_function_unchanged() -> None:
+    linear = torch.nn.Linear(4, 4)
+
+    def function(h: torch.Tensor) -> torch.Tensor:
+        return linear(h).softmax(-1)
+
+    assert _cpu_float32._in_region(function) is function
+    with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+        wrapped = _cpu_float32._in_region(function)
+    assert wrapped is not function
+    assert not _cpu_float32.cpu_float32_ops_active()
+    with torch.autocast("cpu", dtype=F16):
+        h = _low(2, 4)
+        assert wrapped(h).dtype == F32  # recomputation runs inside a polyamp region
+        assert function(h).dtype == F16
+    assert not _cpu_float32.cpu_float32_ops_active()
+
+
+# -- threads ---------------------------------------------------------------------------------------------
+
+
+def test_the_setting_is_per_thread() -> None:
+    barrier = threading.Barrier(2, timeout=30)
+    seen: dict[str, torch.dtype] = {}
+
+    def polyamp_thread() -> None:
+        with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+            barrier.wait()  # both regions are open now
+            seen["polyamp"] = _low(2, 4).softmax(-1).dtype
+            barrier.wait()
+
+    def native_thread() -> None:
+        with torch.autocast("cpu", dtype=F16):
+            barrier.wait()
+            seen["native"] = _low(2, 4).softmax(-1).dtype
+            barrier.wait()
+
+    threads = [threading.Thread(target=polyamp_thread), threading.Thread(target=native_thread)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"polyamp": F32, "native": F16}
+
+
+# -- torch.compile ---------------------------------------------------------------------------------------
+
+
+def _forward(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+        y = h @ w
+        return y, y.softmax(-1), F.layer_norm(y, (8,)), y.sum(0), y.exp()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_compiled_cpu_regions_classify_ops_as_eager_regions_do(backend: str) -> None:
+    dynamo = pytest.importorskip("torch._dynamo")
+    h, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    eager = _forward(h, w)
+    dynamo.reset()
+    compiled = torch.compile(_forward, backend=backend, fullgraph=True)(h, w)
+    assert [t.dtype for t in compiled] == [t.dtype for t in eager] == [F16, F32, F32, F32, F32]
+    if backend != "inductor":  # inductor's fused kernels round differently; the op classes are the point
+        for a, b in zip(compiled, eager, strict=True):
+            assert torch.equal(a, b)
+    compiled[1].sum().backward()
+    assert w.grad is not None and w.grad.dtype == F32
+    assert not _cpu_float32.cpu_float32_ops_active()
+
+
+def test_a_graph_break_inside_a_compiled_region_leaves_nothing_switched_on() -> None:
+    dynamo = pytest.importorskip("torch._dynamo")
+
+    def forward(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+            y = h @ h.T
+            dynamo.graph_break()
+            inside = y.softmax(-1)
+        with torch.autocast("cpu", dtype=F16):
+            native = (h @ h.T).softmax(-1)
+        return inside, native
+
+    dynamo.reset()
+    inside, native = torch.compile(forward, backend="aot_eager")(torch.randn(4, 4))
+    assert (inside.dtype, native.dtype) == (F32, F16)
+    assert not _cpu_float32.cpu_float32_ops_active()
+    with torch.autocast("cpu", dtype=F16):
+        assert _low(2, 4).softmax(-1).dtype == F16
