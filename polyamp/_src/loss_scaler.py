@@ -174,6 +174,7 @@ class LossScaler:
         self._enabled_setting = enabled
         self._host_state = config.initial_state()
         self._device: Any = None
+        self._compiling: Any = None
         self._style: str | None = None
         self._backend_name: str | None = None
         self._iteration = Iteration()
@@ -219,6 +220,7 @@ class LossScaler:
                 "polyamp.backend_api.ImperativeDevice nor TapeDevice."
             )
         self._device, self._style, self._backend_name = device, style, backend
+        self._compiling = getattr(device, "compiling", None)
         return device
 
     @property
@@ -262,9 +264,9 @@ class LossScaler:
     def _begin(self) -> bool:
         """Whether this iteration scales, decided at its first call and kept until it ends."""
         iteration = self._iteration
-        compiling = getattr(self._device, "compiling", None)
+        compiling = self._compiling
         # A compiler tracing the step (torch.compile) cannot trace the thread lookup; it runs in one thread.
-        thread = iteration.thread if compiling is not None and compiling() else threading.get_ident()
+        thread = None if compiling is not None and compiling() else threading.get_ident()
         if iteration.enabled is None:
             iteration.enabled = self._decide_enabled(starting=True)
             iteration.thread = thread
@@ -740,6 +742,7 @@ class LossScaler:
         self._enabled_setting = saved["enabled"]
         self._host_state = saved["state"]
         self._device = None
+        self._compiling = None
         self._style = None
         self._backend_name = None
         self._iteration = Iteration()

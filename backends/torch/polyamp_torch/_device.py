@@ -187,12 +187,14 @@ class TorchDevice:
         state = self._state
         if state is None:
             raise ScalerUsageError("update() was called before the scaler created its state with scale().")
+        if found_inf is not None and found_inf.device != state.scale.device:
+            found_inf = found_inf.to(state.scale.device, non_blocking=True)
         if new_scale is not None:
             self._set_scale(state, new_scale)
         elif found_inf is not None:
-            advance(state, found_inf.to(state.scale.device, non_blocking=True), self._config)
+            advance(state, found_inf, self._config)
         if found_inf is not None:
-            state.skipped.add_(found_inf.to(state.skipped.device, non_blocking=True) > 0)
+            state.skipped.add_(found_inf > 0)
 
     def _set_scale(self, state: DeviceState, new_scale: Any) -> None:
         if isinstance(new_scale, torch.Tensor):

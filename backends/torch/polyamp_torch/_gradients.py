@@ -100,6 +100,9 @@ def unscale_gradients(
             return None, has_bfloat16
         per_device_inv_scale = PerDevice(inv_scale)
         per_device_found_inf = PerDevice(found_inf)
+        # The caller's fresh tensors serve their own device: no copies on the common single-device path.
+        per_device_inv_scale.copies[inv_scale.device] = inv_scale
+        per_device_found_inf.copies[found_inf.device] = found_inf
         ones = PerDevice(torch.ones((), dtype=torch.float32, device=inv_scale.device)) if check_unscaled else None
         for device, by_dtype in grouped.items():
             for grads in by_dtype.values():
@@ -110,8 +113,10 @@ def unscale_gradients(
                     torch._amp_foreach_non_finite_check_and_unscale_(
                         grads, per_device_found_inf.get(device), ones.get(device)
                     )
-        flags = [flag.to(found_inf.device, non_blocking=True) for flag in per_device_found_inf.copies.values()]
-    return (flags[0] if len(flags) == 1 else torch.stack(flags).sum()), has_bfloat16
+        flags = [flag for device, flag in per_device_found_inf.copies.items() if device in grouped]
+        if len(flags) == 1:
+            return flags[0].to(found_inf.device, non_blocking=True), has_bfloat16
+    return torch.stack([flag.to(found_inf.device, non_blocking=True) for flag in flags]).sum(), has_bfloat16
 
 
 _TAKES_GRAD_SCALER: dict[type, bool] = {}
