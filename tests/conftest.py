@@ -167,6 +167,8 @@ class Device:
         return optimizer.step(*args, **kwargs)
     def combine(self, flags):
         return max(flags)
+    def read_new_scale(self, new_scale):
+        raise TypeError("floats only")
     def update(self, found_inf, new_scale):
         if new_scale is not None:
             self.state = type(self.state)(float(new_scale), self.state.growth_tracker, self.state.hysteresis_left)

@@ -86,6 +86,11 @@ class ScalerDevice(Protocol):
         """One flag that is set when any of ``flags`` is (at least one flag is given)."""
         ...
 
+    def read_new_scale(self, new_scale: Any) -> float | None:
+        """For ``update(new_scale=<tensor>)``: raise `polyamp.PolyampTypeError` unless it is a one-element
+        floating tensor of this framework; return its value (None when it cannot be read, e.g. symbolic)."""
+        ...
+
     def update(self, found_inf: Flag, new_scale: Any) -> None:
         """End an iteration on the device: advance the loss-scale rule with ``found_inf`` (or, when
         ``new_scale`` is not None, set the scale to it: a float the core validated, or the framework's

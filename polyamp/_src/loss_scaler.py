@@ -535,13 +535,11 @@ class LossScaler:
         if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
             if registry.detect_backend(new_scale) != self._backend_name or self._backend_name is None:
                 raise type_error("update(new_scale)", "a float or a one-element tensor", new_scale)
-            try:  # a framework tensor: read it (one host sync) and check its value like a float's
-                number = float(new_scale)
-            except (TypeError, ValueError, RuntimeError):
-                # A symbolic tensor inside a compiled function, or one of several elements: the device checks
-                # what it can (shape, dtype) and takes the value as is.
-                return new_scale
-            self._checked_new_scale(number)
+            # A framework tensor: the device checks its shape and dtype and reads it (one host sync), and its
+            # value is checked like a float's; a symbolic tensor in a compiled function is taken as is.
+            number = self._device.read_new_scale(new_scale)
+            if number is not None:
+                self._checked_new_scale(number)
             return new_scale
         try:
             value = to_float32(float(new_scale))

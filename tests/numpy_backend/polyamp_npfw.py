@@ -88,6 +88,9 @@ class NumpyDevice:
     def combine(self, flags: Sequence[Any]) -> np.float32:
         return np.float32(max(flags))
 
+    def read_new_scale(self, new_scale: Any) -> float | None:
+        raise PolyampTypeError(f"npfw's update(new_scale) takes a float, not {type(new_scale).__name__}")
+
     def update(self, found_inf: Any, new_scale: Any) -> None:
         if new_scale is not None:
             if not isinstance(new_scale, float):

@@ -120,17 +120,23 @@ class TensorFlowDevice:
     def combine(self, flags: Sequence[Any]) -> Any:
         return flags[0] if len(flags) == 1 else tf.reduce_max(tf.stack(list(flags)))
 
+    def read_new_scale(self, new_scale: Any) -> float | None:
+        if not (tf.is_tensor(new_scale) or isinstance(new_scale, tf.Variable)) or (
+            new_scale.shape.num_elements() != 1 or not new_scale.dtype.is_floating
+        ):
+            raise PolyampTypeError(
+                f"update(new_scale) takes a float or a one-element floating tensor. Received: {describe(new_scale)}."
+            )
+        if not tf.executing_eagerly():
+            return None  # a symbolic tensor: its value is known only when the graph runs
+        return float(tf.reshape(new_scale, ()).numpy())
+
     def update(self, found_inf: Any, new_scale: Any) -> None:
         state = self._state()
         if new_scale is None:
             advance_on_flag(state, found_inf, self._config)
             return
         if tf.is_tensor(new_scale) or isinstance(new_scale, tf.Variable):
-            if new_scale.shape.num_elements() != 1 or not new_scale.dtype.is_floating:
-                raise PolyampTypeError(
-                    "update(new_scale) takes a float or a one-element floating tensor. Received a tensor of shape "
-                    f"{tuple(new_scale.shape)} and dtype {new_scale.dtype.name}."
-                )
             state.scale.assign(tf.reshape(tf.cast(new_scale, tf.float32), ()))
         elif isinstance(new_scale, float):
             state.scale.assign(new_scale)

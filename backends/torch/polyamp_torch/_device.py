@@ -196,14 +196,26 @@ class TorchDevice:
         if found_inf is not None:
             state.skipped.add_(found_inf > 0)
 
+    def read_new_scale(self, new_scale: Any) -> float | None:
+        if (
+            not isinstance(new_scale, torch.Tensor)
+            or new_scale.numel() != 1
+            or new_scale.requires_grad
+            or not new_scale.is_floating_point()
+        ):
+            raise PolyampTypeError(
+                "update(new_scale) takes a float or a one-element floating tensor with requires_grad=False. "
+                f"Received: {describe(new_scale)}"
+                + (
+                    f", shape {tuple(new_scale.shape)}, dtype {new_scale.dtype}, requires_grad={new_scale.requires_grad}."
+                    if isinstance(new_scale, torch.Tensor)
+                    else "."
+                )
+            )
+        return None if torch.compiler.is_compiling() else float(new_scale.item())
+
     def _set_scale(self, state: DeviceState, new_scale: Any) -> None:
         if isinstance(new_scale, torch.Tensor):
-            if new_scale.numel() != 1 or new_scale.requires_grad or not new_scale.is_floating_point():
-                raise PolyampTypeError(
-                    "update(new_scale) takes a float or a one-element floating tensor with requires_grad=False. "
-                    f"Received a tensor of shape {tuple(new_scale.shape)}, dtype {new_scale.dtype}, "
-                    f"requires_grad={new_scale.requires_grad}."
-                )
             state.scale.copy_(new_scale.reshape(()))
             return
         if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real) or not math.isfinite(new_scale):
