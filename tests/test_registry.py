@@ -32,7 +32,7 @@ def test_first_party_backends_are_known_without_importing_them() -> None:
     specs = seen["specs"]
     assert specs["torch"][:2] == [["torch"], "pip install 'polyamp[torch]'"]
     assert specs["tensorflow"][1] == "pip install 'polyamp[tensorflow]'"
-    assert specs["tensorflow"][2] == ["keras"]
+    assert specs["keras"][:2] == [["keras"], "pip install 'polyamp[keras]'"] and specs["keras"][2] == ["keras"]
 
 
 def test_unknown_backend_names_the_known_ones() -> None:

@@ -305,9 +305,22 @@ def test_gradient_accumulation_drops_overflowing_micro_batches() -> None:
     assert int(optimizer.iterations.numpy()) == 1 and int(optimizer.skipped_steps.numpy()) == 1
 
 
+def test_enabled_by_default_like_keras_and_following_the_policy_with_none() -> None:
+    polyamp.set_policy("mixed_bfloat16")
+    assert polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.SGD()).enabled  # Keras's own always scales
+    polyamp.set_policy("float32")
+    following = polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.SGD(), enabled=None)
+    assert not following.enabled
+    keras.mixed_precision.set_global_policy("mixed_float16")  # the Keras way, no polyamp policy
+    try:
+        assert following.enabled
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def test_bfloat16_policy_disables_scaling() -> None:
     polyamp.set_policy("mixed_bfloat16")
-    optimizer = polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.SGD(1.0))
+    optimizer = polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.SGD(1.0), enabled=None)
     assert not optimizer.enabled and optimizer.get_scale() == 1.0
     loss = tf.constant(3.0)
     assert optimizer.scale_loss(loss) is loss

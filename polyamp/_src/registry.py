@@ -66,6 +66,11 @@ class BackendSpec:
             defaults to ``frameworks``.
         harness: Optional ``"module:Class"`` of the backend's conformance harness (see
             `polyamp.conformance.Harness`), called with a device type.
+        resolve: Optional ``"module:function"`` for a framework whose objects different backends handle
+            depending on how it runs (Keras objects belong to the tensorflow backend when Keras runs on
+            TensorFlow): called as ``resolve(cls)`` with the type of an object from ``frameworks``, it
+            returns the name of the backend that handles it (or None). It must import nothing but the
+            framework; it is called once per type.
     """
 
     name: str
@@ -75,6 +80,7 @@ class BackendSpec:
     policy_hook: str | None = None
     policy_modules: tuple[str, ...] = field(default=())
     harness: str | None = None
+    resolve: str | None = None
 
     def __post_init__(self) -> None:
         for attr in ("name", "target", "install_hint"):
@@ -89,7 +95,7 @@ class BackendSpec:
         object.__setattr__(self, "frameworks", _module_names("frameworks", self.frameworks, allow_empty=False))
         modules = _module_names("policy_modules", self.policy_modules, allow_empty=True)
         object.__setattr__(self, "policy_modules", modules or self.frameworks)
-        for attr in ("policy_hook", "harness"):
+        for attr in ("policy_hook", "harness", "resolve"):
             value = getattr(self, attr)
             if value is not None and (not isinstance(value, str) or ":" not in value):
                 raise PolyampTypeError(
@@ -125,11 +131,18 @@ _FIRST_PARTY: Final = (
     BackendSpec(
         name="tensorflow",
         target="polyamp_tensorflow._backend:TensorFlowBackend",
-        frameworks=("tensorflow", "keras"),
+        frameworks=("tensorflow",),
         install_hint="pip install 'polyamp[tensorflow]'",
-        policy_hook="polyamp_keras:follow_polyamp_policy",
-        policy_modules=("keras",),
         harness="polyamp_tensorflow.testing:TensorFlowHarness",
+    ),
+    BackendSpec(
+        name="keras",
+        target="polyamp_keras._backend:KerasBackend",
+        frameworks=("keras",),
+        install_hint="pip install 'polyamp[keras]'",
+        policy_hook="polyamp_keras:follow_polyamp_policy",
+        harness="polyamp_keras.testing:KerasHarness",
+        resolve="polyamp_keras._backend:backend_for",
     ),
 )
 
@@ -238,6 +251,12 @@ def _owner_of_type(cls: type) -> str | None:
     for klass in cls.__mro__:
         owner = _framework_owner.get(klass.__module__.partition(".")[0])
         if owner is not None:
+            spec = _specs.get(owner)
+            if spec is not None and spec.resolve is not None:
+                resolve = load_target(
+                    spec.resolve, backend=spec.name, install_hint=spec.install_hint, frameworks=spec.frameworks
+                )
+                return resolve(cls)  # type: ignore[no-any-return]
             return owner
     return None
 

@@ -163,6 +163,12 @@ class Harness(Protocol):
         """Whether ``scaler.scale(loss)`` returns the very loss object, for one of this backend's tensors."""
         ...
 
+    def new_scaler(self, **settings: Any) -> Any:
+        """(Optional) The backend's scaler made from ``settings``, for backends whose scaler is not a
+        `polyamp.LossScaler` (Keras's optimizer wrapper); it offers ``enabled``, ``get_scale()`` and
+        ``state_dict()``. Without it, the cases use ``LossScaler(**settings, backend=harness.backend)``."""
+        ...
+
     def loop(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> Loop:
         """A `Loop` under ``policy`` with a `polyamp.LossScaler` made from ``scaler`` (keyword arguments)."""
         ...

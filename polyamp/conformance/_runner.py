@@ -15,7 +15,17 @@ from polyamp.conformance import cases as case_module
 from polyamp.conformance._context import CaseSkipped, Reporter, missing_capabilities, reporting, stop_reporting
 from polyamp.conformance._protocol import CAPABILITIES, Harness, HarnessUnavailable
 
-__all__ = ["CaseResult", "case_functions", "expand", "harness_class", "make_harness", "run", "skip_reason", "targets"]
+__all__ = [
+    "CaseResult",
+    "case_functions",
+    "device_type",
+    "expand",
+    "harness_class",
+    "make_harness",
+    "run",
+    "skip_reason",
+    "targets",
+]
 
 OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed")
 
@@ -186,9 +196,14 @@ def run(
     return results
 
 
+def device_type(device: str) -> str:
+    """The device type of a target's device: its last part ("jax-cpu" is a cpu target of a variant)."""
+    return device.rpartition("-")[2]
+
+
 def _pairs(harnesses: Iterable[Harness]) -> Iterable[tuple[Harness, Harness]]:
     for first, second in itertools.combinations(list(harnesses), 2):
-        if first.backend != second.backend and first.device == second.device:
+        if first.backend != second.backend and device_type(first.device) == device_type(second.device):
             yield first, second
 
 

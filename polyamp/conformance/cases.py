@@ -312,9 +312,7 @@ def test_underflow_rescue(harness: Any) -> None:
     unscaled = harness.tiny_gradient(x, w, factor, policy, None)
     if np.any(unscaled != 0):
         skip(f"{harness.backend}-{harness.device} keeps this gradient without scaling; nothing to rescue")
-    from polyamp import LossScaler
-
-    scaler = LossScaler(enabled=True, backend=harness.backend)
+    scaler = _new_scaler(harness, enabled=True)
     rescued = harness.tiny_gradient(x, w, factor, policy, scaler)
     if not np.allclose(rescued, reference, rtol=2e-3, atol=0):
         raise AssertionError(
@@ -347,23 +345,32 @@ def test_unscale_then_clip_equals_the_float32_update(harness: Any) -> None:
 @requires("trainer", "passes_loss_through")
 def test_disabled_scaler_passes_the_loss_through_and_changes_nothing(harness: Any) -> None:
     """Under a bfloat16 policy the scaler is off: scale() returns the loss itself; training is unchanged."""
-    from polyamp import LossScaler
-
     policy = Policy("mixed_bfloat16")
     with _policy(policy):
-        scaler = LossScaler(backend=harness.backend)
+        scaler = _new_scaler(harness, enabled=None)
         if scaler.enabled or scaler.get_scale() != 1.0:
             raise AssertionError("a LossScaler used under mixed_bfloat16 should be disabled with scale 1.0")
         if not harness.passes_loss_through(scaler):
             raise AssertionError("a disabled scaler's scale(loss) did not return the loss object itself")
     runs = []
     scaler_kwargs: dict[str, Any] | None
-    for scaler_kwargs in ({}, None):
+    for scaler_kwargs in ({"enabled": None}, None):
         trainer = harness.trainer(policy, scaler=scaler_kwargs)
         for x, y in _batches(4):
             trainer.step(x, y)
         runs.append(trainer.params())
     assert_equal_arrays(runs[0], runs[1], "parameters with a disabled scaler vs without a scaler")
+
+
+def _new_scaler(harness: Any, **settings: Any) -> Any:
+    """The backend's scaler: ``harness.new_scaler(**settings)`` where the harness offers one (a backend whose
+    scaler is not a `polyamp.LossScaler`, e.g. Keras's optimizer wrapper), else a bound LossScaler."""
+    make = getattr(harness, "new_scaler", None)
+    if make is not None:
+        return make(**settings)
+    from polyamp import LossScaler
+
+    return LossScaler(**settings, backend=harness.backend)
 
 
 def _policy(policy: Policy) -> Any:
@@ -386,7 +393,7 @@ def test_converges_like_float32(harness: Any, policy: str) -> None:
     batches = _batches(80)
 
     def final_loss(spec: str) -> float:
-        trainer = harness.trainer(Policy(spec), scaler={}, optimizer="adam")
+        trainer = harness.trainer(Policy(spec), scaler={"enabled": None}, optimizer="adam")
         losses = [float(trainer.step(x, y)) for x, y in batches]
         return sum(losses[-10:]) / 10
 

@@ -23,7 +23,7 @@ import pytest
 
 from polyamp.conformance._context import Reporter, reporting, stop_reporting
 from polyamp.conformance._protocol import HarnessUnavailable
-from polyamp.conformance._runner import make_harness, skip_reason, targets
+from polyamp.conformance._runner import device_type, make_harness, skip_reason, targets
 
 CASES_MODULE = "polyamp.conformance.cases"
 
@@ -65,7 +65,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             (first, second)
             for index, first in enumerate(found)
             for second in found[index + 1 :]
-            if first[0] != second[0] and first[1] == second[1]
+            if first[0] != second[0] and device_type(first[1]) == device_type(second[1])
         ]
         ids = [f"{a[0]}-{a[1]}+{b[0]}-{b[1]}" for a, b in pairs]
         metafunc.parametrize("harness_pair", pairs, ids=ids, indirect=True)

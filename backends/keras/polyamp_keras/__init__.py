@@ -1,24 +1,39 @@
-"""polyamp's Keras 3 package: polyamp policies for Keras on any backend (TensorFlow, JAX, PyTorch).
+"""polyamp's Keras 3 package: polyamp policies and loss scaling for Keras on any backend (TensorFlow, JAX,
+PyTorch).
 
 * Keras's default dtype policy follows ``polyamp.set_policy`` in every thread, and ``polyamp.policy_scope``
-  in the thread that entered it, in either import order. polyamp loads this package by itself when it
-  needs it; import it yourself only for the names below. With Keras's own
-  ``keras.config.set_dtype_policy``, the later of the two settings wins in each thread (the rule is in
-  `follow_polyamp_policy`).
+  in the thread that entered it, in either import order. polyamp loads this package by itself when keras
+  is imported, so saved models with polyamp's classes load with ``keras.models.load_model`` once
+  ``polyamp`` is imported. With Keras's own ``keras.config.set_dtype_policy``, the later of the two
+  settings wins in each thread (the rule is in `follow_polyamp_policy`).
+* `LossScaleOptimizer` - Keras 3's loss-scale optimizer with polyamp's rule and safeguards: stateful on
+  TensorFlow and PyTorch, ``stateless_apply`` on JAX (what ``model.fit`` uses there).
+* `LossScaleCallback` - loss scale and skipped steps in the training logs.
+* `cast_outputs` - model outputs in the policy's output dtype.
 * `to_keras_policy` - the Keras dtype policy for a ``polyamp.Policy``; `PolyampDTypePolicy` for the pairs
   Keras has no name for (e.g. bfloat16 variables, float16 compute).
 * `PolicyOverridesMap` - per-layer overrides (``polyamp.set_policy(..., overrides=...)``) as a Keras
   ``DTypePolicyMap``; it survives ``model.save`` / ``keras.models.load_model``.
 
 It imports Keras and nothing else: no TensorFlow, JAX or PyTorch beyond what Keras itself loads for its
-backend. Importing it registers ``polyamp>DTypePolicy`` and ``polyamp>PolicyOverridesMap`` for Keras
-serialization. The TensorFlow parts (loss-scale optimizer, scaler, output casting) are in
-``polyamp_tensorflow``, which re-exports these names.
+backend. ``polyamp_tensorflow`` re-exports these names and adds the TensorFlow ``LossScaler``.
 """
 
 from __future__ import annotations
 
+from polyamp_keras._callbacks import LossScaleCallback
 from polyamp_keras._follow import follow_polyamp_policy
+from polyamp_keras._optimizer import LossScaleOptimizer
+from polyamp_keras._outputs import OutputCast, cast_outputs
 from polyamp_keras._policies import PolicyOverridesMap, PolyampDTypePolicy, to_keras_policy
 
-__all__ = ["PolicyOverridesMap", "PolyampDTypePolicy", "follow_polyamp_policy", "to_keras_policy"]
+__all__ = [
+    "LossScaleCallback",
+    "LossScaleOptimizer",
+    "OutputCast",
+    "PolicyOverridesMap",
+    "PolyampDTypePolicy",
+    "cast_outputs",
+    "follow_polyamp_policy",
+    "to_keras_policy",
+]

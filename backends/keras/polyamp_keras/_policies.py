@@ -6,11 +6,13 @@ Both classes are registered for Keras serialization as ``polyamp>DTypePolicy`` a
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 from keras.dtype_policies import DTypePolicy, DTypePolicyMap
 
-from polyamp import Policy, PolicyOverrides
+from polyamp import Policy, PolicyOverrides, PolyampValueError
 from polyamp_keras._keras import keras
 
 __all__ = ["PolicyOverridesMap", "PolyampDTypePolicy", "to_keras_policy"]
@@ -48,8 +50,10 @@ def to_keras_policy(policy: Policy) -> DTypePolicy:
 class PolicyOverridesMap(DTypePolicyMap):  # type: ignore[misc]
     """Keras's ``DTypePolicyMap`` resolved with polyamp's rule (see `polyamp.PolicyOverrides`).
 
-    Keras looks a layer's policy up by its path ("model/block/dense"): entries set on the map directly come
-    first, then the override for the path or its nearest ancestor, then the default policy.
+    Keras looks a layer's policy up by its path ("model/block/dense"). Entries set on the map directly come
+    first, with Keras's own semantics (an exact key, else the one key matching as a regular expression, such
+    as ``"model/decoder/.*"``; a path matching several raises ``ValueError``), then polyamp's override for the
+    path or its nearest ancestor, then the default policy.
 
     Keras gives a layer a path when its ``build`` runs. Layers without weights that keep the default
     ``build`` (``Activation``, ``Softmax``, ``Dropout``, ...) never get one, so they always take the default
@@ -71,8 +75,18 @@ class PolicyOverridesMap(DTypePolicyMap):  # type: ignore[misc]
         return self._overrides
 
     def __getitem__(self, key: str) -> DTypePolicy:
+        # Keras's own semantics for the entries set on the map: an exact key, else the one key that matches
+        # as a regular expression (more than one is an error); only then polyamp's overrides, then the default.
         if key in self._policy_map:
             return self._policy_map[key]
+        matching = [pattern for pattern in self._policy_map if re.fullmatch(pattern, key)]
+        if len(matching) > 1:
+            raise PolyampValueError(
+                f"Path '{key}' matches multiple dtype policy specification keys: {matching}. Please make sure "
+                "each path only matches at most one dtype policy specification key in the DTypePolicyMap."
+            )
+        if matching:
+            return self._policy_map[matching[0]]
         policy = self._overrides.resolve(key, separators="/")
         return self.default_policy if policy is None else to_keras_policy(policy)
 

@@ -4,7 +4,7 @@
   per-layer overrides (`PolicyOverridesMap`); that part is the Keras-only package ``polyamp_keras``, whose
   names this package re-exports.
 * `LossScaleOptimizer` - Keras 3's loss-scale optimizer with polyamp's rule and safeguards, for
-  ``model.compile``/``fit`` and custom loops (Keras 3 and tf.keras 2 APIs).
+  ``model.compile``/``fit`` and custom loops (Keras 3 and tf.keras 2 APIs); from ``polyamp_keras``.
 * `TensorFlowLossScaler` - ``polyamp.LossScaler`` bound to TensorFlow: ``scale`` / ``unscale`` /
   ``apply_gradients``, usable inside ``tf.function``; what ``polyamp.LossScaler()`` becomes on first use.
 * `LossScaleCallback` - loss scale and skipped steps in the training logs.
@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 from polyamp import BackendNotInstalledError
 
 _EXPORTS = {
-    "LossScaleCallback": "polyamp_tensorflow._callbacks",
-    "LossScaleOptimizer": "polyamp_tensorflow._optimizer",
-    "OutputCast": "polyamp_tensorflow._outputs",
-    "cast_outputs": "polyamp_tensorflow._outputs",
     "TensorFlowBackend": "polyamp_tensorflow._backend",
     "TensorFlowLossScaler": "polyamp_tensorflow._scaler",
     # Keras only: these work on any Keras 3 backend (re-exported from polyamp_keras).
+    "LossScaleCallback": "polyamp_keras",
+    "LossScaleOptimizer": "polyamp_keras",
+    "OutputCast": "polyamp_keras",
+    "cast_outputs": "polyamp_keras",
     "PolicyOverridesMap": "polyamp_keras",
     "PolyampDTypePolicy": "polyamp_keras",
     "to_keras_policy": "polyamp_keras",
@@ -73,9 +73,14 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from polyamp_keras import PolicyOverridesMap, PolyampDTypePolicy, to_keras_policy
+    from polyamp_keras import (
+        LossScaleCallback,
+        LossScaleOptimizer,
+        OutputCast,
+        PolicyOverridesMap,
+        PolyampDTypePolicy,
+        cast_outputs,
+        to_keras_policy,
+    )
     from polyamp_tensorflow._backend import TensorFlowBackend
-    from polyamp_tensorflow._callbacks import LossScaleCallback
-    from polyamp_tensorflow._optimizer import LossScaleOptimizer
-    from polyamp_tensorflow._outputs import OutputCast, cast_outputs
     from polyamp_tensorflow._scaler import TensorFlowLossScaler

@@ -14,9 +14,9 @@ from typing import Any
 
 from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
 from polyamp.backend_api import StepOutcome, describe, wrong_object_error
+from polyamp_keras._gradients import all_finite, refuse_loss_scale_factor, unscale
+from polyamp_keras._rule import ScaleState, advance_on_flag
 from polyamp_tensorflow._framework import keras, tf
-from polyamp_tensorflow._gradients import all_finite, refuse_loss_scale_factor, unscale
-from polyamp_tensorflow._rule import ScaleState, advance_on_flag
 
 __all__ = ["TensorFlowDevice"]
 

@@ -34,7 +34,7 @@ def _leave_polyamp_to_python() -> None:
         from tensorflow.python.autograph.core import config
     except ImportError:  # pragma: no cover - a TensorFlow without it converts polyamp harmlessly
         return
-    names = ("polyamp", "polyamp_tensorflow", "importlib")
+    names = ("polyamp", "polyamp_tensorflow", "polyamp_keras", "importlib")
     present = {getattr(rule, "_prefix", None) for rule in config.CONVERSION_RULES}
     new_rules = tuple(config.DoNotConvert(name) for name in names if name not in present)
     config.CONVERSION_RULES = new_rules + tuple(config.CONVERSION_RULES)

@@ -14,7 +14,7 @@ import polyamp
 from polyamp import LossScaler, Policy
 from polyamp.conformance import HarnessUnavailable
 from polyamp_tensorflow._framework import keras, tf
-from polyamp_tensorflow._outputs import cast_outputs
+from polyamp_keras import cast_outputs
 
 __all__ = ["TensorFlowHarness"]
 
@@ -159,6 +159,11 @@ class TensorFlowHarness:
     }
 
     def __init__(self, device: str) -> None:
+        if keras.backend.backend() != "tensorflow":
+            raise HarnessUnavailable(
+                f"Keras runs on {keras.backend.backend()} in this process; the tensorflow harness needs "
+                "KERAS_BACKEND=tensorflow"
+            )
         if device == "cuda":
             if not tf.config.list_physical_devices("GPU"):
                 raise HarnessUnavailable(f"TensorFlow {tf.__version__} sees no GPU")

@@ -1,4 +1,8 @@
-"""Gradients as the TensorFlow loss scaler handles them: unscaling, the finite check, double-unscale guards."""
+"""Gradients as polyamp's Keras loss scaling handles them: unscaling, the finite check, double-unscale guards.
+
+Keras ops only, so the same code runs on every Keras backend. TensorFlow's sparse gradients
+(``tf.IndexedSlices``: values, indices, dense shape) are recognised by their shape, not imported.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from polyamp import ScalerUsageError
-from polyamp_tensorflow._framework import keras, tf
+from polyamp_keras._keras import keras
 
-__all__ = ["all_finite", "refuse_loss_scale_factor", "unscale"]
+__all__ = ["all_finite", "is_sparse", "refuse_loss_scale_factor", "unscale"]
 
 ops = keras.ops
+
+
+def is_sparse(grad: Any) -> bool:
+    """True for a TensorFlow ``IndexedSlices`` gradient (embedding lookups): values at indices."""
+    return all(hasattr(grad, attr) for attr in ("values", "indices", "dense_shape"))
 
 
 def unscale(grads: Sequence[Any], scale: Any, skip: Sequence[bool] | None = None) -> list[Any]:
@@ -22,9 +31,9 @@ def unscale(grads: Sequence[Any], scale: Any, skip: Sequence[bool] | None = None
     for index, grad in enumerate(grads):
         if grad is None or (skip is not None and skip[index]):
             result.append(grad)
-        elif isinstance(grad, tf.IndexedSlices):
-            values = grad.values / ops.cast(scale, grad.values.dtype)
-            result.append(tf.IndexedSlices(values, grad.indices, grad.dense_shape))
+        elif is_sparse(grad):
+            values = ops.divide(grad.values, ops.cast(scale, grad.values.dtype))
+            result.append(type(grad)(values, grad.indices, grad.dense_shape))
         else:
             result.append(ops.divide(grad, scale))
     return result
@@ -36,7 +45,7 @@ def all_finite(grads: Sequence[Any]) -> Any:
     for grad in grads:
         if grad is None:
             continue
-        values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+        values = grad.values if is_sparse(grad) else grad
         checks.append(ops.all(ops.isfinite(values)))
     if not checks:
         return ops.convert_to_tensor(True)

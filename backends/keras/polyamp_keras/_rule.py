@@ -1,23 +1,27 @@
 """polyamp's loss-scale rule on Keras variables, and the one holder of those variables.
 
-`ScaleState` holds the state (scale, growth tracker, hysteresis, skip count) for both the TensorFlow
-`LossScaler` device form and the Keras `LossScaleOptimizer`; the functions apply
-`polyamp.LossScaleConfig`'s rule to it with Keras ops and no Python branch on a tensor value, so they run
-eagerly, in ``tf.function`` and under ``jit_compile=True``. Each product is formed in float64 and rounded
-to float32, as polyamp's reference and torch's kernel do, so trajectories agree bit for bit across backends.
+`ScaleState` holds the state (scale, growth tracker, hysteresis, skip count) for the Keras
+`LossScaleOptimizer` on every Keras backend and for the TensorFlow `LossScaler` device form; the functions
+apply `polyamp.LossScaleConfig`'s rule to it with Keras ops and no Python branch on a tensor value, so they
+run eagerly, in ``tf.function`` (also ``jit_compile=True``), under ``jax.jit`` (inside Keras's
+``StatelessScope``) and on torch. Each product is formed in float64 and rounded to float32, as polyamp's
+reference and torch's kernel do (on JAX with float64 enabled for that product only, since JAX computes in
+float32 by default), so trajectories agree bit for bit across backends.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from polyamp import LossScaleConfig, LossScaleState
 from polyamp.backend_api import to_float32
-from polyamp_tensorflow._framework import keras
+from polyamp_keras._keras import keras
 
-__all__ = ["ScaleState", "advance", "advance_on_flag", "read_scalar"]
+__all__ = ["ScaleState", "advance", "advance_on_flag", "counter_dtype", "read_scalar"]
 
 ops = keras.ops
 
@@ -42,7 +46,7 @@ class ScaleState:
             scale=make("loss_scale", "float32", state.scale),
             growth_tracker=make("growth_tracker", "int32", state.growth_tracker),
             hysteresis_left=make("hysteresis_left", "int32", state.hysteresis_left),
-            skipped_steps=make("skipped_steps", "int64", 0),
+            skipped_steps=make("skipped_steps", counter_dtype(), 0),
         )
 
     def read(self) -> LossScaleState:
@@ -69,12 +73,32 @@ def read_scalar(value: Any) -> Any:
     return ops.convert_to_numpy(tensor).item()
 
 
+def counter_dtype() -> str:
+    """The dtype of the skip counter: int64, or int32 on JAX, which computes in 32 bits by default (asking
+    for int64 there only warns and truncates)."""
+    if keras.backend.backend() == "jax" and not sys.modules["jax"].config.jax_enable_x64:
+        return "int32"
+    return "int64"
+
+
+def _float64() -> Any:
+    """A context in which the backend computes float64: JAX turns it off by default (and would silently
+    compute the detour below in float32); the other backends have it."""
+    if keras.backend.backend() == "jax":
+        return sys.modules["jax"].enable_x64(True)  # jax is imported: it is Keras's backend
+    return contextlib.nullcontext()
+
+
 def _times(scale: Any, factor: float) -> Any:
     # A float32 product of two float32 values is the correctly rounded exact product, which is what
     # rounding the float64 product gives; only factors float32 cannot hold exactly need the float64 detour.
     if to_float32(factor) == factor:
         return ops.multiply(scale, ops.cast(factor, "float32"))
-    return ops.cast(ops.multiply(ops.cast(scale, "float64"), factor), "float32")
+    with _float64():
+        # The factor as a float64 tensor: a bare Python float would become Keras's floatx (float32) on some
+        # backends, rounding the factor before the product.
+        product = ops.multiply(ops.cast(scale, "float64"), ops.convert_to_tensor(factor, dtype="float64"))
+        return ops.cast(product, "float32")
 
 
 def advance(state: ScaleState, overflow: bool, config: LossScaleConfig) -> None:
@@ -84,7 +108,7 @@ def advance(state: ScaleState, overflow: bool, config: LossScaleConfig) -> None:
     flag, where it is known, so each branch builds only its half of the rule (a few scalar ops).
     """
     if overflow:
-        state.skipped_steps.assign_add(ops.cast(1, "int64"))
+        state.skipped_steps.assign_add(ops.cast(1, state.skipped_steps.dtype))  # int32 on JAX without x64
     if not config.dynamic:
         return
     scale = ops.convert_to_tensor(state.scale)

@@ -6,9 +6,9 @@ from typing import Any
 
 from polyamp import PolyampTypeError
 from polyamp.backend_api import describe
-from polyamp_tensorflow._framework import keras
-from polyamp_tensorflow._optimizer import LossScaleOptimizer
-from polyamp_tensorflow._rule import read_scalar
+from polyamp_keras._keras import keras
+from polyamp_keras._optimizer import LossScaleOptimizer
+from polyamp_keras._rule import read_scalar
 
 __all__ = ["LossScaleCallback"]
 
@@ -18,11 +18,11 @@ class LossScaleCallback(keras.callbacks.Callback):  # type: ignore[misc]
 
     They then appear in ``History.history``, the progress bar and ``keras.callbacks.TensorBoard`` (list
     this callback before TensorBoard, which reads the logs when it gets them). The model must be compiled
-    with a `polyamp_tensorflow.LossScaleOptimizer`.
+    with a `polyamp_keras.LossScaleOptimizer`.
 
     Example::
 
-        history = model.fit(x, y, epochs=3, callbacks=[polyamp_tensorflow.LossScaleCallback()])
+        history = model.fit(x, y, epochs=3, callbacks=[polyamp_keras.LossScaleCallback()])
         history.history["loss_scale"], history.history["skipped_steps"]
     """
 
@@ -30,7 +30,7 @@ class LossScaleCallback(keras.callbacks.Callback):  # type: ignore[misc]
         optimizer = getattr(self.model, "optimizer", None)
         if not isinstance(optimizer, LossScaleOptimizer):
             raise PolyampTypeError(
-                "LossScaleCallback needs a model compiled with polyamp_tensorflow.LossScaleOptimizer. "
+                "LossScaleCallback needs a model compiled with polyamp_keras.LossScaleOptimizer. "
                 f"The model's optimizer is {describe(optimizer)}."
             )
         return optimizer

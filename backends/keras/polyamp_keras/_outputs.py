@@ -14,7 +14,7 @@ from keras.src.models import Functional
 
 from polyamp import Policy, PolicyLike, PolyampTypeError, get_policy
 from polyamp.backend_api import describe
-from polyamp_tensorflow._framework import keras
+from polyamp_keras._keras import keras
 
 __all__ = ["OutputCast", "cast_outputs"]
 
@@ -66,7 +66,7 @@ def cast_outputs(model: Any, policy: PolicyLike | None = None) -> Any:
     Example::
 
         polyamp.set_policy("mixed_float16")
-        model = polyamp_tensorflow.cast_outputs(build_model())   # float16 compute, float32 predictions
+        model = polyamp_keras.cast_outputs(build_model())   # float16 compute, float32 predictions
     """
     if not isinstance(model, keras.Model):
         raise PolyampTypeError(f"cast_outputs() takes a Keras model. Received: {describe(model)}.")

@@ -1,23 +1,27 @@
-"""`LossScaleOptimizer`: Keras 3's loss-scale optimizer with polyamp's rule, defaults and safeguards."""
+"""`LossScaleOptimizer`: Keras 3's loss-scale optimizer with polyamp's rule, on every Keras backend."""
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
+from polyamp import BackendMismatchError, LossScaleConfig, LossScaleState, PolyampTypeError, PolyampValueError, ScalerUsageError
 from polyamp.backend_api import (
     NOT_GIVEN,
     UnscaleStages,
+    bind_arguments,
     check_enabled,
     describe,
+    detect_backend,
     parse_state_dict,
     resolve_enabled,
     to_state_dict,
 )
-from polyamp_tensorflow._framework import keras, tf
-from polyamp_tensorflow._gradients import all_finite, refuse_loss_scale_factor, unscale
-from polyamp_tensorflow._rule import ScaleState, advance, read_scalar
+from polyamp_keras._gradients import all_finite, refuse_loss_scale_factor, unscale
+from polyamp_keras._keras import keras
+from polyamp_keras._rule import ScaleState, advance, counter_dtype, read_scalar
 
 try:  # what Keras's own LossScaleOptimizer.build uses: variables are tracked through add_variable only
     from keras.src.utils.tracking import no_automatic_dependency_tracking
@@ -27,27 +31,69 @@ except ImportError:  # pragma: no cover - a Keras without it tracks attributes h
         return function
 
 
-__all__ = ["LossScaleOptimizer"]
+__all__ = ["KERAS_NAMES", "LossScaleOptimizer"]
 
 ops = keras.ops
-
-_TRACED_SETTINGS = (
-    "{method} would change the loss-scaling settings ({old} -> {new}), but a tf.function (or model.fit) has "
-    "already traced a step with them: the settings are constants in those graphs, which would go on using the old "
-    "ones. Load the state before the first traced step, or build a new scaler/optimizer with the new settings "
-    "(the scale and counters can be loaded at any time)."
-)
 
 #: Keras's names for two of polyamp's settings, accepted (and written by get_config) for porting.
 KERAS_NAMES = {"initial_scale": "init_scale", "dynamic_growth_steps": "growth_interval"}
 
+#: Base-optimizer arguments Keras's LossScaleOptimizer refuses, and the defaults older Keras versions wrote
+#: into saved configs (accepted at these values, so those configs load).
+_INNER_ONLY_ARGUMENTS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
 
-def _settings(settings: dict[str, Any], keras_names: dict[str, Any]) -> dict[str, Any]:
+_TRACED_SETTINGS = (
+    "{method} would change the loss-scaling settings ({old} -> {new}), but a compiled step (tf.function, "
+    "jax.jit, model.fit) has already traced them: the settings are constants there, which would go on using "
+    "the old ones. Load the state before the first compiled step, or build a new optimizer with the new "
+    "settings (the scale and counters can be loaded at any time)."
+)
+
+
+def _split_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The loss-scaling settings among ``kwargs``; Keras's base-optimizer arguments are refused as Keras
+    refuses them (or dropped at the defaults old configs carry), anything else is named."""
+    names = LossScaleConfig.setting_names()
+    settings = {key: value for key, value in kwargs.items() if key in names}
+    unknown = []
+    for key, value in kwargs.items():
+        if key in names:
+            continue
+        if key in _INNER_ONLY_ARGUMENTS:
+            default = _INNER_ONLY_ARGUMENTS[key]
+            if value is default or (default is not None and value == default):
+                continue
+            raise PolyampValueError(
+                f"LossScaleOptimizer does not support `{key}`. Instead, set `{key}` on the `inner_optimizer`. "
+                f"Received: {key}={describe(value)}."
+            )
+        unknown.append(key)
+    if unknown:
+        raise PolyampValueError(
+            f"LossScaleOptimizer does not support arguments: `{'`, `'.join(unknown)}`. Its loss-scaling settings "
+            f"are: {', '.join(names)} (and Keras's initial_scale, dynamic_growth_steps)."
+        )
+    return settings
+
+
+def _keras_settings(settings: dict[str, Any], keras_names: dict[str, Any]) -> dict[str, Any]:
     """polyamp's settings from polyamp's and Keras's spellings; both may be given only if they agree."""
     for keras_name, name in KERAS_NAMES.items():
         value = keras_names[keras_name]
         if value is NOT_GIVEN:
             continue
+        if keras_name == "dynamic_growth_steps" and isinstance(value, float) and value.is_integer():
+            value = int(value)  # Keras and tf.keras accept 2.0
         given = settings.get(name, NOT_GIVEN)
         if given is not NOT_GIVEN and given != value:
             raise PolyampTypeError(
@@ -57,29 +103,47 @@ def _settings(settings: dict[str, Any], keras_names: dict[str, Any]) -> dict[str
     return settings
 
 
+def _backend_of_tensors() -> str | None:
+    """The polyamp backend whose tensors Keras computes with (None for JAX, which polyamp does not own)."""
+    return {"tensorflow": "tensorflow", "torch": "torch"}.get(keras.backend.backend())
+
+
+def _tracing(values: Iterable[Any]) -> bool:
+    """Whether the step is being compiled (so Python-side settings become constants of a graph)."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        tf = sys.modules.get("tensorflow")
+        return tf is not None and not tf.executing_eagerly()
+    if backend == "jax":
+        return any(type(value).__name__.endswith("Tracer") for value in values if value is not None)
+    return False
+
+
 @keras.saving.register_keras_serializable(package="polyamp", name="LossScaleOptimizer")
 class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[misc]
-    """A Keras 3 optimizer that scales the loss and skips non-finite steps, with polyamp's rule.
+    """A Keras 3 optimizer that scales the loss and skips non-finite steps, with polyamp's rule, on every
+    Keras backend (TensorFlow, JAX, PyTorch).
 
     Use it where ``keras.mixed_precision.LossScaleOptimizer`` goes: in ``model.compile`` (Keras sees a
-    loss-scale optimizer and does not wrap it again), in custom ``tf.GradientTape`` loops with
-    ``scale_loss`` + ``apply_gradients``, and in tf.keras-2 loops with ``get_scaled_loss`` /
-    ``get_unscaled_gradients`` + ``apply_gradients``.
+    loss-scale optimizer and does not wrap it again) and ``model.fit`` on any backend, in custom loops with
+    ``scale_loss`` + ``apply`` / ``apply_gradients`` (TensorFlow, PyTorch) or ``stateless_apply`` (JAX, the
+    jitted stateless step), and in tf.keras-2 loops with ``get_scaled_loss`` / ``get_unscaled_gradients``.
 
     Differences from Keras's own:
 
     * polyamp's state machine and defaults: starts at 2**16 (Keras: 2**15), any growth/backoff factor,
-      hysteresis, ``min_scale``/``max_scale``, and growth never reaches inf (Keras's can); ``dynamic=False``
-      keeps a fixed scale and still skips non-finite steps.
-    * Never unscales twice: after ``get_unscaled_gradients``, the next ``apply_gradients`` takes its
-      gradients as unscaled (as returned, or clipped), so the tf.keras-2 loop moves the weights by the true
-      gradient (Keras 3's own divides by the scale a second time, keras#19479).
-    * ``enabled=None`` follows the polyamp policy (no scaling under bfloat16 policies): a disabled optimizer
-      passes the loss and gradients straight to the inner optimizer.
+      hysteresis, ``min_scale``/``max_scale`` and a floor of 1.0 without one, growth that never reaches inf
+      (Keras's can); ``dynamic=False`` keeps a fixed scale and still skips non-finite steps (Keras refuses it).
+    * Never unscales twice: after ``get_unscaled_gradients``, the next apply takes its gradients as unscaled
+      (as returned, or clipped), so the tf.keras-2 loop moves the weights by the true gradient (Keras 3's own
+      divides by the scale a second time, keras#19479). An apply whose gradients did not come from
+      ``scale_loss`` warns: they would be divided by the scale and train almost nothing.
+    * The same trajectory on every backend, and state dicts interchangeable with polyamp's torch and
+      TensorFlow scalers; ``get_config`` carries Keras's keys and polyamp's.
 
     A skipped step leaves the variables, the inner optimizer's slots and ``iterations`` unchanged, so
-    learning-rate schedules do not advance. The decision is made in the graph (``ops.cond``), so it works
-    eagerly, in ``tf.function`` and with ``jit_compile=True``.
+    learning-rate schedules do not advance. The decision is made on the device (``ops.cond``), so it works
+    eagerly, in ``tf.function`` (also ``jit_compile=True``) and under ``jax.jit``.
 
     With the inner optimizer's ``gradient_accumulation_steps``, each micro-batch is checked on its own: an
     overflowing micro-batch is dropped (not accumulated, the accumulation window does not advance) and
@@ -88,31 +152,35 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
     Args:
         inner_optimizer: The Keras optimizer to wrap.
         *positional: The first settings by position, as for `polyamp.LossScaler`.
-        enabled: None (default) follows the policy in effect when the optimizer is used: polyamp's, or
-            Keras's own global policy (``keras.mixed_precision.set_global_policy``) when that computes in
-            float16. True or False fixes it.
+        enabled: True (default, as Keras's own always scales), False, or None to follow the policy in effect
+            when the optimizer is used (polyamp's, or Keras's own global policy when that computes in float16):
+            no scaling under bfloat16 policies. A disabled optimizer passes the loss and gradients straight
+            to the inner optimizer.
         initial_scale, dynamic_growth_steps: Keras's names for ``init_scale`` and ``growth_interval``.
         name: The optimizer's name.
         **settings: polyamp's loss-scaling settings, see `polyamp.LossScaleConfig`.
 
     Raises:
         InvalidConfigError / PolyampTypeError: a setting is invalid.
+        PolyampValueError: (a ``ValueError``) an argument Keras's LossScaleOptimizer refuses too.
     """
 
     def __init__(
         self,
         inner_optimizer: Any,
         *positional: Any,
-        enabled: bool | None = None,
+        enabled: bool | None = True,
         initial_scale: Any = NOT_GIVEN,
         dynamic_growth_steps: Any = NOT_GIVEN,
         name: str | None = None,
-        **settings: Any,
+        **kwargs: Any,
     ) -> None:
-        from polyamp.backend_api import bind_arguments
-
-        arguments = bind_arguments("LossScaleOptimizer()", LossScaleConfig.setting_names()[:4], positional, settings)
-        arguments = _settings(arguments, {"initial_scale": initial_scale, "dynamic_growth_steps": dynamic_growth_steps})
+        arguments = bind_arguments(
+            "LossScaleOptimizer()", LossScaleConfig.setting_names()[:4], positional, _split_arguments(kwargs)
+        )
+        arguments = _keras_settings(
+            arguments, {"initial_scale": initial_scale, "dynamic_growth_steps": dynamic_growth_steps}
+        )
         config = LossScaleConfig.from_settings(arguments, caller="LossScaleOptimizer()")
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise PolyampTypeError(
@@ -138,6 +206,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self._grads_are_unscaled = False
         self._polyamp_traced = False
         self._step_enabled: bool | None = None
+        self._scaled_since_apply = False
+        self._warned_unscaled_loss = False
 
     # -- settings and state ------------------------------------------------------------------------------
 
@@ -147,8 +217,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         return self._polyamp_config
 
     def _decide_enabled(self) -> bool:
+        if self._polyamp_enabled is not None:
+            return self._polyamp_enabled
         keras_float16 = str(keras.config.dtype_policy().compute_dtype) == "float16"
-        return resolve_enabled(self._polyamp_enabled, float16_in_use=keras_float16)
+        return resolve_enabled(None, float16_in_use=keras_float16)
 
     @property
     def enabled(self) -> bool:
@@ -178,7 +250,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             name="hysteresis_left",
         )
         self.skipped_steps = self.add_variable(
-            shape=(), dtype="int64", initializer=keras.initializers.Zeros(), aggregation="none", name="skipped_steps"
+            shape=(),
+            dtype=counter_dtype(),
+            initializer=keras.initializers.Zeros(),
+            aggregation="none",
+            name="skipped_steps",
         )
         self.last_skipped = self.add_variable(
             shape=(), dtype="bool", initializer=keras.initializers.Zeros(), aggregation="none", name="last_skipped"
@@ -210,7 +286,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
 
         Raises:
             StateDictError: the dict is malformed (nothing changes).
-            ScalerUsageError: gradients unscaled by `get_unscaled_gradients` wait for their apply.
+            ScalerUsageError: gradients unscaled by `get_unscaled_gradients` wait for their apply, or the
+                settings would change after a compiled step traced them.
         """
         config, state = parse_state_dict(state_dict, self._polyamp_config)
         if config != self._polyamp_config and self._polyamp_traced:
@@ -236,10 +313,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         """Multiply the loss by the current scale (Keras 3's name). A disabled optimizer returns it as is.
 
         New losses mean new, scaled gradients: a pending `get_unscaled_gradients` stage ends here.
+
+        Raises:
+            BackendMismatchError: the loss is another framework's tensor than Keras computes with.
         """
+        owner, expected = detect_backend(loss), _backend_of_tensors()
+        if owner is not None and owner != expected:
+            raise BackendMismatchError(
+                f"Keras runs on {keras.backend.backend()}, but scale_loss() received a {owner} object: "
+                f"{describe(loss)}. Compute the loss with this Keras backend's tensors."
+            )
         if not self._begin():
             return loss
         self._stages.clear()
+        self._scaled_since_apply = True
         return super().scale_loss(loss)
 
     def get_scaled_loss(self, loss: Any) -> Any:
@@ -261,21 +348,41 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
 
     # -- applying ----------------------------------------------------------------------------------------
 
-    def apply(self, grads: Any, trainable_variables: Any = None) -> None:
-        grads = list(grads)
+    def _start_apply(self, grads: list[Any]) -> bool:
+        """The Python-side decisions of a step, made once per trace: enabled, unscale stage, misuse."""
         enabled = self._begin()
         self._step_enabled = None  # the step ends here; the next one decides anew
+        scaled = self._scaled_since_apply
+        self._scaled_since_apply = False
         if not enabled:
             self._stages.clear()
-            self.inner_optimizer.apply(grads, trainable_variables)
-            return
+            return False
         refuse_loss_scale_factor(self.inner_optimizer, "a LossScaleOptimizer wraps it")
-        # Decided in Python, once per trace, before Keras's distribution machinery touches the tensors.
         stage = self._stages.check(grads, "apply_gradients()")
         self._grads_are_unscaled = stage is not None
         if stage is not None:
             self._stages.consume(stage)
         self._stages.clear()
+        if stage is None and not scaled and not self._warned_unscaled_loss:
+            self._warned_unscaled_loss = True
+            warnings.warn(
+                "LossScaleOptimizer.apply() received gradients, but scale_loss() was not called since the last "
+                "step. If they are gradients of the unscaled loss (a custom train_step without "
+                "`loss = self.optimizer.scale_loss(loss)`), dividing them by the loss scale shrinks every "
+                "update to almost nothing and training stalls. Take the gradients of optimizer.scale_loss(loss) "
+                "(get_scaled_loss in tf.keras 2 loops).",
+                UserWarning,
+                stacklevel=4,
+            )
+        if _tracing(grads):
+            self._polyamp_traced = True
+        return True
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> None:
+        grads = list(grads)
+        if not self._start_apply(grads):
+            self.inner_optimizer.apply(grads, trainable_variables)
+            return
         super().apply(grads, trainable_variables)
 
     def check_finite(self, grads: Any) -> Any:
@@ -283,19 +390,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         if self._polyamp_config.checks_unscaled and not self._grads_are_unscaled:
             # Below scale 1 an unscaled gradient can overflow where its scaled value did not.
             grads = unscale(grads, self.dynamic_scale)
-        self._note_tracing()
         return all_finite(grads)
 
-    def _note_tracing(self) -> None:
-        if not tf.executing_eagerly():
-            self._polyamp_traced = True
+    def _unscaled(self, grads: Any, variables: Any) -> list[Any]:
+        if self._grads_are_unscaled:
+            return list(grads)
+        skip = [self._overwrite_variable_with_gradient(v) for v in variables]
+        return unscale(list(grads), self.dynamic_scale, skip)
 
     def _stateful_handle_finite_grads(self, grads: Any, trainable_variables: Any) -> None:
         variables = trainable_variables or self._trainable_variables
-        if not self._grads_are_unscaled:
-            skip = [self._overwrite_variable_with_gradient(v) for v in variables]
-            grads = unscale(list(grads), self.dynamic_scale, skip)
-        self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
+        self.inner_optimizer.apply(self._unscaled(grads, variables), trainable_variables=trainable_variables)
         self.last_skipped.assign(False)
         advance(self._scale_state, False, self._polyamp_config)
 
@@ -304,10 +409,49 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         advance(self._scale_state, True, self._polyamp_config)
 
     def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
-        raise NotImplementedError(
-            "polyamp's LossScaleOptimizer keeps its state in variables (TensorFlow and PyTorch Keras backends); "
-            "the JAX backend's stateless training step is not supported."
+        """The stateless step (JAX; what ``model.fit`` uses there): variables in, new values out, the skip
+        decided inside the compiled step with ``ops.cond``."""
+        if not self.built:
+            raise PolyampValueError(
+                "To call `stateless_apply`, LossScaleOptimizer must be built (its variables created). Build it "
+                "with `optimizer.build(trainable_variables)`."
+            )
+        grads = list(grads)
+        optimizer_variables = list(optimizer_variables)
+        own = len(self._variables)
+        if not self._start_apply(grads):
+            new_trainable, new_inner = self.inner_optimizer.stateless_apply(
+                optimizer_variables[own:], grads, trainable_variables
+            )
+            return new_trainable, optimizer_variables[:own] + list(new_inner)
+        mapping = list(zip(self.variables, optimizer_variables, strict=True))
+        with keras.StatelessScope(state_mapping=mapping):
+            finite = self.check_finite(grads)
+        return ops.cond(
+            finite,
+            lambda: self._stateless_finite(optimizer_variables, grads, trainable_variables),
+            lambda: self._stateless_non_finite(optimizer_variables, trainable_variables),
         )
+
+    def _own_values(self, mapping: list[tuple[Any, Any]], overflow: bool) -> list[Any]:
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            self.last_skipped.assign(overflow)
+            advance(self._scale_state, overflow, self._polyamp_config)
+            return [scope.get_current_value(v) for v in self._variables]
+
+    def _stateless_finite(self, optimizer_variables: list[Any], grads: list[Any], trainable_variables: Any) -> Any:
+        mapping = list(zip(self.variables, optimizer_variables, strict=True))
+        with keras.StatelessScope(state_mapping=mapping):
+            unscaled = self._unscaled(grads, self._trainable_variables)  # with the step's scale, before its update
+            new_trainable, new_inner = self.inner_optimizer.stateless_apply(
+                self.inner_optimizer.variables, unscaled, trainable_variables
+            )
+        return new_trainable, self._own_values(mapping, False) + list(new_inner)
+
+    def _stateless_non_finite(self, optimizer_variables: list[Any], trainable_variables: Any) -> Any:
+        mapping = list(zip(self.variables, optimizer_variables, strict=True))
+        own = self._own_values(mapping, True)
+        return list(trainable_variables), own + optimizer_variables[len(self._variables) :]
 
     # -- serialisation -----------------------------------------------------------------------------------
 

@@ -1,0 +1,276 @@
+"""polyamp's conformance harness for Keras 3 on the backend this process runs it on (TensorFlow, JAX or
+PyTorch), through `polyamp_keras.LossScaleOptimizer` (see `polyamp.conformance`).
+
+Keras picks its backend once per process, so the targets are ``keras-<backend>-<device>``, for the backend
+of ``KERAS_BACKEND``: ``KERAS_BACKEND=jax python -m polyamp.conformance --backend keras`` runs the suite on
+Keras-on-JAX. The training steps are the custom loops of polyamp's README, one per backend: a
+``GradientTape`` on TensorFlow, ``backward()`` on PyTorch, ``jax.value_and_grad`` with ``stateless_apply``
+on JAX.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+import polyamp
+from polyamp import Policy
+from polyamp.conformance import HarnessUnavailable
+from polyamp_keras._keras import keras
+from polyamp_keras._optimizer import LossScaleOptimizer
+from polyamp_keras._outputs import cast_outputs
+
+__all__ = ["KerasHarness", "keras_backend"]
+
+ops = keras.ops
+_LAYER_DTYPE = (
+    "Keras layers return their compute dtype: its Softmax, LayerNormalization and ops-based layers run "
+    "{op} in float16/bfloat16 (LayerNormalization computes its statistics in float32 inside), where "
+    "torch's autocast and polyamp's torch regions give float32. Give such layers dtype='float32' (or a "
+    "polyamp override for layers with weights) to match."
+)
+
+
+def keras_backend() -> str:
+    """The backend Keras runs on in this process."""
+    return str(keras.backend.backend())
+
+
+def _numpy(value: Any) -> np.ndarray:
+    return np.array(ops.convert_to_numpy(value))
+
+
+def _mlp() -> Any:
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
+
+
+def _plant_inf(grad: Any) -> Any:
+    return ops.scatter_update(grad, [[0] * len(grad.shape)], ops.convert_to_tensor([float("inf")], dtype=grad.dtype))
+
+
+def _clip_by_global_norm(grads: list[Any], clip: float) -> list[Any]:
+    # tf.clip_by_global_norm's formula, in Keras ops: t * clip / max(global_norm, clip)
+    norm = ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads))
+    factor = clip / ops.maximum(norm, clip)
+    return [ops.cast(g * factor, g.dtype) for g in grads]
+
+
+def gradients(model_fn: Any, variables: list[Any], optimizer: Any, scaled: bool) -> tuple[Any, list[Any]]:
+    """``(loss, gradients of the (scaled) loss)`` for ``model_fn() -> loss`` w.r.t. ``variables``, the way each
+    Keras backend computes gradients; on JAX the optimizer's own variables are read statelessly."""
+    backend = keras_backend()
+    if backend == "tensorflow":
+        tf = sys.modules["tensorflow"]
+        with tf.GradientTape() as tape:
+            loss = model_fn()
+            target = optimizer.scale_loss(loss) if scaled else loss
+        return loss, tape.gradient(target, variables)
+    if backend == "torch":
+        loss = model_fn()
+        (optimizer.scale_loss(loss) if scaled else loss).backward()
+        grads = [v.value.grad for v in variables]
+        for v in variables:
+            v.value.grad = None
+        return loss, grads
+    jax = sys.modules["jax"]
+    values = [v.value for v in variables]
+    opt_mapping = list(zip(optimizer.variables, [v.value for v in optimizer.variables], strict=True))
+
+    def target(vals: list[Any]) -> tuple[Any, Any]:
+        with keras.StatelessScope(state_mapping=list(zip(variables, vals, strict=True)) + opt_mapping):
+            loss = model_fn()
+            return (optimizer.scale_loss(loss) if scaled else loss), loss
+
+    (_, loss), grads = jax.value_and_grad(target, has_aux=True)(values)
+    return loss, list(grads)
+
+
+def apply(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:
+    """One optimizer step, stateful on TensorFlow and PyTorch, through ``stateless_apply`` on JAX."""
+    backend = keras_backend()
+    if backend == "torch":
+        with sys.modules["torch"].no_grad():  # Keras's backend here, so imported
+            optimizer.apply(grads, variables)
+        return
+    if backend == "tensorflow":
+        optimizer.apply(grads, variables)
+        return
+    opt_values = [v.value for v in optimizer.variables]
+    new_values, new_opt_values = optimizer.stateless_apply(opt_values, grads, [v.value for v in variables])
+    for variable, value in zip(variables, new_values, strict=True):
+        variable.assign(value)
+    for variable, value in zip(optimizer.variables, new_opt_values, strict=True):
+        variable.assign(value)
+
+
+class _KerasTrainer:
+    def __init__(
+        self, policy: Policy, scaler: Mapping[str, Any] | None, optimizer: str, clip: float | None, seed: int
+    ) -> None:
+        self.policy = policy
+        self.clip = clip
+        with polyamp.policy_scope(policy):
+            keras.utils.set_random_seed(seed)
+            self.model = cast_outputs(_mlp(), policy)
+        if optimizer == "sgd":
+            inner = keras.optimizers.SGD(0.1, momentum=0.9)
+        elif optimizer == "adam":
+            inner = keras.optimizers.Adam(0.01)
+        else:
+            raise ValueError(f"unknown optimizer {optimizer!r}; the harness knows 'sgd' and 'adam'")
+        self.variables = list(self.model.trainable_variables)
+        self.scaler: LossScaleOptimizer | None = None if scaler is None else LossScaleOptimizer(inner, **scaler)
+        self.opt = self.scaler if self.scaler is not None else inner
+        self.opt.build(self.variables)
+        self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
+        with polyamp.policy_scope(self.policy):  # the program this trainer stands for set this policy
+            inputs, targets = ops.convert_to_tensor(x), ops.convert_to_tensor(y)
+            loss, grads = gradients(
+                lambda: self.loss_fn(targets, self.model(inputs, training=True)),
+                self.variables,
+                self.opt,
+                scaled=self.scaler is not None,
+            )
+            grads = list(grads)
+            if overflow:
+                grads[0] = _plant_inf(grads[0])
+            if self.clip is not None:
+                if self.scaler is not None:
+                    grads = self.scaler.get_unscaled_gradients(grads)
+                grads = _clip_by_global_norm(grads, self.clip)
+            apply(self.opt, grads, self.variables)
+            return float(_numpy(loss))
+
+    def params(self) -> list[np.ndarray]:
+        return [_numpy(v).astype(np.float32) for v in self.variables]
+
+    def optimizer_state(self) -> list[np.ndarray]:
+        inner = self.scaler.inner_optimizer if self.scaler is not None else self.opt
+        return [_numpy(v) for v in inner.variables]
+
+    def step_skipped(self) -> bool:
+        return self.scaler is not None and bool(_numpy(self.scaler.last_skipped))
+
+
+def _device_available(device: str) -> bool:
+    if device == "cpu":
+        return True
+    backend = keras_backend()
+    if backend == "tensorflow":
+        return bool(sys.modules["tensorflow"].config.list_physical_devices("GPU"))
+    if backend == "torch":
+        return bool(sys.modules["torch"].cuda.is_available())
+    jax = sys.modules["jax"]
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+class KerasHarness:
+    """Keras 3 on this process's backend, on one device type ("<backend>-cpu" or "<backend>-cuda").
+
+    Keras computes on the default device of its backend; this harness does not move computation, so a
+    "cuda" target runs where the backend puts it (the GPU when there is one).
+    """
+
+    backend = "keras"
+    devices = (f"{keras_backend()}-cpu", f"{keras_backend()}-cuda")
+    capabilities = frozenset({"low_precision"})
+    divergences: Mapping[str, str] = {
+        f"op:{op}": _LAYER_DTYPE.format(op=op) for op in ("softmax", "log_softmax", "layer_norm", "sum")
+    }
+
+    def __init__(self, device: str) -> None:
+        backend, _, kind = device.rpartition("-")
+        if backend != keras_backend():
+            raise HarnessUnavailable(
+                f"Keras runs on {keras_backend()} in this process, not {backend!r}: set KERAS_BACKEND={backend} "
+                "and run in a new process"
+            )
+        if kind not in ("cpu", "cuda"):
+            raise HarnessUnavailable(f"the keras harness runs on cpu and cuda devices, not {kind!r}")
+        if not _device_available(kind):
+            raise HarnessUnavailable(f"Keras on {backend} sees no CUDA device")
+        if kind == "cpu" and _device_available("cuda"):
+            raise HarnessUnavailable(f"Keras on {backend} computes on the GPU in this process; run cpu targets without one")
+        self.device = device
+
+    def op_dtype(self, op: str, policy: Policy) -> str:
+        layers = keras.layers
+        rng = np.random.default_rng(1)
+        a = ops.convert_to_tensor(rng.normal(size=(4, 8)).astype("float32"))
+        b = ops.convert_to_tensor(np.random.default_rng(2).normal(size=(8, 8)).astype("float32"))
+        with polyamp.policy_scope(policy):
+            if op == "matmul":
+                out = layers.Lambda(lambda pair: ops.matmul(pair[0], pair[1]))([a, b])
+            elif op == "dense":
+                out = layers.Dense(8)(a)
+            elif op == "conv":
+                out = layers.Conv2D(4, 3)(ops.convert_to_tensor(rng.normal(size=(2, 8, 8, 3)).astype("float32")))
+            else:
+                hidden = layers.Dense(8)(a)  # activations in the compute dtype, as inside a model
+                if op == "softmax":
+                    out = layers.Softmax()(hidden)
+                elif op == "log_softmax":
+                    out = layers.Lambda(lambda t: ops.log_softmax(t, axis=-1))(hidden)
+                elif op == "cross_entropy":
+                    out = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(np.arange(4), hidden)
+                elif op == "layer_norm":
+                    out = layers.LayerNormalization()(hidden)
+                elif op == "sum":
+                    out = layers.Lambda(lambda t: ops.sum(t))(hidden)
+                else:
+                    raise ValueError(f"unknown op class {op!r}")
+        return str(keras.backend.standardize_dtype(out.dtype))
+
+    def model_dtypes(self, policy: Policy) -> tuple[list[str], str]:
+        with polyamp.policy_scope(policy):
+            model = cast_outputs(_mlp(), policy)
+            output = model(ops.convert_to_tensor(np.ones((2, 8), "float32")))
+        dtypes = [str(keras.backend.standardize_dtype(v.dtype)) for v in model.trainable_variables]
+        return dtypes, str(keras.backend.standardize_dtype(output.dtype))
+
+    def trainer(
+        self,
+        policy: Policy,
+        *,
+        scaler: Mapping[str, Any] | None = None,
+        optimizer: str = "sgd",
+        clip: float | None = None,
+        seed: int = 0,
+    ) -> _KerasTrainer:
+        return _KerasTrainer(policy, scaler, optimizer, clip, seed)
+
+    def new_scaler(self, **settings: Any) -> LossScaleOptimizer:
+        return LossScaleOptimizer(keras.optimizers.SGD(0.0), **settings)
+
+    def tiny_gradient(
+        self, x: np.ndarray, w: np.ndarray, factor: float, policy: Policy, scaler: Any
+    ) -> np.ndarray:
+        with polyamp.policy_scope(policy):
+            layer = keras.layers.Dense(w.shape[1], use_bias=False)
+            layer.build((None, w.shape[0]))
+            layer.kernel.assign(w)
+            inputs = ops.convert_to_tensor(x)
+            optimizer = scaler if scaler is not None else keras.optimizers.SGD(0.0)
+            optimizer.build([layer.kernel])
+            _, grads = gradients(
+                lambda: ops.sum(ops.cast(layer(inputs), "float32")) * factor,
+                [layer.kernel],
+                optimizer,
+                scaled=scaler is not None,
+            )
+            grads = list(grads)
+            if scaler is not None:
+                grads = scaler.get_unscaled_gradients(grads)
+        return _numpy(grads[0]).astype(np.float32)
+
+    def passes_loss_through(self, scaler: Any) -> bool:
+        loss = ops.convert_to_tensor(1.5)
+        return scaler.scale_loss(loss) is loss

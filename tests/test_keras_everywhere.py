@@ -1,0 +1,286 @@
+"""polyamp_keras.LossScaleOptimizer on every Keras backend: TensorFlow, JAX and PyTorch, one trajectory.
+
+The tests run in this process on its Keras backend; `test_on_every_keras_backend` runs this module again in
+a subprocess per other backend (Keras picks its backend once per process), and
+`test_conformance_suite_on_every_keras_backend` runs polyamp's conformance suite there, with the torch
+target beside it for the cross-framework resume (a state dict saved on torch-cpu continues on keras-<b>-cpu).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+
+import polyamp  # noqa: E402
+import polyamp_keras  # noqa: E402
+from polyamp import BackendMismatchError, LossScaleConfig, PolyampTypeError, PolyampValueError  # noqa: E402
+from polyamp_keras.testing import apply, gradients, keras_backend  # noqa: E402
+
+ops = keras.ops
+BACKEND = keras_backend()
+HERE = Path(__file__).resolve()
+#: Set in the subprocesses, which cover one backend each.
+SUBPROCESS = os.environ.get("POLYAMP_KERAS_SUBPROCESS") == "1"
+
+
+def _installed(backend: str) -> bool:
+    return importlib.util.find_spec(backend) is not None
+
+
+def _model(seed: int = 0) -> Any:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+
+
+def _step(model: Any, optimizer: Any, x: Any, y: Any, *, overflow: bool = False, scaled: bool = True) -> None:
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    variables = list(model.trainable_variables)
+    _, grads = gradients(lambda: loss_fn(y, model(x, training=True)), variables, optimizer, scaled=scaled)
+    grads = list(grads)
+    if overflow:
+        grads[0] = ops.scatter_update(grads[0], [[0, 0]], ops.convert_to_tensor([math.inf], dtype=grads[0].dtype))
+    apply(optimizer, grads, variables)
+
+
+def _data(seed: int) -> tuple[Any, Any]:
+    rng = np.random.default_rng(seed)
+    return ops.convert_to_tensor(rng.normal(size=(8, 6)).astype("float32")), ops.convert_to_tensor(
+        rng.integers(0, 3, size=(8,))
+    )
+
+
+def _state(optimizer: Any) -> tuple[float, int, int]:
+    state = optimizer.state_dict()
+    return state["scale"], state["_growth_tracker"], state["hysteresis_left"]
+
+
+# -- the rule, the skip and the custom loops ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"growth_interval": 2},
+        {"growth_interval": 2, "hysteresis": 2, "min_scale": 4096.0, "max_scale": 2.0**17},
+        {"init_scale": 1000.0, "growth_factor": 1.37, "backoff_factor": 0.61, "growth_interval": 1},
+    ],
+    ids=["default", "hysteresis_bounds", "odd_factors"],
+)
+def test_custom_loop_follows_the_reference_and_skips_bitwise(settings: dict[str, Any]) -> None:
+    pattern = "FFOFFOOFFFFO"
+    model = _model()
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.Adam(0.01), **settings)
+    optimizer.build(model.trainable_variables)
+    states = []
+    for step, char in enumerate(pattern):
+        before = [np.array(ops.convert_to_numpy(v)) for v in [*model.trainable_variables, *optimizer.inner_optimizer.variables]]
+        _step(model, optimizer, *_data(step), overflow=char == "O")
+        after = [np.array(ops.convert_to_numpy(v)) for v in [*model.trainable_variables, *optimizer.inner_optimizer.variables]]
+        if char == "O":  # parameters, slots and iterations bitwise unchanged
+            assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+        states.append(_state(optimizer))
+    reference = LossScaleConfig(**settings).states(pattern)
+    assert states == [(s.scale, s.growth_tracker, s.hysteresis_left) for s in reference]
+    assert int(ops.convert_to_numpy(optimizer.skipped_steps)) == pattern.count("O")
+    assert int(ops.convert_to_numpy(optimizer.iterations)) == pattern.count("F")
+
+
+def test_jax_stateless_step_under_jit_skips_and_updates() -> None:
+    if BACKEND != "jax":
+        pytest.skip("the jitted stateless step is JAX's")
+    import jax
+
+    model = _model()
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), growth_interval=2)
+    optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    opt_values = [v.value for v in optimizer.variables]
+
+    @jax.jit
+    def train_step(trainable: Any, opt_values: Any, x: Any, y: Any, bad: Any) -> Any:
+        def scaled_loss(trainable: Any) -> Any:
+            logits, _ = model.stateless_call(trainable, non_trainable, x)
+            with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, opt_values, strict=True))):
+                return optimizer.scale_loss(loss_fn(y, logits) * bad)
+
+        grads = jax.grad(scaled_loss)(trainable)
+        return optimizer.stateless_apply(opt_values, grads, trainable)
+
+    start = [np.array(t) for t in trainable]
+    for step, bad in enumerate([1.0, math.inf, 1.0, 1.0]):
+        new_trainable, opt_values = train_step(trainable, opt_values, *_data(step), bad)
+        if bad == math.inf:
+            assert all(np.array_equal(a, b) for a, b in zip(new_trainable, trainable, strict=True))
+        trainable = new_trainable
+    for variable, value in zip(optimizer.variables, opt_values, strict=True):
+        variable.assign(value)
+    assert _state(optimizer) == (65536.0, 0, 1)  # FOFF at interval 2: back off to 2**15, grow back to 2**16
+    assert not all(np.array_equal(a, np.array(b)) for a, b in zip(start, trainable, strict=True))
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_fit_trains_with_the_optimizer(policy: str) -> None:
+    with polyamp.policy_scope(policy):
+        model = polyamp_keras.cast_outputs(_model())
+        optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.Adam(0.01))
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        assert model.optimizer is optimizer  # Keras does not wrap it again
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(64, 6)).astype("float32")
+        y = (x[:, 0] > 0).astype("int64")
+        history = model.fit(x, y, epochs=3, batch_size=16, verbose=0, callbacks=[polyamp_keras.LossScaleCallback()])
+    losses = history.history["loss"]
+    assert losses[-1] < losses[0] and all(math.isfinite(v) for v in losses)
+    assert history.history["loss_scale"][-1] == 65536.0 and history.history["skipped_steps"][-1] == 0
+
+
+def test_save_and_load_keep_scale_counters_and_settings(tmp_path: Path) -> None:
+    model = _model()
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), growth_interval=5, hysteresis=2)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    optimizer.build(model.trainable_variables)
+    for step, char in enumerate("FOOF"):
+        _step(model, optimizer, *_data(step), overflow=char == "O")
+    saved = optimizer.state_dict()
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert type(loaded.optimizer) is polyamp_keras.LossScaleOptimizer
+    assert loaded.optimizer.state_dict() == saved
+
+
+def test_state_dicts_travel_between_keras_torch_and_tensorflow_scalers() -> None:
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(), growth_interval=3, min_scale=2.0)
+    optimizer.load_state_dict({**optimizer.state_dict(), "scale": 1024.0, "_growth_tracker": 2})
+    as_json = json.loads(json.dumps(optimizer.state_dict()))
+    scaler = polyamp.LossScaler(enabled=True)
+    scaler.load_state_dict(as_json)
+    assert scaler.get_state().scale == 1024.0 and scaler.config == optimizer.loss_scale_config
+
+
+# -- Keras-compatibility: what Keras's own LossScaleOptimizer accepts --------------------------------------------
+
+
+def test_config_carries_keras_keys_and_polyamps() -> None:
+    config = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=256.0, dynamic_growth_steps=7).get_config()
+    assert (config["initial_scale"], config["dynamic_growth_steps"]) == (256.0, 7)
+    assert (config["init_scale"], config["growth_interval"], config["hysteresis"]) == (256.0, 7, 1)
+    keras_config = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0).get_config()
+    restored = polyamp_keras.LossScaleOptimizer.from_config(keras_config)  # Keras's own config loads
+    assert restored.loss_scale_config.init_scale == 8.0
+
+
+def test_float_dynamic_growth_steps_and_old_base_optimizer_keys() -> None:
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(), dynamic_growth_steps=2.0)
+    assert optimizer.loss_scale_config.growth_interval == 2
+    old = {**optimizer.get_config(), "weight_decay": None, "use_ema": False, "ema_momentum": 0.99}
+    assert polyamp_keras.LossScaleOptimizer.from_config(old).loss_scale_config.growth_interval == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"foo": True, "bar": 3}, "does not support arguments: `foo`, `bar`"),
+        ({"clipnorm": 1.0}, "does not support `clipnorm`. Instead, set `clipnorm` on the `inner_optimizer`"),
+    ],
+)
+def test_arguments_keras_refuses_are_value_errors(kwargs: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(PolyampValueError, match=fragment.replace("`", ".").replace("(", r"\(")) as info:
+        polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(), **kwargs)
+    assert isinstance(info.value, ValueError)
+
+
+def test_policy_overrides_map_keeps_keras_regex_keys_and_refuses_ambiguous_paths() -> None:
+    bfloat16, float16 = keras.DTypePolicy("bfloat16"), keras.DTypePolicy("float16")
+    policy_map = polyamp_keras.PolicyOverridesMap(default_policy="float32", overrides={"model/head": "mixed_bfloat16"})
+    policy_map["model/decoder/.*"] = float16
+    assert policy_map["model/decoder/layer_0"] is float16
+    assert policy_map["model/head/dense"].name == "mixed_bfloat16"  # polyamp's override, by ancestor
+    assert policy_map["model/other"].name == "float32"
+    policy_map["model/decoder/attention/.*"] = bfloat16
+    with pytest.raises(ValueError, match="matches multiple dtype policy specification keys"):
+        policy_map["model/decoder/attention/output"]
+
+
+# -- misuse that trains nothing, and another framework's loss ------------------------------------------------------
+
+
+def test_an_apply_without_scale_loss_warns() -> None:
+    model = _model()
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    optimizer.build(model.trainable_variables)
+    with pytest.warns(UserWarning, match=r"scale_loss\(\) was not called"):
+        _step(model, optimizer, *_data(0), scaled=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _step(model, optimizer, *_data(1))
+    assert not [w for w in caught if "scale_loss" in str(w.message)]
+
+
+def test_another_frameworks_loss_is_refused() -> None:
+    other = "torch" if BACKEND != "torch" else "tensorflow"
+    if not _installed(other):
+        pytest.skip(f"{other} is not installed")
+    if other == "torch":
+        import torch
+
+        loss: Any = torch.tensor(1.0)
+    else:
+        import tensorflow as tf
+
+        loss = tf.constant(1.0)
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD())
+    with pytest.raises(BackendMismatchError, match=f"Keras runs on {BACKEND}, but scale_loss"):
+        optimizer.get_scaled_loss(loss)
+
+
+def test_a_loss_scaler_handed_keras_objects_off_tensorflow_says_what_to_use() -> None:
+    if BACKEND == "tensorflow":
+        assert polyamp.backend_api.backend_name_for(keras.Variable(1.0)) == "tensorflow"
+        return
+    assert polyamp.backend_api.backend_name_for(keras.Variable(1.0)) == "keras"
+    with pytest.raises(PolyampTypeError, match="polyamp_keras.LossScaleOptimizer"):
+        polyamp.LossScaler(enabled=True).apply_gradients(keras.optimizers.SGD(), [])
+
+
+# -- the other backends, in subprocesses -------------------------------------------------------------------------
+
+
+def _run(command: list[str], backend: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, KERAS_BACKEND=backend, POLYAMP_KERAS_SUBPROCESS="1", TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=HERE.parent.parent)
+
+
+@pytest.mark.skipif(SUBPROCESS, reason="a subprocess covers its own backend only")
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_on_every_keras_backend(backend: str) -> None:
+    if not _installed(backend):
+        pytest.skip(f"{backend} is not installed")
+    result = _run([sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider"], backend)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+@pytest.mark.skipif(SUBPROCESS, reason="a subprocess covers its own backend only")
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_conformance_suite_on_every_keras_backend(backend: str) -> None:
+    if not _installed(backend):
+        pytest.skip(f"{backend} is not installed")
+    command = [sys.executable, "-m", "polyamp.conformance", "--backend", "keras", "--backend", "torch"]
+    result = _run(command, backend)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert f"torch-cpu+keras-{backend}-cpu" in result.stdout  # a torch state dict resumes on Keras-on-backend
+    summary = result.stdout.strip().splitlines()[-1]
+    assert " failed" not in summary and "xpassed" not in summary, summary
