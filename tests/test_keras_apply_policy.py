@@ -587,3 +587,18 @@ def test_on_other_keras_backends(backend: str) -> None:
                 [f"Dropout:{low}", f"EinsumDense:{low}", f"MultiHeadAttention:{low}", "Softmax:float32"],
             ],
         }, policy
+
+
+def test_input_integer_and_quantized_layers_keep_their_policies() -> None:
+    polyamp.set_policy("mixed_bfloat16")
+    inputs = keras.Input((6,), dtype="int32")
+    hashing = LAYERS.Hashing(num_bins=5, name="hashing")
+    quantized = LAYERS.Dense(4, name="quantized")
+    outputs = quantized(LAYERS.Embedding(5, 3, name="embed")(hashing(inputs)))
+    model = keras.Model(inputs, outputs)
+    quantized.quantize("int8")
+    policies = {layer.name: layer.dtype_policy.name for layer in (hashing, quantized, model.layers[0])}
+    applied = polyamp_keras.apply_policy(model, "mixed_float16")
+    assert {layer.name: layer.dtype_policy.name for layer in (hashing, quantized, model.layers[0])} == policies
+    assert model.get_layer("embed").compute_dtype == "float16"
+    assert dtype_of(applied(np.arange(12, dtype="int32").reshape(2, 6))) == "float32"
