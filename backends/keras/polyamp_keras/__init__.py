@@ -12,28 +12,37 @@ PyTorch).
 * `cast_outputs` - model outputs in the policy's output dtype.
 * `to_keras_policy` - the Keras dtype policy for a ``polyamp.Policy``; `PolyampDTypePolicy` for the pairs
   Keras has no name for (e.g. bfloat16 variables, float16 compute).
+* `apply_policy` - a model computing as torch's autocast classifies ops (softmax, log-softmax and layer,
+  group, RMS and unit norms in float32; matmuls and convolutions in the compute dtype), with float32 layers
+  (``keep_float32``), per-layer policies (``overrides``) and outputs in the policy's output dtype.
 * `PolicyOverridesMap` - per-layer overrides (``polyamp.set_policy(..., overrides=...)``) as a Keras
   ``DTypePolicyMap``; it survives ``model.save`` / ``keras.models.load_model``.
 
 It imports Keras and nothing else: no TensorFlow, JAX or PyTorch beyond what Keras itself loads for its
-backend. ``polyamp_tensorflow`` re-exports these names and adds the TensorFlow ``LossScaler``.
+backend. Importing it registers its classes for Keras serialization (``polyamp>LossScaleOptimizer``,
+``polyamp>OutputCast``, ``polyamp>DTypePolicy``, ``polyamp>PolicyOverridesMap``). ``polyamp_tensorflow``
+re-exports these names and adds the TensorFlow ``LossScaler``.
 """
 
 from __future__ import annotations
 
 from polyamp_keras._callbacks import LossScaleCallback
 from polyamp_keras._follow import follow_polyamp_policy
+from polyamp_keras._models import FLOAT32_LAYERS, apply_policy, op_output_dtype
 from polyamp_keras._optimizer import LossScaleOptimizer
 from polyamp_keras._outputs import OutputCast, cast_outputs
 from polyamp_keras._policies import PolicyOverridesMap, PolyampDTypePolicy, to_keras_policy
 
 __all__ = [
+    "FLOAT32_LAYERS",
     "LossScaleCallback",
     "LossScaleOptimizer",
     "OutputCast",
     "PolicyOverridesMap",
     "PolyampDTypePolicy",
+    "apply_policy",
     "cast_outputs",
     "follow_polyamp_policy",
+    "op_output_dtype",
     "to_keras_policy",
 ]

@@ -7,7 +7,14 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from polyamp import BackendMismatchError, LossScaleConfig, LossScaleState, PolyampTypeError, PolyampValueError, ScalerUsageError
+from polyamp import (
+    BackendMismatchError,
+    LossScaleConfig,
+    LossScaleState,
+    PolyampTypeError,
+    PolyampValueError,
+    ScalerUsageError,
+)
 from polyamp.backend_api import (
     NOT_GIVEN,
     UnscaleStages,

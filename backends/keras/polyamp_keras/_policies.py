@@ -7,7 +7,6 @@ Both classes are registered for Keras serialization as ``polyamp>DTypePolicy`` a
 from __future__ import annotations
 
 import re
-
 from typing import Any
 
 from keras.dtype_policies import DTypePolicy, DTypePolicyMap

@@ -20,18 +20,20 @@ import polyamp
 from polyamp import Policy
 from polyamp.conformance import HarnessUnavailable
 from polyamp_keras._keras import keras
+from polyamp_keras._models import op_output_dtype
 from polyamp_keras._optimizer import LossScaleOptimizer
 from polyamp_keras._outputs import cast_outputs
 
-__all__ = ["KerasHarness", "keras_backend"]
+__all__ = ["DIVERGENCES", "KerasHarness", "apply", "gradients", "keras_backend", "keras_op_dtype"]
 
 ops = keras.ops
-_LAYER_DTYPE = (
-    "Keras layers return their compute dtype: its Softmax, LayerNormalization and ops-based layers run "
-    "{op} in float16/bfloat16 (LayerNormalization computes its statistics in float32 inside), where "
-    "torch's autocast and polyamp's torch regions give float32. Give such layers dtype='float32' (or a "
-    "polyamp override for layers with weights) to match."
+_OPS_IN_LAYERS = (
+    "keras.ops calls inside a user's own layer (here a Lambda running ops.{op}) compute in that layer's dtype: "
+    "Keras has no per-op hook, so polyamp_keras.apply_policy cannot give them float32 as torch's autocast does "
+    "(it does for Softmax and normalization layers). Put such layers in apply_policy(keep_float32=...)."
 )
+#: The op classes Keras cannot classify per op: the one documented difference from torch's op classes.
+DIVERGENCES: Mapping[str, str] = {f"op:{op}": _OPS_IN_LAYERS.format(op=op) for op in ("log_softmax", "sum")}
 
 
 def keras_backend() -> str:
@@ -66,8 +68,8 @@ def gradients(model_fn: Any, variables: list[Any], optimizer: Any, scaled: bool)
         tf = sys.modules["tensorflow"]
         with tf.GradientTape() as tape:
             loss = model_fn()
-            target = optimizer.scale_loss(loss) if scaled else loss
-        return loss, tape.gradient(target, variables)
+            differentiated = optimizer.scale_loss(loss) if scaled else loss
+        return loss, tape.gradient(differentiated, variables)
     if backend == "torch":
         loss = model_fn()
         (optimizer.scale_loss(loss) if scaled else loss).backward()
@@ -79,12 +81,12 @@ def gradients(model_fn: Any, variables: list[Any], optimizer: Any, scaled: bool)
     values = [v.value for v in variables]
     opt_mapping = list(zip(optimizer.variables, [v.value for v in optimizer.variables], strict=True))
 
-    def target(vals: list[Any]) -> tuple[Any, Any]:
+    def objective(vals: list[Any]) -> tuple[Any, Any]:
         with keras.StatelessScope(state_mapping=list(zip(variables, vals, strict=True)) + opt_mapping):
             loss = model_fn()
             return (optimizer.scale_loss(loss) if scaled else loss), loss
 
-    (_, loss), grads = jax.value_and_grad(target, has_aux=True)(values)
+    (_, loss), grads = jax.value_and_grad(objective, has_aux=True)(values)
     return loss, list(grads)
 
 
@@ -157,6 +159,35 @@ class _KerasTrainer:
         return self.scaler is not None and bool(_numpy(self.scaler.last_skipped))
 
 
+def keras_op_dtype(op: str, policy: Policy) -> str:
+    """The output dtype of op class ``op`` (see `polyamp.conformance.OPS`) on Keras under ``policy``, with
+    the model given the policy by `polyamp_keras.apply_policy`: what Keras users get with polyamp."""
+    layers = keras.layers
+    rng = np.random.default_rng(1)
+    a = ops.convert_to_tensor(rng.normal(size=(4, 8)).astype("float32"))
+    b = ops.convert_to_tensor(np.random.default_rng(2).normal(size=(8, 8)).astype("float32"))
+    in_model: dict[str, Any] = {
+        "softmax": lambda: layers.Softmax(),
+        "log_softmax": lambda: layers.Lambda(lambda t: ops.log_softmax(t, axis=-1)),
+        "layer_norm": lambda: layers.LayerNormalization(),
+        "sum": lambda: layers.Lambda(lambda t: ops.sum(t)),
+    }
+    if op in in_model:
+        return op_output_dtype(in_model[op](), a, policy)
+    with polyamp.policy_scope(policy):
+        if op == "matmul":
+            out = layers.Lambda(lambda pair: ops.matmul(pair[0], pair[1]))([a, b])
+        elif op == "dense":
+            out = layers.Dense(8)(a)
+        elif op == "conv":
+            out = layers.Conv2D(4, 3)(ops.convert_to_tensor(rng.normal(size=(2, 8, 8, 3)).astype("float32")))
+        elif op == "cross_entropy":
+            out = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(np.arange(4), layers.Dense(8)(a))
+        else:
+            raise ValueError(f"unknown op class {op!r}")
+    return str(keras.backend.standardize_dtype(out.dtype))
+
+
 def _device_available(device: str) -> bool:
     if device == "cpu":
         return True
@@ -182,9 +213,7 @@ class KerasHarness:
     backend = "keras"
     devices = (f"{keras_backend()}-cpu", f"{keras_backend()}-cuda")
     capabilities = frozenset({"low_precision"})
-    divergences: Mapping[str, str] = {
-        f"op:{op}": _LAYER_DTYPE.format(op=op) for op in ("softmax", "log_softmax", "layer_norm", "sum")
-    }
+    divergences: Mapping[str, str] = DIVERGENCES
 
     def __init__(self, device: str) -> None:
         backend, _, kind = device.rpartition("-")
@@ -198,36 +227,13 @@ class KerasHarness:
         if not _device_available(kind):
             raise HarnessUnavailable(f"Keras on {backend} sees no CUDA device")
         if kind == "cpu" and _device_available("cuda"):
-            raise HarnessUnavailable(f"Keras on {backend} computes on the GPU in this process; run cpu targets without one")
+            raise HarnessUnavailable(
+                f"Keras on {backend} computes on the GPU in this process; run cpu targets without one"
+            )
         self.device = device
 
     def op_dtype(self, op: str, policy: Policy) -> str:
-        layers = keras.layers
-        rng = np.random.default_rng(1)
-        a = ops.convert_to_tensor(rng.normal(size=(4, 8)).astype("float32"))
-        b = ops.convert_to_tensor(np.random.default_rng(2).normal(size=(8, 8)).astype("float32"))
-        with polyamp.policy_scope(policy):
-            if op == "matmul":
-                out = layers.Lambda(lambda pair: ops.matmul(pair[0], pair[1]))([a, b])
-            elif op == "dense":
-                out = layers.Dense(8)(a)
-            elif op == "conv":
-                out = layers.Conv2D(4, 3)(ops.convert_to_tensor(rng.normal(size=(2, 8, 8, 3)).astype("float32")))
-            else:
-                hidden = layers.Dense(8)(a)  # activations in the compute dtype, as inside a model
-                if op == "softmax":
-                    out = layers.Softmax()(hidden)
-                elif op == "log_softmax":
-                    out = layers.Lambda(lambda t: ops.log_softmax(t, axis=-1))(hidden)
-                elif op == "cross_entropy":
-                    out = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(np.arange(4), hidden)
-                elif op == "layer_norm":
-                    out = layers.LayerNormalization()(hidden)
-                elif op == "sum":
-                    out = layers.Lambda(lambda t: ops.sum(t))(hidden)
-                else:
-                    raise ValueError(f"unknown op class {op!r}")
-        return str(keras.backend.standardize_dtype(out.dtype))
+        return keras_op_dtype(op, policy)
 
     def model_dtypes(self, policy: Policy) -> tuple[list[str], str]:
         with polyamp.policy_scope(policy):
@@ -250,9 +256,7 @@ class KerasHarness:
     def new_scaler(self, **settings: Any) -> LossScaleOptimizer:
         return LossScaleOptimizer(keras.optimizers.SGD(0.0), **settings)
 
-    def tiny_gradient(
-        self, x: np.ndarray, w: np.ndarray, factor: float, policy: Policy, scaler: Any
-    ) -> np.ndarray:
+    def tiny_gradient(self, x: np.ndarray, w: np.ndarray, factor: float, policy: Policy, scaler: Any) -> np.ndarray:
         with polyamp.policy_scope(policy):
             layer = keras.layers.Dense(w.shape[1], use_bias=False)
             layer.build((None, w.shape[0]))

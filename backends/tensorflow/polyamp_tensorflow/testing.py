@@ -13,18 +13,13 @@ import numpy as np
 import polyamp
 from polyamp import LossScaler, Policy
 from polyamp.conformance import HarnessUnavailable
-from polyamp_tensorflow._framework import keras, tf
 from polyamp_keras import cast_outputs
+from polyamp_keras.testing import DIVERGENCES, keras_op_dtype
+from polyamp_tensorflow._framework import keras, tf
 
 __all__ = ["TensorFlowHarness"]
 
 ops = keras.ops
-_LAYER_DTYPE = (
-    "Keras layers return their compute dtype: its Softmax, LayerNormalization and ops-based layers run "
-    "{op} in float16/bfloat16 (LayerNormalization computes its statistics in float32 inside), where "
-    "torch's autocast and polyamp's torch regions give float32. Give such layers dtype='float32' (or a "
-    "polyamp override for layers with weights) to match."
-)
 
 
 def _dtype_name(value: Any) -> str:
@@ -154,9 +149,7 @@ class TensorFlowHarness:
     backend = "tensorflow"
     devices = ("cpu", "cuda")
     capabilities = frozenset({"low_precision"})
-    divergences: Mapping[str, str] = {
-        f"op:{op}": _LAYER_DTYPE.format(op=op) for op in ("softmax", "log_softmax", "layer_norm", "sum")
-    }
+    divergences: Mapping[str, str] = DIVERGENCES
 
     def __init__(self, device: str) -> None:
         if keras.backend.backend() != "tensorflow":
@@ -179,30 +172,8 @@ class TensorFlowHarness:
             return tf.constant(np.random.default_rng(seed).normal(size=shape).astype("float32"))
 
     def op_dtype(self, op: str, policy: Policy) -> str:
-        layers = keras.layers
-        a, b = self._tensor((4, 8), 1), self._tensor((8, 8), 2)
-        with tf.device(self._device), polyamp.policy_scope(policy):
-            if op == "matmul":
-                out = layers.Lambda(lambda pair: ops.matmul(pair[0], pair[1]))([a, b])
-            elif op == "dense":
-                out = layers.Dense(8)(a)
-            elif op == "conv":
-                out = layers.Conv2D(4, 3)(self._tensor((2, 8, 8, 3), 3))
-            else:
-                hidden = layers.Dense(8)(a)  # activations in the compute dtype, as inside a model
-                if op == "softmax":
-                    out = layers.Softmax()(hidden)
-                elif op == "log_softmax":
-                    out = layers.Lambda(lambda t: ops.log_softmax(t, axis=-1))(hidden)
-                elif op == "cross_entropy":
-                    out = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(np.arange(4), hidden)
-                elif op == "layer_norm":
-                    out = layers.LayerNormalization()(hidden)
-                elif op == "sum":
-                    out = layers.Lambda(lambda t: ops.sum(t))(hidden)
-                else:
-                    raise ValueError(f"unknown op class {op!r}")
-        return _dtype_name(out)
+        with tf.device(self._device):
+            return keras_op_dtype(op, policy)
 
     def model_dtypes(self, policy: Policy) -> tuple[list[str], str]:
         with tf.device(self._device), polyamp.policy_scope(policy):
