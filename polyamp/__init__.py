@@ -33,6 +33,7 @@ from polyamp._src.global_policy import (
 from polyamp._src.loss_scaler import LossScaler
 from polyamp._src.overrides import OverridesLike, PolicyOverrides
 from polyamp._src.policy import DTYPE_NAMES, POLICY_NAMES, Policy, PolicyLike
+from polyamp._src.records import SKIP_REASONS, ScaleCollapseError, SkipReason, StepRecord
 from polyamp._src.registry import BackendSpec, backend_specs, get_backend, register_backend
 from polyamp._src.scaling import LossScaleConfig, LossScaleSettings, LossScaleState
 
@@ -41,6 +42,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DTYPE_NAMES",
     "POLICY_NAMES",
+    "SKIP_REASONS",
     "Backend",
     "BackendConflictError",
     "BackendMismatchError",
@@ -61,8 +63,11 @@ __all__ = [
     "PolyampError",
     "PolyampTypeError",
     "PolyampValueError",
+    "ScaleCollapseError",
     "ScalerUsageError",
+    "SkipReason",
     "StateDictError",
+    "StepRecord",
     "UnknownBackendError",
     "add_policy_listener",
     "backend_specs",

@@ -128,6 +128,8 @@ class Iteration:
     """
 
     enabled: bool | None = None
+    #: Whether this iteration, not scaling, checks the gradients (the guard), decided with ``enabled``.
+    guarding: bool = False
     stages: UnscaleStages = field(default_factory=UnscaleStages)
     #: The thread that started the iteration (one scaler serves one training loop).
     thread: int | None = None
@@ -196,4 +198,5 @@ class Iteration:
         self._entries.clear()
         self.stages.clear()
         self.enabled = None
+        self.guarding = False
         self.thread = None

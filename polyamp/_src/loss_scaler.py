@@ -30,6 +30,15 @@ from polyamp._src.errors import (
 )
 from polyamp._src.functional import FunctionalLossScaler
 from polyamp._src.iteration import Iteration, Stage, no_gradients_error
+from polyamp._src.records import (
+    DEFAULT_HISTORY,
+    MODE_CODES,
+    Recorder,
+    StepRecord,
+    check_guard,
+    check_history,
+    check_on_min_scale,
+)
 from polyamp._src.scaling import NOT_GIVEN, LossScaleConfig, LossScaleState, NotGiven, settings_doc, to_float32
 from polyamp._src.state_dict import parse_state_dict, to_state_dict
 
@@ -102,6 +111,16 @@ class LossScaler:
                 steps, and reports scale 1.0.
             backend: "torch" or "tensorflow" (or a registered third-party name) to bind at once; None binds on
                 first use from the type of what it is given.
+            guard: Whether iterations that do not scale still check the gradients and skip a step whose
+                gradients hold inf or NaN (reason ``"non_finite"``), bitwise unchanged otherwise. None (default):
+                whenever the policy turns scaling off (``enabled=None`` under bfloat16 and float32 policies);
+                True: also with ``enabled=False``; False: never (a plain step, as ``torch.amp.GradScaler``'s
+                when disabled).
+            on_min_scale: What happens when an overflow leaves the scale at its floor (``min_scale``, or 1.0):
+                "warn" (default; logs a warning naming the likely causes, once per collapse), "raise"
+                (`polyamp.ScaleCollapseError` when the records are read) or "ignore".
+            history: How many iterations are recorded on the device between reads, and kept by `records`
+                (default 256).
             **settings: The loss-scaling settings, each defined (with its range) by `LossScaleConfig`:
     {settings}
 
@@ -149,6 +168,9 @@ class LossScaler:
         *positional: Any,
         enabled: bool | NotGiven | None = NOT_GIVEN,
         backend: str | None = None,
+        guard: bool | None = None,
+        on_min_scale: str = "warn",
+        history: int = DEFAULT_HISTORY,
         **settings: Unpack[LossScaleSettings],
     ) -> None:
         caller = f"{type(self).__name__}()"
@@ -159,6 +181,8 @@ class LossScaler:
             arguments["enabled"] = enabled
         self._take_options(arguments)
         enabled = check_enabled(arguments.pop("enabled", self.default_enabled))
+        guard = check_guard(guard)
+        recorder = Recorder(check_history(history), check_on_min_scale(on_min_scale))
         config = LossScaleConfig.from_settings(arguments, caller=caller)
         if backend is not None and not isinstance(backend, str):
             raise type_error("`backend`", "None or a backend name such as 'torch' or 'tensorflow'", backend)
@@ -172,12 +196,18 @@ class LossScaler:
             backend = bound
         self._config = config
         self._enabled_setting = enabled
+        self._guard_setting = guard
         self._host_state = config.initial_state()
+        self._recorder = recorder
+        recorder.reanchor(self._host_state)
+        self._history: Any = None
+        self._pending = 0  # iterations ended since the records were last read
         self._device: Any = None
         self._compiling: Any = None
         self._style: str | None = None
         self._backend_name: str | None = None
         self._iteration = Iteration()
+        self._host_skip = False  # a step of this iteration read its skip to the host
         self._scaled = False
         self._records: weakref.WeakKeyDictionary[Any, _Record] = weakref.WeakKeyDictionary()
         self._unweakable_records: dict[int, tuple[Any, _Record]] = {}
@@ -221,6 +251,8 @@ class LossScaler:
             )
         self._device, self._style, self._backend_name = device, style, backend
         self._compiling = getattr(device, "compiling", None)
+        new_history = getattr(device, "new_history", None)
+        self._history = None if new_history is None else new_history(self._recorder.capacity)
         return device
 
     @property
@@ -269,6 +301,7 @@ class LossScaler:
         thread = None if compiling is not None and compiling() else threading.get_ident()
         if iteration.enabled is None:
             iteration.enabled = self._decide_enabled(starting=True)
+            iteration.guarding = not iteration.enabled and self._guards()
             iteration.thread = thread
         elif iteration.thread is None:  # opened inside a compiled region
             iteration.thread = thread
@@ -279,6 +312,33 @@ class LossScaler:
                 "LossScaler (their state dicts are interchangeable), or finish the iteration (update()) first."
             )
         return iteration.enabled
+
+    def _guards(self) -> bool:
+        """Whether an iteration that does not scale checks the gradients (see ``guard``)."""
+        guard = self._guard_setting
+        if guard is None:
+            guard = self._enabled_setting is None
+        if not guard:
+            return False
+        device = self._device
+        supported = (
+            device is not None
+            and hasattr(device, "count_skip")
+            and (self._style == "tape" or hasattr(device, "check_gradients_finite"))
+        )
+        if not supported and self._guard_setting:
+            raise PolyampTypeError(
+                f"guard=True, but the {self._backend_name!r} backend's device form cannot check gradients without "
+                "scaling (it has no check_gradients_finite/count_skip). Pass guard=None or False."
+            )
+        return supported
+
+    @property
+    def guarding(self) -> bool:
+        """Whether this iteration (or one starting now) checks gradients without scaling."""
+        if self._iteration.enabled is not None:
+            return self._iteration.guarding
+        return not self.enabled and self._device is not None and self._guards()
 
     def _require_scaled(self, method: str) -> None:
         if not self._scaled:
@@ -395,10 +455,17 @@ class LossScaler:
         iteration = self._iteration
         stage = iteration.check_step(optimizer, "step()")
         if not enabled:
-            result = device.plain_step(optimizer, args, kwargs)
-            iteration.mark(optimizer, Stage.STEPPED, None)
-            self._remember(optimizer, device.finite_flag(), False)
-            return result
+            closure = "closure" in kwargs or (args and callable(args[0]))
+            checked = device.check_gradients_finite(optimizer) if iteration.guarding and not closure else None
+            if checked is None:  # not guarding, no gradients, or a closure that recomputes them in the step
+                result = device.plain_step(optimizer, args, kwargs)
+                iteration.mark(optimizer, Stage.STEPPED, None)
+                self._remember(optimizer, device.finite_flag(), False)
+                return result
+            outcome = device.step(optimizer, checked, args, kwargs)
+            iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)
+            self._remember(optimizer, outcome.found_inf, outcome.skipped)
+            return outcome.result
         self._require_scaled("step()")
         if "closure" in kwargs or (args and callable(args[0])):
             raise ScalerUsageError(
@@ -451,10 +518,15 @@ class LossScaler:
         iteration = self._iteration
         iteration.check_step(optimizer, method)
         if not enabled:
-            result = device.plain_apply(optimizer, grads, variables)
-            iteration.mark(optimizer, Stage.STEPPED, None)
-            self._remember(optimizer, device.finite_flag(), False)
-            return result
+            if not iteration.guarding:
+                result = device.plain_apply(optimizer, grads, variables)
+                iteration.mark(optimizer, Stage.STEPPED, None)
+                self._remember(optimizer, device.finite_flag(), False)
+                return result
+            outcome = device.apply(optimizer, grads, variables, unscaled=True)  # checks, applies or skips
+            iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)
+            self._remember(optimizer, outcome.found_inf, outcome.skipped)
+            return outcome.result
         self._require_scaled(method)
         stage = iteration.stages.check(grads, method)
         outcome = device.apply(optimizer, grads, variables, unscaled=stage is not None)
@@ -500,8 +572,17 @@ class LossScaler:
         if not self._begin() and new_scale is None:
             if self._last is None:
                 self._last = _Record(device.new_record())
-            device.write_record(self._last.storage, device.finite_flag())
-            self._last.host = False
+            found_infs = iteration.found_infs() if iteration.guarding else []
+            if found_infs:
+                combined = device.combine(found_infs)
+                device.count_skip(combined)
+                device.write_record(self._last.storage, combined)
+                self._last.host = None
+                self._write_history("guarding", combined, self._host_skip)
+            else:
+                device.write_record(self._last.storage, device.finite_flag())
+                self._last.host = False
+                self._write_history("off", None, False)
             iteration.close()
             return
         value = None if new_scale is None else self._checked_new_scale(new_scale)
@@ -514,6 +595,7 @@ class LossScaler:
                     "so there is nothing to base the update on. Call scaler.scale(loss).backward() first."
                 )
         combined = device.combine(found_infs) if found_infs else None
+        skipped_on_host = self._host_skip
         device.update(combined, value)
         if combined is not None:
             if self._last is None:
@@ -521,6 +603,65 @@ class LossScaler:
             device.write_record(self._last.storage, combined)
             self._last.host = None
         iteration.close()
+        if value is not None:
+            if combined is not None:  # the iteration counts as skipped or not, but the rule did not run
+                self._write_history("set", combined, False)
+            self._reanchor_after_set(value)
+        elif combined is not None:
+            self._write_history("scaling", combined, skipped_on_host)
+
+    # -- records -----------------------------------------------------------------------------------------
+
+    def _compiling_now(self) -> bool:
+        return self._compiling is not None and bool(self._compiling())
+
+    def _write_history(self, mode: str, flag: Any, host_skipped: bool) -> None:
+        self._host_skip = False
+        if self._history is None:
+            return
+        self._device.write_history(self._history, MODE_CODES[mode], flag)
+        self._pending += 1
+        # A skip the step already read to the host is reported at once; the rest in batches (one read).
+        if (host_skipped or self._pending >= max(1, self._recorder.capacity // 2)) and not self._compiling_now():
+            self.records()
+
+    def _reanchor_after_set(self, value: Any) -> None:
+        if self._compiling_now():
+            self._recorder.reanchor(None)
+            return
+        self.records()
+        anchor = self._recorder.anchor
+        if isinstance(value, float) and anchor is not None:
+            self._recorder.reanchor(LossScaleState(value, anchor.growth_tracker, anchor.hysteresis_left))
+        else:
+            self._recorder.reanchor(self._device.read_state())
+
+    def _state_or_none(self) -> LossScaleState | None:
+        return None if self._compiling_now() or self._device is None else self._device.read_state()
+
+    def records(self) -> list[StepRecord]:
+        """The most recent iterations' records (at most ``history``), oldest first: skipped or not, why, and
+        the scale, as `polyamp.StepRecord`.
+
+        Reads the iterations recorded on the device since the last call in one host read, logs the skipped
+        ones through ``logging.getLogger("polyamp")`` (``"non_finite"`` at WARNING, ``"overflow"``, which is
+        dynamic scaling at work, at INFO) and applies ``on_min_scale``. The scaler also reads them by itself
+        every ``history // 2`` iterations and right after a step it already knows was skipped, so nothing is
+        lost between calls. Inside a compiled function (``tf.function``, ``torch.compile``) nothing is read.
+
+        Raises:
+            ScaleCollapseError: with ``on_min_scale="raise"``, a record shows the scale reaching its floor.
+        """
+        if self._history is not None and not self._compiling_now():
+            count, codes = self._device.read_history(self._history)
+            self._pending = 0
+            self._recorder.consume(count, codes, self._config, self._state_or_none)
+        return list(self._recorder.records)
+
+    def last_record(self) -> StepRecord | None:
+        """The record of the last iteration this scaler ended (see `records`), or None before the first."""
+        records = self.records()
+        return records[-1] if records else None
 
     def discard_iteration(self) -> None:
         """Forget the current iteration without updating the scale: its stages, checks and pending unscaled
@@ -567,6 +708,8 @@ class LossScaler:
                 self._unweakable_records[id(optimizer)] = (optimizer, record)
         self._device.write_record(record.storage, found_inf)
         record.host = skipped
+        if skipped:
+            self._host_skip = True
 
     def _record_of(self, optimizer: Any) -> _Record | None:
         try:
@@ -655,10 +798,12 @@ class LossScaler:
         """
         config, state = parse_state_dict(state_dict, self._config)
         self._refuse_mid_iteration("load_state_dict() was called")
+        self.records()  # the records so far belong to the state being replaced
         if self._device is not None:
             self._device.write_state(config, state)
         self._config = config
         self._host_state = state
+        self._recorder.reanchor(state)
 
     def _refuse_mid_iteration(self, what: str) -> None:
         if self._iteration.is_open:
@@ -670,6 +815,7 @@ class LossScaler:
 
     def _change_setting(self, name: str, value: Any) -> None:
         config = self._config.replace(**{name: value})
+        self.records()  # replayed under the rule they ran with
         if self._device is not None:
             self._device.write_state(config, None)
         self._config = config
@@ -731,6 +877,9 @@ class LossScaler:
         return {
             "config": self._config,
             "enabled": self._enabled_setting,
+            "guard": self._guard_setting,
+            "on_min_scale": self._recorder.on_min_scale,
+            "history": self._recorder.capacity,
             "state": self.get_state(),
             "backend": self._backend_name,
         }
@@ -738,7 +887,13 @@ class LossScaler:
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self._config = saved["config"]
         self._enabled_setting = saved["enabled"]
+        self._guard_setting = saved.get("guard")
+        self._recorder = Recorder(saved.get("history", DEFAULT_HISTORY), saved.get("on_min_scale", "warn"))
         self._host_state = saved["state"]
+        self._recorder.reanchor(self._host_state)
+        self._history = None
+        self._pending = 0
+        self._host_skip = False
         self._device = None
         self._compiling = None
         self._style = None
@@ -783,6 +938,9 @@ def _signature(cls: type[LossScaler]) -> inspect.Signature:
     if "enabled" not in cls.positional_arguments:
         parameters.append(inspect.Parameter("enabled", inspect.Parameter.KEYWORD_ONLY, default=cls.default_enabled))
     parameters.append(inspect.Parameter("backend", inspect.Parameter.KEYWORD_ONLY, default=None))
+    parameters.append(inspect.Parameter("guard", inspect.Parameter.KEYWORD_ONLY, default=None))
+    parameters.append(inspect.Parameter("on_min_scale", inspect.Parameter.KEYWORD_ONLY, default="warn"))
+    parameters.append(inspect.Parameter("history", inspect.Parameter.KEYWORD_ONLY, default=DEFAULT_HISTORY))
     return inspect.Signature(parameters)
 
 

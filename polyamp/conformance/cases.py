@@ -362,6 +362,57 @@ def test_disabled_scaler_passes_the_loss_through_and_changes_nothing(harness: An
     assert_equal_arrays(runs[0], runs[1], "parameters with a disabled scaler vs without a scaler")
 
 
+@requires("trainer", "guard")
+@parametrize("optimizer", ["sgd", "adam"])
+def test_guard_skips_non_finite_steps_without_scaling(harness: Any, optimizer: str) -> None:
+    """Under mixed_bfloat16 the scaler does not scale but guards: a step with an inf gradient is skipped
+    (parameters, slots and step counters bitwise unchanged) and recorded with reason "non_finite"; every other
+    step equals training without a scaler, bitwise."""
+    policy = Policy("mixed_bfloat16")
+    guarded = harness.trainer(policy, scaler={"enabled": None}, optimizer=optimizer)
+    plain = harness.trainer(policy, scaler=None, optimizer=optimizer)
+    bad = 3
+    for index, (x, y) in enumerate(_batches(6)):
+        if index != bad:
+            guarded.step(x, y)
+            plain.step(x, y)
+            continue
+        before = (guarded.params(), guarded.optimizer_state())
+        guarded.step(x, y, overflow=True)
+        if not guarded.step_skipped():
+            raise AssertionError("the guard did not skip a step whose gradient held inf")
+        assert_equal_arrays(guarded.params(), before[0], "parameters after a guarded skip")
+        assert_equal_arrays(guarded.optimizer_state(), before[1], "optimizer slots and counters after a guarded skip")
+    assert_equal_arrays(guarded.params(), plain.params(), "parameters: guarded run vs a run without scaler")
+    assert_equal_arrays(guarded.optimizer_state(), plain.optimizer_state(), "optimizer state: guarded vs plain")
+    records = guarded.scaler.records()
+    got = [(r.iteration, r.skipped, r.reason, r.mode, r.scale) for r in records]
+    want = [(i, i == bad, "non_finite" if i == bad else None, "guarding", None) for i in range(6)]
+    if got != want:
+        raise AssertionError(f"records of the guarded run: {got}, expected {want}")
+    if int(guarded.scaler.skipped_steps()) != 1:
+        raise AssertionError(f"skipped_steps() = {int(guarded.scaler.skipped_steps())}, expected 1")
+
+
+@requires("trainer", "guard")
+def test_records_replay_the_scale_of_every_step(harness: Any) -> None:
+    """Under mixed_float16, records() gives each iteration's scale, next scale and reason, equal to the core
+    reference for the overflow pattern, and the replayed state equals the device's."""
+    pattern = "FFOFFFOOFF"
+    config = {"growth_interval": 2, "hysteresis": 2}
+    trainer = harness.trainer(Policy("mixed_float16"), scaler={**config, "enabled": True})
+    _drive(trainer, pattern)
+    reference = LossScaleConfig(**config)
+    states = [reference.initial_state(), *reference.states(pattern)]
+    want = [
+        (i, c == "O", "overflow" if c == "O" else None, "scaling", states[i].scale, states[i + 1].scale)
+        for i, c in enumerate(pattern)
+    ]
+    got = [(r.iteration, r.skipped, r.reason, r.mode, r.scale, r.next_scale) for r in trainer.scaler.records()]
+    if got != want:
+        raise AssertionError(f"records: {got}, expected {want}")
+
+
 def _new_scaler(harness: Any, **settings: Any) -> Any:
     """The backend's scaler: ``harness.new_scaler(**settings)`` where the harness offers one (a backend whose
     scaler is not a `polyamp.LossScaler`, e.g. Keras's optimizer wrapper), else a bound LossScaler."""

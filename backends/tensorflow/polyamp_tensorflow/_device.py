@@ -167,3 +167,32 @@ class TensorFlowDevice:
 
     def skipped_steps(self) -> Any:
         return tf.convert_to_tensor(self._state().skipped_steps)
+
+    def count_skip(self, found_inf: Any) -> None:
+        """Count a guarded iteration as skipped when ``found_inf`` is set; the rule does not run."""
+        self._state().skipped_steps.assign_add(tf.cast(found_inf > 0, tf.int64))
+
+    def compiling(self) -> bool:
+        """Whether a function is being traced (records are read eagerly only)."""
+        return not tf.executing_eagerly()
+
+    def new_history(self, capacity: int) -> tuple[tf.Variable, tf.Variable]:
+        # A ring of mode codes and the count of entries written, in variables: written inside graphs too.
+        return _variable("history_codes", "int32", [0] * capacity), _variable("history_count", "int64", 0)
+
+    def write_history(self, history: tuple[tf.Variable, tf.Variable], base: int, found_inf: Any) -> None:
+        codes, count = history
+        code = tf.constant(base, tf.int32)
+        if found_inf is not None:
+            code += tf.cast(found_inf > 0, tf.int32)
+        index = tf.math.floormod(count, tf.cast(tf.size(codes), tf.int64))
+        codes.scatter_nd_update(tf.reshape(index, [1, 1]), tf.reshape(code, [1]))
+        count.assign_add(1)
+
+    def read_history(self, history: tuple[tf.Variable, tf.Variable]) -> tuple[int, list[int]]:
+        codes, count = history
+        total = int(count.numpy())
+        ring = codes.numpy().tolist()
+        capacity = len(ring)
+        kept = min(total, capacity)
+        return total, [ring[(total - kept + i) % capacity] for i in range(kept)]

@@ -148,7 +148,7 @@ class TensorFlowHarness:
 
     backend = "tensorflow"
     devices = ("cpu", "cuda")
-    capabilities = frozenset({"low_precision"})
+    capabilities = frozenset({"low_precision", "guard"})
     divergences: Mapping[str, str] = DIVERGENCES
 
     def __init__(self, device: str) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections import abc
+from collections import abc, deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,6 +30,14 @@ from polyamp_torch._gradients import PerDevice, fused_amp_capable, fused_step, t
 from polyamp_torch._rule import DeviceState, advance
 
 __all__ = ["TorchDevice"]
+
+
+class _History:
+    """The iterations since the records were last read: (mode code, device flag) each, at most ``capacity``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.entries: deque[tuple[int, torch.Tensor | None]] = deque(maxlen=capacity)
+        self.count = 0
 
 
 class TorchDevice:
@@ -134,6 +142,20 @@ class TorchDevice:
         )
         self._warned_bfloat16 |= bfloat16
         return flag
+
+    def check_gradients_finite(self, optimizer: Any) -> torch.Tensor | None:
+        """The guard's check, without scaling: the same fused kernel with inverse scale 1, which leaves
+        the gradients bitwise unchanged; None when no parameter has a gradient."""
+        state = self._state_near(optimizer)
+        one = torch.ones((), dtype=torch.float32, device=state.scale.device)
+        found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
+        flag, _ = unscale_gradients(optimizer, one, found_inf, allow_fp16=True, warn_bfloat16=False)
+        return flag
+
+    def count_skip(self, found_inf: torch.Tensor) -> None:
+        """Count a guarded iteration as skipped when ``found_inf`` is set; the rule does not run."""
+        state = self._state or self._materialize(found_inf.device)
+        state.skipped.add_(found_inf.to(state.skipped.device, non_blocking=True) > 0)
 
     def unscales_in_step(self, optimizer: Any) -> bool:
         # Fused kernels check the scaled gradients only; below scale 1 the unscaled ones need checking too.
@@ -246,6 +268,21 @@ class TorchDevice:
         flag = record[0]
         assert flag is not None, "a record is written when it is created"
         return flag
+
+    def new_history(self, capacity: int) -> _History:
+        return _History(capacity)
+
+    def write_history(self, history: _History, base: int, found_inf: torch.Tensor | None) -> None:
+        history.entries.append((base, found_inf))  # the flag tensor itself: no kernel, no host read
+        history.count += 1
+
+    def read_history(self, history: _History) -> tuple[int, list[int]]:
+        entries = list(history.entries)
+        flags = [flag for _, flag in entries if flag is not None]
+        values = iter(torch.stack([f.reshape(()).float().cpu() for f in flags]).tolist() if flags else [])
+        codes = [base + (0 if flag is None else int(next(values) > 0)) for base, flag in entries]
+        history.entries.clear()
+        return history.count, codes
 
     def skipped_steps(self) -> torch.Tensor:
         if self._state is None:

@@ -157,7 +157,7 @@ class TorchHarness:
 
     backend = "torch"
     devices = ("cpu", "cuda")
-    capabilities = frozenset({"low_precision"})
+    capabilities = frozenset({"low_precision", "guard"})
     #: PyTorch follows polyamp's semantics everywhere (on CPU, polyamp regions supply CUDA's float32 ops).
     divergences: Mapping[str, str] = {}
 

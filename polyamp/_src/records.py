@@ -1,0 +1,238 @@
+"""What happened at each step, and what polyamp says about it: skip reasons, step records, scale collapse.
+
+Every iteration a `polyamp.LossScaler` ends is in one of three modes, decided by the core when the iteration
+starts:
+
+* **scaling**: the loss was multiplied by the scale; a non-finite gradient skips the step with reason
+  ``"overflow"`` and backs the scale off;
+* **guarding**: scaling is off (bfloat16 and float32 policies), but the gradients are still checked: a
+  non-finite gradient skips the step with reason ``"non_finite"``, and nothing else changes;
+* **off**: the optimizer just steps.
+
+(An iteration ended by ``update(new_scale=...)`` scales but does not run the rule: its code is ``"set"``.)
+
+The backend keeps one small code per iteration on the device (`MODE_CODES`: the mode plus the iteration's
+device flag), in a ring of ``capacity`` entries, so recording costs no host synchronisation. The core reads
+the ring in batches, replays the loss-scale rule from the last state it knows to give each record its scale,
+logs what deserves it through ``logging.getLogger("polyamp")`` and applies ``on_min_scale``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from polyamp._src.errors import PolyampError, PolyampValueError, describe
+from polyamp._src.scaling import LossScaleConfig, LossScaleState
+
+__all__ = [
+    "MODE_CODES",
+    "ON_MIN_SCALE",
+    "SKIP_REASONS",
+    "Recorder",
+    "ScaleCollapseError",
+    "SkipReason",
+    "StepRecord",
+    "check_guard",
+    "check_history",
+    "check_on_min_scale",
+]
+
+logger = logging.getLogger("polyamp")
+
+SkipReason = Literal["overflow", "non_finite"]
+#: The reasons a step is skipped for: a non-finite gradient while scaling, or while guarding.
+SKIP_REASONS: Final = ("overflow", "non_finite")
+#: The code of an iteration is its mode's base plus 1 when the iteration's flag is set (a step skipped).
+MODE_CODES: Final = {"scaling": 0, "guarding": 2, "off": 4, "set": 6}
+#: What ``on_min_scale`` may be.
+ON_MIN_SCALE: Final = ("warn", "raise", "ignore")
+DEFAULT_HISTORY: Final = 256
+
+_COLLAPSE_CAUSES = (
+    "Likely causes: weights pretrained in bfloat16 (or with values beyond float16's range, 65504) trained in "
+    "float16; a learning rate too high, so the loss diverges; a NaN or inf in the data. What to do: prefer "
+    "'mixed_bfloat16' on hardware that has it (no scaling needed); check the data for non-finite values; lower "
+    "the learning rate; run `python -m polyamp doctor --check <checkpoint>` to find weights float16 cannot hold."
+)
+
+
+class ScaleCollapseError(PolyampError, RuntimeError):
+    """The loss scale reached its floor and the scaler was created with ``on_min_scale="raise"``."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One iteration a loss scaler ended.
+
+    Attributes:
+        iteration: The iteration's index among those this scaler ended, from 0.
+        skipped: Whether the iteration skipped a step (an optimizer's gradients held inf or NaN).
+        reason: ``"overflow"`` (scaling found inf/NaN), ``"non_finite"`` (the guard found inf/NaN), or None.
+        mode: ``"scaling"``, ``"guarding"`` or ``"off"``.
+        scale: The scale the iteration's loss was multiplied by (None when not scaling, or when the scale
+            cannot be told: records were lost, or a scale was set from a tensor inside a compiled function).
+        next_scale: The scale after the iteration's update (None likewise).
+    """
+
+    iteration: int
+    skipped: bool
+    reason: SkipReason | None
+    mode: str
+    scale: float | None
+    next_scale: float | None
+
+    def message(self) -> str:
+        """The record as one log line."""
+        if not self.skipped:
+            return f"iteration {self.iteration}: step applied ({self.mode}, scale {_fmt(self.scale)})"
+        if self.reason == "overflow":
+            return (
+                f"iteration {self.iteration}: step skipped (overflow): a gradient was inf or NaN at loss scale "
+                f"{_fmt(self.scale)}; the scale is now {_fmt(self.next_scale)}. Parameters, optimizer slots and "
+                "step counters are unchanged. Occasional overflows are how dynamic loss scaling finds its scale."
+            )
+        return (
+            f"iteration {self.iteration}: step skipped (non_finite): a gradient was inf or NaN without loss "
+            "scaling (the guard of bfloat16/float32 training). Parameters, optimizer slots and step counters are "
+            "unchanged. Repeated non-finite gradients point at the data (a NaN or inf in a batch), a learning "
+            "rate too high, or an operation that overflows; polyamp_torch.watch_forward / "
+            "polyamp_keras.watch_forward name the layer that produced it."
+        )
+
+
+def _fmt(scale: float | None) -> str:
+    if scale is None:
+        return "unknown"
+    return f"{scale:g}"
+
+
+def check_guard(guard: object) -> bool | None:
+    """Validate a ``guard`` argument: True, False or None (guard whenever the policy turns scaling off)."""
+    if guard is not None and not isinstance(guard, bool):
+        raise PolyampValueError(
+            f"`guard` must be None (check gradients whenever the policy turns scaling off), True or False. "
+            f"Received: {describe(guard)}."
+        )
+    return guard
+
+
+def check_on_min_scale(value: object) -> str:
+    """Validate an ``on_min_scale`` argument."""
+    if value not in ON_MIN_SCALE:
+        raise PolyampValueError(
+            f"`on_min_scale` must be one of {', '.join(repr(v) for v in ON_MIN_SCALE)}. Received: "
+            f"{describe(value)}. 'warn' (default) logs a warning when the loss scale reaches its floor, 'raise' "
+            "stops the run with ScaleCollapseError, 'ignore' says nothing."
+        )
+    return str(value)
+
+
+def check_history(value: object) -> int:
+    """Validate a ``history`` argument (how many records the scaler keeps)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PolyampValueError(
+            f"`history` must be a positive int: how many iterations the scaler records between reads and keeps "
+            f"for records(). Received: {describe(value)}. The default is {DEFAULT_HISTORY}."
+        )
+    return value
+
+
+class Recorder:
+    """The host side of the step records: the last known state, the kept records, logging and collapse.
+
+    ``read_state`` reads the device state (a host sync), used only when the replay cannot tell the scale.
+    """
+
+    def __init__(self, capacity: int, on_min_scale: str) -> None:
+        self.capacity = capacity
+        self.on_min_scale = on_min_scale
+        self.records: deque[StepRecord] = deque(maxlen=capacity)
+        self.read_count = 0  # ring entries consumed so far
+        self.anchor: LossScaleState | None = None  # the state after the last consumed entry, when known
+        self.lost = 0
+        self._collapsed = False  # inside a collapse episode (warned once; re-armed when the scale grows)
+
+    def reanchor(self, state: LossScaleState | None) -> None:
+        """The state is now ``state`` (loaded, set or read), or unknown (None)."""
+        self.anchor = state
+
+    def consume(
+        self,
+        count: int,
+        codes: Sequence[int],
+        config: LossScaleConfig,
+        read_state: Callable[[], LossScaleState | None],
+    ) -> list[StepRecord]:
+        """Turn the ring's entries since the last read into records: ``count`` entries were written in all,
+        ``codes`` are the most recent ones (at most ``capacity``)."""
+        new = count - self.read_count
+        if new <= 0:
+            return []
+        kept = list(codes)[-new:] if new <= len(codes) else list(codes)
+        missing = new - len(kept)
+        state = self.anchor
+        if missing:
+            self.lost += missing
+            logger.warning(
+                "polyamp: %d iterations ended without being recorded: more than history=%d iterations passed "
+                "between two reads of the records. Read them more often (scaler.records(), the Keras "
+                "LossScaleCallback) or pass a larger history=.",
+                missing,
+                self.capacity,
+            )
+            state = None
+        made: list[StepRecord] = []
+        first = count - len(kept)
+        for offset, code in enumerate(kept):
+            base = code - code % 2
+            mode = next(name for name, value in MODE_CODES.items() if value == base)
+            flagged = code % 2 == 1
+            before = state
+            if mode == "scaling" and state is not None:
+                state = config.next_state(state, flagged)
+            scaled = mode in ("scaling", "set")
+            record = StepRecord(
+                iteration=first + offset,
+                skipped=flagged,
+                reason=("overflow" if scaled else "non_finite") if flagged else None,
+                mode="scaling" if scaled else mode,
+                scale=None if not scaled or before is None else before.scale,
+                # update(new_scale) sets the scale after the iteration; the scaler re-anchors there
+                next_scale=None if mode != "scaling" or state is None else state.scale,
+            )
+            made.append(record)
+            self.records.append(record)
+            self._report(record, config)
+        self.read_count = count
+        if state is None:
+            state = read_state()
+        self.anchor = state
+        return made
+
+    def _report(self, record: StepRecord, config: LossScaleConfig) -> None:
+        if record.reason == "non_finite":
+            logger.warning("polyamp: %s", record.message())
+        elif record.reason == "overflow":
+            logger.info("polyamp: %s", record.message())
+        if record.mode != "scaling" or record.next_scale is None or not config.dynamic:
+            return
+        at_floor = record.next_scale <= config.floor_f32 and record.skipped
+        if record.next_scale > config.floor_f32:
+            self._collapsed = False
+        if not at_floor or self._collapsed:
+            return
+        self._collapsed = True
+        floor = "min_scale" if config.min_scale is not None else "the floor of 1.0 (no min_scale given)"
+        text = (
+            f"polyamp: the loss scale collapsed: iteration {record.iteration} overflowed at scale "
+            f"{_fmt(record.scale)} and the scale reached {floor}, {config.floor_f32:g}. Steps keep being skipped "
+            f"while gradients overflow even at this scale. {_COLLAPSE_CAUSES}"
+        )
+        if self.on_min_scale == "raise":
+            raise ScaleCollapseError(text + " (on_min_scale='raise'; 'warn' logs this instead.)")
+        if self.on_min_scale == "warn":
+            logger.warning("%s", text)
