@@ -399,7 +399,7 @@ def test_records_replay_the_scale_of_every_step(harness: Any) -> None:
     """Under mixed_float16, records() gives each iteration's scale, next scale and reason, equal to the core
     reference for the overflow pattern, and the replayed state equals the device's."""
     pattern = "FFOFFFOOFF"
-    config = {"growth_interval": 2, "hysteresis": 2}
+    config: dict[str, Any] = {"growth_interval": 2, "hysteresis": 2}
     trainer = harness.trainer(Policy("mixed_float16"), scaler={**config, "enabled": True})
     _drive(trainer, pattern)
     reference = LossScaleConfig(**config)
@@ -411,6 +411,8 @@ def test_records_replay_the_scale_of_every_step(harness: Any) -> None:
     got = [(r.iteration, r.skipped, r.reason, r.mode, r.scale, r.next_scale) for r in trainer.scaler.records()]
     if got != want:
         raise AssertionError(f"records: {got}, expected {want}")
+    if got[-1][5] != trainer.scaler.state_dict()["scale"]:
+        raise AssertionError(f"the replayed scale {got[-1][5]} differs from the device's")
 
 
 def _new_scaler(harness: Any, **settings: Any) -> Any:
