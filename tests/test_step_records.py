@@ -1,0 +1,210 @@
+"""Skip reasons, the guard without scaling, step records and scale collapse (torch and TensorFlow).
+
+The conformance suite checks the shared semantics on every backend (test_guard_skips_non_finite_steps_without_scaling,
+test_records_replay_the_scale_of_every_step); these tests check the rest against plain torch side by side.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import pytest
+
+import polyamp
+from polyamp import LossScaleConfig, PolyampValueError, ScaleCollapseError
+
+torch = pytest.importorskip("torch")
+
+import polyamp_torch  # noqa: E402
+
+
+def _model(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _batch(step: int) -> tuple[Any, Any]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(6, 8, generator=generator), torch.randint(0, 4, (6,), generator=generator)
+
+
+def _polyamp_messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "polyamp" and r.levelno == level]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_bfloat16_guard_skips_the_planted_inf_and_equals_plain_torch_otherwise(
+    fused: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 7 of 20 gets an inf in '2.weight''s gradient: the guard skips it (Adam moments and step bitwise
+    unchanged), logs one WARNING, and the run equals plain torch that leaves out step 7."""
+    caplog.set_level(logging.INFO, logger="polyamp")
+    guarded, plain = _model(), _model()
+    opt = torch.optim.Adam(guarded.parameters(), lr=0.01, fused=fused)
+    ref_opt = torch.optim.Adam(plain.parameters(), lr=0.01, fused=fused)
+    scaler = polyamp.LossScaler()
+    with polyamp.policy_scope("mixed_bfloat16"):
+        for step in range(20):
+            x, y = _batch(step)
+            opt.zero_grad()
+            with polyamp_torch.autocast():
+                loss = torch.nn.functional.cross_entropy(guarded(x), y)
+            scaler.scale(loss).backward()
+            if step == 7:
+                dict(guarded.named_parameters())["2.weight"].grad[1, 2] = math.inf
+                before = [t.clone() for t in [*guarded.parameters(), *_adam_state(opt)]]
+            scaler.step(opt)
+            scaler.update()
+            if step == 7:
+                assert bool(scaler.step_skipped(opt))
+                after = [*guarded.parameters(), *_adam_state(opt)]
+                assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+                continue
+            ref_opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                ref_loss = torch.nn.functional.cross_entropy(plain(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(guarded.parameters(), plain.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(_adam_state(opt), _adam_state(ref_opt), strict=True))
+    assert not scaler.enabled and scaler.guarding
+    assert int(scaler.skipped_steps()) == 1
+    records = scaler.records()
+    assert [(r.iteration, r.reason) for r in records if r.skipped] == [(7, "non_finite")]
+    assert {r.mode for r in records} == {"guarding"} and len(records) == 20
+    warnings = _polyamp_messages(caplog, logging.WARNING)
+    assert len(warnings) == 1 and "iteration 7: step skipped (non_finite)" in warnings[0]
+
+
+def _adam_state(opt: Any) -> list[Any]:
+    return [value for state in opt.state.values() for value in state.values()]
+
+
+def _train(scaler: Any, *, inf_at: tuple[int, ...], steps: int = 4, policy: str = "mixed_bfloat16") -> Any:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with polyamp.policy_scope(policy):
+        for step in range(steps):
+            x, y = _batch(step)
+            opt.zero_grad()
+            with polyamp_torch.autocast():
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            if step in inf_at:
+                model[0].weight.grad[0, 0] = math.inf
+            scaler.step(opt)
+            scaler.update()
+    return model
+
+
+def test_guard_false_and_a_disabled_torch_scaler_step_plainly() -> None:
+    """guard=False, and TorchLossScaler(enabled=False) as torch.amp.GradScaler(enabled=False): a plain step, which
+    applies the inf (the guard is what prevents this)."""
+    for scaler in (polyamp.LossScaler(guard=False), polyamp_torch.TorchLossScaler(enabled=False)):
+        model = _train(scaler, inf_at=(1,))
+        assert not torch.isfinite(model[0].weight).all()
+        assert not scaler.guarding and int(scaler.skipped_steps()) == 0
+        assert [r.mode for r in scaler.records()] == ["off"] * 4
+    forced = polyamp_torch.TorchLossScaler(enabled=False, guard=True)
+    model = _train(forced, inf_at=(1,))
+    assert torch.isfinite(model[0].weight).all() and int(forced.skipped_steps()) == 1
+
+
+def test_overflow_records_follow_the_reference_and_log_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="polyamp")
+    scaler = polyamp.LossScaler(growth_interval=2)
+    _train(scaler, inf_at=(1, 2), steps=6, policy="mixed_float16")
+    states = LossScaleConfig(growth_interval=2).states("FOOFFF")
+    records = scaler.records()
+    assert [r.next_scale for r in records] == [s.scale for s in states]
+    assert [r.scale for r in records] == [65536.0, *[s.scale for s in states[:-1]]]
+    assert [r.reason for r in records] == [None, "overflow", "overflow", None, None, None]
+    assert len(_polyamp_messages(caplog, logging.INFO)) == 2 and not _polyamp_messages(caplog, logging.WARNING)
+    assert scaler.last_record() == records[-1]
+
+
+def test_update_with_a_new_scale_reanchors_the_records() -> None:
+    scaler = polyamp.LossScaler(growth_interval=1)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with polyamp.policy_scope("mixed_float16"):
+        for step, new_scale in enumerate([None, 1024.0, None, torch.tensor(64.0), None]):
+            x, y = _batch(step)
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update(new_scale)
+    got = [(r.scale, r.next_scale) for r in scaler.records()]
+    assert got == [(65536.0, 131072.0), (131072.0, None), (1024.0, 2048.0), (2048.0, None), (64.0, 128.0)]
+    assert scaler.state_dict()["scale"] == 128.0
+
+
+@pytest.mark.parametrize("on_min_scale", ["warn", "raise", "ignore"])
+def test_scale_collapse(on_min_scale: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The scale reaching its floor warns once per collapse (naming the causes), raises, or says nothing."""
+    caplog.set_level(logging.INFO, logger="polyamp")
+    scaler = polyamp.LossScaler(init_scale=8.0, min_scale=2.0, on_min_scale=on_min_scale)
+    if on_min_scale == "raise":
+        with pytest.raises(ScaleCollapseError, match="reached min_scale, 2") as caught:
+            _train(scaler, inf_at=(0, 1, 2, 3), policy="mixed_float16")
+        assert "bfloat16" in str(caught.value) and scaler.state_dict()["scale"] == 2.0
+        return
+    _train(scaler, inf_at=(0, 1, 2, 3), policy="mixed_float16")
+    collapse = [m for m in _polyamp_messages(caplog, logging.WARNING) if "collapsed" in m]
+    if on_min_scale == "ignore":
+        assert collapse == []
+    else:
+        assert len(collapse) == 1 and "iteration 1 overflowed at scale 4" in collapse[0]
+        assert "learning rate" in collapse[0] and "doctor" in collapse[0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"guard": "yes"}, "`guard` must be None"),
+        ({"on_min_scale": "stop"}, "`on_min_scale` must be one of 'warn', 'raise', 'ignore'. Received: 'stop'"),
+        ({"history": 0}, "`history` must be a positive int"),
+    ],
+)
+def test_bad_record_settings_say_what_is_allowed(kwargs: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(PolyampValueError, match=fragment.replace("(", r"\(").replace(".", r"\.")):
+        polyamp.LossScaler(**kwargs)
+
+
+def test_records_survive_pickling_settings() -> None:
+    import pickle
+
+    scaler = polyamp.LossScaler(guard=True, on_min_scale="raise", history=8)
+    copy = pickle.loads(pickle.dumps(scaler))
+    assert copy._guard_setting is True and copy.records() == []
+    assert copy._recorder.on_min_scale == "raise" and copy._recorder.capacity == 8
+
+
+def test_tensorflow_graph_records_are_read_later_and_lost_ones_are_said(caplog: pytest.LogCaptureFixture) -> None:
+    """Inside tf.function nothing is read; records() reads the ring afterwards, and says when it overflowed."""
+    tf = pytest.importorskip("tensorflow")
+    caplog.set_level(logging.INFO, logger="polyamp")
+    variable = tf.Variable([1.0, 2.0])
+    opt = tf.keras.optimizers.SGD(0.1)
+    scaler = polyamp.LossScaler(history=4, enabled=True, backend="tensorflow")
+
+    @tf.function
+    def step(bad: Any) -> None:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(variable * variable) * bad
+            scaled = scaler.scale(loss)
+        scaler.apply_gradients(opt, [(tape.gradient(scaled, variable), variable)])
+
+    for bad in [1.0, math.inf, 1.0]:
+        step(tf.constant(bad))
+    assert [(r.iteration, r.reason) for r in scaler.records()] == [(0, None), (1, "overflow"), (2, None)]
+    for _ in range(6):
+        step(tf.constant(1.0))
+    records = scaler.records()
+    assert [r.iteration for r in records][-4:] == [5, 6, 7, 8]
+    assert [r.scale for r in records[-4:]] == [None] * 4  # the state before them is unknown
+    assert any("2 iterations ended without being recorded" in m for m in _polyamp_messages(caplog, logging.WARNING))
+    step(tf.constant(1.0))
+    assert scaler.records()[-1].scale == 32768.0  # re-anchored on the device's state
