@@ -102,6 +102,12 @@ class LossScaler:
                 steps, and reports scale 1.0.
             backend: "torch" or "tensorflow" (or a registered third-party name) to bind at once; None binds on
                 first use from the type of what it is given.
+            process_group: None (default): each process decides its skips from its own gradients, which is
+                right whenever every rank holds the same gradients (data parallelism such as DDP, whose
+                backward already all-reduced them). A framework process group (``torch.distributed``'s)
+                whose ranks hold *different* gradients (optimizer sharding, pipeline stages): the found-inf
+                flag of every optimizer step is reduced over it (one max all-reduce, on the device), so all
+                its ranks skip together. Binds the scaler to the group's framework at once.
             **settings: The loss-scaling settings, each defined (with its range) by `LossScaleConfig`:
     {settings}
 
@@ -149,6 +155,7 @@ class LossScaler:
         *positional: Any,
         enabled: bool | NotGiven | None = NOT_GIVEN,
         backend: str | None = None,
+        process_group: Any = None,
         **settings: Unpack[LossScaleSettings],
     ) -> None:
         caller = f"{type(self).__name__}()"
@@ -170,6 +177,16 @@ class LossScaler:
                     "Use polyamp.LossScaler for another backend."
                 )
             backend = bound
+        if process_group is not None:
+            owner = registry.detect_backend(process_group)
+            if owner is None or backend not in (None, owner):
+                raise PolyampTypeError(
+                    f"{caller} takes process_group=None or a process group of its framework (for PyTorch, a "
+                    f"torch.distributed.ProcessGroup such as dist.new_group(ranks)). Received: "
+                    f"{describe(process_group)}" + (f" with backend={backend!r}." if owner is not None else ".")
+                )
+            backend = owner
+        self._process_group = process_group
         self._config = config
         self._enabled_setting = enabled
         self._host_state = config.initial_state()
@@ -210,6 +227,14 @@ class LossScaler:
                 "Create one LossScaler per framework (their state dicts are interchangeable)."
             )
         device = registry.get_backend(backend).make_device(self._config, self._host_state)
+        if self._process_group is not None:
+            set_group = getattr(device, "set_process_group", None)
+            if set_group is None:
+                raise PolyampTypeError(
+                    f"The {backend!r} backend's scaler cannot reduce its found-inf flag over a process group; "
+                    "construct the LossScaler without process_group."
+                )
+            set_group(self._process_group)  # the device checks the group and raises if it is not one
         if isinstance(device, ImperativeDevice):
             style = "imperative"
         elif isinstance(device, TapeDevice):
@@ -303,6 +328,11 @@ class LossScaler:
     def backend(self) -> str | None:
         """The name of the bound backend, or None before first use."""
         return self._backend_name
+
+    @property
+    def process_group(self) -> Any:
+        """The process group the found-inf flags are reduced over, or None (no reduction)."""
+        return self._process_group
 
     @property
     def dynamic(self) -> bool:
@@ -728,6 +758,11 @@ class LossScaler:
 
     def __getstate__(self) -> dict[str, Any]:
         self._refuse_mid_iteration("A LossScaler can be pickled or copied only between iterations; it was copied")
+        if self._process_group is not None:
+            raise ScalerUsageError(
+                "A LossScaler with a process_group cannot be pickled or copied: the group belongs to this process. "
+                "Save scaler.state_dict() and load it into a scaler constructed with the group."
+            )
         return {
             "config": self._config,
             "enabled": self._enabled_setting,
@@ -738,6 +773,7 @@ class LossScaler:
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self._config = saved["config"]
         self._enabled_setting = saved["enabled"]
+        self._process_group = None
         self._host_state = saved["state"]
         self._device = None
         self._compiling = None
@@ -783,6 +819,7 @@ def _signature(cls: type[LossScaler]) -> inspect.Signature:
     if "enabled" not in cls.positional_arguments:
         parameters.append(inspect.Parameter("enabled", inspect.Parameter.KEYWORD_ONLY, default=cls.default_enabled))
     parameters.append(inspect.Parameter("backend", inspect.Parameter.KEYWORD_ONLY, default=None))
+    parameters.append(inspect.Parameter("process_group", inspect.Parameter.KEYWORD_ONLY, default=None))
     return inspect.Signature(parameters)
 
 
