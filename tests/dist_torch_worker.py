@@ -145,6 +145,20 @@ def sharded(fused: bool, with_group: bool, resume: dict[str, Any] | None = None)
     return result
 
 
+def no_gradients() -> dict[str, Any]:
+    """Rank 1's optimizer has no gradients: it still joins the all-reduce, then raises; rank 0 steps."""
+    used, unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([used if RANK == 0 else unused], lr=0.1)
+    scaler = polyamp.LossScaler(enabled=True, process_group=dist.group.WORLD)
+    scaler.scale(used.sum()).backward()
+    try:
+        scaler.step(opt)
+    except polyamp.ScalerUsageError as exc:
+        return {"error": str(exc).split(".")[0]}
+    scaler.update()
+    return {"skipped": bool(scaler.step_skipped(opt)), "param": used.tolist()}
+
+
 # -- FSDP2 ------------------------------------------------------------------------------------------------------
 
 
@@ -267,6 +281,7 @@ def main() -> None:
         "sharded_fused_adam": lambda: sharded(fused=True, with_group=True),
         "sharded_no_group": lambda: sharded(fused=False, with_group=False),
         "sharded_resumed": lambda: sharded(fused=False, with_group=True, resume=resume),
+        "no_gradients": no_gradients,
         "fsdp": fsdp,
         "fsdp_apply_policy": fsdp_apply_policy,
     }

@@ -129,6 +129,13 @@ def test_without_a_process_group_ranks_with_different_gradients_diverge(
     assert rank0["state_dict"]["scale"] != rank1["state_dict"]["scale"]
 
 
+def test_a_rank_without_gradients_still_joins_the_reduction(runs: dict[str, list[dict[str, Any]]]) -> None:
+    rank0, rank1 = _results(runs, "no_gradients")
+    # no hang: rank 1 took part in the all-reduce before raising its usual error
+    assert rank0 == {"skipped": False, "param": [torch.tensor(1 - 0.1).item()] * 3}
+    assert rank1 == {"error": "step(): none of the optimizer's parameters has a gradient"}
+
+
 def test_state_dicts_move_between_distributed_and_single_device(runs: dict[str, list[dict[str, Any]]]) -> None:
     # single device -> distributed: both ranks resume from a single-device state dict
     resumed = _results(runs, "sharded_resumed")
