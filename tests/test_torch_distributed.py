@@ -240,3 +240,17 @@ def test_process_group_is_validated() -> None:
     scaler = polyamp.LossScaler()
     assert scaler.process_group is None
     assert pickle.loads(pickle.dumps(scaler)).process_group is None
+
+
+def test_a_backend_without_reduction_refuses_a_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "numpy_backend"))
+    import npfw
+    import polyamp_npfw
+
+    polyamp.register_backend(polyamp_npfw.SPEC)
+    try:
+        with pytest.raises(polyamp.PolyampTypeError, match="The 'npfw' backend's scaler cannot reduce its found-inf"):
+            polyamp.LossScaler(process_group=npfw.Tensor(0.0))
+    finally:
+        for name in ("npfw", "polyamp_npfw"):
+            sys.modules.pop(name, None)
