@@ -121,6 +121,12 @@ class LossScaler:
                 (`polyamp.ScaleCollapseError` when the records are read) or "ignore".
             history: How many iterations are recorded on the device between reads, and kept by `records`
                 (default 256).
+            process_group: None (default): each process decides its skips from its own gradients, which is
+                right whenever every rank holds the same gradients (data parallelism such as DDP, whose
+                backward already all-reduced them). A framework process group (``torch.distributed``'s)
+                whose ranks hold *different* gradients (optimizer sharding, pipeline stages): the found-inf
+                flag of every optimizer step is reduced over it (one max all-reduce, on the device), so all
+                its ranks skip together. Binds the scaler to the group's framework at once.
             **settings: The loss-scaling settings, each defined (with its range) by `LossScaleConfig`:
     {settings}
 
@@ -171,6 +177,7 @@ class LossScaler:
         guard: bool | None = None,
         on_min_scale: str = "warn",
         history: int = DEFAULT_HISTORY,
+        process_group: Any = None,
         **settings: Unpack[LossScaleSettings],
     ) -> None:
         caller = f"{type(self).__name__}()"
@@ -194,6 +201,16 @@ class LossScaler:
                     "Use polyamp.LossScaler for another backend."
                 )
             backend = bound
+        if process_group is not None:
+            owner = registry.detect_backend(process_group)
+            if owner is None or backend not in (None, owner):
+                raise PolyampTypeError(
+                    f"{caller} takes process_group=None or a process group of its framework (for PyTorch, a "
+                    f"torch.distributed.ProcessGroup such as dist.new_group(ranks)). Received: "
+                    f"{describe(process_group)}" + (f" with backend={backend!r}." if owner is not None else ".")
+                )
+            backend = owner
+        self._process_group = process_group
         self._config = config
         self._enabled_setting = enabled
         self._guard_setting = guard
@@ -240,6 +257,14 @@ class LossScaler:
                 "Create one LossScaler per framework (their state dicts are interchangeable)."
             )
         device = registry.get_backend(backend).make_device(self._config, self._host_state)
+        if self._process_group is not None:
+            set_group = getattr(device, "set_process_group", None)
+            if set_group is None:
+                raise PolyampTypeError(
+                    f"The {backend!r} backend's scaler cannot reduce its found-inf flag over a process group; "
+                    "construct the LossScaler without process_group."
+                )
+            set_group(self._process_group)  # the device checks the group and raises if it is not one
         if isinstance(device, ImperativeDevice):
             style = "imperative"
         elif isinstance(device, TapeDevice):
@@ -363,6 +388,11 @@ class LossScaler:
     def backend(self) -> str | None:
         """The name of the bound backend, or None before first use."""
         return self._backend_name
+
+    @property
+    def process_group(self) -> Any:
+        """The process group the found-inf flags are reduced over, or None (no reduction)."""
+        return self._process_group
 
     @property
     def dynamic(self) -> bool:
@@ -874,6 +904,11 @@ class LossScaler:
 
     def __getstate__(self) -> dict[str, Any]:
         self._refuse_mid_iteration("A LossScaler can be pickled or copied only between iterations; it was copied")
+        if self._process_group is not None:
+            raise ScalerUsageError(
+                "A LossScaler with a process_group cannot be pickled or copied: the group belongs to this process. "
+                "Save scaler.state_dict() and load it into a scaler constructed with the group."
+            )
         return {
             "config": self._config,
             "enabled": self._enabled_setting,
@@ -889,6 +924,7 @@ class LossScaler:
         self._enabled_setting = saved["enabled"]
         self._guard_setting = saved.get("guard")
         self._recorder = Recorder(saved.get("history", DEFAULT_HISTORY), saved.get("on_min_scale", "warn"))
+        self._process_group = None
         self._host_state = saved["state"]
         self._recorder.reanchor(self._host_state)
         self._history = None
@@ -941,6 +977,7 @@ def _signature(cls: type[LossScaler]) -> inspect.Signature:
     parameters.append(inspect.Parameter("guard", inspect.Parameter.KEYWORD_ONLY, default=None))
     parameters.append(inspect.Parameter("on_min_scale", inspect.Parameter.KEYWORD_ONLY, default="warn"))
     parameters.append(inspect.Parameter("history", inspect.Parameter.KEYWORD_ONLY, default=DEFAULT_HISTORY))
+    parameters.append(inspect.Parameter("process_group", inspect.Parameter.KEYWORD_ONLY, default=None))
     return inspect.Signature(parameters)
 
 

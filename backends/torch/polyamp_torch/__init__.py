@@ -6,6 +6,7 @@
   records on top.
 * `apply_policy` - a policy on a model: outputs in the output dtype, chosen submodules in float32.
 * `SchedulerGuard` - an LR scheduler that does not advance on skipped steps.
+* `fsdp_mixed_precision` - a policy as FSDP2's ``MixedPrecisionPolicy``.
 
 Importing this module imports torch; without PyTorch installed it raises ``polyamp.BackendNotInstalledError``
 saying ``pip install 'polyamp[torch]'``.
@@ -17,6 +18,7 @@ from polyamp_torch._framework import TORCH_DTYPES  # isort: split
 from polyamp_torch._autocast import PolicyRegion, autocast, policy_in_effect
 from polyamp_torch._backend import TorchBackend
 from polyamp_torch._cpu_float32 import FLOAT32_OP_NAMES
+from polyamp_torch._distributed import fsdp_mixed_precision
 from polyamp_torch._modules import apply_policy, module_policy, remove_policy
 from polyamp_torch._scaler import TorchLossScaler
 from polyamp_torch._schedulers import SchedulerGuard
@@ -30,6 +32,7 @@ __all__ = [
     "TorchLossScaler",
     "apply_policy",
     "autocast",
+    "fsdp_mixed_precision",
     "module_policy",
     "policy_in_effect",
     "remove_policy",

@@ -10,7 +10,9 @@ for call, so results match it bit for bit:
   skip on the device: no host sync;
 * other optimizers are stepped only if no gradient was non-finite, which costs the one host read of the
   flag that GradScaler also makes;
-* `update` never reads the state to the host (see `polyamp_torch._rule`).
+* `update` never reads the state to the host (see `polyamp_torch._rule`);
+* with a process group (ranks holding different gradients), each optimizer step's found-inf flag is
+  all-reduced (max) over it, a one-element collective on the device, so every rank skips together.
 """
 
 from __future__ import annotations
@@ -51,6 +53,17 @@ class TorchDevice:
         # Counted from the process start, so the regions of a first forward pass that ran before this scaler
         # bound count too (a scaler that scales one float32 iteration needlessly loses nothing).
         self._float16_regions_seen = 0
+        self._process_group: Any = None
+
+    def set_process_group(self, group: Any) -> None:
+        """Reduce every found-inf flag over ``group`` (a ``torch.distributed.ProcessGroup``) from now on."""
+        dist = torch.distributed
+        if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+            raise PolyampTypeError(
+                "process_group takes a torch.distributed.ProcessGroup (dist.new_group(ranks), dist.group.WORLD, "
+                f"or a DeviceMesh's mesh.get_group()). Received: {describe(group)}."
+            )
+        self._process_group = group
 
     # -- state -------------------------------------------------------------------------------------------
 
@@ -132,7 +145,7 @@ class TorchDevice:
         scale = state.scale
         inv_scale = scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        flag, bfloat16 = unscale_gradients(
+        flag, bfloat16 = self._check_and_unscale(
             optimizer,
             inv_scale,
             found_inf,
@@ -149,13 +162,28 @@ class TorchDevice:
         state = self._state_near(optimizer)
         one = torch.ones((), dtype=torch.float32, device=state.scale.device)
         found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
-        flag, _ = unscale_gradients(optimizer, one, found_inf, allow_fp16=True, warn_bfloat16=False)
+        flag, _ = self._check_and_unscale(optimizer, one, found_inf, allow_fp16=True, warn_bfloat16=False)
         return flag
 
     def count_skip(self, found_inf: torch.Tensor) -> None:
         """Count a guarded iteration as skipped when ``found_inf`` is set; the rule does not run."""
         state = self._state or self._materialize(found_inf.device)
         state.skipped.add_(found_inf.to(state.skipped.device, non_blocking=True) > 0)
+    def _check_and_unscale(
+        self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, **options: bool
+    ) -> tuple[torch.Tensor | None, bool]:
+        """`unscale_gradients`, then the flag reduced over the process group: ONE max all-reduce of one
+        element, issued on the device's stream (no host sync). A rank without gradients still takes part
+        (with a zero flag), so the collective matches on every rank, and then reports None as usual.
+        DTensor gradients (FSDP2) need no group: torch's DTensor rule for the unscale kernel already reduces
+        the flag over the gradients' device mesh."""
+        flag, bfloat16 = unscale_gradients(optimizer, inv_scale, found_inf, **options)
+        if self._process_group is not None:
+            reduced = found_inf if flag is None else flag
+            torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, group=self._process_group)
+            if flag is not None:
+                flag = reduced
+        return flag, bfloat16
 
     def unscales_in_step(self, optimizer: Any) -> bool:
         # Fused kernels check the scaled gradients only; below scale 1 the unscaled ones need checking too.
@@ -170,7 +198,7 @@ class TorchDevice:
                 # Check only (inverse scale 1): the fused kernel unscales by grad_scale itself, as with GradScaler.
                 one = torch.ones((), dtype=torch.float32, device=state.scale.device)
                 zero = torch.zeros((), dtype=torch.float32, device=state.scale.device)
-                found_inf, _ = unscale_gradients(optimizer, one, zero, allow_fp16=True, warn_bfloat16=False)
+                found_inf, _ = self._check_and_unscale(optimizer, one, zero, allow_fp16=True, warn_bfloat16=False)
                 if found_inf is None:
                     raise no_gradients_error()
                 grad_scale: Any = state.scale * getattr(optimizer, "grad_scale", 1)

@@ -25,6 +25,7 @@ import polyamp
 from polyamp import OverridesLike, Policy, PolicyLike, PolicyOverrides, PolyampTypeError, PolyampValueError
 from polyamp.backend_api import describe
 from polyamp_torch._autocast import autocast, default_device_type, policy_in_effect
+from polyamp_torch._distributed import is_dtensor
 from polyamp_torch._framework import TORCH_DTYPES, torch
 
 __all__ = ["apply_policy", "module_policy", "remove_policy"]
@@ -158,7 +159,12 @@ def apply_policy(
         PolyampTypeError: ``module`` is not an ``nn.Module``, or ``keep_float32`` holds something else than
             names, patterns and submodules.
         PolyampValueError: a ``keep_float32`` instance is not a submodule of ``module``, or a name or
-            pattern matches no submodule (a typo would otherwise silently keep nothing in float32).
+            pattern matches no submodule (a typo would otherwise silently keep nothing in float32), or a
+            sharded (DTensor) parameter would change dtype: apply the policy before ``fully_shard``.
+
+    With FSDP2, apply the policy before or after ``fully_shard``: both compose as long as no sharded
+    parameter changes dtype (under the mixed policies they stay float32); a policy that casts parameters
+    goes before ``fully_shard``.
 
     A parameter shared by submodules that would get different parameter dtypes (e.g. an embedding tied to
     a head kept in float32 under a bfloat16-parameter policy) stays in the widest of them, with a warning.
@@ -201,9 +207,9 @@ def apply_policy(
                 f"keep_float32 takes submodule names, glob patterns or submodule instances. Received: {describe(item)}."
             )
     float32 = Policy("float32")
-    remove_policy(module)
     effective: dict[int, Policy] = {}
     names: dict[int, str] = {}
+    owns: list[tuple[torch.nn.Module, Policy]] = []
     for name, sub in named:
         if sub is module:
             own: Policy | None = root_policy
@@ -212,15 +218,37 @@ def apply_policy(
         else:
             own = override_map.match(name)
         if own is not None:
-            follows = sub is module and fixed_policy is None
-            sub.__dict__["forward"] = _PolicyForward(
-                sub, None if follows else own, device_type, is_root=sub is module, param_dtype=own.param_dtype
-            )
+            owns.append((sub, own))
         parent = name.rpartition(".")[0]
         effective[id(sub)] = own or effective[id(module.get_submodule(parent))]
         names[id(sub)] = name or type(module).__name__
+    _refuse_sharded_casts(named, effective, names)
+    remove_policy(module)
+    for sub, own in owns:
+        follows = sub is module and fixed_policy is None
+        sub.__dict__["forward"] = _PolicyForward(
+            sub, None if follows else own, device_type, is_root=sub is module, param_dtype=own.param_dtype
+        )
     _cast_parameters(named, effective, names)
     return module
+
+
+def _refuse_sharded_casts(
+    named: list[tuple[str, torch.nn.Module]], effective: dict[int, Policy], names: dict[int, str]
+) -> None:
+    """Raise, before anything changes, if a DTensor parameter (FSDP2, tensor parallel) would change dtype:
+    assigning ``param.data`` would detach it from the sharding that FSDP2 all-gathers from."""
+    for _, sub in named:
+        dtype = TORCH_DTYPES[effective[id(sub)].param_dtype]
+        for param_name, param in sub.named_parameters(recurse=False):
+            if is_dtensor(param) and param.dtype in _CASTABLE and param.dtype != dtype:
+                raise PolyampValueError(
+                    f"apply_policy() would cast the sharded (DTensor) parameter {names[id(sub)]}.{param_name} from "
+                    f"{param.dtype} to {dtype}; FSDP2 and tensor parallelism own the storage of sharded "
+                    "parameters, so polyamp does not replace it. Call apply_policy() before fully_shard() (the "
+                    "shards then hold the policy's param dtype), or keep the parameters in their dtype and give "
+                    "FSDP2 the compute dtype: fully_shard(module, mp_policy=polyamp_torch.fsdp_mixed_precision(policy))."
+                )
 
 
 _WIDTH = {"float32": 2, "bfloat16": 1, "float16": 0}
