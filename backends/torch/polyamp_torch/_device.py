@@ -169,6 +169,7 @@ class TorchDevice:
         """Count a guarded iteration as skipped when ``found_inf`` is set; the rule does not run."""
         state = self._state or self._materialize(found_inf.device)
         state.skipped.add_(found_inf.to(state.skipped.device, non_blocking=True) > 0)
+
     def _check_and_unscale(
         self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, **options: bool
     ) -> tuple[torch.Tensor | None, bool]:
