@@ -10,7 +10,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-ORDER = ("torch-cpu", "keras", "scale", "gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16")
+ORDER = (
+    "torch-cpu",
+    "keras",
+    "scale",
+    "guard",
+    "gpu-syncs",
+    "gpu-cuda-graph",
+    "gpu-recipe",
+    "gpu-compiled",
+    "gpu-bf16",
+)
 TITLES = {
     "gpu-syncs": "Host-device synchronisations per training step (CUDA)",
     "gpu-cuda-graph": "CUDA-graph capture of a fused-optimizer training step",

@@ -5,6 +5,7 @@ CPU targets (run here, results in benchmarks/RESULTS.md):
     python benchmarks/run.py torch-cpu     # eager step time, polyamp vs torch.autocast + GradScaler
     python benchmarks/run.py keras         # GradientTape step (tf.function, XLA) and model.fit steps/s
     python benchmarks/run.py scale         # per-step overhead as the model grows, plus a PNG plot
+    python benchmarks/run.py guard         # the bfloat16 guard's and the step records' cost
     python benchmarks/run.py cpu           # the three above, each in its own process, then `report`
 
 CUDA targets (need a CUDA device; benchmarks/gpu_suite.sh runs them all):
@@ -35,7 +36,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/run.py` from anywhere: `benc
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-CPU_TARGETS = ("torch-cpu", "keras", "scale")
+CPU_TARGETS = ("torch-cpu", "keras", "scale", "guard")
 GPU_TARGETS = ("gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16")
 GPU_HELP = {
     "gpu-syncs": "host-device syncs per step, polyamp vs GradScaler, per optimizer",
@@ -84,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
         help="wall time, or the process's CPU time with TensorFlow on one thread (its float16 kernels without "
         "XLA are then far slower than with its default pools, so `cpu` keeps keras on wall time)",
     )
+    p = target("guard", "the bfloat16 guard and the step records, vs plain torch and GradScaler")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--rounds", type=int, default=41)
+    p.add_argument("--round-seconds", type=float, default=0.03, help="time per variant per round")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="as for torch-cpu")
     p = target("scale", "per-step overhead vs model size, with a plot")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--rounds", type=int, default=7)
@@ -148,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import keras_step
 
         _common_write(keras_step.run(args), args)
+    elif args.target == "guard":
+        from benchmarks import guard
+
+        _common_write(guard.run(args), args)
     elif args.target == "scale":
         from benchmarks import scale
 

@@ -35,6 +35,7 @@ def load(path: Path) -> dict[str, Any]:
     [
         ("torch-cpu", "torch"),
         ("scale", "torch"),
+        ("guard", "torch"),
         ("keras", "tensorflow"),
         ("gpu-recipe", "torch"),
         ("gpu-compiled", "torch"),
