@@ -208,3 +208,23 @@ def test_tensorflow_graph_records_are_read_later_and_lost_ones_are_said(caplog: 
     assert any("2 iterations ended without being recorded" in m for m in _polyamp_messages(caplog, logging.WARNING))
     step(tf.constant(1.0))
     assert scaler.records()[-1].scale == 32768.0  # re-anchored on the device's state
+
+
+def test_scheduler_guard_holds_the_learning_rate_on_a_guarded_skip() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = polyamp.LossScaler()
+    scheduler = polyamp_torch.SchedulerGuard(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5), scaler)
+    lrs = []
+    with polyamp.policy_scope("mixed_bfloat16"):
+        for step in range(4):
+            x, y = _batch(step)
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+            if step == 1:
+                model[2].bias.grad[0] = math.nan
+            scaler.step(opt)
+            scaler.update()
+            scheduler.step()
+            lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == [0.5, 0.5, 0.25, 0.125]
