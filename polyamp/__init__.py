@@ -33,6 +33,7 @@ from polyamp._src.global_policy import (
 from polyamp._src.loss_scaler import LossScaler
 from polyamp._src.overrides import OverridesLike, PolicyOverrides
 from polyamp._src.policy import DTYPE_NAMES, POLICY_NAMES, Policy, PolicyLike
+from polyamp._src.provenance import NonFiniteGradient
 from polyamp._src.records import SKIP_REASONS, ScaleCollapseError, SkipReason, StepRecord
 from polyamp._src.registry import BackendSpec, backend_specs, get_backend, register_backend
 from polyamp._src.scaling import LossScaleConfig, LossScaleSettings, LossScaleState
@@ -55,6 +56,7 @@ __all__ = [
     "LossScaleSettings",
     "LossScaleState",
     "LossScaler",
+    "NonFiniteGradient",
     "OverridesLike",
     "Policy",
     "PolicyLike",

@@ -29,6 +29,8 @@ from polyamp._src.errors import describe, type_error
 from polyamp._src.functional import FunctionalLossScaler
 from polyamp._src.iteration import UnscaleStages, no_gradients_error
 from polyamp._src.loss_scaler import bind_arguments
+from polyamp._src.provenance import layer_of, non_finite_gradients
+from polyamp._src.records import MODE_CODES, Recorder, check_guard, check_history, check_on_min_scale
 from polyamp._src.registry import (
     ENTRY_POINT_GROUP,
     BackendSpec,
@@ -56,6 +58,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "FORMAT_VERSION",
     "INT32_MAX",
+    "MODE_CODES",
     "NOT_GIVEN",
     "SETTING_DOCS",
     "Backend",
@@ -68,6 +71,7 @@ __all__ = [
     "LossScaleSettings",
     "LossScaleState",
     "NotGiven",
+    "Recorder",
     "ScalerDevice",
     "StepOutcome",
     "TapeDevice",
@@ -76,11 +80,16 @@ __all__ = [
     "backend_specs",
     "bind_arguments",
     "check_enabled",
+    "check_guard",
+    "check_history",
+    "check_on_min_scale",
     "describe",
     "detect_backend",
     "get_backend",
+    "layer_of",
     "load_target",
     "no_gradients_error",
+    "non_finite_gradients",
     "parse_state_dict",
     "register_backend",
     "resolve_enabled",

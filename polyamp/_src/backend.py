@@ -126,6 +126,19 @@ class ScalerDevice(Protocol):
         ...
 
 
+#: Optional device methods, for step records and the guard (the core uses them when present):
+#:
+#: * ``new_history(capacity)`` / ``write_history(history, base, flag)`` / ``read_history(history)``: a ring of
+#:   one code per iteration (``base`` from `polyamp.backend_api.MODE_CODES`, plus 1 when ``flag`` is set;
+#:   ``flag`` may be None), written without a host read; ``read_history`` returns (entries written in all,
+#:   the codes of the most recent ones, oldest first).
+#: * ``count_skip(flag)``: count a guarded iteration as skipped when ``flag`` is set, without the rule.
+#: * ``check_gradients_finite(optimizer)`` (imperative): the flag of ``optimizer``'s gradients, unchanged.
+#: * ``non_finite_gradients(optimizer)`` (imperative): ``(name, +inf, -inf, NaN, size)`` per gradient, called
+#:   after a step the host knows was skipped; ``read_provenance()`` (any style): ``[(iteration, [(name, +inf,
+#:   -inf, NaN, size), ...]), ...]`` counted on the device in the branch that skipped, since the last call.
+
+
 @runtime_checkable
 class ImperativeDevice(ScalerDevice, Protocol):
     """PyTorch-style device form: optimizers own their gradients (``param.grad``).

@@ -30,6 +30,7 @@ from polyamp._src.errors import (
 )
 from polyamp._src.functional import FunctionalLossScaler
 from polyamp._src.iteration import Iteration, Stage, no_gradients_error
+from polyamp._src.provenance import NonFiniteGradient, non_finite_gradients
 from polyamp._src.records import (
     DEFAULT_HISTORY,
     MODE_CODES,
@@ -225,6 +226,8 @@ class LossScaler:
         self._backend_name: str | None = None
         self._iteration = Iteration()
         self._host_skip = False  # a step of this iteration read its skip to the host
+        self._iteration_gradients: list[NonFiniteGradient] = []  # this iteration's, from host-known skips
+        self._written = 0  # iterations written to the history
         self._scaled = False
         self._records: weakref.WeakKeyDictionary[Any, _Record] = weakref.WeakKeyDictionary()
         self._unweakable_records: dict[int, tuple[Any, _Record]] = {}
@@ -647,8 +650,11 @@ class LossScaler:
 
     def _write_history(self, mode: str, flag: Any, host_skipped: bool) -> None:
         self._host_skip = False
+        gradients, self._iteration_gradients = tuple(self._iteration_gradients), []
         if self._history is None:
             return
+        self._recorder.attach(self._written, gradients)
+        self._written += 1
         self._device.write_history(self._history, MODE_CODES[mode], flag)
         self._pending += 1
         # A skip the step already read to the host is reported at once; the rest in batches (one read).
@@ -683,6 +689,10 @@ class LossScaler:
             ScaleCollapseError: with ``on_min_scale="raise"``, a record shows the scale reaching its floor.
         """
         if self._history is not None and not self._compiling_now():
+            read_provenance = getattr(self._device, "read_provenance", None)
+            if read_provenance is not None:  # counted on the device, in the branch that skipped
+                for iteration, entries in read_provenance():
+                    self._recorder.attach(iteration, non_finite_gradients(entries))
             count, codes = self._device.read_history(self._history)
             self._pending = 0
             self._recorder.consume(count, codes, self._config, self._state_or_none)
@@ -740,6 +750,9 @@ class LossScaler:
         record.host = skipped
         if skipped:
             self._host_skip = True
+            count = getattr(self._device, "non_finite_gradients", None)
+            if count is not None and hasattr(optimizer, "param_groups"):  # an imperative device: grads on params
+                self._iteration_gradients += non_finite_gradients(count(optimizer))
 
     def _record_of(self, optimizer: Any) -> _Record | None:
         try:
@@ -930,6 +943,8 @@ class LossScaler:
         self._history = None
         self._pending = 0
         self._host_skip = False
+        self._iteration_gradients = []
+        self._written = 0
         self._device = None
         self._compiling = None
         self._style = None

@@ -22,10 +22,11 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from polyamp._src.errors import PolyampError, PolyampValueError, describe
+from polyamp._src.provenance import NonFiniteGradient
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
 
 __all__ = [
@@ -76,6 +77,9 @@ class StepRecord:
         scale: The scale the iteration's loss was multiplied by (None when not scaling, or when the scale
             cannot be told: records were lost, or a scale was set from a tensor inside a compiled function).
         next_scale: The scale after the iteration's update (None likewise).
+        gradients: For a skipped step, the parameters whose gradients held inf/-inf/NaN, with the counts
+            (see `polyamp.NonFiniteGradient`); empty when not skipped, or when the backend could not tell
+            (a fused torch optimizer, which skips on the device without the host learning of it in time).
     """
 
     iteration: int
@@ -84,6 +88,19 @@ class StepRecord:
     mode: str
     scale: float | None
     next_scale: float | None
+    gradients: tuple[NonFiniteGradient, ...] = field(default=())
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """The modules or layers holding the non-finite gradients, in parameter order, each once."""
+        return tuple(dict.fromkeys(g.layer for g in self.gradients))
+
+    def _where(self) -> str:
+        if not self.gradients:
+            return ""
+        shown = "; ".join(g.describe() for g in self.gradients[:8])
+        more = f"; and {len(self.gradients) - 8} more" if len(self.gradients) > 8 else ""
+        return f" Non-finite gradients in {', '.join(self.layers)}: {shown}{more}."
 
     def message(self) -> str:
         """The record as one log line."""
@@ -94,13 +111,13 @@ class StepRecord:
                 f"iteration {self.iteration}: step skipped (overflow): a gradient was inf or NaN at loss scale "
                 f"{_fmt(self.scale)}; the scale is now {_fmt(self.next_scale)}. Parameters, optimizer slots and "
                 "step counters are unchanged. Occasional overflows are how dynamic loss scaling finds its scale."
+                + self._where()
             )
         return (
             f"iteration {self.iteration}: step skipped (non_finite): a gradient was inf or NaN without loss "
             "scaling (the guard of bfloat16/float32 training). Parameters, optimizer slots and step counters are "
             "unchanged. Repeated non-finite gradients point at the data (a NaN or inf in a batch), a learning "
-            "rate too high, or an operation that overflows; polyamp_torch.watch_forward / "
-            "polyamp_keras.watch_forward name the layer that produced it."
+            "rate too high, or an operation that overflows." + self._where()
         )
 
 
@@ -154,7 +171,13 @@ class Recorder:
         self.read_count = 0  # ring entries consumed so far
         self.anchor: LossScaleState | None = None  # the state after the last consumed entry, when known
         self.lost = 0
+        self.gradients: dict[int, tuple[NonFiniteGradient, ...]] = {}  # by iteration, until its record is made
         self._collapsed = False  # inside a collapse episode (warned once; re-armed when the scale grows)
+
+    def attach(self, iteration: int, gradients: tuple[NonFiniteGradient, ...]) -> None:
+        """The non-finite gradients of ``iteration`` (added to those already attached)."""
+        if gradients:
+            self.gradients[iteration] = self.gradients.get(iteration, ()) + gradients
 
     def reanchor(self, state: LossScaleState | None) -> None:
         """The state is now ``state`` (loaded, set or read), or unknown (None)."""
@@ -203,11 +226,14 @@ class Recorder:
                 scale=None if not scaled or before is None else before.scale,
                 # update(new_scale) sets the scale after the iteration; the scaler re-anchors there
                 next_scale=None if mode != "scaling" or state is None else state.scale,
+                gradients=self.gradients.pop(first + offset, ()) if flagged else (),
             )
             made.append(record)
             self.records.append(record)
             self._report(record, config)
         self.read_count = count
+        for stale in [i for i in self.gradients if i < count]:
+            del self.gradients[stale]
         if state is None:
             state = read_state()
         self.anchor = state

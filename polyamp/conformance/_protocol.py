@@ -30,7 +30,8 @@ CAPABILITIES: Final = {
     "passes_loss_through": "Harness.passes_loss_through: check a disabled scaler's scale()",
     "functional": "Harness.functional_trainer: train through the backend's functional (stateless) form",
     "low_precision": "computes in float16/bfloat16 when the policy says so (declared)",
-    "guard": "the trainer's scaler guards steps without scaling and keeps records() (declared)",
+    "guard": "the trainer's scaler guards steps without scaling and keeps records() naming the non-finite "
+    "gradients, and the trainer names the parameter step(overflow=True) plants into (`planted`) (declared)",
 }
 
 

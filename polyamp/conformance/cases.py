@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from polyamp import LossScaleConfig, Policy
+from polyamp.backend_api import layer_of
 from polyamp.conformance._context import (
     assert_close,
     assert_dtype,
@@ -413,6 +414,27 @@ def test_records_replay_the_scale_of_every_step(harness: Any) -> None:
         raise AssertionError(f"records: {got}, expected {want}")
     if got[-1][5] != trainer.scaler.state_dict()["scale"]:
         raise AssertionError(f"the replayed scale {got[-1][5]} differs from the device's")
+
+
+@requires("trainer", "guard")
+@parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_skipped_step_names_the_parameter_that_overflowed(harness: Any, policy: str) -> None:
+    """An inf planted in one parameter's gradient at step 7 of 12: the record of step 7, and no other, names
+    exactly that parameter and its layer, with one inf (reason "overflow" while scaling, "non_finite" while
+    guarding)."""
+    trainer = harness.trainer(Policy(policy), scaler={"enabled": None})
+    for index, (x, y) in enumerate(_batches(12)):
+        trainer.step(x, y, overflow=index == 7)
+    got = [
+        (r.iteration, r.reason, [(g.name, g.layer, g.inf, g.neg_inf, g.nan) for g in r.gradients], r.layers)
+        for r in trainer.scaler.records()
+        if r.skipped or r.gradients
+    ]
+    planted = trainer.planted
+    reason = "overflow" if policy == "mixed_float16" else "non_finite"
+    want = [(7, reason, [(planted, layer_of(planted), 1, 0, 0)], (layer_of(planted),))]
+    if got != want:
+        raise AssertionError(f"records of skipped steps: {got}, expected {want}")
 
 
 def _new_scaler(harness: Any, **settings: Any) -> Any:

@@ -36,6 +36,9 @@ class TensorFlowDevice:
         self._host_state = state
         self._variables: ScaleState | None = None
         self._traced = False
+        self._history: tuple[tf.Variable, tf.Variable] | None = None
+        # Per list of variables applied: their names, the counts of the last skipped step, and its iteration.
+        self._provenance: dict[tuple[int, ...], tuple[list[Any], list[str], tf.Variable, tf.Variable]] = {}
 
     def _state(self) -> ScaleState:
         if not tf.executing_eagerly():
@@ -111,8 +114,57 @@ class TensorFlowDevice:
             optimizer.apply(unscaled_grads, list(variables))
             return tf.constant(True)
 
-        tf.cond(finite, apply, lambda: tf.constant(False))
+        def skip() -> Any:
+            self._count_non_finite(unscaled_grads, variables)
+            return tf.constant(False)
+
+        tf.cond(finite, apply, skip)
         return StepOutcome(optimizer.iterations, tf.cast(tf.logical_not(finite), tf.float32), None)
+
+    def _count_non_finite(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
+        """In the branch that skips: each gradient's +inf/-inf/NaN counts, for the records (see
+        `polyamp.NonFiniteGradient`); finite steps never run it."""
+        if self._history is None:
+            return
+        key = tuple(id(v) for v in variables)
+        slot = self._provenance.get(key)
+        if slot is None:
+            names = [str(getattr(v, "path", None) or v.name) for v in variables]
+            slot = (
+                list(variables),  # held, so the ids in the key stay theirs
+                names,
+                _variable("non_finite_counts", "int64", [[0, 0, 0, 0]] * len(names)),
+                _variable("non_finite_at", "int64", -1),
+            )
+            self._provenance[key] = slot
+        rows = []
+        for grad in grads:
+            if grad is None:
+                rows.append(tf.zeros([4], tf.int64))
+                continue
+            values = grad.values if isinstance(grad, tf.IndexedSlices) else tf.convert_to_tensor(grad)
+            inf = tf.math.is_inf(values)
+            rows.append(
+                tf.stack(
+                    [
+                        tf.reduce_sum(tf.cast(inf & (values > 0), tf.int64)),
+                        tf.reduce_sum(tf.cast(inf & (values < 0), tf.int64)),
+                        tf.reduce_sum(tf.cast(tf.math.is_nan(values), tf.int64)),
+                        tf.cast(tf.size(values), tf.int64),
+                    ]
+                )
+            )
+        slot[2].assign(tf.stack(rows))
+        slot[3].assign(self._history[1])  # this iteration's index: its history entry is written next
+
+    def read_provenance(self) -> list[tuple[int, list[tuple[str, int, int, int, int]]]]:
+        found = []
+        for _, names, counts, at in self._provenance.values():
+            index = int(at.numpy())
+            if index >= 0:
+                found.append((index, [(n, *row) for n, row in zip(names, counts.numpy().tolist(), strict=True)]))
+                at.assign(-1)
+        return found
 
     def plain_apply(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
         return optimizer.apply_gradients(zip(grads, variables, strict=True))
@@ -178,7 +230,8 @@ class TensorFlowDevice:
 
     def new_history(self, capacity: int) -> tuple[tf.Variable, tf.Variable]:
         # A ring of mode codes and the count of entries written, in variables: written inside graphs too.
-        return _variable("history_codes", "int32", [0] * capacity), _variable("history_count", "int64", 0)
+        self._history = (_variable("history_codes", "int32", [0] * capacity), _variable("history_count", "int64", 0))
+        return self._history
 
     def write_history(self, history: tuple[tf.Variable, tf.Variable], base: int, found_inf: Any) -> None:
         codes, count = history

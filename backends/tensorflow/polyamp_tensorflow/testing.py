@@ -54,6 +54,8 @@ class _KerasTrainer:
         else:
             raise ValueError(f"unknown optimizer {optimizer!r}; the harness knows 'sgd' and 'adam'")
         self.opt.build(self.model.trainable_variables)
+        #: The variable ``step(overflow=True)`` plants an inf in (its first gradient element).
+        self.planted = str(self.model.trainable_variables[0].path)
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:

@@ -165,6 +165,33 @@ class TorchDevice:
         flag, _ = self._check_and_unscale(optimizer, one, found_inf, allow_fp16=True, warn_bfloat16=False)
         return flag
 
+    def non_finite_gradients(self, optimizer: Any) -> list[tuple[str, int, int, int, int]]:
+        """(name, +inf, -inf, NaN, size) counts of each gradient of ``optimizer``, read in one host transfer.
+        Called only for a step the host already knows was skipped. Names come from the optimizer's
+        ``param_names`` (torch keeps them when it is built from ``model.named_parameters()``)."""
+        names: list[str] = []
+        counts: list[torch.Tensor] = []
+        for g, group in enumerate(optimizer.param_groups):
+            given = group.get("param_names")
+            for i, param in enumerate(group["params"]):
+                grad = param.grad
+                if grad is None:
+                    continue
+                values = grad.coalesce().values() if grad.is_sparse else grad
+                names.append(str(given[i]) if given is not None else f"param_groups[{g}][{i}]")
+                counts.append(
+                    torch.stack(
+                        [
+                            torch.isposinf(values).sum(),
+                            torch.isneginf(values).sum(),
+                            torch.isnan(values).sum(),
+                            torch.tensor(values.numel(), device=values.device),
+                        ]
+                    ).cpu()
+                )
+        rows = torch.stack(counts).tolist() if counts else []
+        return [(name, *row) for name, row in zip(names, rows, strict=True)]
+
     def count_skip(self, found_inf: torch.Tensor) -> None:
         """Count a guarded iteration as skipped when ``found_inf`` is set; the rule does not run."""
         state = self._state or self._materialize(found_inf.device)

@@ -45,7 +45,9 @@ class _TorchTrainer:
         self.clip = clip
         torch.manual_seed(seed)
         self.model = apply_policy(_mlp().to(device), policy, device_type=device)
-        params = list(self.model.parameters())
+        params = list(self.model.named_parameters())  # torch keeps the names (param_names) for the records
+        #: The parameter ``step(overflow=True)`` plants an inf in (its first gradient element).
+        self.planted = params[0][0]
         if optimizer == "sgd":
             self.opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
         elif optimizer == "adam":
@@ -67,7 +69,8 @@ class _TorchTrainer:
             loss = F.cross_entropy(self.model(inputs), targets)
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         if overflow:
-            grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
+            grad = dict(self.model.named_parameters())[self.planted].grad
+            assert grad is not None, "the planted parameter has a gradient after backward"
             grad.view(-1)[0] = float("inf")
         if self.clip is not None:
             if self.scaler is not None:
