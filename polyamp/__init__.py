@@ -20,6 +20,7 @@ from polyamp._src.errors import (
     StateDictError,
     UnknownBackendError,
 )
+from polyamp._src.forward_watch import ForwardReport, NonFiniteOutput
 from polyamp._src.functional import FunctionalLossScaler
 from polyamp._src.global_policy import (
     PolicySetting,
@@ -46,6 +47,7 @@ __all__ = [
     "BackendMismatchError",
     "BackendNotInstalledError",
     "BackendSpec",
+    "ForwardReport",
     "FunctionalLossScaler",
     "InvalidConfigError",
     "InvalidPolicyError",
@@ -53,6 +55,7 @@ __all__ = [
     "LossScaleSettings",
     "LossScaleState",
     "LossScaler",
+    "NonFiniteOutput",
     "OverridesLike",
     "Policy",
     "PolicyLike",
