@@ -39,6 +39,7 @@ __all__ = [
 LOGGER_NAME = "polyamp"
 
 Kind = Literal["produced", "propagated"]
+_SHOWN = 5  # propagating calls spelled out in a message
 _KINDS = ("produced", "propagated")
 
 
@@ -160,9 +161,10 @@ class ForwardReport:
         if self.also_produced:
             lines.append("Also produced from finite inputs: " + "; ".join(o.describe() for o in self.also_produced))
         if self.propagated:
-            lines.append(
-                f"Propagated by {len(self.propagated)}: " + "; ".join(o.describe() for o in self.propagated) + "."
-            )
+            shown = "; ".join(o.describe() for o in self.propagated[:_SHOWN])
+            more = len(self.propagated) - _SHOWN
+            rest = f"; and {more} more (all in the report's propagated)" if more > 0 else ""
+            lines.append(f"Propagated by {len(self.propagated)}: {shown}{rest}.")
         return "\n".join(lines)
 
     def __str__(self) -> str:

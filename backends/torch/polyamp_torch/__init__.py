@@ -6,6 +6,7 @@
   records on top.
 * `apply_policy` - a policy on a model: outputs in the output dtype, chosen submodules in float32.
 * `SchedulerGuard` - an LR scheduler that does not advance on skipped steps.
+* `watch_forward` - which module first produced an inf or NaN in a forward pass (forward hooks).
 
 Importing this module imports torch; without PyTorch installed it raises ``polyamp.BackendNotInstalledError``
 saying ``pip install 'polyamp[torch]'``.
@@ -20,10 +21,12 @@ from polyamp_torch._cpu_float32 import FLOAT32_OP_NAMES
 from polyamp_torch._modules import apply_policy, module_policy, remove_policy
 from polyamp_torch._scaler import TorchLossScaler
 from polyamp_torch._schedulers import SchedulerGuard
+from polyamp_torch._watch import ForwardWatch, watch_forward
 
 __all__ = [
     "FLOAT32_OP_NAMES",
     "TORCH_DTYPES",
+    "ForwardWatch",
     "PolicyRegion",
     "SchedulerGuard",
     "TorchBackend",
@@ -33,4 +36,5 @@ __all__ = [
     "module_policy",
     "policy_in_effect",
     "remove_policy",
+    "watch_forward",
 ]
