@@ -128,9 +128,7 @@ def _torch_model() -> Any:
     with torch.no_grad():
         block[0].weight[0].zero_()  # column 0 is exactly 0: 0/0 is NaN
         block[0].bias[0] = 0.0
-    model = torch.nn.Sequential(
-        OrderedDict(stem=torch.nn.Linear(4, 6), block=block, head=torch.nn.Linear(6, 3))
-    )
+    model = torch.nn.Sequential(OrderedDict(stem=torch.nn.Linear(4, 6), block=block, head=torch.nn.Linear(6, 3)))
     return model
 
 
@@ -331,7 +329,7 @@ def test_torch_refuses_a_non_module_and_a_bad_every() -> None:
     torch = _torch()
     import polyamp_torch
 
-    with pytest.raises(PolyampTypeError, match="expects a torch.nn.Module; received"):
+    with pytest.raises(PolyampTypeError, match=r"expects a torch\.nn\.Module; received"):
         polyamp_torch.watch_forward(lambda x: x)  # type: ignore[arg-type]
     model = torch.nn.Linear(2, 2)
     with pytest.raises(PolyampValueError, match=r"every=\.\.\.\) must be an int >= 1; received 0"):
