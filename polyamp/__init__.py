@@ -20,6 +20,7 @@ from polyamp._src.errors import (
     StateDictError,
     UnknownBackendError,
 )
+from polyamp._src.forward_watch import ForwardReport, NonFiniteOutput
 from polyamp._src.functional import FunctionalLossScaler
 from polyamp._src.global_policy import (
     PolicySetting,
@@ -49,6 +50,7 @@ __all__ = [
     "BackendMismatchError",
     "BackendNotInstalledError",
     "BackendSpec",
+    "ForwardReport",
     "FunctionalLossScaler",
     "InvalidConfigError",
     "InvalidPolicyError",
@@ -57,6 +59,7 @@ __all__ = [
     "LossScaleState",
     "LossScaler",
     "NonFiniteGradient",
+    "NonFiniteOutput",
     "OverridesLike",
     "Policy",
     "PolicyLike",

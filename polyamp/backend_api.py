@@ -7,7 +7,9 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
 * a `Backend` object whose ``make_device(config, state)`` returns a device form implementing
   `ImperativeDevice` (PyTorch-style loops) or `TapeDevice` (TensorFlow-style loops), and optionally
   ``make_functional(config)`` returning a `FunctionalDevice` (jitted, stateless steps);
-* optionally a conformance harness (see `polyamp.conformance.Harness`) named in the spec.
+* optionally a conformance harness (see `polyamp.conformance.Harness`) named in the spec;
+* optionally a forward watch: the framework's layer calls as `WatchedCall` records, which `forward_report`
+  turns into a `polyamp.ForwardReport` (the decision of which layer produced a non-finite output is the core's).
 
 `polyamp.LossScaler` owns the semantics (stages, misuse errors, skip records, the enabled rule, state
 dicts); the device form only performs device operations. The helpers below give backends the same
@@ -26,6 +28,14 @@ from polyamp._src.backend import (
 )
 from polyamp._src.enabling import check_enabled, resolve_enabled
 from polyamp._src.errors import describe, type_error
+from polyamp._src.forward_watch import (
+    LOGGER_NAME,
+    WatchedCall,
+    check_watch_every,
+    forward_report,
+    join_dtype_names,
+    log_forward_report,
+)
 from polyamp._src.functional import FunctionalLossScaler
 from polyamp._src.iteration import UnscaleStages, no_gradients_error
 from polyamp._src.loss_scaler import bind_arguments
@@ -58,6 +68,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "FORMAT_VERSION",
     "INT32_MAX",
+    "LOGGER_NAME",
     "MODE_CODES",
     "NOT_GIVEN",
     "SETTING_DOCS",
@@ -76,6 +87,7 @@ __all__ = [
     "StepOutcome",
     "TapeDevice",
     "UnscaleStages",
+    "WatchedCall",
     "backend_name_for",
     "backend_specs",
     "bind_arguments",
@@ -83,11 +95,15 @@ __all__ = [
     "check_guard",
     "check_history",
     "check_on_min_scale",
+    "check_watch_every",
     "describe",
     "detect_backend",
+    "forward_report",
     "get_backend",
+    "join_dtype_names",
     "layer_of",
     "load_target",
+    "log_forward_report",
     "no_gradients_error",
     "non_finite_gradients",
     "parse_state_dict",

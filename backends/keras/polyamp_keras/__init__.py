@@ -17,6 +17,7 @@ PyTorch).
   (``keep_float32``), per-layer policies (``overrides``) and outputs in the policy's output dtype.
 * `PolicyOverridesMap` - per-layer overrides (``polyamp.set_policy(..., overrides=...)``) as a Keras
   ``DTypePolicyMap``; it survives ``model.save`` / ``keras.models.load_model``.
+* `watch_forward` - which layer first produced an inf or NaN in an eager forward pass.
 
 It imports Keras and nothing else: no TensorFlow, JAX or PyTorch beyond what Keras itself loads for its
 backend. Importing it registers its classes for Keras serialization (``polyamp>LossScaleOptimizer``,
@@ -32,9 +33,11 @@ from polyamp_keras._models import FLOAT32_LAYERS, apply_policy, op_output_dtype
 from polyamp_keras._optimizer import LossScaleOptimizer
 from polyamp_keras._outputs import OutputCast, cast_outputs
 from polyamp_keras._policies import PolicyOverridesMap, PolyampDTypePolicy, to_keras_policy
+from polyamp_keras._watch import ForwardWatch, watch_forward
 
 __all__ = [
     "FLOAT32_LAYERS",
+    "ForwardWatch",
     "LossScaleCallback",
     "LossScaleOptimizer",
     "OutputCast",
@@ -45,4 +48,5 @@ __all__ = [
     "follow_polyamp_policy",
     "op_output_dtype",
     "to_keras_policy",
+    "watch_forward",
 ]

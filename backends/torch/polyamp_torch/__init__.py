@@ -7,6 +7,7 @@
 * `apply_policy` - a policy on a model: outputs in the output dtype, chosen submodules in float32.
 * `SchedulerGuard` - an LR scheduler that does not advance on skipped steps.
 * `fsdp_mixed_precision` - a policy as FSDP2's ``MixedPrecisionPolicy``.
+* `watch_forward` - which module first produced an inf or NaN in a forward pass (forward hooks).
 
 Importing this module imports torch; without PyTorch installed it raises ``polyamp.BackendNotInstalledError``
 saying ``pip install 'polyamp[torch]'``.
@@ -22,10 +23,12 @@ from polyamp_torch._distributed import fsdp_mixed_precision
 from polyamp_torch._modules import apply_policy, module_policy, remove_policy
 from polyamp_torch._scaler import TorchLossScaler
 from polyamp_torch._schedulers import SchedulerGuard
+from polyamp_torch._watch import ForwardWatch, watch_forward
 
 __all__ = [
     "FLOAT32_OP_NAMES",
     "TORCH_DTYPES",
+    "ForwardWatch",
     "PolicyRegion",
     "SchedulerGuard",
     "TorchBackend",
@@ -36,4 +39,5 @@ __all__ = [
     "module_policy",
     "policy_in_effect",
     "remove_policy",
+    "watch_forward",
 ]

@@ -1,0 +1,251 @@
+"""`watch_forward`: which module first produced an inf or NaN in a forward pass, through forward hooks.
+
+Every module of the model (from ``named_modules()``, the model itself included) gets a forward pre-hook and
+a forward hook (``with_kwargs=True``). A call of the model is one forward pass; in a watched one:
+
+* each floating tensor a module receives or returns is checked once on its device with ``torch.aminmax``
+  (one reduction kernel, no host sync; a tensor already checked, unchanged since, is not checked again, so
+  in a ``Sequential`` each activation is checked once);
+* when the model's call returns, the checks are stacked and read with **one host sync** (per device);
+* only when one of them is non-finite are the outputs counted (inf, -inf, NaN) and the calls handed to
+  ``polyamp.backend_api.forward_report``, which decides who produced the value and who propagated it.
+
+The watch keeps the checked tensors referenced until the model's call returns; in training autograd keeps
+most of them anyway, under ``torch.no_grad`` this holds one forward's activations at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from polyamp import ForwardReport, PolyampTypeError
+from polyamp.backend_api import (
+    LOGGER_NAME,
+    WatchedCall,
+    check_watch_every,
+    describe,
+    forward_report,
+    join_dtype_names,
+    log_forward_report,
+)
+
+__all__ = ["ForwardWatch", "watch_forward"]
+
+_logger = logging.getLogger(LOGGER_NAME)
+
+
+def _float_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The real floating, non-empty, strided tensors in ``value`` (nested tuples, lists and dict values)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.layout == torch.strided and value.numel() > 0:
+            yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _float_tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _float_tensors(item)
+
+
+def _version(tensor: torch.Tensor) -> int:
+    # Inference tensors have no version counter; treat them as unchanged.
+    return -1 if tensor.is_inference() else tensor._version
+
+
+class _Forward:
+    """The checks of one watched forward pass."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.started = 0
+        self.checks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.seen: dict[int, tuple[torch.Tensor, int, int]] = {}  # id -> (tensor, version, check index)
+        self.frames: list[tuple[torch.nn.Module, str, int, list[int]]] = []  # open calls
+        # Returned calls: path, started, input checks, output checks, (tensor, version) of the outputs.
+        self.calls: list[tuple[str, int, list[int], list[int], list[tuple[torch.Tensor, int]]]] = []
+
+    def check(self, tensor: torch.Tensor) -> int:
+        version = _version(tensor)
+        entry = self.seen.get(id(tensor))
+        if entry is not None and entry[0] is tensor and entry[1] == version:
+            return entry[2]
+        index = len(self.checks)
+        with torch.no_grad():
+            self.checks.append(torch.aminmax(tensor.detach()))
+        self.seen[id(tensor)] = (tensor, version, index)
+        return index
+
+    def finite(self) -> list[bool] | None:
+        """Each check's result, or None when all were finite: one host sync per device."""
+        by_device: dict[torch.device, list[int]] = {}
+        for index, (low, _) in enumerate(self.checks):
+            by_device.setdefault(low.device, []).append(index)
+        finite: list[bool] | None = None
+        for indices in by_device.values():
+            values = torch.isfinite(torch.stack([v for i in indices for v in self.checks[i]]))
+            if bool(values.all()):
+                continue
+            finite = finite or [True] * len(self.checks)
+            for i, ok in zip(indices, values.view(-1, 2).all(dim=1).tolist(), strict=True):
+                finite[i] = bool(ok)
+        return finite
+
+    def report(self) -> ForwardReport | None:
+        finite = self.finite() if self.checks else None
+        if finite is None:
+            return None
+        calls = []
+        for path, started, inputs, outputs, tensors in self.calls:
+            output_finite = all(finite[i] for i in outputs)
+            counts = [0, 0, 0]
+            size, dtypes, exact = 0, [], True
+            for (tensor, version), index in zip(tensors, outputs, strict=True):
+                size += tensor.numel()
+                if finite[index]:
+                    continue
+                with torch.no_grad():
+                    t = tensor.detach()
+                    found = torch.stack([torch.isposinf(t).sum(), torch.isneginf(t).sum(), torch.isnan(t).sum()])
+                counts = [a + b for a, b in zip(counts, found.tolist(), strict=True)]
+                dtypes.append(str(tensor.dtype).removeprefix("torch."))
+                exact = exact and _version(tensor) == version
+            if output_finite:
+                dtypes = [str(t.dtype).removeprefix("torch.") for t, _ in tensors]
+            calls.append(
+                WatchedCall(
+                    path,
+                    started,
+                    inputs_finite=all(finite[i] for i in inputs),
+                    output_finite=output_finite,
+                    inf=counts[0],
+                    neg_inf=counts[1],
+                    nan=counts[2],
+                    dtype=join_dtype_names(dtypes),
+                    size=size,
+                    exact=exact,
+                )
+            )
+        return forward_report(calls, step=self.step)
+
+
+class ForwardWatch:
+    """A forward watch on a model (see `watch_forward`): hooks in place until `remove` or the ``with`` exits."""
+
+    def __init__(self, model: torch.nn.Module, every: int = 1) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise PolyampTypeError(
+                f"watch_forward expects a torch.nn.Module; received {describe(model)}. Pass the model whose "
+                "forward passes to watch (for a Keras model use polyamp_keras.watch_forward)."
+            )
+        self.every = check_watch_every(every)
+        self.model = model
+        self._forwards = 0
+        self._depth = 0
+        self._forward: _Forward | None = None
+        self._last: ForwardReport | None = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        for path, module in model.named_modules():
+            root = module is model
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(path, root), with_kwargs=True))
+            self._handles.append(
+                module.register_forward_hook(self._hook(root), with_kwargs=True, always_call=True, prepend=True)
+            )
+
+    # -- the hooks --------------------------------------------------------------------------------------------
+    def _pre_hook(self, path: str, root: bool) -> Any:
+        def pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if root:
+                if self._depth == 0:
+                    if self._forwards % self.every == 0:
+                        self._forward = _Forward(self._forwards)
+                    self._forwards += 1
+                self._depth += 1
+            forward = self._forward
+            if forward is None:  # an unwatched forward, or a module called outside the model's call
+                return
+            inputs = [forward.check(t) for t in _float_tensors((args, kwargs))]
+            forward.frames.append((module, path, forward.started, inputs))
+            forward.started += 1
+
+        return pre_hook
+
+    def _hook(self, root: bool) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            forward = self._forward
+            if forward is not None and forward.frames and forward.frames[-1][0] is module:
+                _, path, started, inputs = forward.frames.pop()
+                tensors = list(_float_tensors(output))
+                outputs = [forward.check(t) for t in tensors]
+                forward.calls.append((path, started, inputs, outputs, [(t, forward.seen[id(t)][1]) for t in tensors]))
+            if root:
+                self._depth -= 1
+                if self._depth == 0 and forward is not None:
+                    self._forward = None
+                    self._last = forward.report()
+                    log_forward_report(self._last, _logger)
+
+        return hook
+
+    # -- the handle -------------------------------------------------------------------------------------------
+    def report(self) -> ForwardReport | None:
+        """The report of the last watched forward pass: None when all its outputs were finite (or none ran)."""
+        return self._last
+
+    @property
+    def forwards(self) -> int:
+        """How many times the model was called since the watch began (watched or not)."""
+        return self._forwards
+
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are in place."""
+        return bool(self._handles)
+
+    def remove(self) -> None:
+        """Remove every hook the watch added; the model is as before. `report` keeps the last report."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._forward = None
+        self._depth = 0
+
+    def __enter__(self) -> ForwardWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return f"ForwardWatch({type(self.model).__name__}, every={self.every}, {state}, forwards={self._forwards})"
+
+
+def watch_forward(model: torch.nn.Module, *, every: int = 1) -> ForwardWatch:
+    """Watch ``model``'s forward passes for the module that first produces an inf or NaN.
+
+    Returns a `ForwardWatch`, hooked at once; use it as a context manager or call ``remove()``. A call of
+    ``model`` is one forward pass; with ``every=N`` one pass in N is watched (the first, then every Nth).
+    After each watched pass, ``watch.report()`` is None when every module output was finite, else a
+    ``polyamp.ForwardReport`` naming the *producer* (the first module whose inputs were all finite and whose
+    output was not), the modules that only propagated the value, and each output's inf / -inf / NaN counts;
+    the report is also logged as a WARNING through ``logging.getLogger("polyamp")``.
+
+    Cost per watched pass: one ``torch.aminmax`` per checked tensor (each module's output, and inputs not
+    produced by a watched module), queued on the tensor's device, and one host sync when the model's call
+    returns; counting happens only in a pass that had a non-finite output. Outputs are unchanged (the hooks
+    return nothing). Modules added after the watch began, and submodules called outside the model's call
+    (an activation-checkpoint recomputation during backward), are not watched. Eager mode: under
+    ``torch.compile`` the hooks' bookkeeping is not traced.
+
+    >>> import torch, polyamp_torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    >>> with polyamp_torch.watch_forward(model) as watch:
+    ...     _ = model(torch.ones(1, 2))
+    >>> watch.report() is None
+    True
+    """
+    return ForwardWatch(model, every=every)

@@ -1,0 +1,269 @@
+"""The forward watch's records and decision: which layer first produced a non-finite output in a forward pass.
+
+A backend watches each layer call of a forward pass (``polyamp_torch.watch_forward``,
+``polyamp_keras.watch_forward``) and hands the calls, in the order they returned, to `forward_report` as
+`WatchedCall` records. The core decides, the same way for every framework:
+
+* a call whose output holds inf or NaN **produced** it when all its inputs were finite and no call nested in
+  it (a child layer) produced a non-finite output: the layer's own computation made the value;
+* otherwise it **propagated** it: an input was already non-finite, or a child layer produced the value and
+  the enclosing layer passed it on;
+* the report names the first producer (in the order the calls returned), the later producers, if any, and
+  every propagating call, with the inf / -inf / NaN counts of each output.
+
+The records are plain frozen dataclasses of strings and integers, so a report can be logged, compared and
+pickled without the framework.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from polyamp._src.errors import PolyampValueError
+
+__all__ = [
+    "LOGGER_NAME",
+    "ForwardReport",
+    "NonFiniteOutput",
+    "WatchedCall",
+    "check_watch_every",
+    "forward_report",
+    "join_dtype_names",
+    "log_forward_report",
+]
+
+#: The logger the forward watch warns through: ``logging.getLogger("polyamp")``.
+LOGGER_NAME = "polyamp"
+
+Kind = Literal["produced", "propagated"]
+_SHOWN = 5  # propagating calls spelled out in a message
+_KINDS = ("produced", "propagated")
+
+
+@dataclass(frozen=True)
+class NonFiniteOutput:
+    """One layer call whose output held inf or NaN.
+
+    Attributes:
+        path: the layer's path in the model (torch: its ``named_modules()`` name, ``""`` for the model
+            itself; Keras: ``layer.path``).
+        kind: ``"produced"`` (all inputs finite, the layer's own computation made the value) or
+            ``"propagated"`` (an input was already non-finite, or a layer called inside it produced it).
+        inf: how many output values were +inf.
+        neg_inf: how many were -inf.
+        nan: how many were NaN.
+        dtype: the output's dtype name (``"float16"``; several output tensors of different dtypes are
+            joined with ``"/"``).
+        call_index: the call's position among the forward's watched calls, in the order the calls began
+            (0 is the model's own call); a layer called twice has two records.
+        size: how many floating values the output held in all.
+        exact: False when the output tensor was changed in place after the call returned (an in-place
+            activation after it), so the counts are those of the changed tensor; the call was non-finite
+            when it returned either way.
+
+    >>> out = NonFiniteOutput("block.1", "produced", inf=3, neg_inf=1, nan=0, dtype="float16", call_index=4, size=8)
+    >>> out.describe()
+    "'block.1' (float16, call 4): 3 inf, 1 -inf, 0 NaN of 8 values"
+    """
+
+    path: str
+    kind: Kind
+    inf: int
+    neg_inf: int
+    nan: int
+    dtype: str
+    call_index: int
+    size: int = 0
+    exact: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise PolyampValueError(
+                f"NonFiniteOutput kind must be 'produced' or 'propagated'; received {self.kind!r}. "
+                "Use 'produced' for a layer whose inputs were all finite, 'propagated' otherwise."
+            )
+        for name in ("inf", "neg_inf", "nan", "call_index", "size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PolyampValueError(
+                    f"NonFiniteOutput {name} must be an int >= 0; received {value!r}. Pass a count or an index."
+                )
+
+    @property
+    def name(self) -> str:
+        """The path quoted for a message; the model's own call (path ``""``) reads ``the model``."""
+        return repr(self.path) if self.path else "the model"
+
+    @property
+    def non_finite(self) -> int:
+        """inf + neg_inf + nan."""
+        return self.inf + self.neg_inf + self.nan
+
+    def counts(self) -> str:
+        """The counts as words: ``"3 inf, 1 -inf, 0 NaN of 8 values"``."""
+        counts = f"{self.inf} inf, {self.neg_inf} -inf, {self.nan} NaN of {self.size} values"
+        if not self.exact:
+            counts += " (counted after an in-place change to the output)"
+        return counts
+
+    def describe(self) -> str:
+        """One line: path, dtype, call index and the counts."""
+        return f"{self.name} ({self.dtype}, call {self.call_index}): {self.counts()}"
+
+
+@dataclass(frozen=True)
+class ForwardReport:
+    """What the forward watch saw in one forward pass that had a non-finite output.
+
+    Attributes:
+        step: the forward's index among the model's calls since the watch began (0-based), or None.
+        producer: the first call (in the order calls returned) whose inputs were finite and whose output was
+            not; None when every non-finite output came from a non-finite input (the model's own inputs, or a
+            value computed outside the watched layers).
+        propagated: the calls that passed a non-finite value on, in the order they returned.
+        also_produced: later calls that produced a non-finite output from finite inputs too (another branch,
+            or a value reaching them outside their inputs), in the order they returned.
+
+    ``str(report)`` is `message`.
+    """
+
+    step: int | None
+    producer: NonFiniteOutput | None
+    propagated: tuple[NonFiniteOutput, ...] = ()
+    also_produced: tuple[NonFiniteOutput, ...] = ()
+
+    @property
+    def outputs(self) -> tuple[NonFiniteOutput, ...]:
+        """Every non-finite output (producer, later producers, propagating calls), in the order calls began."""
+        found = [*self.propagated, *self.also_produced] + ([self.producer] if self.producer else [])
+        return tuple(sorted(found, key=lambda o: o.call_index))
+
+    def message(self) -> str:
+        """The report as a few log lines, naming the producer first."""
+        where = "Forward pass" if self.step is None else f"Forward pass {self.step}"
+        lines = []
+        if self.producer is not None:
+            p = self.producer
+            lines.append(
+                f"{where}: {p.name} produced a non-finite {p.dtype} output from finite inputs "
+                f"(call {p.call_index}): {p.counts()}."
+            )
+        else:
+            first = self.propagated[0].name if self.propagated else "no layer"
+            lines.append(
+                f"{where}: no watched layer produced a non-finite output from finite inputs; the first non-finite "
+                f"output, {first}'s, came from a non-finite input (the model's inputs, or a value computed outside "
+                "the watched layers)."
+            )
+        if self.also_produced:
+            lines.append("Also produced from finite inputs: " + "; ".join(o.describe() for o in self.also_produced))
+        if self.propagated:
+            shown = "; ".join(o.describe() for o in self.propagated[:_SHOWN])
+            more = len(self.propagated) - _SHOWN
+            rest = f"; and {more} more (all in the report's propagated)" if more > 0 else ""
+            lines.append(f"Propagated by {len(self.propagated)}: {shown}{rest}.")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.message()
+
+
+@dataclass(frozen=True)
+class WatchedCall:
+    """One layer call as a backend saw it, for `forward_report`.
+
+    ``started`` is the call's position in the order the calls began (its ``call_index``); a call that began
+    after this one and returned before it ran inside it. ``inputs_finite`` and ``output_finite`` are the
+    checks taken when the call began and returned; the counts describe the output (all zero when finite).
+    """
+
+    path: str
+    started: int
+    inputs_finite: bool
+    output_finite: bool
+    inf: int = 0
+    neg_inf: int = 0
+    nan: int = 0
+    dtype: str = ""
+    size: int = 0
+    exact: bool = True
+
+
+def forward_report(calls: Iterable[WatchedCall], step: int | None = None) -> ForwardReport | None:
+    """The report for one forward pass, from its calls in the order they returned; None if all were finite.
+
+    A non-finite call produced its value when its inputs were finite and no call nested in it (began after
+    it, returned before it) produced one; otherwise it propagated it.
+
+    >>> calls = [
+    ...     WatchedCall("embed", 1, True, True),
+    ...     WatchedCall("block.0", 3, True, False, inf=2, dtype="float16", size=8),
+    ...     WatchedCall("block.1", 4, False, False, inf=2, nan=1, dtype="float16", size=8),
+    ...     WatchedCall("block", 2, True, False, inf=2, nan=1, dtype="float16", size=8),
+    ...     WatchedCall("", 0, True, False, nan=3, dtype="float32", size=3),
+    ... ]
+    >>> report = forward_report(calls, step=7)
+    >>> report.producer.path, [o.path for o in report.propagated]
+    ('block.0', ['block.1', 'block', ''])
+    >>> print(report)  # doctest: +NORMALIZE_WHITESPACE
+    Forward pass 7: 'block.0' produced a non-finite float16 output from finite inputs (call 3):
+    2 inf, 0 -inf, 0 NaN of 8 values.
+    Propagated by 3: 'block.1' (float16, call 4): 2 inf, 0 -inf, 1 NaN of 8 values; 'block' (float16, call 2):
+    2 inf, 0 -inf, 1 NaN of 8 values; the model (float32, call 0): 0 inf, 0 -inf, 3 NaN of 3 values.
+    >>> forward_report([WatchedCall("embed", 0, True, True)]) is None
+    True
+    """
+    calls = list(calls)
+    producers: list[NonFiniteOutput] = []
+    propagated: list[NonFiniteOutput] = []
+    produced_starts: list[int] = []  # `started` of the producing calls that have returned so far
+    for position, call in enumerate(calls):
+        if not isinstance(call, WatchedCall):
+            raise PolyampValueError(
+                f"forward_report takes WatchedCall records; received {type(call).__name__} at position {position}."
+            )
+        if call.output_finite:
+            continue
+        # A producer that began after this call and has already returned ran inside it.
+        nested_producer = any(start > call.started for start in produced_starts)
+        kind: Kind = "produced" if call.inputs_finite and not nested_producer else "propagated"
+        record = NonFiniteOutput(
+            call.path, kind, call.inf, call.neg_inf, call.nan, call.dtype, call.started, call.size, call.exact
+        )
+        if kind == "produced":
+            producers.append(record)
+            produced_starts.append(call.started)
+        else:
+            propagated.append(record)
+    if not producers and not propagated:
+        return None
+    return ForwardReport(
+        step=step,
+        producer=producers[0] if producers else None,
+        propagated=tuple(propagated),
+        also_produced=tuple(producers[1:]),
+    )
+
+
+def log_forward_report(report: ForwardReport | None, logger: logging.Logger | None = None) -> None:
+    """Log ``report`` (if any) as one WARNING through ``logging.getLogger("polyamp")``."""
+    if report is not None:
+        (logger or logging.getLogger(LOGGER_NAME)).warning("%s", report.message())
+
+
+def check_watch_every(every: object) -> int:
+    """``every`` for ``watch_forward``: an int >= 1 (watch one forward in ``every``), else a clear error."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise PolyampValueError(
+            f"watch_forward(every=...) must be an int >= 1; received {every!r}. "
+            "Use every=1 to watch every forward pass, every=N to watch one in N."
+        )
+    return every
+
+
+def join_dtype_names(names: Sequence[str]) -> str:
+    """Distinct dtype names in first-seen order, joined with ``"/"``."""
+    return "/".join(dict.fromkeys(names))
