@@ -27,6 +27,7 @@ from polyamp._src.backend import (
 from polyamp._src.enabling import check_enabled, resolve_enabled
 from polyamp._src.errors import describe, type_error
 from polyamp._src.functional import FunctionalLossScaler
+from polyamp._src.hazards import TensorSummary
 from polyamp._src.iteration import UnscaleStages, no_gradients_error
 from polyamp._src.loss_scaler import bind_arguments
 from polyamp._src.registry import (
@@ -71,6 +72,7 @@ __all__ = [
     "ScalerDevice",
     "StepOutcome",
     "TapeDevice",
+    "TensorSummary",
     "UnscaleStages",
     "backend_name_for",
     "backend_specs",
