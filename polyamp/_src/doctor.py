@@ -184,8 +184,8 @@ def recommend(devices: Iterable[DeviceInfo], cpu: CpuInfo) -> Recommendation:
     if cpu.bfloat16:
         return Recommendation(
             "mixed_bfloat16",
-            f"no CUDA device; the CPU runs bfloat16 natively ({cpu.evidence}), so bfloat16 matmuls and "
-            "convolutions are faster than float32 ones, with no loss scaling.",
+            f"no CUDA device; the CPU runs bfloat16 natively ({cpu.evidence}): bfloat16 matmuls and "
+            "convolutions use those instructions, usually faster than float32, and need no loss scaling.",
         )
     return Recommendation(
         "float32",

@@ -198,7 +198,7 @@ def find_hazards(tensors: Iterable[TensorSummary | tuple[str, str, float | None]
                 f"{name} ({dtype}) looks like rotary-embedding frequencies: under {resolved.name!r} a matmul "
                 f"computing the angles position x frequency (as rotary embeddings often do) runs in {low_dtype}, "
                 f"whose {'8' if low_dtype == 'bfloat16' else '11'}-bit significand puts them off by whole radians "
-                f"at positions in the thousands. Keep the buffer float32 and {keep}.",
+                f"at positions in the thousands. Keep the buffer and the angles in float32: {keep}.",
             )
         if low_params and name.replace("/", ".").rpartition(".")[2] in _NORM_STATISTICS:
             hazard(
