@@ -7,6 +7,7 @@ what a backend is written against.
 """
 
 from polyamp._src.backend import Backend
+from polyamp._src.doctor import recommended_policy
 from polyamp._src.errors import (
     BackendConflictError,
     BackendMismatchError,
@@ -31,6 +32,7 @@ from polyamp._src.global_policy import (
     policy_scope,
     set_policy,
 )
+from polyamp._src.hazards import Hazard, check_hazards, find_hazards
 from polyamp._src.loss_scaler import LossScaler
 from polyamp._src.overrides import OverridesLike, PolicyOverrides
 from polyamp._src.policy import DTYPE_NAMES, POLICY_NAMES, Policy, PolicyLike
@@ -52,6 +54,7 @@ __all__ = [
     "BackendSpec",
     "ForwardReport",
     "FunctionalLossScaler",
+    "Hazard",
     "InvalidConfigError",
     "InvalidPolicyError",
     "LossScaleConfig",
@@ -76,11 +79,14 @@ __all__ = [
     "UnknownBackendError",
     "add_policy_listener",
     "backend_specs",
+    "check_hazards",
+    "find_hazards",
     "get_backend",
     "get_policy",
     "get_policy_overrides",
     "get_policy_setting",
     "policy_scope",
+    "recommended_policy",
     "register_backend",
     "set_policy",
 ]

@@ -37,6 +37,7 @@ from polyamp._src.forward_watch import (
     log_forward_report,
 )
 from polyamp._src.functional import FunctionalLossScaler
+from polyamp._src.hazards import TensorSummary
 from polyamp._src.iteration import UnscaleStages, no_gradients_error
 from polyamp._src.loss_scaler import bind_arguments
 from polyamp._src.provenance import layer_of, non_finite_gradients
@@ -86,6 +87,7 @@ __all__ = [
     "ScalerDevice",
     "StepOutcome",
     "TapeDevice",
+    "TensorSummary",
     "UnscaleStages",
     "WatchedCall",
     "backend_name_for",

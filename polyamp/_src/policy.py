@@ -45,8 +45,12 @@ _SPEC_KEYS: Final = {
     "o": "output",
 }
 
+#: The name that resolves to the recommended policy for this machine (see `Policy`).
+AUTO: Final = "auto"
+
 _GRAMMAR: Final = (
-    "Valid names: 'float32', 'mixed_float16', 'mixed_bfloat16', 'float16', 'bfloat16'. "
+    "Valid names: 'float32', 'mixed_float16', 'mixed_bfloat16', 'float16', 'bfloat16', or 'auto' (the policy "
+    "`python -m polyamp doctor` recommends for this machine). "
     "Or a spec of comma-separated key=dtype pairs with keys params|p, compute|c, output|o and dtypes "
     "float32|f32|full, float16|f16, bfloat16|bf16 (unspecified keys default to float32), "
     "e.g. 'params=float32,compute=bfloat16,output=float32'."
@@ -111,7 +115,7 @@ def _did_you_mean(text: str) -> str:
         return f" Did you mean {familiar!r} ({dtypes[0]} parameters, {dtypes[1]} compute, {dtypes[2]} outputs)?" + (
             " For float16 parameters too, 'float16'." if familiar == "mixed_float16" else ""
         )
-    hint = difflib.get_close_matches(text, POLICY_NAMES, n=1)
+    hint = difflib.get_close_matches(text, (*POLICY_NAMES, AUTO), n=1)
     return f" Did you mean {hint[0]!r}?" if hint else ""
 
 
@@ -120,6 +124,10 @@ def _parse_spec(spec: str) -> tuple[str, str, str]:
     named = _NAMED.get(text)
     if named is not None:
         return named
+    if text == AUTO:
+        from polyamp._src.doctor import recommended_policy  # probes devices: only when "auto" is asked for
+
+        return _NAMED[recommended_policy().policy]
     if "=" not in text:
         raise InvalidPolicyError(f"Unknown policy {spec!r}.{_did_you_mean(text)} {_GRAMMAR}")
     chosen: dict[str, str] = {}
@@ -167,6 +175,14 @@ class Policy:
 
             A spec is comma-separated ``key=dtype`` pairs, keys ``params|p``, ``compute|c``, ``output|o``,
             dtypes ``float32|f32|full``, ``float16|f16``, ``bfloat16|bf16``; unspecified keys are float32.
+
+            ``"auto"`` is the policy ``python -m polyamp doctor`` recommends for this machine
+            (``polyamp._src.doctor.recommend``): ``"mixed_bfloat16"`` on CUDA GPUs of compute capability >= 8.0
+            and on TPUs, ``"mixed_float16"`` on 7.x, ``"float32"`` below 7.0; without an accelerator
+            ``"mixed_bfloat16"`` when the CPU has AVX512-BF16 or AMX, else ``"float32"``. It is resolved once,
+            when the `Policy` is created (asking the frameworks already imported, or the first installed of
+            torch, TensorFlow, JAX, about their devices), and the Policy's ``name`` is the concrete one, never
+            ``"auto"``. It is not in `POLICY_NAMES`, which lists the concrete names.
         param, compute, output: Keyword form instead of ``spec``; each a dtype name, alias or framework
             dtype object (``torch.bfloat16``, ``tf.float16``); unspecified ones are float32.
 

@@ -41,6 +41,7 @@ __all__ = [
     "detect_backend",
     "get_backend",
     "load_target",
+    "owner_of_module",
     "register_backend",
     "wrong_object_error",
 ]
@@ -71,6 +72,12 @@ class BackendSpec:
             TensorFlow): called as ``resolve(cls)`` with the type of an object from ``frameworks``, it
             returns the name of the backend that handles it (or None). It must import nothing but the
             framework; it is called once per type.
+        tensor_reader: Optional ``"module:function"`` for ``polyamp.check_hazards``: called as ``reader(source)``
+            with a `pathlib.Path` (whose name ends with one of ``checkpoint_suffixes``) or an in-memory object of
+            one of ``frameworks`` (a model, a state dict), it returns ``(name, dtype, max_abs)`` triples
+            (``polyamp.backend_api.TensorSummary``), ``max_abs`` a float computed with the framework (None for
+            non-floating tensors).
+        checkpoint_suffixes: File-name endings ``tensor_reader`` opens, such as ``(".pt", ".safetensors")``.
     """
 
     name: str
@@ -81,6 +88,8 @@ class BackendSpec:
     policy_modules: tuple[str, ...] = field(default=())
     harness: str | None = None
     resolve: str | None = None
+    tensor_reader: str | None = None
+    checkpoint_suffixes: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         for attr in ("name", "target", "install_hint"):
@@ -95,7 +104,19 @@ class BackendSpec:
         object.__setattr__(self, "frameworks", _module_names("frameworks", self.frameworks, allow_empty=False))
         modules = _module_names("policy_modules", self.policy_modules, allow_empty=True)
         object.__setattr__(self, "policy_modules", modules or self.frameworks)
-        for attr in ("policy_hook", "harness", "resolve"):
+        suffixes = self.checkpoint_suffixes
+        if isinstance(suffixes, str) or not isinstance(suffixes, (tuple, list)):
+            raise PolyampTypeError(
+                "BackendSpec.checkpoint_suffixes must be a tuple of file-name endings, e.g. ('.pt',). "
+                f"Received: {describe(suffixes)}."
+            )
+        if not all(isinstance(s, str) and s.startswith(".") and len(s) > 1 for s in suffixes):
+            raise PolyampTypeError(
+                "BackendSpec.checkpoint_suffixes must hold endings starting with a dot, e.g. ('.pt',). "
+                f"Received: {describe(suffixes)}."
+            )
+        object.__setattr__(self, "checkpoint_suffixes", tuple(suffixes))
+        for attr in ("policy_hook", "harness", "resolve", "tensor_reader"):
             value = getattr(self, attr)
             if value is not None and (not isinstance(value, str) or ":" not in value):
                 raise PolyampTypeError(
@@ -127,6 +148,8 @@ _FIRST_PARTY: Final = (
         frameworks=("torch",),
         install_hint="pip install 'polyamp[torch]'",
         harness="polyamp_torch.testing:TorchHarness",
+        tensor_reader="polyamp_torch._tensors:read_tensors",
+        checkpoint_suffixes=(".pt", ".pth", ".bin", ".ckpt", ".safetensors"),
     ),
     BackendSpec(
         name="tensorflow",
@@ -143,6 +166,8 @@ _FIRST_PARTY: Final = (
         policy_hook="polyamp_keras:follow_polyamp_policy",
         harness="polyamp_keras.testing:KerasHarness",
         resolve="polyamp_keras._backend:backend_for",
+        tensor_reader="polyamp_keras._tensors:read_tensors",
+        checkpoint_suffixes=(".keras", ".weights.h5"),
     ),
 )
 
@@ -245,6 +270,17 @@ def get_backend(name: str) -> Backend:
         backend: Backend = factory()
         _loaded[name] = backend
         return backend
+
+
+def owner_of_module(module: str) -> str | None:
+    """The backend registered for a module's top-level package (``"keras.src.models"`` -> ``"keras"``), or None.
+
+    Unlike `backend_name_for`, it does not ask the backend's ``resolve``: Keras objects belong to ``keras``
+    here whatever Keras runs on. Never imports anything.
+    """
+    _read_entry_points()
+    with _lock:
+        return _framework_owner.get(module.partition(".")[0])
 
 
 def _owner_of_type(cls: type) -> str | None:

@@ -1,0 +1,115 @@
+"""The ``python -m polyamp doctor`` command line: report, ``--json``, ``--framework``, ``--check``/``--policy``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from polyamp._src.doctor import FRAMEWORKS, diagnose
+from polyamp._src.errors import PolyampError
+from polyamp._src.hazards import find_hazards, read_tensors
+from polyamp._src.policy import Policy
+
+__all__ = ["main"]
+
+EXIT_OK = 0
+EXIT_HAZARD = 1
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m polyamp doctor",
+        description="Report Python, polyamp, the installed frameworks and their devices, and the precision policy "
+        "recommended for this machine (what polyamp.Policy('auto') resolves to). With --check, look for tensors "
+        "of a checkpoint that a policy would hurt. Exit status: 0 no hazard, 1 hazards found by --check, "
+        "2 usage error or a checkpoint that could not be read.",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object with stable keys")
+    parser.add_argument(
+        "--framework",
+        action="append",
+        choices=FRAMEWORKS,
+        help="import and probe only this framework for devices (repeatable); default: every installed one",
+    )
+    parser.add_argument(
+        "--check",
+        metavar="PATH",
+        help="checkpoint to check for hazards (.pt/.pth/.bin/.ckpt, .safetensors, .keras, .weights.h5)",
+    )
+    parser.add_argument(
+        "--policy",
+        help="policy to check --check against: a name, 'auto' or a spec (default: mixed_float16)",
+    )
+    return parser
+
+
+def _check(path: str, resolved: Policy) -> dict[str, Any]:
+    tensors = read_tensors(path)
+    hazards = find_hazards(tensors, resolved)
+    return {
+        "path": path,
+        "policy": resolved.name,
+        "tensors": len(tensors),
+        "floating": sum(1 for t in tensors if t.max_abs is not None),
+        "hazards": [h.to_dict() for h in hazards],
+    }
+
+
+def _format_check(check: dict[str, Any]) -> str:
+    hazards = check["hazards"]
+    lines = [
+        f"Check {check['path']} under {check['policy']!r}: {check['tensors']} tensors "
+        f"({check['floating']} floating), {len(hazards)} hazard{'' if len(hazards) == 1 else 's'}"
+    ]
+    lines.extend(f"  {h['severity']}: [{h['kind']}] {h['message']}" for h in hazards)
+    if not hazards:
+        lines.append("  no hazard found")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the doctor; returns the exit status (0 no hazard, 1 hazards found, 2 usage or read error)."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: 0 for --help, 2 for a usage error
+        return int(exc.code or 0)
+    if args.policy is not None and args.check is None:
+        parser.print_usage(sys.stderr)
+        print("python -m polyamp doctor: --policy needs --check PATH.", file=sys.stderr)
+        return EXIT_USAGE
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up logs would bury the report
+    policy = None
+    if args.check is not None:
+        try:  # a bad policy is a usage error before anything is imported
+            policy = Policy(args.policy or "mixed_float16")
+        except PolyampError as exc:
+            print(f"python -m polyamp doctor: --policy: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    # Probe first: it imports torch before TensorFlow, which a Keras checkpoint could import.
+    report = diagnose(args.framework)
+    check = None
+    if args.check is not None and policy is not None:
+        try:
+            check = _check(args.check, policy)
+        except (PolyampError, OSError) as exc:
+            print(f"python -m polyamp doctor: cannot check {args.check!r}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    if args.json:
+        out = report.to_dict()
+        out["check"] = check
+        print(json.dumps(out, indent=2, allow_nan=False))
+    else:
+        print(report.format())
+        if check is not None:
+            print(_format_check(check))
+    found = check is not None and bool(check["hazards"])
+    return EXIT_HAZARD if found else EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

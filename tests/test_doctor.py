@@ -1,0 +1,525 @@
+"""``python -m polyamp doctor``, the ``"auto"`` policy, and the checkpoint hazard checks."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import polyamp
+from polyamp import BackendSpec, Hazard, PolyampTypeError, PolyampValueError
+from polyamp.__main__ import main
+from polyamp._src import doctor
+from polyamp._src.doctor import CpuInfo, DeviceInfo, recommend
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_BF16_CPU = CpuInfo(False, "neither avx512_bf16 nor amx_bf16", "x86_64")
+BF16_CPU = CpuInfo(True, "avx512_bf16 in /proc/cpuinfo", "x86_64")
+
+
+def _cuda(cc: tuple[int, int] | None, name: str = "GPU", index: int = 0) -> DeviceInfo:
+    return DeviceInfo("torch", "cuda", index, name, cc)
+
+
+def _cpu_has_bf16() -> bool:
+    """The rule, read independently: /proc/cpuinfo flags, or torch's own AVX512-BF16 / AMX probes."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    found = bool(flags & {"avx512_bf16", "amx_bf16"})
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        found = found or torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return found
+
+
+def _expected_cpu_policy() -> str:
+    return "mixed_bfloat16" if _cpu_has_bf16() else "float32"
+
+
+def _run(*args: str, keras_backend: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    if keras_backend is not None:
+        env["KERAS_BACKEND"] = keras_backend
+    return subprocess.run(
+        [sys.executable, "-m", "polyamp", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=240
+    )
+
+
+# --- the decision -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("devices", "cpu", "policy"),
+    [
+        ([_cuda((9, 0), "H100")], NO_BF16_CPU, "mixed_bfloat16"),
+        ([_cuda((8, 0), "A100")], NO_BF16_CPU, "mixed_bfloat16"),
+        ([_cuda((8, 6), "RTX 3090")], NO_BF16_CPU, "mixed_bfloat16"),
+        ([_cuda((7, 5), "T4")], BF16_CPU, "mixed_float16"),  # the GPU decides, not the CPU
+        ([_cuda((7, 0), "V100")], NO_BF16_CPU, "mixed_float16"),
+        ([_cuda((6, 1), "GTX 1080")], BF16_CPU, "float32"),
+        ([_cuda((9, 0), "H100"), _cuda((7, 5), "T4", 1)], NO_BF16_CPU, "mixed_float16"),  # the weakest decides
+        ([_cuda(None, "unknown GPU")], BF16_CPU, "float32"),
+        ([DeviceInfo("jax", "tpu", 0, "TPU v4")], NO_BF16_CPU, "mixed_bfloat16"),
+        ([], BF16_CPU, "mixed_bfloat16"),
+        ([], NO_BF16_CPU, "float32"),
+        ([DeviceInfo("torch", "mps", 0, "Apple MPS")], NO_BF16_CPU, "float32"),  # autocast() runs on the CPU there
+    ],
+)
+def test_recommend_for_each_kind_of_machine(devices: list[DeviceInfo], cpu: CpuInfo, policy: str) -> None:
+    recommendation = recommend(devices, cpu)
+    assert recommendation.policy == policy
+    polyamp.Policy(recommendation.policy)  # a valid name
+
+
+def test_recommendation_reasons_name_the_deciding_fact() -> None:
+    assert "T4 (compute capability 7.5)" in recommend([_cuda((7, 5), "T4")], NO_BF16_CPU).reason
+    assert "lowest of the CUDA devices" in recommend([_cuda((9, 0)), _cuda((7, 5), "T4", 1)], NO_BF16_CPU).reason
+    assert "rarely pays" in recommend([], NO_BF16_CPU).reason
+    assert "avx512_bf16 in /proc/cpuinfo" in recommend([], BF16_CPU).reason
+
+
+@pytest.mark.parametrize(
+    ("cc", "fp16", "bf16"), [((6, 1), False, False), ((7, 0), True, False), ((7, 5), True, False), ((8, 0), True, True)]
+)
+def test_tensor_cores_follow_the_compute_capability(cc: tuple[int, int], fp16: bool, bf16: bool) -> None:
+    device = _cuda(cc)
+    assert (device.float16_tensor_cores, device.bfloat16_tensor_cores) == (fp16, bf16)
+    assert device.to_dict()["compute_capability"] == f"{cc[0]}.{cc[1]}"
+
+
+def test_cpu_bfloat16_from_flags_or_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "_cpuinfo_flags", lambda: ({"avx2", "amx_bf16"}, "/proc/cpuinfo"))
+    assert doctor.cpu_info() == CpuInfo(True, "amx_bf16 in /proc/cpuinfo", doctor.platform.machine())
+    monkeypatch.setattr(doctor, "_cpuinfo_flags", lambda: ({"avx2", "avx512f"}, "/proc/cpuinfo"))
+    assert not doctor.cpu_info().bfloat16
+
+    fake_torch = types.SimpleNamespace(
+        backends=types.SimpleNamespace(cpu=types.SimpleNamespace(get_cpu_capability=lambda: "AVX512")),
+        cpu=types.SimpleNamespace(_is_avx512_bf16_supported=lambda: False, _is_amx_tile_supported=lambda: True),
+    )
+    info = doctor.cpu_info(fake_torch)
+    assert (info.bfloat16, info.evidence, info.torch_capability) == (True, "torch reports AMX tiles", "AVX512")
+    fake_torch.cpu = types.SimpleNamespace()  # a torch without the probes: flags alone decide
+    info = doctor.cpu_info(fake_torch)
+    assert not info.bfloat16
+    assert info.evidence == "neither avx512_bf16 nor amx_bf16: /proc/cpuinfo, torch capability AVX512"
+
+
+# --- "auto" -------------------------------------------------------------------------------------------------
+
+
+def test_auto_is_the_recommended_policy() -> None:
+    recommended = polyamp.recommended_policy()
+    auto = polyamp.Policy("auto")
+    assert auto == polyamp.Policy(recommended.policy)
+    assert auto.name == recommended.policy != "auto"
+    assert repr(auto) == f"Policy({recommended.policy!r})"
+    if "torch" in sys.modules and not sys.modules["torch"].cuda.is_available():
+        assert auto.name == _expected_cpu_policy()
+    assert polyamp.set_policy(" AUTO ") == auto
+    assert polyamp.get_policy().name == recommended.policy
+
+
+def test_auto_is_named_in_errors_and_not_a_concrete_name() -> None:
+    assert "auto" not in polyamp.POLICY_NAMES
+    with pytest.raises(polyamp.InvalidPolicyError, match=r"Did you mean 'auto'\?.*or 'auto' \(the policy"):
+        polyamp.Policy("atuo")
+
+
+def test_auto_imports_only_when_resolved_and_never_beside_an_imported_framework() -> None:
+    code = (
+        "import sys, json\n"
+        "import polyamp\n"
+        "before = sorted(m for m in ('torch', 'tensorflow', 'jax', 'keras', 'numpy') if m in sys.modules)\n"
+        "name = polyamp.Policy('auto').name\n"
+        "after = sorted(m for m in ('torch', 'tensorflow', 'jax', 'keras') if m in sys.modules)\n"
+        "print(json.dumps([before, after, name]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    before, after, name = json.loads(out.stdout.splitlines()[-1])
+    assert before == []
+    first_installed = next(fw for fw in ("torch", "tensorflow", "jax") if importlib.util.find_spec(fw))
+    others = {"torch", "tensorflow", "jax"} - {first_installed}
+    assert first_installed in after and not others & set(after)  # the first installed one, alone
+    assert name in ("float32", "mixed_float16", "mixed_bfloat16")
+
+
+# --- the hazard rules ---------------------------------------------------------------------------------------
+
+
+def _kinds(hazards: list[Hazard]) -> list[tuple[str, str]]:
+    return [(h.kind, h.name) for h in hazards]
+
+
+@pytest.mark.parametrize(
+    ("max_abs", "mixed_float16", "float16"),
+    [
+        (4096.0, [], []),
+        (4096.5, ["float16_range"], ["float16_range"]),
+        (65504.0, ["float16_range"], ["float16_range"]),
+        (65504.5, ["float16_overflow"], ["float16_overflow"]),
+        (math.inf, ["non_finite"], ["non_finite"]),
+        (math.nan, ["non_finite"], ["non_finite"]),
+    ],
+)
+def test_float16_range_thresholds(max_abs: float, mixed_float16: list[str], float16: list[str]) -> None:
+    assert [h.kind for h in polyamp.find_hazards([("w", "float32", max_abs)], "mixed_float16")] == mixed_float16
+    assert [h.kind for h in polyamp.find_hazards([("w", "float32", max_abs)], "float16")] == float16
+    under_bf16 = ["non_finite"] if not math.isfinite(max_abs) else []
+    assert [h.kind for h in polyamp.find_hazards([("w", "float32", max_abs)], "mixed_bfloat16")] == under_bf16
+    assert [h.kind for h in polyamp.find_hazards([("w", "float32", max_abs)], "float32")] == under_bf16
+
+
+@pytest.mark.parametrize(
+    ("name", "rotary"),
+    [
+        ("model.layers.0.self_attn.rotary_emb.inv_freq", True),
+        ("inv_freq", True),
+        ("rope.freqs", True),
+        ("blocks.0.RoPE_cache", True),
+        ("encoder/RotaryEmbedding/freq", True),
+        ("property_head.weight", False),  # "rope" inside a word is not a rotary buffer
+        ("europe.weight", False),
+        ("fc.weight", False),
+    ],
+)
+def test_rotary_names(name: str, rotary: bool) -> None:
+    found = polyamp.find_hazards([(name, "float32", 1.0)], "mixed_bfloat16")
+    assert _kinds(found) == ([("rotary_buffer", name)] if rotary else [])
+    assert polyamp.find_hazards([(name, "float32", 1.0)], "float32") == []
+
+
+def test_norm_statistics_only_under_low_precision_parameters() -> None:
+    stats = [("bn.running_mean", "float32", 3.0), ("bn/moving_variance", "float32", 2.0), ("bn.weight", "float32", 1.0)]
+    assert polyamp.find_hazards(stats, "mixed_bfloat16") == []
+    assert polyamp.find_hazards(stats, "mixed_float16") == []
+    expected = [("norm_statistics", "bn.running_mean"), ("norm_statistics", "bn/moving_variance")]
+    assert _kinds(polyamp.find_hazards(stats, "bfloat16")) == expected
+    assert _kinds(polyamp.find_hazards(stats, "params=float16,compute=float16,output=float32")) == expected
+
+
+def test_integer_bool_and_complex_tensors_are_ignored() -> None:
+    tensors = [("steps", "int64", None), ("mask", "bool", None), ("inv_freq", "int32", None), ("z", "complex64", None)]
+    assert polyamp.find_hazards(tensors, "float16") == []
+
+
+def test_a_hazard_says_what_why_and_the_fix() -> None:
+    (hazard,) = polyamp.find_hazards([("encoder.proj.weight", "float32", 1e5)], "mixed_float16")
+    assert hazard == Hazard(
+        kind="float16_overflow",
+        name="encoder.proj.weight",
+        dtype="float32",
+        value=1e5,
+        severity="error",
+        policy="mixed_float16",
+        message=hazard.message,
+    )
+    assert "max |w| = 100000" in hazard.message and "65504" in hazard.message
+    assert "'mixed_bfloat16'" in hazard.message and "keep_float32=['encoder.proj']" in hazard.message
+    assert str(hazard) == hazard.message
+    with pytest.raises(AttributeError):
+        hazard.kind = "other"  # type: ignore[misc]
+    assert json.loads(json.dumps(hazard.to_dict()))["value"] == 1e5
+
+
+def test_find_hazards_rejects_what_is_not_a_triple() -> None:
+    with pytest.raises(PolyampTypeError, match=r"\(name, dtype, max_abs\) triples.*Received: \('w', 'float32'\)"):
+        polyamp.find_hazards([("w", "float32")], "mixed_float16")  # type: ignore[list-item]
+    with pytest.raises(polyamp.InvalidPolicyError):
+        polyamp.find_hazards([], "fp17")
+
+
+# --- readers: torch ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def torch_state() -> dict[str, Any]:
+    torch = pytest.importorskip("torch")
+    weight = torch.full((3, 4), 0.5)
+    weight[1, 2] = -1e5
+    return {
+        "fc.weight": weight,
+        "fc.bias": torch.zeros(3),
+        "rotary_emb.inv_freq": 1.0 / (10000 ** (torch.arange(0, 8, 2) / 8)),
+        "steps": torch.tensor(10**6),  # integers are ignored
+    }
+
+
+def test_torch_state_dict_hazards_per_policy(torch_state: dict[str, Any]) -> None:
+    under_f16 = polyamp.check_hazards(torch_state, "mixed_float16")
+    assert _kinds(under_f16) == [("float16_overflow", "fc.weight"), ("rotary_buffer", "rotary_emb.inv_freq")]
+    assert under_f16[0].value == 1e5 and under_f16[0].dtype == "float32"
+    assert under_f16[1].value == float(torch_state["rotary_emb.inv_freq"].abs().max()) == 1.0
+    assert _kinds(polyamp.check_hazards(torch_state, "mixed_bfloat16")) == [("rotary_buffer", "rotary_emb.inv_freq")]
+    assert polyamp.check_hazards(torch_state, "float32") == []
+    with polyamp.policy_scope("mixed_bfloat16"):  # None: the policy in effect
+        assert [h.policy for h in polyamp.check_hazards(torch_state)] == ["mixed_bfloat16"]
+
+
+def test_torch_checkpoint_file_and_module(torch_state: dict[str, Any], tmp_path: Path) -> None:
+    import torch
+
+    path = tmp_path / "model.pt"
+    torch.save({"state_dict": torch_state, "epoch": 3}, path)
+    expected = [("float16_overflow", "fc.weight"), ("rotary_buffer", "rotary_emb.inv_freq")]
+    assert _kinds(polyamp.check_hazards(path, "mixed_float16")) == expected
+    assert _kinds(polyamp.check_hazards(str(path), "mixed_float16")) == expected
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+            self.norm = torch.nn.BatchNorm1d(3)
+            self.register_buffer("inv_freq", torch.ones(2, dtype=torch.bfloat16), persistent=False)
+
+    model = Model()
+    with torch.no_grad():
+        model.fc.weight[0, 0] = 1e5
+    bf16_value = float(torch.tensor(1e5, dtype=torch.bfloat16))
+    model.fc.to(torch.bfloat16)
+    found = polyamp.check_hazards(model, "float16")
+    assert _kinds(found) == [
+        ("float16_overflow", "fc.weight"),
+        ("rotary_buffer", "inv_freq"),  # a non-persistent buffer: not in state_dict(), still checked
+        ("norm_statistics", "norm.running_mean"),
+        ("norm_statistics", "norm.running_var"),
+    ]
+    assert (found[0].dtype, found[0].value) == ("bfloat16", bf16_value)  # max |w| as stored: 99840.0
+
+
+def test_torch_checkpoint_with_nan(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "model.pth"
+    torch.save({"model": {"w": torch.tensor([1.0, float("nan")])}}, path)
+    (hazard,) = polyamp.check_hazards(path, "float32")
+    assert (hazard.kind, hazard.name, hazard.severity) == ("non_finite", "w", "error")
+    assert math.isnan(hazard.value or 0.0) and hazard.to_dict()["value"] is None
+
+
+def test_safetensors(torch_state: dict[str, Any], tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    if importlib.util.find_spec("safetensors") is None:
+        path.write_bytes(b"")
+        with pytest.raises(polyamp.BackendNotInstalledError, match=r"needs the safetensors package.*pip install"):
+            polyamp.check_hazards(path, "mixed_float16")
+        return
+    from safetensors.torch import save_file
+
+    save_file({k: v for k, v in torch_state.items()}, str(path))
+    assert _kinds(polyamp.check_hazards(path, "mixed_float16")) == [
+        ("float16_overflow", "fc.weight"),
+        ("rotary_buffer", "rotary_emb.inv_freq"),
+    ]
+
+
+def test_unreadable_sources_say_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(PolyampValueError, match=r"No file at .*missing\.pt"):
+        polyamp.check_hazards(tmp_path / "missing.pt")
+    with pytest.raises(PolyampValueError, match=r"No tensor reader opens .*model\.onnx.*\.pt, .*\.weights\.h5"):
+        polyamp.check_hazards(tmp_path / "model.onnx")
+    with pytest.raises(PolyampTypeError, match=r"checkpoint path, or a model or state dict.*Received: 3"):
+        polyamp.check_hazards(3)
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(PolyampValueError, match=r"weights_only=True\) failed"):
+        polyamp.check_hazards(bad, "mixed_float16")
+
+
+def test_a_registered_backend_reader_is_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    reader = types.ModuleType("polyamp_fakefw_reader")
+    seen: list[object] = []
+
+    def read(source: object) -> list[tuple[str, str, float | None]]:
+        seen.append(source)
+        return [("big", "float16", 7e4), ("n", "int8", None)]
+
+    reader.read = read  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "polyamp_fakefw_reader", reader)
+    polyamp.register_backend(
+        BackendSpec(
+            name="fakefw",
+            target="polyamp_fakefw_reader:Backend",
+            frameworks=("fakefw",),
+            install_hint="pip install fakefw",
+            tensor_reader="polyamp_fakefw_reader:read",
+            checkpoint_suffixes=(".fake", ".big.fake"),
+        )
+    )
+    model = type("Model", (), {"__module__": "fakefw.models"})()
+    assert _kinds(polyamp.check_hazards(model, "mixed_float16")) == [("float16_overflow", "big")]
+    path = tmp_path / "m.big.fake"
+    path.write_text("")
+    assert _kinds(polyamp.check_hazards(path, "mixed_float16")) == [("float16_overflow", "big")]
+    assert seen == [model, path]
+
+
+@pytest.mark.parametrize("suffixes", [".pt", ("pt",), ("",)])
+def test_backend_spec_checks_its_suffixes(suffixes: object) -> None:
+    with pytest.raises(PolyampTypeError, match=r"checkpoint_suffixes must"):
+        BackendSpec("x", "x:y", ("x",), "pip install x", checkpoint_suffixes=suffixes)  # type: ignore[arg-type]
+
+
+# --- readers: Keras ---------------------------------------------------------------------------------------
+
+
+def _keras_model() -> Any:
+    keras = pytest.importorskip("keras")
+    import numpy as np
+
+    @keras.saving.register_keras_serializable(package="polyamp_doctor_test")
+    class Frequencies(keras.layers.Layer):
+        def build(self, input_shape: Any) -> None:
+            self.inv_freq = self.add_weight(shape=(4,), name="inv_freq", trainable=False, initializer="ones")
+
+        def call(self, x: Any) -> Any:
+            return x * self.inv_freq
+
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(4, name="proj"), Frequencies(name="freqs")], name="net"
+    )
+    kernel = np.full((4, 4), 0.25, dtype="float32")
+    kernel[2, 1] = 1e5
+    model.get_layer("proj").kernel.assign(kernel)
+    return model
+
+
+def test_keras_model_hazards_per_policy(tmp_path: Path) -> None:
+    model = _keras_model()
+    under_f16 = polyamp.check_hazards(model, "mixed_float16")
+    assert _kinds(under_f16) == [("float16_overflow", "net/proj/kernel"), ("rotary_buffer", "net/freqs/inv_freq")]
+    assert under_f16[0].value == 1e5 and "keep_float32=['net/proj']" in under_f16[0].message
+    assert _kinds(polyamp.check_hazards(model, "mixed_bfloat16")) == [("rotary_buffer", "net/freqs/inv_freq")]
+    assert polyamp.check_hazards(model, "float32") == []
+
+    path = tmp_path / "net.keras"
+    model.save(path)
+    loaded = polyamp.check_hazards(path, "mixed_float16")  # the loaded model's paths drop the model's name
+    assert _kinds(loaded) == [("float16_overflow", "proj/kernel"), ("rotary_buffer", "freqs/inv_freq")]
+    assert [h.value for h in loaded] == [h.value for h in under_f16]
+
+
+def test_keras_weights_file_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = _keras_model()
+    path = tmp_path / "net.weights.h5"
+    model.save_weights(path)
+    # A weights file keeps no variable names, only storage paths: layers/<layer class>/vars/<index>.
+    hazards = polyamp.check_hazards(path, "mixed_float16")
+    assert [(h.kind, h.name, h.value) for h in hazards] == [("float16_overflow", "layers/dense/vars/0", 1e5)]
+
+    # The weights file needs no particular Keras backend: read it on the lightest one installed.
+    backend = next((b for b in ("jax", "torch", "tensorflow") if importlib.util.find_spec(b)), None)
+    result = _run("doctor", "--json", "--framework", "jax", "--check", str(path), keras_backend=backend)
+    assert result.returncode == 1, result.stderr
+    check = json.loads(result.stdout)["check"]
+    assert check["policy"] == "mixed_float16" and check["tensors"] == 3
+    assert [(h["kind"], h["name"], h["value"]) for h in check["hazards"]] == [
+        ("float16_overflow", "layers/dense/vars/0", 1e5)
+    ]
+    assert main(["doctor", "--framework", "torch", "--check", str(path), "--policy", "mixed_bfloat16"]) == 0
+    assert "under 'mixed_bfloat16': 3 tensors (3 floating), 0 hazards\n  no hazard found" in capsys.readouterr().out
+
+
+# --- the command line -------------------------------------------------------------------------------------
+
+
+def test_doctor_report_without_a_gpu() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this test describes a machine without CUDA")
+    result = _run("doctor", "--framework", "torch")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "polyamp doctor"
+    assert f"  polyamp     {polyamp.__version__}" in lines
+    assert f"  torch       {importlib.metadata.version('torch')}" in lines
+    no_cuda = [line for line in lines if line.startswith("  no CUDA device: ")]
+    assert no_cuda == [
+        f"  no CUDA device: torch {torch.__version__} "
+        + ("is built without CUDA" if torch.version.cuda is None else "(CUDA ")
+        + ("" if torch.version.cuda is None else f"{torch.version.cuda}): torch.cuda.is_available() is False")
+    ]
+    assert "Devices (probed: torch)" in lines
+    assert f"Recommended policy: {_expected_cpu_policy()}" in lines
+
+
+def test_doctor_json_has_stable_keys() -> None:
+    result = _run("doctor", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert list(report) == [
+        "python",
+        "polyamp",
+        "platform",
+        "frameworks",
+        "probed",
+        "devices",
+        "cuda",
+        "cpu",
+        "notes",
+        "recommendation",
+        "check",
+    ]
+    assert report["polyamp"] == polyamp.__version__ and report["check"] is None
+    assert list(report["frameworks"]) == ["torch", "tensorflow", "keras", "jax"]
+    installed = []
+    for name, info in report["frameworks"].items():
+        present = importlib.util.find_spec(name) is not None
+        assert info["installed"] is present
+        if present:
+            installed.append(name)
+            assert info["version"] == importlib.metadata.version(name)
+    if report["frameworks"]["keras"]["installed"]:
+        assert report["frameworks"]["keras"]["backend"] in ("tensorflow", "jax", "torch", "numpy", "openvino")
+    assert report["probed"] == [fw for fw in ("torch", "tensorflow", "jax") if fw in installed]
+    assert list(report["cpu"]) == ["bfloat16", "evidence", "machine", "torch_capability"]
+    if not report["cuda"]:
+        assert report["devices"] == [] or all(d["kind"] != "cuda" for d in report["devices"])
+        assert report["cpu"]["bfloat16"] is _cpu_has_bf16()
+        assert report["recommendation"]["policy"] == _expected_cpu_policy()
+
+
+def test_exit_codes(torch_state: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    path = tmp_path / "model.pt"
+    torch.save(torch_state, path)
+    assert main(["doctor", "--framework", "torch", "--check", str(path)]) == 1  # mixed_float16 by default
+    out = capsys.readouterr().out
+    assert "under 'mixed_float16': 4 tensors (3 floating), 2 hazards" in out
+    assert "  error: [float16_overflow] fc.weight (float32) has max |w| = 100000" in out
+    assert "  warning: [rotary_buffer] rotary_emb.inv_freq (float32)" in out
+    assert main(["doctor", "--framework", "torch", "--check", str(path), "--policy", "float32"]) == 0
+    assert main(["doctor", "--framework", "torch"]) == 0
+    capsys.readouterr()
+    assert main(["doctor", "--framework", "torch", "--check", str(tmp_path / "nothing.pt")]) == 2
+    assert "cannot check" in capsys.readouterr().err
+    assert main(["doctor", "--check", str(path), "--policy", "fp17"]) == 2
+    assert "--policy: Unknown policy 'fp17'" in capsys.readouterr().err
+    assert main(["doctor", "--policy", "float16"]) == 2
+    assert "--policy needs --check PATH" in capsys.readouterr().err
+    assert main(["doctor", "--framework", "mxnet"]) == 2
+    assert "invalid choice: 'mxnet'" in capsys.readouterr().err
+    assert main(["doctor", "--help"]) == 0
+    assert main([]) == 2
+    assert main(["doctr"]) == 2
+    assert "unknown command 'doctr'" in capsys.readouterr().err
+
+
+def test_import_polyamp_and_the_rules_import_no_framework_nor_numpy() -> None:
+    code = (
+        "import sys, polyamp\n"
+        "polyamp.find_hazards([('w', 'float32', 1e5)], 'mixed_float16')\n"
+        "print(sorted(m for m in ('torch', 'tensorflow', 'keras', 'jax', 'numpy') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
