@@ -117,7 +117,8 @@ class StepRecord:
             f"iteration {self.iteration}: step skipped (non_finite): a gradient was inf or NaN without loss "
             "scaling (the guard of bfloat16/float32 training). Parameters, optimizer slots and step counters are "
             "unchanged. Repeated non-finite gradients point at the data (a NaN or inf in a batch), a learning "
-            "rate too high, or an operation that overflows." + self._where()
+            "rate too high, or an operation that overflows; polyamp_torch.watch_forward / "
+            "polyamp_keras.watch_forward name the layer that produced it." + self._where()
         )
 
 
