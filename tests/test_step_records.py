@@ -228,3 +228,34 @@ def test_scheduler_guard_holds_the_learning_rate_on_a_guarded_skip() -> None:
             scheduler.step()
             lrs.append(opt.param_groups[0]["lr"])
     assert lrs == [0.5, 0.5, 0.25, 0.125]
+
+
+def test_clip_grad_norm_unscales_first_and_matches_native_unscale_then_clip() -> None:
+    """Bitwise equal to GradScaler's unscale_ + clip_grad_norm_; clipping scaled gradients by hand (the misuse)
+    moves the weights about `scale` times less."""
+    models = {name: _model() for name in ("polyamp", "native", "misuse")}
+    opts = {name: torch.optim.SGD(m.parameters(), lr=0.1) for name, m in models.items()}
+    ours, native = polyamp.LossScaler(enabled=True), torch.amp.GradScaler("cpu")
+    misuse = polyamp.LossScaler(enabled=True)
+    start = [p.detach().clone() for p in models["misuse"].parameters()]
+    for step in range(3):
+        x, y = _batch(step)
+        for name, scaler in (("polyamp", ours), ("native", native), ("misuse", misuse)):
+            opts[name].zero_grad()
+            scaler.scale(torch.nn.functional.cross_entropy(models[name](x), y)).backward()
+            if name == "polyamp":
+                assert not ours.is_unscaled(opts[name])
+                norm = polyamp_torch.clip_grad_norm_(ours, opts[name], 0.5)
+                assert ours.is_unscaled(opts[name])
+            elif name == "native":
+                native.unscale_(opts[name])
+                native_norm = torch.nn.utils.clip_grad_norm_(models[name].parameters(), 0.5)
+            else:
+                torch.nn.utils.clip_grad_norm_(models[name].parameters(), 0.5)  # still scaled: wrong
+            scaler.step(opts[name])
+            scaler.update()
+        assert torch.equal(norm, native_norm)
+    assert all(torch.equal(a, b) for a, b in zip(models["polyamp"].parameters(), models["native"].parameters()))
+    moved = sum(float((a.detach() - b).abs().sum()) for a, b in zip(models["polyamp"].parameters(), start, strict=True))
+    barely = sum(float((a.detach() - b).abs().sum()) for a, b in zip(models["misuse"].parameters(), start, strict=True))
+    assert barely < moved / 1000

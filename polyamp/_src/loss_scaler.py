@@ -761,6 +761,14 @@ class LossScaler:
             entry = self._unweakable_records.get(id(optimizer))
             return None if entry is None else entry[1]
 
+    def is_unscaled(self, optimizer: Any) -> bool:
+        """Whether ``optimizer``'s gradients hold their true (unscaled) values now: True after `unscale_` in
+        this iteration, and whenever the scaler does not scale this iteration; False while they are still
+        scaled. Clipping, or reading gradient norms, belongs after the point where this is True."""
+        if not self.enabled:
+            return True
+        return self._iteration.stage(optimizer) is Stage.UNSCALED
+
     def step_skipped(self, optimizer: Any = None) -> Any:
         """Whether a step was skipped for non-finite gradients, without a host sync.
 

@@ -6,6 +6,7 @@
   records on top.
 * `apply_policy` - a policy on a model: outputs in the output dtype, chosen submodules in float32.
 * `SchedulerGuard` - an LR scheduler that does not advance on skipped steps.
+* `clip_grad_norm_` - gradient clipping that unscales first, so it never clips scaled gradients.
 * `fsdp_mixed_precision` - a policy as FSDP2's ``MixedPrecisionPolicy``.
 * `watch_forward` - which module first produced an inf or NaN in a forward pass (forward hooks).
 
@@ -18,6 +19,7 @@ from polyamp_torch._framework import TORCH_DTYPES  # isort: split
 
 from polyamp_torch._autocast import PolicyRegion, autocast, policy_in_effect
 from polyamp_torch._backend import TorchBackend
+from polyamp_torch._clip import clip_grad_norm_
 from polyamp_torch._cpu_float32 import FLOAT32_OP_NAMES
 from polyamp_torch._distributed import fsdp_mixed_precision
 from polyamp_torch._modules import apply_policy, module_policy, remove_policy
@@ -35,6 +37,7 @@ __all__ = [
     "TorchLossScaler",
     "apply_policy",
     "autocast",
+    "clip_grad_norm_",
     "fsdp_mixed_precision",
     "module_policy",
     "policy_in_effect",

@@ -1,0 +1,35 @@
+"""`clip_grad_norm_`: gradient clipping that cannot clip scaled gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyamp import LossScaler
+from polyamp.backend_api import wrong_object_error
+from polyamp_torch._framework import torch
+
+__all__ = ["clip_grad_norm_"]
+
+
+def clip_grad_norm_(scaler: LossScaler, optimizer: Any, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> Any:
+    """``torch.nn.utils.clip_grad_norm_`` over ``optimizer``'s parameters, on unscaled gradients.
+
+    Clipping gradients that are still multiplied by the loss scale clips them to a norm ``scale`` times too
+    small: the weights barely move and the loss stays flat, with no error anywhere. This unscales first
+    (``scaler.unscale_(optimizer)``, unless this iteration already did, or the scaler is not scaling), then
+    clips, and returns the total norm of the unscaled gradients, as torch's function does::
+
+        scaler.scale(loss).backward()
+        polyamp_torch.clip_grad_norm_(scaler, opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+
+    ``kwargs`` go to ``torch.nn.utils.clip_grad_norm_`` (``error_if_nonfinite``, ``foreach``). With inf or NaN
+    gradients the norm is non-finite and the scaler's step skips, as with ``unscale_`` + clipping by hand.
+    """
+    if not hasattr(optimizer, "param_groups"):
+        raise wrong_object_error("torch", "clip_grad_norm_", optimizer, "a torch.optim.Optimizer")
+    if not scaler.is_unscaled(optimizer):
+        scaler.unscale_(optimizer)
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, **kwargs)
