@@ -226,6 +226,7 @@ class LossScaler:
         self._backend_name: str | None = None
         self._iteration = Iteration()
         self._host_skip = False  # a step of this iteration read its skip to the host
+        self._host_clean = 0  # steps of this iteration that read "not skipped" to the host
         self._iteration_gradients: list[NonFiniteGradient] = []  # this iteration's, from host-known skips
         self._written = 0  # iterations written to the history
         self._scaled = False
@@ -608,10 +609,12 @@ class LossScaler:
             found_infs = iteration.found_infs() if iteration.guarding else []
             if found_infs:
                 combined = device.combine(found_infs)
-                device.count_skip(combined)
+                clean = self._host_clean == len(found_infs)  # every step already read "not skipped" to the host
+                if not clean:
+                    device.count_skip(combined)
                 device.write_record(self._last.storage, combined)
-                self._last.host = None
-                self._write_history("guarding", combined, self._host_skip)
+                self._last.host = False if clean else None
+                self._write_history("guarding", None if clean else combined, self._host_skip)
             else:
                 device.write_record(self._last.storage, device.finite_flag())
                 self._last.host = False
@@ -650,6 +653,7 @@ class LossScaler:
 
     def _write_history(self, mode: str, flag: Any, host_skipped: bool) -> None:
         self._host_skip = False
+        self._host_clean = 0
         gradients, self._iteration_gradients = tuple(self._iteration_gradients), []
         if self._history is None:
             return
@@ -711,6 +715,9 @@ class LossScaler:
         clean); the scale, counters and skip records stay as they were.
         """
         self._iteration.close()
+        self._host_skip = False
+        self._host_clean = 0
+        self._iteration_gradients = []
 
     def _checked_new_scale(self, new_scale: Any) -> Any:
         if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
@@ -748,6 +755,8 @@ class LossScaler:
                 self._unweakable_records[id(optimizer)] = (optimizer, record)
         self._device.write_record(record.storage, found_inf)
         record.host = skipped
+        if skipped is False:
+            self._host_clean += 1
         if skipped:
             self._host_skip = True
             count = getattr(self._device, "non_finite_gradients", None)
@@ -951,6 +960,7 @@ class LossScaler:
         self._history = None
         self._pending = 0
         self._host_skip = False
+        self._host_clean = 0
         self._iteration_gradients = []
         self._written = 0
         self._device = None

@@ -50,6 +50,7 @@ class TorchDevice:
         self._host_state = state
         self._state: DeviceState | None = None
         self._warned_bfloat16 = False
+        self._ones: dict[torch.device, torch.Tensor] = {}  # the guard's inverse scale, per device
         # Counted from the process start, so the regions of a first forward pass that ran before this scaler
         # bound count too (a scaler that scales one float32 iteration needlessly loses nothing).
         self._float16_regions_seen = 0
@@ -159,9 +160,11 @@ class TorchDevice:
     def check_gradients_finite(self, optimizer: Any) -> torch.Tensor | None:
         """The guard's check, without scaling: the same fused kernel with inverse scale 1, which leaves
         the gradients bitwise unchanged; None when no parameter has a gradient."""
-        state = self._state_near(optimizer)
-        one = torch.ones((), dtype=torch.float32, device=state.scale.device)
-        found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
+        device = self._state_near(optimizer).scale.device
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
         flag, _ = self._check_and_unscale(optimizer, one, found_inf, allow_fp16=True, warn_bfloat16=False)
         return flag
 
