@@ -177,7 +177,7 @@ class LossScaler:
         self._compiling: Any = None
         self._style: str | None = None
         self._backend_name: str | None = None
-        self._iteration = Iteration()
+        self._iterations: dict[Any, Iteration] = {}
         self._scaled = False
         self._records: weakref.WeakKeyDictionary[Any, _Record] = weakref.WeakKeyDictionary()
         self._unweakable_records: dict[int, tuple[Any, _Record]] = {}
@@ -253,6 +253,17 @@ class LossScaler:
         return device
 
     # -- enabled -----------------------------------------------------------------------------------------
+
+    @property
+    def _iteration(self) -> Iteration:
+        """The iteration in progress: one per replica where the device runs the step once per replica (see
+        ``ScalerDevice.replica``), else one."""
+        hook = getattr(self._device, "replica", None)
+        replica = hook() if hook is not None else None
+        iteration = self._iterations.get(replica)
+        if iteration is None:
+            iteration = self._iterations[replica] = Iteration()
+        return iteration
 
     def _decide_enabled(self, *, starting: bool = False) -> bool:
         if self._enabled_setting is not None:
@@ -661,7 +672,7 @@ class LossScaler:
         self._host_state = state
 
     def _refuse_mid_iteration(self, what: str) -> None:
-        if self._iteration.is_open:
+        if any(iteration.is_open for iteration in self._iterations.values()):
             raise ScalerUsageError(
                 f"{what} in the middle of an iteration (after step() or unscale, before update()): the "
                 "overflow checks already made would be lost. Do it between iterations: before the first step() "
@@ -743,7 +754,7 @@ class LossScaler:
         self._compiling = None
         self._style = None
         self._backend_name = None
-        self._iteration = Iteration()
+        self._iterations = {}
         self._scaled = False
         self._records = weakref.WeakKeyDictionary()
         self._unweakable_records = {}
