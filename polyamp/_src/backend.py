@@ -58,7 +58,11 @@ class ScalerDevice(Protocol):
     framework does outside polyamp's global policy (the enabled rule, `polyamp.backend_api.resolve_enabled`,
     uses it): with ``since_last_iteration=True`` the core is starting an iteration, and the device may start
     counting anew. And ``compiling() -> bool`` says whether a compiler is tracing the call (the core then
-    skips host-only bookkeeping it cannot trace).
+    skips host-only bookkeeping it cannot trace). And ``replica() -> Hashable | None`` names the replica of a
+    data-parallel strategy making the call, where the framework runs one copy of the training step per
+    replica in threads of its own (``tf.distribute.MirroredStrategy``); the core then keeps one iteration per
+    replica, each checked as a loop of its own, and the device must reduce its found-inf flags across the
+    replicas so that they all take the same decision. None (or no such method): one iteration.
     """
 
     def check_optimizer(self, method: str, optimizer: object) -> None:

@@ -224,11 +224,11 @@ class LossScaler:
         self._compiling: Any = None
         self._style: str | None = None
         self._backend_name: str | None = None
-        self._iteration = Iteration()
         self._host_skip = False  # a step of this iteration read its skip to the host
         self._host_clean = 0  # steps of this iteration that read "not skipped" to the host
         self._iteration_gradients: list[NonFiniteGradient] = []  # this iteration's, from host-known skips
         self._written = 0  # iterations written to the history
+        self._iterations: dict[Any, Iteration] = {}
         self._scaled = False
         self._records: weakref.WeakKeyDictionary[Any, _Record] = weakref.WeakKeyDictionary()
         self._unweakable_records: dict[int, tuple[Any, _Record]] = {}
@@ -314,6 +314,17 @@ class LossScaler:
         return device
 
     # -- enabled -----------------------------------------------------------------------------------------
+
+    @property
+    def _iteration(self) -> Iteration:
+        """The iteration in progress: one per replica where the device runs the step once per replica (see
+        ``ScalerDevice.replica``), else one."""
+        hook = getattr(self._device, "replica", None)
+        replica = hook() if hook is not None else None
+        iteration = self._iterations.get(replica)
+        if iteration is None:
+            iteration = self._iterations[replica] = Iteration()
+        return iteration
 
     def _decide_enabled(self, *, starting: bool = False) -> bool:
         if self._enabled_setting is not None:
@@ -866,7 +877,7 @@ class LossScaler:
         self._recorder.reanchor(state)
 
     def _refuse_mid_iteration(self, what: str) -> None:
-        if self._iteration.is_open:
+        if any(iteration.is_open for iteration in self._iterations.values()):
             raise ScalerUsageError(
                 f"{what} in the middle of an iteration (after step() or unscale, before update()): the "
                 "overflow checks already made would be lost. Do it between iterations: before the first step() "
@@ -967,7 +978,7 @@ class LossScaler:
         self._compiling = None
         self._style = None
         self._backend_name = None
-        self._iteration = Iteration()
+        self._iterations = {}
         self._scaled = False
         self._records = weakref.WeakKeyDictionary()
         self._unweakable_records = {}

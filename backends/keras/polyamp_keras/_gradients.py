@@ -6,13 +6,14 @@ Keras ops only, so the same code runs on every Keras backend. TensorFlow's spars
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from polyamp import ScalerUsageError
 from polyamp_keras._keras import keras
 
-__all__ = ["all_finite", "is_sparse", "refuse_loss_scale_factor", "unscale"]
+__all__ = ["all_finite", "all_replicas_finite", "is_sparse", "refuse_loss_scale_factor", "unscale"]
 
 ops = keras.ops
 
@@ -50,6 +51,25 @@ def all_finite(grads: Sequence[Any]) -> Any:
     if not checks:
         return ops.convert_to_tensor(True)
     return ops.all(ops.stack(checks))
+
+
+def all_replicas_finite(finite: Any) -> Any:
+    """``finite`` (a boolean scalar) reduced over the replicas of a ``tf.distribute`` strategy: True only if
+    every replica's gradients are finite, so every replica takes the same apply-or-skip decision.
+
+    Under a strategy the gradients are still per replica when they are checked (the inner optimizer sums
+    them across replicas when it applies), so one replica can overflow while another does not. Outside a
+    replica context with several replicas (no strategy, one replica, or Keras on JAX / PyTorch, where the
+    gradients of sharded data are already global), ``finite`` is returned as is.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return finite
+    tf = sys.modules["tensorflow"]  # imported: it is Keras's backend
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return finite
+    overflowed = tf.cast(tf.logical_not(tf.cast(finite, tf.bool)), tf.float32)
+    return tf.equal(context.all_reduce(tf.distribute.ReduceOp.SUM, overflowed), 0.0)
 
 
 def refuse_loss_scale_factor(optimizer: Any, when: str) -> None:

@@ -26,7 +26,7 @@ from polyamp.backend_api import (
     resolve_enabled,
     to_state_dict,
 )
-from polyamp_keras._gradients import all_finite, refuse_loss_scale_factor, unscale
+from polyamp_keras._gradients import all_finite, all_replicas_finite, refuse_loss_scale_factor, unscale
 from polyamp_keras._keras import keras
 from polyamp_keras._rule import ScaleState, advance, counter_dtype, read_scalar
 
@@ -397,7 +397,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         if self._polyamp_config.checks_unscaled and not self._grads_are_unscaled:
             # Below scale 1 an unscaled gradient can overflow where its scaled value did not.
             grads = unscale(grads, self.dynamic_scale)
-        return all_finite(grads)
+        return all_replicas_finite(all_finite(grads))
 
     def _unscaled(self, grads: Any, variables: Any) -> list[Any]:
         if self._grads_are_unscaled:

@@ -14,7 +14,7 @@ from typing import Any
 
 from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
 from polyamp.backend_api import StepOutcome, describe, wrong_object_error
-from polyamp_keras._gradients import all_finite, refuse_loss_scale_factor, unscale
+from polyamp_keras._gradients import all_finite, all_replicas_finite, refuse_loss_scale_factor, unscale
 from polyamp_keras._rule import ScaleState, advance_on_flag
 from polyamp_tensorflow._framework import keras, tf
 
@@ -26,6 +26,33 @@ ops = keras.ops
 def _variable(name: str, dtype: str, value: Any) -> tf.Variable:
     with tf.init_scope():  # created eagerly even when first touched inside tf.function
         return tf.Variable(value, dtype=dtype, trainable=False, name=name)
+
+
+def _apply_across_replicas(context: Any, optimizer: Any, finite: Any, grads: list[Any], variables: list[Any]) -> None:
+    """Apply or skip under a ``tf.distribute`` strategy, every replica alike (``finite`` is already reduced).
+
+    The optimizer's apply sums the gradients across replicas (a ``merge_call`` in strategies that need one),
+    which TensorFlow does not allow inside a ``cond`` in a replica context; so the ``cond`` is taken in the
+    cross-replica context and applies in each replica from there, as Keras's own optimizers do. Strategies
+    that need no ``merge_call`` take the ``cond`` in each replica: all of them take the same branch.
+    """
+    if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        tf.cond(finite, lambda: _applied(optimizer, grads, variables), lambda: tf.constant(False))
+        return
+
+    def cross_replica(distribution: Any, finite: Any, grads: list[Any]) -> Any:
+        def apply() -> Any:
+            distribution.extended.call_for_each_replica(_applied, args=(optimizer, grads, variables))
+            return tf.constant(True)
+
+        return tf.cond(distribution.experimental_local_results(finite)[0], apply, lambda: tf.constant(False))
+
+    context.merge_call(cross_replica, args=(finite, grads))
+
+
+def _applied(optimizer: Any, grads: list[Any], variables: list[Any]) -> Any:
+    optimizer.apply(grads, variables)
+    return tf.constant(True)
 
 
 class TensorFlowDevice:
@@ -108,17 +135,21 @@ class TensorFlowDevice:
         if not optimizer.built:  # variables cannot be created inside the cond below
             optimizer.build(list(variables))
         unscaled_grads = list(grads) if unscaled else unscale(grads, state.scale)
-        finite = all_finite(unscaled_grads)
+        finite = all_replicas_finite(all_finite(unscaled_grads))
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync > 1:
+            _apply_across_replicas(context, optimizer, finite, unscaled_grads, list(variables))
+        else:
 
-        def apply() -> Any:
-            optimizer.apply(unscaled_grads, list(variables))
-            return tf.constant(True)
+            def apply() -> Any:
+                optimizer.apply(unscaled_grads, list(variables))
+                return tf.constant(True)
 
-        def skip() -> Any:
-            self._count_non_finite(unscaled_grads, variables)
-            return tf.constant(False)
+            def skip() -> Any:
+                self._count_non_finite(unscaled_grads, variables)
+                return tf.constant(False)
 
-        tf.cond(finite, apply, skip)
+            tf.cond(finite, apply, skip)
         return StepOutcome(optimizer.iterations, tf.cast(tf.logical_not(finite), tf.float32), None)
 
     def _count_non_finite(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
@@ -165,6 +196,13 @@ class TensorFlowDevice:
                 found.append((index, [(n, *row) for n, row in zip(names, counts.numpy().tolist(), strict=True)]))
                 at.assign(-1)
         return found
+
+    def replica(self) -> int | None:
+        """The replica of a ``tf.distribute`` strategy running this call (None outside one, or with one)."""
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return None
+        return int(tf.get_static_value(context.replica_id_in_sync_group))
 
     def plain_apply(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
         return optimizer.apply_gradients(zip(grads, variables, strict=True))

@@ -1,0 +1,175 @@
+"""Distributed training: tf.distribute.MirroredStrategy over two logical CPU devices (polyamp's Keras optimizer and
+the tape scaler, custom loops and model.fit) and Keras on JAX with keras.distribution.DataParallel over two CPU
+devices. Each runs in a fresh process (devices are configured before the framework starts; Keras picks its
+backend once per process): tests/distributed_tf_worker.py and tests/distributed_jax_worker.py, started together.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import polyamp
+
+HERE = Path(__file__).parent
+TIMEOUT = 600
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+class _Worker:
+    """A worker process started at once; `results` waits for its JSON."""
+
+    def __init__(self, script: str, folder: Path, **env: str) -> None:
+        environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **env)
+        self.process = subprocess.Popen(
+            [sys.executable, str(HERE / script), str(folder)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environment,
+            cwd=HERE.parent,
+        )
+        self._results: dict[str, Any] | None = None
+
+    def results(self) -> dict[str, Any]:
+        if self._results is None:
+            try:
+                out, err = self.process.communicate(timeout=TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                out, err = self.process.communicate()
+                pytest.fail(f"the worker ran past {TIMEOUT} s:\n{err[-3000:]}")
+            lines = [line for line in out.splitlines() if line.startswith("RESULTS ")]
+            assert self.process.returncode == 0 and lines, err[-4000:]
+            self._results = json.loads(lines[-1].removeprefix("RESULTS "))
+        return self._results
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Worker]]:
+    started = {}
+    if _has("tensorflow"):
+        started["tf"] = _Worker("distributed_tf_worker.py", tmp_path_factory.mktemp("tf"))
+    if _has("jax"):
+        started["jax"] = _Worker(
+            "distributed_jax_worker.py",
+            tmp_path_factory.mktemp("jax"),
+            KERAS_BACKEND="jax",
+            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        )
+    yield started
+    for worker in started.values():
+        worker.stop()
+
+
+def _results(workers: dict[str, _Worker], name: str) -> dict[str, Any]:
+    if name not in workers:
+        pytest.skip(f"{'TensorFlow' if name == 'tf' else 'JAX'} is not installed")
+    return workers[name].results()
+
+
+PATTERN = "FFOFFFOOF"  # as in the worker: O overflows on replica 1 only
+SETTINGS = dict(init_scale=1024.0, growth_interval=2, hysteresis=1)
+LOOPS = ["optimizer-eager", "optimizer-function", "scaler-eager", "scaler-function"]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_overflow_on_one_replica_skips_the_step_on_every_replica(workers: dict[str, _Worker], loop: str) -> None:
+    result = _results(workers, "tf")[loop]
+    # Each skipped step left weights, Adam's slots and iterations bitwise unchanged, on both replicas.
+    assert result["skips_unchanged"] == [True] * PATTERN.count("O")
+    assert result["finite"] is True
+    assert result["iterations"] == PATTERN.count("F")
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_scale_trajectory_equals_the_reference_and_is_the_same_on_every_replica(
+    workers: dict[str, _Worker], loop: str
+) -> None:
+    result = _results(workers, "tf")[loop]
+    reference = polyamp.LossScaleConfig(**SETTINGS).states(PATTERN)
+    assert result["states"] == [[s.scale, s.growth_tracker, s.hysteresis_left] for s in reference]
+    assert result["reference"] == result["states"]
+    # Scale, counter, hysteresis, weights and slots: one copy per replica, bitwise equal, after every step.
+    assert result["identical"] == [True] * len(PATTERN)
+
+
+def test_fit_under_mirrored_strategy_trains_and_skips_an_overflow_seen_by_one_replica(
+    workers: dict[str, _Worker],
+) -> None:
+    fit = _results(workers, "tf")["fit"]
+    # First epoch: 4 batches, the first overflows on replica 1 only -> skipped: 3 steps, the scale halved.
+    assert fit["weights_finite"] is True
+    assert fit["after_overflow"] == {"iterations": 3, "scale": 512.0}
+    losses = fit["losses"]
+    assert all(later < earlier for earlier, later in itertools.pairwise(losses)), losses
+    assert losses[-1] < 0.8 * losses[0]
+    assert fit["identical"] is True and fit["replicated"] is True
+    assert fit["state"]["scale"] == 512.0 and fit["state"]["_growth_tracker"] == 3 + 4 * 4
+
+
+def test_checkpoints_move_between_distributed_and_single_device(workers: dict[str, _Worker]) -> None:
+    fit = _results(workers, "tf")["fit"]
+    # Saved under the strategy, loaded on one device (model.save/load_model and state_dict).
+    assert fit["loaded_single_state"] == fit["state"]
+    assert fit["state_dict_single"] == fit["state"]
+    assert fit["loaded_single_weights_equal"] is True
+    assert fit["single_resumed_steps"] == 4
+    # Saved on one device, loaded under the strategy: mirrored again, same state, and it trains on.
+    assert fit["loaded_distributed_state"] == fit["single_saved_state"]
+    assert fit["loaded_distributed_mirrored"] is True and fit["loaded_distributed_identical"] is True
+    resumed = fit["distributed_resumed_state"]
+    assert resumed["_growth_tracker"] == fit["single_saved_state"]["_growth_tracker"] + 4
+
+
+def test_jit_compile_runs_wherever_plain_keras_runs(workers: dict[str, _Worker]) -> None:
+    results = _results(workers, "tf")
+    # keras#21366's configuration (MirroredStrategy, mixed_float16, jit_compile=True) trains with polyamp's optimizer.
+    assert results["jit_one_device"] == "ok"
+    # Over two devices XLA cannot compile a step whose variables live on another device, for any optimizer
+    # (TensorFlow 2.21, Keras 3.15); polyamp's optimizer fails or runs exactly as a plain Adam does.
+    two = results["jit_two_devices"]
+    assert two["polyamp"] == two["plain"], two
+
+
+def test_keras_on_jax_data_parallel_trains_and_skips_an_overflow_in_one_shard(workers: dict[str, _Worker]) -> None:
+    results = _results(workers, "jax")
+    assert results["backend"] == "jax"
+    distributed, single = results["distributed"], results["single"]
+    assert distributed["devices"] == ["cpu:0", "cpu:1"]
+    # The overflowing sample is in device 1's shard only; the step is skipped, bitwise, as on one device.
+    skipped = distributed["skipped"]
+    assert skipped["weights_unchanged"] is True and skipped["slots_unchanged"] is True
+    expected = polyamp.LossScaleConfig(init_scale=1024.0, growth_interval=3).states("FO")[-1]
+    assert (skipped["state"]["scale"], skipped["state"]["_growth_tracker"]) == (expected.scale, 0)
+    assert skipped == single["skipped"]
+    # XLA's sharding all-reduces the gradients: the run follows the single-device one (up to summation order),
+    # with the same steps and scale trajectory, every variable replicated and equal on both devices.
+    assert distributed["state"] == single["state"] and distributed["iterations"] == single["iterations"]
+    assert distributed["losses"] == pytest.approx(single["losses"], rel=1e-4)
+    assert distributed["losses"][-1] < 0.8 * distributed["losses"][0]
+    for a, b in zip(distributed["weights"], single["weights"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+    assert distributed["copies"] == [2] * len(distributed["copies"]) and distributed["identical"] is True
+    assert single["copies"] == [1] * len(single["copies"])
+    # A state saved under DataParallel resumes on one device.
+    assert distributed["loaded_single_state"] == distributed["state"]
+    assert distributed["state_dict_single"] == distributed["state"]
