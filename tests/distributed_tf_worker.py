@@ -116,6 +116,9 @@ def custom_loop(kind: str, function: bool) -> dict[str, Any]:
         "finite": all(np.isfinite(c).all() for v in watched for c in components(v)),
         "iterations": int(inner.iterations.numpy()),
         "finite_steps": PATTERN.count("F"),
+        "records": None
+        if scaler is None
+        else [[r.iteration, r.reason, r.scale, r.next_scale] for r in scaler.records()],
     }
 
 

@@ -110,6 +110,11 @@ def test_scale_trajectory_equals_the_reference_and_is_the_same_on_every_replica(
     assert result["reference"] == result["states"]
     # Scale, counter, hysteresis, weights and slots: one copy per replica, bitwise equal, after every step.
     assert result["identical"] == [True] * len(PATTERN)
+    if loop.startswith("scaler"):  # the tape scaler's records: one per iteration, not one per replica
+        states = [polyamp.LossScaleConfig(**SETTINGS).initial_state(), *reference]
+        assert result["records"] == [
+            [i, "overflow" if c == "O" else None, states[i].scale, states[i + 1].scale] for i, c in enumerate(PATTERN)
+        ]
 
 
 def test_fit_under_mirrored_strategy_trains_and_skips_an_overflow_seen_by_one_replica(

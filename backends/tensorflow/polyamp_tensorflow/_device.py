@@ -276,8 +276,10 @@ class TensorFlowDevice:
         code = tf.constant(base, tf.int32)
         if found_inf is not None:
             code += tf.cast(found_inf > 0, tf.int32)
-        index = tf.math.floormod(count, tf.cast(tf.size(codes), tf.int64))
-        codes.scatter_nd_update(tf.reshape(index, [1, 1]), tf.reshape(code, [1]))
+        size = tf.size(codes, out_type=tf.int64)
+        index = tf.math.floormod(tf.convert_to_tensor(count), size)
+        # A whole-ring assign (a scatter is not defined on tf.distribute's mirrored variables).
+        codes.assign(tf.where(tf.range(size) == index, code, tf.convert_to_tensor(codes)))
         count.assign_add(1)
 
     def read_history(self, history: tuple[tf.Variable, tf.Variable]) -> tuple[int, list[int]]:
