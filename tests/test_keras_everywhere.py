@@ -99,8 +99,36 @@ def test_custom_loop_follows_the_reference_and_skips_bitwise(settings: dict[str,
         states.append(_state(optimizer))
     reference = LossScaleConfig(**settings).states(pattern)
     assert states == [(s.scale, s.growth_tracker, s.hysteresis_left) for s in reference]
+    records = optimizer.records()  # one per apply, replayed by the core: the same schema as polyamp.LossScaler's
+    assert [(r.iteration, r.reason, r.mode, r.next_scale) for r in records] == [
+        (i, "overflow" if c == "O" else None, "scaling", s.scale) for i, (c, s) in enumerate(zip(pattern, reference))
+    ]
     assert int(ops.convert_to_numpy(optimizer.skipped_steps)) == pattern.count("O")
     assert int(ops.convert_to_numpy(optimizer.iterations)) == pattern.count("F")
+
+
+@pytest.mark.parametrize("guard", [None, False])
+def test_guard_skips_a_non_finite_step_under_bfloat16_and_records_it(guard: bool | None) -> None:
+    """enabled=None under mixed_bfloat16: no scaling; the guard (default) skips the step with an inf gradient,
+    bitwise, counts and records it; guard=False applies it (the weights go non-finite)."""
+    model = _model()
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.Adam(0.01), enabled=None, guard=guard)
+    optimizer.build(model.trainable_variables)
+    watched = [*model.trainable_variables, *optimizer.inner_optimizer.variables]
+    with polyamp.policy_scope("mixed_bfloat16"):
+        for step in range(5):
+            before = [np.array(ops.convert_to_numpy(v)) for v in watched]
+            _step(model, optimizer, *_data(step), overflow=step == 2)
+            if step == 2 and guard is None:
+                assert all(np.array_equal(a, np.array(ops.convert_to_numpy(v))) for a, v in zip(before, watched))
+    records = [(r.iteration, r.skipped, r.reason, r.mode, r.scale) for r in optimizer.records()]
+    finite = all(np.isfinite(ops.convert_to_numpy(v)).all() for v in model.trainable_variables)
+    if guard is None:
+        assert records == [(i, i == 2, "non_finite" if i == 2 else None, "guarding", None) for i in range(5)]
+        assert int(ops.convert_to_numpy(optimizer.skipped_steps)) == 1 and finite
+        assert int(ops.convert_to_numpy(optimizer.iterations)) == 4
+    else:
+        assert records == [(i, False, None, "off", None) for i in range(5)] and not finite
 
 
 def test_jax_stateless_step_under_jit_skips_and_updates() -> None:

@@ -14,7 +14,9 @@ __all__ = ["LossScaleCallback"]
 
 
 class LossScaleCallback(keras.callbacks.Callback):  # type: ignore[misc]
-    """Adds ``loss_scale`` and ``skipped_steps`` to the logs of every batch and epoch.
+    """Adds ``loss_scale`` and ``skipped_steps`` to the logs of every batch and epoch, and reads the optimizer's
+    step records (`polyamp_keras.LossScaleOptimizer.records`) as training goes, so each skipped step is logged
+    through ``logging.getLogger("polyamp")`` with its reason and a collapsing scale is reported.
 
     They then appear in ``History.history``, the progress bar and ``keras.callbacks.TensorBoard`` (list
     this callback before TensorBoard, which reads the logs when it gets them). The model must be compiled
@@ -44,6 +46,11 @@ class LossScaleCallback(keras.callbacks.Callback):  # type: ignore[misc]
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._add(logs)
+        optimizer = self._optimizer()
+        if optimizer.built and (batch + 1) % max(1, optimizer._recorder.capacity // 2) == 0:
+            optimizer.records()  # read often enough that the ring never overwrites an unread step
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._add(logs)
+        if self._optimizer().built:
+            self._optimizer().records()  # logs this epoch's skipped steps (logging.getLogger("polyamp"))

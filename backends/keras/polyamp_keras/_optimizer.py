@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
@@ -16,10 +17,15 @@ from polyamp import (
     ScalerUsageError,
 )
 from polyamp.backend_api import (
+    MODE_CODES,
     NOT_GIVEN,
+    Recorder,
     UnscaleStages,
     bind_arguments,
     check_enabled,
+    check_guard,
+    check_history,
+    check_on_min_scale,
     describe,
     detect_backend,
     parse_state_dict,
@@ -165,6 +171,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             to the inner optimizer.
         initial_scale, dynamic_growth_steps: Keras's names for ``init_scale`` and ``growth_interval``.
         name: The optimizer's name.
+        guard: As `polyamp.LossScaler`'s: None (default) checks the gradients whenever the policy turns
+            scaling off (``enabled=None`` under bfloat16/float32 policies) and skips a step whose gradients
+            hold inf or NaN (reason ``"non_finite"``); True also with ``enabled=False``; False never.
+        on_min_scale, history: As `polyamp.LossScaler`'s; `records` gives the step records.
         **settings: polyamp's loss-scaling settings, see `polyamp.LossScaleConfig`.
 
     Raises:
@@ -180,8 +190,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         initial_scale: Any = NOT_GIVEN,
         dynamic_growth_steps: Any = NOT_GIVEN,
         name: str | None = None,
+        guard: bool | None = None,
+        on_min_scale: str = "warn",
+        history: int = 256,
         **kwargs: Any,
     ) -> None:
+        guard = check_guard(guard)
+        recorder = Recorder(check_history(history), check_on_min_scale(on_min_scale))
         arguments = bind_arguments(
             "LossScaleOptimizer()", LossScaleConfig.setting_names()[:4], positional, _split_arguments(kwargs)
         )
@@ -208,13 +223,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         )
         self._polyamp_config = config
         self._polyamp_enabled = enabled
+        self._polyamp_guard = guard
+        self._recorder = recorder
         self._polyamp_initial_state = config.initial_state()
+        recorder.reanchor(self._polyamp_initial_state)
         self._stages = UnscaleStages()
         self._grads_are_unscaled = False
         self._polyamp_traced = False
         self._step_enabled: bool | None = None
         self._scaled_since_apply = False
         self._warned_unscaled_loss = False
+        self._warned_unguarded = False
 
     # -- settings and state ------------------------------------------------------------------------------
 
@@ -267,6 +286,46 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             shape=(), dtype="bool", initializer=keras.initializers.Zeros(), aggregation="none", name="last_skipped"
         )
         self._scale_state = ScaleState(self.dynamic_scale, self.step_counter, self.hysteresis_left, self.skipped_steps)
+        # The step records: one code per apply (mode and skip, see polyamp.StepRecord) in a ring, and a count.
+        self.step_codes = self.add_variable(
+            shape=(self._recorder.capacity,),
+            dtype="int32",
+            initializer=keras.initializers.Zeros(),
+            aggregation="none",
+            name="step_codes",
+        )
+        self.recorded_steps = self.add_variable(
+            shape=(), dtype="int32", initializer=keras.initializers.Zeros(), aggregation="none", name="recorded_steps"
+        )
+
+    def _record(self, mode: str, skipped: Any) -> None:
+        """Write this apply's code into the ring (on the device; inside compiled steps too)."""
+        capacity = self._recorder.capacity
+        index = ops.mod(ops.convert_to_tensor(self.recorded_steps), capacity)
+        code = MODE_CODES[mode] + ops.cast(skipped, "int32")
+        ring = ops.convert_to_tensor(self.step_codes)
+        self.step_codes.assign(ops.where(ops.arange(capacity, dtype="int32") == index, code, ring))
+        self.recorded_steps.assign_add(ops.cast(1, "int32"))
+
+    def records(self) -> list[Any]:
+        """The most recent steps' records (at most ``history``), as `polyamp.LossScaler.records` gives them:
+        `polyamp.StepRecord` with the skip, its reason, the mode and the scale. Reads the ring in one host read,
+        logs skips through ``logging.getLogger("polyamp")`` and applies ``on_min_scale``;
+        `polyamp_keras.LossScaleCallback` calls it during ``fit``. Call it eagerly (not inside a compiled step).
+        """
+        if not self.built:
+            return list(self._recorder.records)
+        count = int(read_scalar(self.recorded_steps))
+        ring = [int(v) for v in ops.convert_to_numpy(self.step_codes).tolist()]
+        capacity = len(ring)
+        kept = min(count, capacity)
+        codes = [ring[(count - kept + i) % capacity] for i in range(kept)]
+        self._recorder.consume(count, codes, self._polyamp_config, self._get_state)
+        return list(self._recorder.records)
+
+    def _guards(self) -> bool:
+        guard = self._polyamp_guard
+        return bool(self._polyamp_enabled is None if guard is None else guard)
 
     @property
     def loss_scale(self) -> Any:
@@ -310,9 +369,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self._polyamp_initial_state = state
         self.dynamic_growth_steps = config.growth_interval
         if self.built:
+            self.records()  # the records so far belong to the state being replaced
             self._scale_state.write(state)
         else:
             self.initial_scale = state.scale
+        self._recorder.reanchor(state)
 
     # -- scaling -----------------------------------------------------------------------------------------
 
@@ -388,9 +449,42 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
         grads = list(grads)
         if not self._start_apply(grads):
-            self.inner_optimizer.apply(grads, trainable_variables)
+            several = _several_replicas()
+            if self._guards() and several and not self._warned_unguarded:
+                self._warned_unguarded = True
+                logging.getLogger("polyamp").warning(
+                    "polyamp: LossScaleOptimizer does not guard steps without scaling under a tf.distribute "
+                    "strategy with several replicas (its apply reduces across replicas, which cannot run inside the "
+                    "guard's cond): non-finite gradients are applied. Use polyamp.LossScaler(guard=True) with a "
+                    "GradientTape loop there, or scaling (enabled=True)."
+                )
+            if self._guards() and not several:
+                self._guarded_apply(grads, trainable_variables)
+            else:
+                self.inner_optimizer.apply(grads, trainable_variables)
+                if self.built:
+                    self._record("off", False)
             return
         super().apply(grads, trainable_variables)
+
+    def _guarded_apply(self, grads: list[Any], trainable_variables: Any) -> None:
+        """The guard, stateful: apply unless a gradient is non-finite; the rule does not run."""
+        variables = trainable_variables or self._trainable_variables
+        if not self.built:
+            self.build(list(variables))
+        finite = all_finite(grads)
+
+        def applied() -> None:
+            self.inner_optimizer.apply(grads, trainable_variables)
+            self.last_skipped.assign(False)
+            self._record("guarding", False)
+
+        def skipped() -> None:
+            self.last_skipped.assign(True)
+            self.skipped_steps.assign_add(ops.cast(1, self.skipped_steps.dtype))
+            self._record("guarding", True)
+
+        ops.cond(finite, applied, skipped)
 
     def check_finite(self, grads: Any) -> Any:
         grads = list(grads)
@@ -410,10 +504,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self.inner_optimizer.apply(self._unscaled(grads, variables), trainable_variables=trainable_variables)
         self.last_skipped.assign(False)
         advance(self._scale_state, False, self._polyamp_config)
+        self._record("scaling", False)
 
     def _stateful_handle_non_finite_grads(self) -> None:
         self.last_skipped.assign(True)
         advance(self._scale_state, True, self._polyamp_config)
+        self._record("scaling", True)
 
     def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
         """The stateless step (JAX; what ``model.fit`` uses there): variables in, new values out, the skip
@@ -427,10 +523,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         optimizer_variables = list(optimizer_variables)
         own = len(self._variables)
         if not self._start_apply(grads):
+            if self._guards():
+                return self._stateless_guarded(optimizer_variables, grads, trainable_variables)
             new_trainable, new_inner = self.inner_optimizer.stateless_apply(
                 optimizer_variables[own:], grads, trainable_variables
             )
-            return new_trainable, optimizer_variables[:own] + list(new_inner)
+            mapping = list(zip(self.variables, optimizer_variables, strict=True))
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                self._record("off", False)
+                mine = [scope.get_current_value(v) for v in self._variables]
+            return new_trainable, mine + list(new_inner)
         mapping = list(zip(self.variables, optimizer_variables, strict=True))
         with keras.StatelessScope(state_mapping=mapping):
             finite = self.check_finite(grads)
@@ -444,7 +546,32 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         with keras.StatelessScope(state_mapping=mapping) as scope:
             self.last_skipped.assign(overflow)
             advance(self._scale_state, overflow, self._polyamp_config)
+            self._record("scaling", overflow)
             return [scope.get_current_value(v) for v in self._variables]
+
+    def _stateless_guarded(self, optimizer_variables: list[Any], grads: list[Any], trainable_variables: Any) -> Any:
+        """The guard, stateless (JAX): apply unless a gradient is non-finite; the rule does not run."""
+        own = len(self._variables)
+        mapping = list(zip(self.variables, optimizer_variables, strict=True))
+
+        def mine(skipped: bool) -> list[Any]:
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                self.last_skipped.assign(skipped)
+                if skipped:
+                    self.skipped_steps.assign_add(ops.cast(1, self.skipped_steps.dtype))
+                self._record("guarding", skipped)
+                return [scope.get_current_value(v) for v in self._variables]
+
+        def applied() -> Any:
+            new_trainable, new_inner = self.inner_optimizer.stateless_apply(
+                optimizer_variables[own:], grads, trainable_variables
+            )
+            return list(new_trainable), mine(False) + list(new_inner)
+
+        def skipped() -> Any:
+            return list(trainable_variables), mine(True) + optimizer_variables[own:]
+
+        return ops.cond(all_finite(grads), applied, skipped)
 
     def _stateless_finite(self, optimizer_variables: list[Any], grads: list[Any], trainable_variables: Any) -> Any:
         mapping = list(zip(self.variables, optimizer_variables, strict=True))
@@ -471,6 +598,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             **config.settings(),
             **keras_spellings,
             "enabled": self._polyamp_enabled,
+            "guard": self._polyamp_guard,
+            "on_min_scale": self._recorder.on_min_scale,
+            "history": self._recorder.capacity,
         }
 
     @classmethod
@@ -478,3 +608,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)
+
+
+def _several_replicas() -> bool:
+    """Inside a tf.distribute replica context with more than one replica (the guard's own ``cond`` would
+    contain the optimizer's cross-replica reduction there; the apply is then plain)."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or keras.backend.backend() != "tensorflow":
+        return False
+    context = tf.distribute.get_replica_context()
+    return context is not None and context.num_replicas_in_sync > 1
