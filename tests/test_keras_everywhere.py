@@ -125,6 +125,9 @@ def test_guard_skips_a_non_finite_step_under_bfloat16_and_records_it(guard: bool
     finite = all(np.isfinite(ops.convert_to_numpy(v)).all() for v in model.trainable_variables)
     if guard is None:
         assert records == [(i, i == 2, "non_finite" if i == 2 else None, "guarding", None) for i in range(5)]
+        named = [(g.name, g.layer, g.inf, g.neg_inf, g.nan, g.size) for g in optimizer.records()[2].gradients]
+        kernel = model.trainable_variables[0]
+        assert named == [(kernel.path, kernel.path.rpartition("/")[0], 1, 0, 0, 48)]
         assert int(ops.convert_to_numpy(optimizer.skipped_steps)) == 1 and finite
         assert int(ops.convert_to_numpy(optimizer.iterations)) == 4
     else:

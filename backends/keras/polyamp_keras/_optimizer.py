@@ -28,6 +28,7 @@ from polyamp.backend_api import (
     check_on_min_scale,
     describe,
     detect_backend,
+    non_finite_gradients,
     parse_state_dict,
     resolve_enabled,
     to_state_dict,
@@ -297,6 +298,52 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self.recorded_steps = self.add_variable(
             shape=(), dtype="int32", initializer=keras.initializers.Zeros(), aggregation="none", name="recorded_steps"
         )
+        # The non-finite gradients of the last skipped step (counted in the branch that skips), and its index.
+        self._gradient_names = [str(getattr(v, "path", None) or v.name) for v in var_list]
+        self.non_finite_counts = self.add_variable(
+            shape=(max(1, len(var_list)), 4),
+            dtype="int32",
+            initializer=keras.initializers.Zeros(),
+            aggregation="none",
+            name="non_finite_counts",
+        )
+        self.non_finite_at = self.add_variable(
+            shape=(),
+            dtype="int32",
+            initializer=keras.initializers.Constant(-1),
+            aggregation="none",
+            name="non_finite_at",
+        )
+        self._checked_grads: list[Any] | None = None
+
+    def _count_non_finite(self) -> None:
+        """In the branch that skips: each checked gradient's +inf/-inf/NaN counts, for the records."""
+        grads = self._checked_grads
+        if grads is None or len(grads) != len(self._gradient_names) or _several_replicas():
+            return
+        rows = []
+        for grad in grads:
+            if grad is None:
+                rows.append(ops.zeros((4,), dtype="int32"))
+                continue
+            values = grad.values if type(grad).__name__ == "IndexedSlices" else grad  # TensorFlow sparse
+            inf = ops.isinf(values)
+            size = 1
+            for dim in values.shape:
+                size *= int(dim)
+            rows.append(
+                ops.stack(
+                    [
+                        ops.sum(ops.cast(ops.logical_and(inf, ops.greater(values, 0)), "int32")),
+                        ops.sum(ops.cast(ops.logical_and(inf, ops.less(values, 0)), "int32")),
+                        ops.sum(ops.cast(ops.isnan(values), "int32")),
+                        ops.convert_to_tensor(size, dtype="int32"),
+                    ]
+                )
+            )
+        if rows:
+            self.non_finite_counts.assign(ops.stack(rows))
+            self.non_finite_at.assign(ops.convert_to_tensor(self.recorded_steps))
 
     def _record(self, mode: str, skipped: Any) -> None:
         """Write this apply's code into the ring (on the device; inside compiled steps too)."""
@@ -315,6 +362,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         """
         if not self.built:
             return list(self._recorder.records)
+        at = int(read_scalar(self.non_finite_at))
+        if at >= 0:
+            rows = ops.convert_to_numpy(self.non_finite_counts).tolist()
+            entries = [(name, *row) for name, row in zip(self._gradient_names, rows, strict=False)]
+            self._recorder.attach(at, non_finite_gradients(entries))
+            self.non_finite_at.assign(-1)
         count = int(read_scalar(self.recorded_steps))
         ring = [int(v) for v in ops.convert_to_numpy(self.step_codes).tolist()]
         capacity = len(ring)
@@ -482,8 +535,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         def skipped() -> None:
             self.last_skipped.assign(True)
             self.skipped_steps.assign_add(ops.cast(1, self.skipped_steps.dtype))
+            self._count_non_finite()
             self._record("guarding", True)
 
+        self._checked_grads = grads
         ops.cond(finite, applied, skipped)
 
     def check_finite(self, grads: Any) -> Any:
@@ -491,6 +546,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         if self._polyamp_config.checks_unscaled and not self._grads_are_unscaled:
             # Below scale 1 an unscaled gradient can overflow where its scaled value did not.
             grads = unscale(grads, self.dynamic_scale)
+        self._checked_grads = grads  # for the skip branch's counts
         return all_replicas_finite(all_finite(grads))
 
     def _unscaled(self, grads: Any, variables: Any) -> list[Any]:
@@ -509,6 +565,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
     def _stateful_handle_non_finite_grads(self) -> None:
         self.last_skipped.assign(True)
         advance(self._scale_state, True, self._polyamp_config)
+        self._count_non_finite()
         self._record("scaling", True)
 
     def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
@@ -546,6 +603,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         with keras.StatelessScope(state_mapping=mapping) as scope:
             self.last_skipped.assign(overflow)
             advance(self._scale_state, overflow, self._polyamp_config)
+            if overflow:
+                self._count_non_finite()
             self._record("scaling", overflow)
             return [scope.get_current_value(v) for v in self._variables]
 
@@ -559,6 +618,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
                 self.last_skipped.assign(skipped)
                 if skipped:
                     self.skipped_steps.assign_add(ops.cast(1, self.skipped_steps.dtype))
+                    self._count_non_finite()
                 self._record("guarding", skipped)
                 return [scope.get_current_value(v) for v in self._variables]
 
@@ -571,6 +631,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         def skipped() -> Any:
             return list(trainable_variables), mine(True) + optimizer_variables[own:]
 
+        self._checked_grads = grads
         return ops.cond(all_finite(grads), applied, skipped)
 
     def _stateless_finite(self, optimizer_variables: list[Any], grads: list[Any], trainable_variables: Any) -> Any:

@@ -171,7 +171,8 @@ class TorchDevice:
     def non_finite_gradients(self, optimizer: Any) -> list[tuple[str, int, int, int, int]]:
         """(name, +inf, -inf, NaN, size) counts of each gradient of ``optimizer``, read in one host transfer.
         Called only for a step the host already knows was skipped. Names come from the optimizer's
-        ``param_names`` (torch keeps them when it is built from ``model.named_parameters()``)."""
+        ``param_names`` (torch keeps them when it is built from ``model.named_parameters()``). A sharded
+        (DTensor) gradient is counted on this rank's shard."""
         names: list[str] = []
         counts: list[torch.Tensor] = []
         for g, group in enumerate(optimizer.param_groups):
@@ -180,6 +181,8 @@ class TorchDevice:
                 grad = param.grad
                 if grad is None:
                     continue
+                if hasattr(grad, "to_local"):  # a DTensor (FSDP2): this rank's shard
+                    grad = grad.to_local()
                 values = grad.coalesce().values() if grad.is_sparse else grad
                 names.append(str(given[i]) if given is not None else f"param_groups[{g}][{i}]")
                 counts.append(
