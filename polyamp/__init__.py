@@ -40,6 +40,7 @@ from polyamp._src.provenance import NonFiniteGradient
 from polyamp._src.records import SKIP_REASONS, ScaleCollapseError, SkipReason, StepRecord
 from polyamp._src.registry import BackendSpec, backend_specs, get_backend, register_backend
 from polyamp._src.scaling import LossScaleConfig, LossScaleSettings, LossScaleState
+from polyamp._src.spikes import SpikeRule
 
 __version__ = "0.1.0"
 
@@ -74,6 +75,7 @@ __all__ = [
     "ScaleCollapseError",
     "ScalerUsageError",
     "SkipReason",
+    "SpikeRule",
     "StateDictError",
     "StepRecord",
     "UnknownBackendError",

@@ -41,7 +41,7 @@ from polyamp._src.hazards import TensorSummary
 from polyamp._src.iteration import UnscaleStages, no_gradients_error
 from polyamp._src.loss_scaler import bind_arguments
 from polyamp._src.provenance import layer_of, non_finite_gradients
-from polyamp._src.records import MODE_CODES, Recorder, check_guard, check_history, check_on_min_scale
+from polyamp._src.records import MODE_CODES, SPIKE_BIT, Recorder, check_guard, check_history, check_on_min_scale
 from polyamp._src.registry import (
     ENTRY_POINT_GROUP,
     BackendSpec,
@@ -73,6 +73,7 @@ __all__ = [
     "MODE_CODES",
     "NOT_GIVEN",
     "SETTING_DOCS",
+    "SPIKE_BIT",
     "Backend",
     "BackendSpec",
     "Flag",

@@ -41,6 +41,7 @@ from polyamp._src.records import (
     check_on_min_scale,
 )
 from polyamp._src.scaling import NOT_GIVEN, LossScaleConfig, LossScaleState, NotGiven, settings_doc, to_float32
+from polyamp._src.spikes import SpikeRule
 from polyamp._src.state_dict import parse_state_dict, to_state_dict
 
 if TYPE_CHECKING:
@@ -122,6 +123,9 @@ class LossScaler:
                 (`polyamp.ScaleCollapseError` when the records are read) or "ignore".
             history: How many iterations are recorded on the device between reads, and kept by `records`
                 (default 256).
+            spike: A `polyamp.SpikeRule` to also skip steps whose loss or gradient norm is an outlier (reason
+                ``"loss_spike"`` / ``"grad_spike"``), decided on the device; None (default) skips only
+                non-finite steps.
             process_group: None (default): each process decides its skips from its own gradients, which is
                 right whenever every rank holds the same gradients (data parallelism such as DDP, whose
                 backward already all-reduced them). A framework process group (``torch.distributed``'s)
@@ -178,6 +182,7 @@ class LossScaler:
         guard: bool | None = None,
         on_min_scale: str = "warn",
         history: int = DEFAULT_HISTORY,
+        spike: SpikeRule | None = None,
         process_group: Any = None,
         **settings: Unpack[LossScaleSettings],
     ) -> None:
@@ -190,7 +195,11 @@ class LossScaler:
         self._take_options(arguments)
         enabled = check_enabled(arguments.pop("enabled", self.default_enabled))
         guard = check_guard(guard)
-        recorder = Recorder(check_history(history), check_on_min_scale(on_min_scale))
+        if spike is not None and not isinstance(spike, SpikeRule):
+            raise type_error("`spike`", "None or a polyamp.SpikeRule, e.g. SpikeRule('loss', window=128)", spike)
+        recorder = Recorder(
+            check_history(history), check_on_min_scale(on_min_scale), spike.reason if spike else "loss_spike"
+        )
         config = LossScaleConfig.from_settings(arguments, caller=caller)
         if backend is not None and not isinstance(backend, str):
             raise type_error("`backend`", "None or a backend name such as 'torch' or 'tensorflow'", backend)
@@ -215,6 +224,10 @@ class LossScaler:
         self._config = config
         self._enabled_setting = enabled
         self._guard_setting = guard
+        self._spike_rule = spike
+        self._spike_state: Any = None
+        self._spike_x: Any = None  # this iteration's statistic (device scalar)
+        self._spike_flag: Any = None  # this iteration's decision (device flag)
         self._host_state = config.initial_state()
         self._recorder = recorder
         recorder.reanchor(self._host_state)
@@ -282,6 +295,14 @@ class LossScaler:
         self._compiling = getattr(device, "compiling", None)
         new_history = getattr(device, "new_history", None)
         self._history = None if new_history is None else new_history(self._recorder.capacity)
+        if self._spike_rule is not None:
+            new_spike_state = getattr(device, "new_spike_state", None)
+            if new_spike_state is None:
+                raise PolyampTypeError(
+                    f"The {backend!r} backend's scaler cannot apply a SpikeRule (its device form has no "
+                    "new_spike_state). Construct the LossScaler without spike=."
+                )
+            self._spike_state = new_spike_state(self._spike_rule)
         return device
 
     @property
@@ -433,7 +454,11 @@ class LossScaler:
         if self._device is None and registry.detect_backend(loss) is None and not self.enabled:
             return loss  # a disabled scaler passes anything through, as torch's does
         device = self._device_for("scale", loss)
-        if not self._begin():
+        enabled = self._begin()
+        rule = self._spike_rule
+        if rule is not None and rule.on == "loss" and (enabled or self._iteration.guarding):
+            self._spike_x = device.spike_statistic(loss)
+        if not enabled:
             return loss
         self._iteration.stages.clear()
         scaled = device.scale(loss)
@@ -507,9 +532,10 @@ class LossScaler:
                 iteration.mark(optimizer, Stage.STEPPED, None)
                 self._remember(optimizer, device.finite_flag(), False)
                 return result
-            outcome = device.step(optimizer, checked, args, kwargs)
-            iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)
-            self._remember(optimizer, outcome.found_inf, outcome.skipped)
+            skip = self._spike_decision(device, optimizer, checked)
+            outcome = device.step(optimizer, skip, args, kwargs)
+            iteration.mark(optimizer, Stage.STEPPED, checked)
+            self._remember(optimizer, skip, outcome.skipped)
             return outcome.result
         self._require_scaled("step()")
         if "closure" in kwargs or (args and callable(args[0])):
@@ -532,15 +558,46 @@ class LossScaler:
             found_inf = iteration.found_inf_of(optimizer)
             if found_inf is None:
                 raise no_gradients_error()
-        elif not device.unscales_in_step(optimizer):
+        elif self._spike_rule is not None or not device.unscales_in_step(optimizer):
+            # (A spike rule decides before the step, on unscaled gradients: a fused optimizer then gets them
+            # unscaled, with the combined flag.)
             found_inf = device.unscale_gradients(optimizer)
             if found_inf is None:
                 raise no_gradients_error()
             iteration.mark(optimizer, Stage.UNSCALED, found_inf)  # the gradients are unscaled now, whatever follows
-        outcome = device.step(optimizer, found_inf, args, kwargs)
-        iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)
-        self._remember(optimizer, outcome.found_inf, outcome.skipped)
+        if self._spike_rule is None:
+            outcome = device.step(optimizer, found_inf, args, kwargs)
+            iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)
+            self._remember(optimizer, outcome.found_inf, outcome.skipped)
+            return outcome.result
+        skip = self._spike_decision(device, optimizer, found_inf)
+        outcome = device.step(optimizer, skip, args, kwargs)
+        iteration.mark(optimizer, Stage.STEPPED, found_inf)  # the scale rule sees overflows only
+        self._remember(optimizer, skip, outcome.skipped)
         return outcome.result
+
+    def _spike_decision(self, device: Any, optimizer: Any, found_inf: Any) -> Any:
+        """``found_inf`` combined with the spike rule's decision for this iteration (made at its first step;
+        the same for every optimizer of the iteration). Without a rule: ``found_inf``."""
+        rule = self._spike_rule
+        if rule is None:
+            return found_inf
+        if self._spike_flag is None:
+            if rule.on == "loss":
+                if self._spike_x is None:
+                    raise ScalerUsageError(
+                        "A SpikeRule('loss') needs the iteration's loss: call scaler.scale(loss) (and backpropagate "
+                        "it) before stepping, in every iteration."
+                    )
+            else:
+                self._spike_x = device.spike_grad_norm(optimizer)
+            self._spike_flag = device.spike_check(self._spike_state, self._spike_x)
+        elif rule.on == "grad_norm":
+            raise ScalerUsageError(
+                "A SpikeRule('grad_norm') watches the gradients of one optimizer per iteration; this iteration "
+                "steps a second one. Use SpikeRule('loss') with several optimizers."
+            )
+        return device.combine([found_inf, self._spike_flag])
 
     def apply_gradients(self, optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
         """TensorFlow: `step` then `update` in one call: unscale (unless done), check, apply or skip, update.
@@ -568,18 +625,47 @@ class LossScaler:
                 iteration.mark(optimizer, Stage.STEPPED, None)
                 self._remember(optimizer, device.finite_flag(), False)
                 return result
-            outcome = device.apply(optimizer, grads, variables, unscaled=True)  # checks, applies or skips
+            veto = self._tape_spike(device, grads, unscaled=True)
+            outcome = device.apply(optimizer, grads, variables, unscaled=True, veto=veto)  # check, apply or skip
             iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)
-            self._remember(optimizer, outcome.found_inf, outcome.skipped)
+            self._remember(optimizer, self._with_spike(device, outcome.found_inf), outcome.skipped)
             return outcome.result
         self._require_scaled(method)
         stage = iteration.stages.check(grads, method)
-        outcome = device.apply(optimizer, grads, variables, unscaled=stage is not None)
+        veto = self._tape_spike(device, grads, unscaled=stage is not None)
+        if veto is None:
+            outcome = device.apply(optimizer, grads, variables, unscaled=stage is not None)
+        else:
+            outcome = device.apply(optimizer, grads, variables, unscaled=stage is not None, veto=veto)
         if stage is not None:
             iteration.stages.consume(stage)
-        iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)
-        self._remember(optimizer, outcome.found_inf, outcome.skipped)
+        iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)  # overflows only: the rule's input
+        self._remember(optimizer, self._with_spike(device, outcome.found_inf), outcome.skipped)
         return outcome.result
+
+    def _tape_spike(self, device: Any, grads: list[Any], *, unscaled: bool) -> Any:
+        """TensorFlow-style: the spike rule's flag for this iteration (None without a rule)."""
+        rule = self._spike_rule
+        if rule is None:
+            return None
+        if self._spike_flag is None:
+            if rule.on == "grad_norm":
+                self._spike_x = device.spike_grad_norm(grads, unscaled=unscaled)
+            elif self._spike_x is None:
+                raise ScalerUsageError(
+                    "A SpikeRule('loss') needs the iteration's loss: call scaler.scale(loss) before applying, in "
+                    "every iteration."
+                )
+            self._spike_flag = device.spike_check(self._spike_state, self._spike_x)
+        elif rule.on == "grad_norm":
+            raise ScalerUsageError(
+                "A SpikeRule('grad_norm') watches the gradients of one optimizer per iteration; this iteration "
+                "steps a second one. Use SpikeRule('loss') with several optimizers."
+            )
+        return self._spike_flag
+
+    def _with_spike(self, device: Any, found_inf: Any) -> Any:
+        return found_inf if self._spike_flag is None else device.combine([found_inf, self._spike_flag])
 
     def update(self, new_scale: Any = None) -> None:
         """End the iteration: advance the loss-scale rule once, after every optimizer's `step`.
@@ -620,12 +706,14 @@ class LossScaler:
             found_infs = iteration.found_infs() if iteration.guarding else []
             if found_infs:
                 combined = device.combine(found_infs)
-                clean = self._host_clean == len(found_infs)  # every step already read "not skipped" to the host
+                # every step already read "not skipped" to the host
+                clean = self._host_clean == len(found_infs) and self._spike_flag is None
                 if not clean:
                     device.count_skip(combined)
-                device.write_record(self._last.storage, combined)
+                spike_only = self._finish_spike(device, combined)
+                device.write_record(self._last.storage, self._with_flag(device, combined, spike_only))
                 self._last.host = False if clean else None
-                self._write_history("guarding", None if clean else combined, self._host_skip)
+                self._write_history("guarding", None if clean else combined, self._host_skip, spike_only)
             else:
                 device.write_record(self._last.storage, device.finite_flag())
                 self._last.host = False
@@ -644,25 +732,41 @@ class LossScaler:
         combined = device.combine(found_infs) if found_infs else None
         skipped_on_host = self._host_skip
         device.update(combined, value)
+        spike_only = self._finish_spike(device, combined)
         if combined is not None:
             if self._last is None:
                 self._last = _Record(device.new_record())
-            device.write_record(self._last.storage, combined)
+            device.write_record(self._last.storage, self._with_flag(device, combined, spike_only))
             self._last.host = None
         iteration.close()
         if value is not None:
             if combined is not None:  # the iteration counts as skipped or not, but the rule did not run
-                self._write_history("set", combined, False)
+                self._write_history("set", combined, False, spike_only)
             self._reanchor_after_set(value)
         elif combined is not None:
-            self._write_history("scaling", combined, skipped_on_host)
+            self._write_history("scaling", combined, skipped_on_host, spike_only)
+
+    def _finish_spike(self, device: Any, overflow: Any) -> Any:
+        """End the iteration for the spike rule: its statistic enters the window if the step was applied, a
+        skip by the rule alone is counted; returns that skip's flag (None without a decision)."""
+        flag, x = self._spike_flag, self._spike_x
+        self._spike_flag = self._spike_x = None
+        if flag is None:
+            return None
+        only = device.spike_finish(self._spike_state, x, flag, overflow)
+        device.count_skip(only)
+        return only
+
+    @staticmethod
+    def _with_flag(device: Any, flag: Any, spike_only: Any) -> Any:
+        return flag if spike_only is None else device.combine([flag, spike_only])
 
     # -- records -----------------------------------------------------------------------------------------
 
     def _compiling_now(self) -> bool:
         return self._compiling is not None and bool(self._compiling())
 
-    def _write_history(self, mode: str, flag: Any, host_skipped: bool) -> None:
+    def _write_history(self, mode: str, flag: Any, host_skipped: bool, spike: Any = None) -> None:
         self._host_skip = False
         self._host_clean = 0
         gradients, self._iteration_gradients = tuple(self._iteration_gradients), []
@@ -670,7 +774,10 @@ class LossScaler:
             return
         self._recorder.attach(self._written, gradients)
         self._written += 1
-        self._device.write_history(self._history, MODE_CODES[mode], flag)
+        if spike is None:
+            self._device.write_history(self._history, MODE_CODES[mode], flag)
+        else:
+            self._device.write_history(self._history, MODE_CODES[mode], flag, spike)
         self._pending += 1
         # A skip the step already read to the host is reported at once; the rest in batches (one read).
         if (host_skipped or self._pending >= max(1, self._recorder.capacity // 2)) and not self._compiling_now():
@@ -729,6 +836,7 @@ class LossScaler:
         self._host_skip = False
         self._host_clean = 0
         self._iteration_gradients = []
+        self._spike_x = self._spike_flag = None
 
     def _checked_new_scale(self, new_scale: Any) -> Any:
         if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
@@ -954,6 +1062,7 @@ class LossScaler:
             "config": self._config,
             "enabled": self._enabled_setting,
             "guard": self._guard_setting,
+            "spike": self._spike_rule,
             "on_min_scale": self._recorder.on_min_scale,
             "history": self._recorder.capacity,
             "state": self.get_state(),
@@ -964,6 +1073,8 @@ class LossScaler:
         self._config = saved["config"]
         self._enabled_setting = saved["enabled"]
         self._guard_setting = saved.get("guard")
+        self._spike_rule = saved.get("spike")
+        self._spike_state = self._spike_x = self._spike_flag = None
         self._recorder = Recorder(saved.get("history", DEFAULT_HISTORY), saved.get("on_min_scale", "warn"))
         self._process_group = None
         self._host_state = saved["state"]

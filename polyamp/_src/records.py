@@ -33,6 +33,7 @@ __all__ = [
     "MODE_CODES",
     "ON_MIN_SCALE",
     "SKIP_REASONS",
+    "SPIKE_BIT",
     "Recorder",
     "ScaleCollapseError",
     "SkipReason",
@@ -44,9 +45,12 @@ __all__ = [
 
 logger = logging.getLogger("polyamp")
 
-SkipReason = Literal["overflow", "non_finite"]
-#: The reasons a step is skipped for: a non-finite gradient while scaling, or while guarding.
-SKIP_REASONS: Final = ("overflow", "non_finite")
+SkipReason = Literal["overflow", "non_finite", "loss_spike", "grad_spike"]
+#: The reasons a step is skipped for: a non-finite gradient while scaling, or while guarding; an outlier
+#: loss or gradient norm (`polyamp.SpikeRule`).
+SKIP_REASONS: Final = ("overflow", "non_finite", "loss_spike", "grad_spike")
+#: Added to an iteration's code when its step was skipped by the spike rule (and not for non-finite values).
+SPIKE_BIT: Final = 8
 #: The code of an iteration is its mode's base plus 1 when the iteration's flag is set (a step skipped).
 MODE_CODES: Final = {"scaling": 0, "guarding": 2, "off": 4, "set": 6}
 #: What ``on_min_scale`` may be.
@@ -72,7 +76,8 @@ class StepRecord:
     Attributes:
         iteration: The iteration's index among those this scaler ended, from 0.
         skipped: Whether the iteration skipped a step (an optimizer's gradients held inf or NaN).
-        reason: ``"overflow"`` (scaling found inf/NaN), ``"non_finite"`` (the guard found inf/NaN), or None.
+        reason: ``"overflow"`` (scaling found inf/NaN), ``"non_finite"`` (the guard found inf/NaN),
+            ``"loss_spike"`` / ``"grad_spike"`` (the spike rule, `polyamp.SpikeRule`), or None.
         mode: ``"scaling"``, ``"guarding"`` or ``"off"``.
         scale: The scale the iteration's loss was multiplied by (None when not scaling, or when the scale
             cannot be told: records were lost, or a scale was set from a tensor inside a compiled function).
@@ -106,6 +111,13 @@ class StepRecord:
         """The record as one log line."""
         if not self.skipped:
             return f"iteration {self.iteration}: step applied ({self.mode}, scale {_fmt(self.scale)})"
+        if self.reason in ("loss_spike", "grad_spike"):
+            what = "loss" if self.reason == "loss_spike" else "gradient norm"
+            return (
+                f"iteration {self.iteration}: step skipped ({self.reason}): its {what} was an outlier against the "
+                "recent steps' (see the SpikeRule). Parameters, optimizer slots and step counters are unchanged; "
+                "the loss scale is not backed off for it."
+            )
         if self.reason == "overflow":
             return (
                 f"iteration {self.iteration}: step skipped (overflow): a gradient was inf or NaN at loss scale "
@@ -165,8 +177,9 @@ class Recorder:
     ``read_state`` reads the device state (a host sync), used only when the replay cannot tell the scale.
     """
 
-    def __init__(self, capacity: int, on_min_scale: str) -> None:
+    def __init__(self, capacity: int, on_min_scale: str, spike_reason: SkipReason = "loss_spike") -> None:
         self.capacity = capacity
+        self.spike_reason = spike_reason
         self.on_min_scale = on_min_scale
         self.records: deque[StepRecord] = deque(maxlen=capacity)
         self.read_count = 0  # ring entries consumed so far
@@ -212,22 +225,24 @@ class Recorder:
         made: list[StepRecord] = []
         first = count - len(kept)
         for offset, code in enumerate(kept):
+            spiked = bool(code & SPIKE_BIT)
+            code &= SPIKE_BIT - 1
             base = code - code % 2
             mode = next(name for name, value in MODE_CODES.items() if value == base)
             flagged = code % 2 == 1
             before = state
             if mode == "scaling" and state is not None:
-                state = config.next_state(state, flagged)
+                state = config.next_state(state, flagged and not spiked)
             scaled = mode in ("scaling", "set")
             record = StepRecord(
                 iteration=first + offset,
                 skipped=flagged,
-                reason=("overflow" if scaled else "non_finite") if flagged else None,
+                reason=(self.spike_reason if spiked else "overflow" if scaled else "non_finite") if flagged else None,
                 mode="scaling" if scaled else mode,
                 scale=None if not scaled or before is None else before.scale,
                 # update(new_scale) sets the scale after the iteration; the scaler re-anchors there
                 next_scale=None if mode != "scaling" or state is None else state.scale,
-                gradients=self.gradients.pop(first + offset, ()) if flagged else (),
+                gradients=self.gradients.pop(first + offset, ()) if flagged and not spiked else (),
             )
             made.append(record)
             self.records.append(record)
@@ -241,13 +256,13 @@ class Recorder:
         return made
 
     def _report(self, record: StepRecord, config: LossScaleConfig) -> None:
-        if record.reason == "non_finite":
+        if record.reason in ("non_finite", "loss_spike", "grad_spike"):
             logger.warning("polyamp: %s", record.message())
         elif record.reason == "overflow":
             logger.info("polyamp: %s", record.message())
         if record.mode != "scaling" or record.next_scale is None or not config.dynamic:
             return
-        at_floor = record.next_scale <= config.floor_f32 and record.skipped
+        at_floor = record.next_scale <= config.floor_f32 and record.reason == "overflow"
         if record.next_scale > config.floor_f32:
             self._collapsed = False
         if not at_floor or self._collapsed:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
-from polyamp.backend_api import StepOutcome, describe, wrong_object_error
+from polyamp.backend_api import SPIKE_BIT, StepOutcome, describe, wrong_object_error
 from polyamp_keras._gradients import all_finite, all_replicas_finite, refuse_loss_scale_factor, unscale
 from polyamp_keras._rule import ScaleState, advance_on_flag
 from polyamp_tensorflow._framework import keras, tf
@@ -130,15 +130,20 @@ class TensorFlowDevice:
     def unscale(self, grads: Sequence[Any]) -> list[Any]:
         return unscale(grads, self._state().scale)
 
-    def apply(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], *, unscaled: bool) -> StepOutcome:
+    def apply(
+        self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], *, unscaled: bool, veto: Any = None
+    ) -> StepOutcome:
+        """Unscale (unless ``unscaled``), check, apply unless non-finite or ``veto`` (the spike rule's flag) is
+        set; the returned flag is the overflow alone (what the loss-scale rule sees)."""
         state = self._state()
         if not optimizer.built:  # variables cannot be created inside the cond below
             optimizer.build(list(variables))
         unscaled_grads = list(grads) if unscaled else unscale(grads, state.scale)
         finite = all_replicas_finite(all_finite(unscaled_grads))
+        go = finite if veto is None else tf.logical_and(finite, tf.logical_not(veto > 0))
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
-            _apply_across_replicas(context, optimizer, finite, unscaled_grads, list(variables))
+            _apply_across_replicas(context, optimizer, go, unscaled_grads, list(variables))
         else:
 
             def apply() -> Any:
@@ -146,10 +151,13 @@ class TensorFlowDevice:
                 return tf.constant(True)
 
             def skip() -> Any:
-                self._count_non_finite(unscaled_grads, variables)
+                if veto is None:
+                    self._count_non_finite(unscaled_grads, variables)
+                else:  # a spike skips with finite gradients: count only when they are not
+                    tf.cond(finite, lambda: tf.constant(False), lambda: self._counted(unscaled_grads, variables))
                 return tf.constant(False)
 
-            tf.cond(finite, apply, skip)
+            tf.cond(go, apply, skip)
         return StepOutcome(optimizer.iterations, tf.cast(tf.logical_not(finite), tf.float32), None)
 
     def _count_non_finite(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
@@ -187,6 +195,50 @@ class TensorFlowDevice:
             )
         slot[2].assign(tf.stack(rows))
         slot[3].assign(self._history[1])  # this iteration's index: its history entry is written next
+
+    def _counted(self, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
+        self._count_non_finite(grads, variables)
+        return tf.constant(True)
+
+    # -- the spike rule ----------------------------------------------------------------------------------
+
+    def new_spike_state(self, rule: Any) -> tuple[Any, tf.Variable, tf.Variable]:
+        return rule, _variable("spike_window", "float64", [0.0] * rule.window), _variable("spike_count", "int64", 0)
+
+    def spike_statistic(self, loss: Any) -> Any:
+        if isinstance(loss, (list, tuple)):
+            return tf.add_n([tf.reduce_sum(tf.cast(value, tf.float64)) for value in loss])
+        return tf.reduce_sum(tf.cast(tf.stop_gradient(loss), tf.float64))
+
+    def spike_grad_norm(self, grads: Sequence[Any], *, unscaled: bool) -> Any:
+        values = [
+            tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g, tf.float64) for g in grads if g is not None
+        ]
+        norm = tf.linalg.global_norm(values)
+        return norm if unscaled else norm / tf.cast(self._state().scale, tf.float64)
+
+    def spike_check(self, state: tuple[Any, tf.Variable, tf.Variable], x: Any) -> Any:
+        rule, ring, count = state
+        n = tf.minimum(count, rule.window)
+        mask = tf.range(rule.window, dtype=tf.int64) < n
+        denominator = tf.cast(tf.maximum(n, 1), tf.float64)
+        values = tf.convert_to_tensor(ring)
+        mu = tf.reduce_sum(tf.where(mask, values, 0.0)) / denominator
+        sigma = tf.sqrt(tf.reduce_sum(tf.where(mask, tf.square(values - mu), 0.0)) / denominator)
+        deviation = tf.abs(x - mu) if rule.two_sided else x - mu
+        spike = (n >= rule.min_values) & (sigma > 0) & (deviation > rule.threshold * sigma) & tf.math.is_finite(x)
+        return tf.cast(spike, tf.float32)
+
+    def spike_finish(self, state: tuple[Any, tf.Variable, tf.Variable], x: Any, spike: Any, overflow: Any) -> Any:
+        rule, ring, count = state
+        blocked = spike > 0 if overflow is None else (spike > 0) | (overflow > 0)
+        accept = tf.logical_and(tf.logical_not(blocked), tf.math.is_finite(x))
+        index = tf.math.floormod(tf.convert_to_tensor(count), rule.window)
+        values = tf.convert_to_tensor(ring)
+        ring.assign(tf.where((tf.range(rule.window, dtype=tf.int64) == index) & accept, x, values))
+        count.assign_add(tf.cast(accept, tf.int64))
+        only = spike > 0 if overflow is None else (spike > 0) & tf.logical_not(overflow > 0)
+        return tf.cast(only, tf.float32)
 
     def read_provenance(self) -> list[tuple[int, list[tuple[str, int, int, int, int]]]]:
         found = []
@@ -271,11 +323,15 @@ class TensorFlowDevice:
         self._history = (_variable("history_codes", "int32", [0] * capacity), _variable("history_count", "int64", 0))
         return self._history
 
-    def write_history(self, history: tuple[tf.Variable, tf.Variable], base: int, found_inf: Any) -> None:
+    def write_history(
+        self, history: tuple[tf.Variable, tf.Variable], base: int, found_inf: Any, spike: Any = None
+    ) -> None:
         codes, count = history
         code = tf.constant(base, tf.int32)
-        if found_inf is not None:
-            code += tf.cast(found_inf > 0, tf.int32)
+        overflow = tf.constant(False) if found_inf is None else found_inf > 0
+        spiked = tf.constant(False) if spike is None else spike > 0
+        code += tf.cast(overflow | spiked, tf.int32)
+        code += tf.cast(spiked & tf.logical_not(overflow), tf.int32) * SPIKE_BIT
         size = tf.size(codes, out_type=tf.int64)
         index = tf.math.floormod(tf.convert_to_tensor(count), size)
         # A whole-ring assign (a scatter is not defined on tf.distribute's mirrored variables).

@@ -25,7 +25,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from polyamp import InvalidConfigError, LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
-from polyamp.backend_api import StepOutcome, backend_name_for, describe, no_gradients_error, wrong_object_error
+from polyamp.backend_api import (
+    SPIKE_BIT,
+    StepOutcome,
+    backend_name_for,
+    describe,
+    no_gradients_error,
+    wrong_object_error,
+)
 from polyamp_torch._autocast import float16_regions_entered
 from polyamp_torch._framework import torch
 from polyamp_torch._gradients import PerDevice, fused_amp_capable, fused_step, takes_grad_scaler, unscale_gradients
@@ -35,11 +42,27 @@ __all__ = ["TorchDevice"]
 
 
 class _History:
-    """The iterations since the records were last read: (mode code, device flag) each, at most ``capacity``."""
+    """The iterations since the records were last read: (mode code, device flag, spike-only flag) each, at
+    most ``capacity``."""
 
     def __init__(self, capacity: int) -> None:
-        self.entries: deque[tuple[int, torch.Tensor | None]] = deque(maxlen=capacity)
+        self.entries: deque[tuple[int, torch.Tensor | None, torch.Tensor | None]] = deque(maxlen=capacity)
         self.count = 0
+
+
+class _SpikeState:
+    """The spike rule's window on the device: a float64 ring of accepted statistics and their count."""
+
+    def __init__(self, rule: Any) -> None:
+        self.rule = rule
+        self.ring: torch.Tensor | None = None
+        self.count: torch.Tensor | None = None
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ring is None or self.count is None:
+            self.ring = torch.zeros(self.rule.window, dtype=torch.float64, device=device)
+            self.count = torch.zeros((), dtype=torch.int64, device=device)
+        return self.ring, self.count
 
 
 class TorchDevice:
@@ -334,17 +357,72 @@ class TorchDevice:
     def new_history(self, capacity: int) -> _History:
         return _History(capacity)
 
-    def write_history(self, history: _History, base: int, found_inf: torch.Tensor | None) -> None:
-        history.entries.append((base, found_inf))  # the flag tensor itself: no kernel, no host read
+    def write_history(
+        self, history: _History, base: int, found_inf: torch.Tensor | None, spike: torch.Tensor | None = None
+    ) -> None:
+        history.entries.append((base, found_inf, spike))  # the flag tensors themselves: no kernel, no host read
         history.count += 1
 
     def read_history(self, history: _History) -> tuple[int, list[int]]:
         entries = list(history.entries)
-        flags = [flag for _, flag in entries if flag is not None]
+        flags = [flag for _, found, spike in entries for flag in (found, spike) if flag is not None]
         values = iter(torch.stack([f.reshape(()).float().cpu() for f in flags]).tolist() if flags else [])
-        codes = [base + (0 if flag is None else int(next(values) > 0)) for base, flag in entries]
+        codes = []
+        for base, found, spike in entries:
+            overflow = found is not None and next(values) > 0
+            spiked = spike is not None and next(values) > 0
+            codes.append(base + int(overflow or spiked) + (SPIKE_BIT if spiked and not overflow else 0))
         history.entries.clear()
         return history.count, codes
+
+    # -- the spike rule ----------------------------------------------------------------------------------
+
+    def new_spike_state(self, rule: Any) -> _SpikeState:
+        return _SpikeState(rule)
+
+    def spike_statistic(self, loss: Any) -> torch.Tensor:
+        """The loss as a float64 scalar (a list of losses: their sum), detached."""
+        if isinstance(loss, torch.Tensor):
+            return loss.detach().double().sum()
+        return torch.stack([value.detach().double().sum() for value in loss]).sum()
+
+    def spike_grad_norm(self, optimizer: Any) -> torch.Tensor:
+        """The global L2 norm of ``optimizer``'s (unscaled) gradients, in float64."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            raise no_gradients_error()
+        norms = torch._foreach_norm([g.double() if g.dtype != torch.float64 else g for g in grads])
+        total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]))
+        return total
+
+    def spike_check(self, state: _SpikeState, x: torch.Tensor) -> torch.Tensor:
+        """The rule's decision for ``x`` as a float32 flag (1.0: a spike), on the device, no host read."""
+        rule = state.rule
+        ring, count = state.on(x.device)
+        n = torch.clamp(count, max=rule.window)
+        mask = torch.arange(rule.window, device=x.device) < n
+        denominator = torch.clamp(n, min=1).double()
+        mu = torch.where(mask, ring, 0.0).sum() / denominator
+        sigma = torch.sqrt(torch.where(mask, (ring - mu) ** 2, 0.0).sum() / denominator)
+        deviation = (x - mu).abs() if rule.two_sided else x - mu
+        spike: torch.Tensor = (
+            (n >= rule.min_values) & (sigma > 0) & (deviation > rule.threshold * sigma) & torch.isfinite(x)
+        )
+        return spike.float()
+
+    def spike_finish(
+        self, state: _SpikeState, x: torch.Tensor, spike: torch.Tensor, overflow: torch.Tensor | None
+    ) -> torch.Tensor:
+        """After the iteration: ``x`` enters the window when the step was applied; returns the flag of a skip
+        by the spike rule alone (counted by the core)."""
+        ring, count = state.on(x.device)
+        blocked = spike > 0 if overflow is None else (spike > 0) | (overflow.to(x.device) > 0)
+        accept = ~blocked & torch.isfinite(x)
+        index = torch.remainder(count, state.rule.window)
+        ring.index_copy_(0, index.reshape(1), torch.where(accept, x, ring[index]).reshape(1))
+        count.add_(accept.long())
+        only = spike > 0 if overflow is None else (spike > 0) & ~(overflow.to(x.device) > 0)
+        return only.float()
 
     def skipped_steps(self) -> torch.Tensor:
         if self._state is None:

@@ -1,0 +1,118 @@
+"""`SpikeRule`: skip a step whose loss or gradient norm is an outlier against the recent ones.
+
+The rule, exactly (the backends compute it on the device in float64; `SpikeRule.decide` is the reference):
+
+* The statistic ``x`` of an iteration is its loss (``on="loss"``: the value passed to ``scale``, summed when
+  several are) or the global L2 norm of its unscaled gradients (``on="grad_norm"``; one optimizer per
+  iteration).
+* The window holds the statistics of the last ``window`` iterations whose step was *applied*; iterations
+  skipped for any reason (overflow, non-finite, spike) and non-finite statistics never enter it.
+* With ``n`` values in the window, ``mu`` their mean and ``sigma`` their population standard deviation
+  (``sqrt(mean((v - mu)**2))``), the iteration is a spike when ``n >= warmup``, ``sigma > 0`` and
+  ``x - mu > threshold * sigma`` (one-sided: only upward spikes; ``two_sided=True`` uses ``|x - mu|``).
+  A non-finite ``x`` is never a spike: the overflow check and the guard handle it.
+* A spike skips the step like an overflow (parameters, slots and counters unchanged, ``step_skipped``
+  true, counted in ``skipped_steps``, recorded with reason ``"loss_spike"`` / ``"grad_spike"``), but the
+  loss-scale rule sees a finite iteration: the scale does not back off for it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from polyamp._src.errors import PolyampValueError, describe
+from polyamp._src.records import SkipReason
+
+__all__ = ["SpikeRule"]
+
+_ON = ("loss", "grad_norm")
+
+
+@dataclass(frozen=True)
+class SpikeRule:
+    """Skip steps whose loss (``on="loss"``) or gradient norm (``on="grad_norm"``) is an outlier.
+
+    Args:
+        on: "loss" or "grad_norm".
+        window: How many applied iterations the statistics come from (default 128).
+        threshold: The z-score above which an iteration is a spike (default 6.0).
+        warmup: How many values the window must hold before any decision (default: ``window``).
+        two_sided: Also skip downward outliers (default False: only upward spikes).
+
+    >>> rule = SpikeRule("loss", window=4, threshold=3.0)
+    >>> rule.decide([1.0, 1.1, 0.9, 1.0, 5.0, 1.05, 1.0])
+    [False, False, False, False, True, False, False]
+    """
+
+    on: str = "loss"
+    window: int = 128
+    threshold: float = 6.0
+    warmup: int | None = None
+    two_sided: bool = False
+
+    def __post_init__(self) -> None:
+        if self.on not in _ON:
+            raise PolyampValueError(
+                f"SpikeRule(on=...) must be 'loss' or 'grad_norm'. Received: {describe(self.on)}. 'loss' watches "
+                "the value passed to scale(); 'grad_norm' the global norm of the unscaled gradients."
+            )
+        for name, value, low in (("window", self.window, 2), ("warmup", self.warmup, 2)):
+            if value is None and name == "warmup":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise PolyampValueError(f"SpikeRule({name}=...) must be an int >= {low}. Received: {describe(value)}.")
+        if self.warmup is not None and self.warmup > self.window:
+            raise PolyampValueError(
+                f"SpikeRule(warmup={self.warmup}) cannot exceed window={self.window}: the window never holds more "
+                "values than its size, so no step would ever be checked."
+            )
+        threshold = self.threshold
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, (int, float))
+            or not (math.isfinite(threshold) and threshold > 0)
+        ):
+            raise PolyampValueError(
+                f"SpikeRule(threshold=...) must be a finite positive number (a z-score). Received: "
+                f"{describe(threshold)}."
+            )
+
+    @property
+    def reason(self) -> SkipReason:
+        """The skip reason of this rule's spikes: ``"loss_spike"`` or ``"grad_spike"``."""
+        return "loss_spike" if self.on == "loss" else "grad_spike"
+
+    @property
+    def min_values(self) -> int:
+        """``warmup``, or ``window`` when not given."""
+        return self.window if self.warmup is None else self.warmup
+
+    def is_spike(self, window: Sequence[float], x: float) -> bool:
+        """The decision for statistic ``x`` given the window's values (oldest first), in float64."""
+        n = len(window)
+        if n < self.min_values or not math.isfinite(x):
+            return False
+        mu = math.fsum(window) / n
+        sigma = math.sqrt(math.fsum((v - mu) ** 2 for v in window) / n)
+        if sigma <= 0:
+            return False
+        deviation = abs(x - mu) if self.two_sided else x - mu
+        return deviation > self.threshold * sigma
+
+    def decide(self, values: Iterable[float], skipped_otherwise: Iterable[bool] | None = None) -> list[bool]:
+        """The reference over a trace: whether each iteration is a spike. ``skipped_otherwise[i]`` marks
+        iterations skipped for another reason (an overflow), which neither spike nor enter the window."""
+        values = list(values)
+        other = [False] * len(values) if skipped_otherwise is None else list(skipped_otherwise)
+        window: list[float] = []
+        result = []
+        for x, skipped in zip(values, other, strict=True):
+            spike = not skipped and self.is_spike(window, x)
+            result.append(spike)
+            if not spike and not skipped and math.isfinite(x):
+                window.append(x)
+                if len(window) > self.window:
+                    window.pop(0)
+        return result
