@@ -141,6 +141,10 @@ class ScalerDevice(Protocol):
 #: * ``non_finite_gradients(optimizer)`` (imperative): ``(name, +inf, -inf, NaN, size)`` per gradient, called
 #:   after a step the host knows was skipped; ``read_provenance()`` (any style): ``[(iteration, [(name, +inf,
 #:   -inf, NaN, size), ...]), ...]`` counted on the device in the branch that skipped, since the last call.
+#: * ``new_spike_state(rule)``, ``spike_statistic(loss)``, ``spike_grad_norm(optimizer)`` (imperative) or
+#:   ``spike_grad_norm(grads, unscaled=...)`` (tape), ``spike_check(state, x)`` -> flag, ``spike_finish(state,
+#:   x, spike, overflow)`` -> the flag of a skip by the rule alone: `polyamp.SpikeRule` on the device (a tape
+#:   device's ``apply`` then takes ``veto=``, the rule's flag, and returns the overflow flag alone).
 
 
 @runtime_checkable
