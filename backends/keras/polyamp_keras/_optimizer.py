@@ -622,17 +622,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
                 self._record("guarding", skipped)
                 return [scope.get_current_value(v) for v in self._variables]
 
-        def applied() -> Any:
-            new_trainable, new_inner = self.inner_optimizer.stateless_apply(
-                optimizer_variables[own:], grads, trainable_variables
-            )
-            return list(new_trainable), mine(False) + list(new_inner)
-
-        def skipped() -> Any:
-            return list(trainable_variables), mine(True) + optimizer_variables[own:]
-
+        # The inner step runs as it would without polyamp (a cond around it compiles differently under jit and
+        # can change the last bit); a select keeps its values, or the old ones when a gradient is non-finite.
         self._checked_grads = grads
-        return ops.cond(all_finite(grads), applied, skipped)
+        finite = all_finite(grads)
+        new_trainable, new_inner = self.inner_optimizer.stateless_apply(
+            optimizer_variables[own:], grads, trainable_variables
+        )
+        kept = ops.cond(finite, lambda: mine(False), lambda: mine(True))
+        trainable = [ops.where(finite, n, o) for n, o in zip(new_trainable, trainable_variables, strict=True)]
+        inner = [ops.where(finite, n, o) for n, o in zip(new_inner, optimizer_variables[own:], strict=True)]
+        return trainable, list(kept) + inner
 
     def _stateless_finite(self, optimizer_variables: list[Any], grads: list[Any], trainable_variables: Any) -> Any:
         mapping = list(zip(self.variables, optimizer_variables, strict=True))
