@@ -259,3 +259,31 @@ def test_clip_grad_norm_unscales_first_and_matches_native_unscale_then_clip() ->
     moved = sum(float((a.detach() - b).abs().sum()) for a, b in zip(models["polyamp"].parameters(), start, strict=True))
     barely = sum(float((a.detach() - b).abs().sum()) for a, b in zip(models["misuse"].parameters(), start, strict=True))
     assert barely < moved / 1000
+
+
+def test_record_writer_puts_the_records_in_tensorboard(tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    scaler = polyamp.LossScaler(growth_interval=2)
+    writer = SummaryWriter(str(tmp_path))
+    board = polyamp_torch.RecordWriter(scaler, writer)
+    _train(scaler, inf_at=(1,), steps=3, policy="mixed_float16")
+    assert board.write() == 3 and board.write() == 0  # each iteration once
+    _train(scaler, inf_at=(), steps=2, policy="mixed_float16")
+    assert board.write() == 2
+    writer.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+
+    def series(tag: str) -> list[tuple[int, float]]:
+        return [(e.step, e.value) for e in events.Scalars(tag)]
+
+    scales = [s.scale for s in LossScaleConfig(growth_interval=2).states("FOFFF")]
+    assert series("polyamp/loss_scale") == list(enumerate([65536.0, *scales[:-1]]))
+    assert series("polyamp/skipped") == [(0, 0.0), (1, 1.0), (2, 0.0), (3, 0.0), (4, 0.0)]
+    assert series("polyamp/skipped_steps") == [(0, 0.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0)]
+    assert [e.step for e in events.Tensors("polyamp/skip/text_summary")] == [1]
+    with pytest.raises(polyamp.PolyampTypeError, match="add_scalar/add_text"):
+        polyamp_torch.RecordWriter(scaler, object())

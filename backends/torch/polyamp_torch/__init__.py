@@ -6,6 +6,7 @@
   records on top.
 * `apply_policy` - a policy on a model: outputs in the output dtype, chosen submodules in float32.
 * `SchedulerGuard` - an LR scheduler that does not advance on skipped steps.
+* `RecordWriter` - a scaler's step records as TensorBoard scalars.
 * `clip_grad_norm_` - gradient clipping that unscales first, so it never clips scaled gradients.
 * `fsdp_mixed_precision` - a policy as FSDP2's ``MixedPrecisionPolicy``.
 * `watch_forward` - which module first produced an inf or NaN in a forward pass (forward hooks).
@@ -23,6 +24,7 @@ from polyamp_torch._clip import clip_grad_norm_
 from polyamp_torch._cpu_float32 import FLOAT32_OP_NAMES
 from polyamp_torch._distributed import fsdp_mixed_precision
 from polyamp_torch._modules import apply_policy, module_policy, remove_policy
+from polyamp_torch._records import RecordWriter
 from polyamp_torch._scaler import TorchLossScaler
 from polyamp_torch._schedulers import SchedulerGuard
 from polyamp_torch._watch import ForwardWatch, watch_forward
@@ -32,6 +34,7 @@ __all__ = [
     "TORCH_DTYPES",
     "ForwardWatch",
     "PolicyRegion",
+    "RecordWriter",
     "SchedulerGuard",
     "TorchBackend",
     "TorchLossScaler",
