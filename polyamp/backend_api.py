@@ -41,7 +41,15 @@ from polyamp._src.hazards import TensorSummary
 from polyamp._src.iteration import UnscaleStages, no_gradients_error
 from polyamp._src.loss_scaler import bind_arguments
 from polyamp._src.provenance import layer_of, non_finite_gradients
-from polyamp._src.records import MODE_CODES, SPIKE_BIT, Recorder, check_guard, check_history, check_on_min_scale
+from polyamp._src.records import (
+    MODE_CODES,
+    SPIKE_BIT,
+    Recorder,
+    check_guard,
+    check_history,
+    check_on_min_scale,
+    ring_codes,
+)
 from polyamp._src.registry import (
     ENTRY_POINT_GROUP,
     BackendSpec,
@@ -112,6 +120,7 @@ __all__ = [
     "parse_state_dict",
     "register_backend",
     "resolve_enabled",
+    "ring_codes",
     "to_float32",
     "to_state_dict",
     "type_error",

@@ -174,6 +174,13 @@ class LossScaler:
     #: The value of ``enabled`` when it is not given.
     default_enabled: ClassVar[bool | None] = None
 
+    # What the host learned about the current iteration (see `_reset_step_state`).
+    _host_skip: bool  # a step read its skip to the host
+    _host_clean: int  # steps that read "not skipped" to the host
+    _iteration_gradients: list[NonFiniteGradient]  # the non-finite gradients of host-known skips
+    _spike_x: Any  # the spike rule's statistic (device scalar)
+    _spike_flag: Any  # the spike rule's decision (device flag)
+
     def __init__(
         self,
         *positional: Any,
@@ -226,8 +233,6 @@ class LossScaler:
         self._guard_setting = guard
         self._spike_rule = spike
         self._spike_state: Any = None
-        self._spike_x: Any = None  # this iteration's statistic (device scalar)
-        self._spike_flag: Any = None  # this iteration's decision (device flag)
         self._host_state = config.initial_state()
         self._recorder = recorder
         recorder.reanchor(self._host_state)
@@ -237,9 +242,7 @@ class LossScaler:
         self._compiling: Any = None
         self._style: str | None = None
         self._backend_name: str | None = None
-        self._host_skip = False  # a step of this iteration read its skip to the host
-        self._host_clean = 0  # steps of this iteration that read "not skipped" to the host
-        self._iteration_gradients: list[NonFiniteGradient] = []  # this iteration's, from host-known skips
+        self._reset_step_state()
         self._written = 0  # iterations written to the history
         self._iterations: dict[Any, Iteration] = {}
         self._scaled = False
@@ -576,28 +579,32 @@ class LossScaler:
         self._remember(optimizer, skip, outcome.skipped)
         return outcome.result
 
-    def _spike_decision(self, device: Any, optimizer: Any, found_inf: Any) -> Any:
-        """``found_inf`` combined with the spike rule's decision for this iteration (made at its first step;
-        the same for every optimizer of the iteration). Without a rule: ``found_inf``."""
+    def _spike(self, device: Any, grad_norm: Any) -> Any:
+        """This iteration's spike-rule flag, decided at its first step and the same for every optimizer of the
+        iteration (None without a rule). ``grad_norm()`` gives the statistic of a ``"grad_norm"`` rule."""
         rule = self._spike_rule
         if rule is None:
-            return found_inf
+            return None
         if self._spike_flag is None:
-            if rule.on == "loss":
-                if self._spike_x is None:
-                    raise ScalerUsageError(
-                        "A SpikeRule('loss') needs the iteration's loss: call scaler.scale(loss) (and backpropagate "
-                        "it) before stepping, in every iteration."
-                    )
-            else:
-                self._spike_x = device.spike_grad_norm(optimizer)
+            if rule.on == "grad_norm":
+                self._spike_x = grad_norm()
+            elif self._spike_x is None:
+                raise ScalerUsageError(
+                    "A SpikeRule('loss') needs the iteration's loss: call scaler.scale(loss) (and backpropagate "
+                    "it) before stepping, in every iteration."
+                )
             self._spike_flag = device.spike_check(self._spike_state, self._spike_x)
         elif rule.on == "grad_norm":
             raise ScalerUsageError(
                 "A SpikeRule('grad_norm') watches the gradients of one optimizer per iteration; this iteration "
                 "steps a second one. Use SpikeRule('loss') with several optimizers."
             )
-        return device.combine([found_inf, self._spike_flag])
+        return self._spike_flag
+
+    def _spike_decision(self, device: Any, optimizer: Any, found_inf: Any) -> Any:
+        """``found_inf`` combined with the spike rule's flag (imperative devices)."""
+        self._spike(device, lambda: device.spike_grad_norm(optimizer))
+        return self._with_spike(device, found_inf)
 
     def apply_gradients(self, optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
         """TensorFlow: `step` then `update` in one call: unscale (unless done), check, apply or skip, update.
@@ -625,14 +632,14 @@ class LossScaler:
                 iteration.mark(optimizer, Stage.STEPPED, None)
                 self._remember(optimizer, device.finite_flag(), False)
                 return result
-            veto = self._tape_spike(device, grads, unscaled=True)
+            veto = self._spike(device, lambda: device.spike_grad_norm(grads, unscaled=True))
             outcome = device.apply(optimizer, grads, variables, unscaled=True, veto=veto)  # check, apply or skip
             iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)
             self._remember(optimizer, self._with_spike(device, outcome.found_inf), outcome.skipped)
             return outcome.result
         self._require_scaled(method)
         stage = iteration.stages.check(grads, method)
-        veto = self._tape_spike(device, grads, unscaled=stage is not None)
+        veto = self._spike(device, lambda: device.spike_grad_norm(grads, unscaled=stage is not None))
         if veto is None:
             outcome = device.apply(optimizer, grads, variables, unscaled=stage is not None)
         else:
@@ -642,27 +649,6 @@ class LossScaler:
         iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)  # overflows only: the rule's input
         self._remember(optimizer, self._with_spike(device, outcome.found_inf), outcome.skipped)
         return outcome.result
-
-    def _tape_spike(self, device: Any, grads: list[Any], *, unscaled: bool) -> Any:
-        """TensorFlow-style: the spike rule's flag for this iteration (None without a rule)."""
-        rule = self._spike_rule
-        if rule is None:
-            return None
-        if self._spike_flag is None:
-            if rule.on == "grad_norm":
-                self._spike_x = device.spike_grad_norm(grads, unscaled=unscaled)
-            elif self._spike_x is None:
-                raise ScalerUsageError(
-                    "A SpikeRule('loss') needs the iteration's loss: call scaler.scale(loss) before applying, in "
-                    "every iteration."
-                )
-            self._spike_flag = device.spike_check(self._spike_state, self._spike_x)
-        elif rule.on == "grad_norm":
-            raise ScalerUsageError(
-                "A SpikeRule('grad_norm') watches the gradients of one optimizer per iteration; this iteration "
-                "steps a second one. Use SpikeRule('loss') with several optimizers."
-            )
-        return self._spike_flag
 
     def _with_spike(self, device: Any, found_inf: Any) -> Any:
         return found_inf if self._spike_flag is None else device.combine([found_inf, self._spike_flag])
@@ -766,10 +752,20 @@ class LossScaler:
     def _compiling_now(self) -> bool:
         return self._compiling is not None and bool(self._compiling())
 
-    def _write_history(self, mode: str, flag: Any, host_skipped: bool, spike: Any = None) -> None:
+    def _reset_step_state(self) -> None:
+        """Forget what the host learned about the current iteration (its steps' skips, their non-finite
+        gradients, the spike rule's statistic and flag)."""
         self._host_skip = False
         self._host_clean = 0
-        gradients, self._iteration_gradients = tuple(self._iteration_gradients), []
+        self._iteration_gradients = []
+        self._spike_x = None
+        self._spike_flag = None
+
+    def _write_history(self, mode: str, flag: Any, host_skipped: bool, spike: Any = None) -> None:
+        gradients = tuple(self._iteration_gradients)
+        self._host_skip = False
+        self._host_clean = 0
+        self._iteration_gradients = []
         if self._history is None:
             return
         self._recorder.attach(self._written, gradients)
@@ -833,10 +829,7 @@ class LossScaler:
         clean); the scale, counters and skip records stay as they were.
         """
         self._iteration.close()
-        self._host_skip = False
-        self._host_clean = 0
-        self._iteration_gradients = []
-        self._spike_x = self._spike_flag = None
+        self._reset_step_state()
 
     def _checked_new_scale(self, new_scale: Any) -> Any:
         if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
@@ -1074,16 +1067,14 @@ class LossScaler:
         self._enabled_setting = saved["enabled"]
         self._guard_setting = saved.get("guard")
         self._spike_rule = saved.get("spike")
-        self._spike_state = self._spike_x = self._spike_flag = None
+        self._spike_state = None
         self._recorder = Recorder(saved.get("history", DEFAULT_HISTORY), saved.get("on_min_scale", "warn"))
         self._process_group = None
         self._host_state = saved["state"]
         self._recorder.reanchor(self._host_state)
         self._history = None
         self._pending = 0
-        self._host_skip = False
-        self._host_clean = 0
-        self._iteration_gradients = []
+        self._reset_step_state()
         self._written = 0
         self._device = None
         self._compiling = None

@@ -41,6 +41,7 @@ __all__ = [
     "check_guard",
     "check_history",
     "check_on_min_scale",
+    "ring_codes",
 ]
 
 logger = logging.getLogger("polyamp")
@@ -138,6 +139,14 @@ def _fmt(scale: float | None) -> str:
     if scale is None:
         return "unknown"
     return f"{scale:g}"
+
+
+def ring_codes(count: int, ring: Sequence[int]) -> list[int]:
+    """The codes a ring holds, oldest first, after ``count`` writes at ``count % len(ring)`` (for a device
+    that keeps the history as a fixed-size ring of codes)."""
+    capacity = len(ring)
+    kept = min(count, capacity)
+    return [int(ring[(count - kept + i) % capacity]) for i in range(kept)]
 
 
 def check_guard(guard: object) -> bool | None:

@@ -13,7 +13,15 @@ from typing import Any
 from polyamp import ScalerUsageError
 from polyamp_keras._keras import keras
 
-__all__ = ["all_finite", "all_replicas_finite", "is_sparse", "refuse_loss_scale_factor", "unscale"]
+__all__ = [
+    "all_finite",
+    "all_replicas_finite",
+    "gradient_counts",
+    "is_sparse",
+    "non_finite_counts",
+    "refuse_loss_scale_factor",
+    "unscale",
+]
 
 ops = keras.ops
 
@@ -38,6 +46,34 @@ def unscale(grads: Sequence[Any], scale: Any, skip: Sequence[bool] | None = None
         else:
             result.append(ops.divide(grad, scale))
     return result
+
+
+def non_finite_counts(tensor: Any) -> Any:
+    """How many elements of ``tensor`` are +inf, -inf and NaN: an int32 tensor of 3."""
+    infinite = ops.isinf(tensor)
+    return ops.stack(
+        [
+            ops.sum(ops.cast(ops.logical_and(infinite, ops.greater(tensor, 0)), "int32")),
+            ops.sum(ops.cast(ops.logical_and(infinite, ops.less(tensor, 0)), "int32")),
+            ops.sum(ops.cast(ops.isnan(tensor), "int32")),
+        ]
+    )
+
+
+def gradient_counts(grads: Sequence[Any]) -> Any:
+    """Per gradient, (+inf, -inf, NaN, size) as an int32 tensor of shape (len(grads), 4); None gives zeros,
+    a sparse gradient is counted on its values (for `polyamp.NonFiniteGradient`)."""
+    rows = []
+    for grad in grads:
+        if grad is None:
+            rows.append(ops.zeros((4,), dtype="int32"))
+            continue
+        values = grad.values if is_sparse(grad) else grad
+        size = 1
+        for dim in values.shape:
+            size *= int(dim)
+        rows.append(ops.concatenate([non_finite_counts(values), ops.convert_to_tensor([size], dtype="int32")]))
+    return ops.stack(rows)
 
 
 def all_finite(grads: Sequence[Any]) -> Any:

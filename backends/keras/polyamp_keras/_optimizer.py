@@ -31,9 +31,16 @@ from polyamp.backend_api import (
     non_finite_gradients,
     parse_state_dict,
     resolve_enabled,
+    ring_codes,
     to_state_dict,
 )
-from polyamp_keras._gradients import all_finite, all_replicas_finite, refuse_loss_scale_factor, unscale
+from polyamp_keras._gradients import (
+    all_finite,
+    all_replicas_finite,
+    gradient_counts,
+    refuse_loss_scale_factor,
+    unscale,
+)
 from polyamp_keras._keras import keras
 from polyamp_keras._rule import ScaleState, advance, counter_dtype, read_scalar
 
@@ -321,28 +328,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         grads = self._checked_grads
         if grads is None or len(grads) != len(self._gradient_names) or _several_replicas():
             return
-        rows = []
-        for grad in grads:
-            if grad is None:
-                rows.append(ops.zeros((4,), dtype="int32"))
-                continue
-            values = grad.values if type(grad).__name__ == "IndexedSlices" else grad  # TensorFlow sparse
-            inf = ops.isinf(values)
-            size = 1
-            for dim in values.shape:
-                size *= int(dim)
-            rows.append(
-                ops.stack(
-                    [
-                        ops.sum(ops.cast(ops.logical_and(inf, ops.greater(values, 0)), "int32")),
-                        ops.sum(ops.cast(ops.logical_and(inf, ops.less(values, 0)), "int32")),
-                        ops.sum(ops.cast(ops.isnan(values), "int32")),
-                        ops.convert_to_tensor(size, dtype="int32"),
-                    ]
-                )
-            )
-        if rows:
-            self.non_finite_counts.assign(ops.stack(rows))
+        if grads:
+            self.non_finite_counts.assign(gradient_counts(grads))
             self.non_finite_at.assign(ops.convert_to_tensor(self.recorded_steps))
 
     def _record(self, mode: str, skipped: Any) -> None:
@@ -369,10 +356,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             self._recorder.attach(at, non_finite_gradients(entries))
             self.non_finite_at.assign(-1)
         count = int(read_scalar(self.recorded_steps))
-        ring = [int(v) for v in ops.convert_to_numpy(self.step_codes).tolist()]
-        capacity = len(ring)
-        kept = min(count, capacity)
-        codes = [ring[(count - kept + i) % capacity] for i in range(kept)]
+        codes = ring_codes(count, ops.convert_to_numpy(self.step_codes).tolist())
         self._recorder.consume(count, codes, self._polyamp_config, self._get_state)
         return list(self._recorder.records)
 

@@ -33,6 +33,7 @@ from polyamp.backend_api import (
     join_dtype_names,
     log_forward_report,
 )
+from polyamp_keras._gradients import non_finite_counts
 from polyamp_keras._keras import keras
 
 __all__ = ["ForwardWatch", "watch_forward"]
@@ -121,14 +122,7 @@ class _Forward:
                 size += int(ops.size(tensor))
                 if finite[index]:
                     continue
-                infinite = ops.isinf(tensor)
-                found = ops.stack(
-                    [
-                        ops.sum(ops.cast(ops.logical_and(infinite, tensor > 0), "int32")),
-                        ops.sum(ops.cast(ops.logical_and(infinite, tensor < 0), "int32")),
-                        ops.sum(ops.cast(ops.isnan(tensor), "int32")),
-                    ]
-                )
+                found = non_finite_counts(tensor)
                 counts = [a + int(b) for a, b in zip(counts, ops.convert_to_numpy(found).tolist(), strict=True)]
                 dtypes.append(_dtype(tensor))
             output_finite = all(finite[i] for i in outputs)

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
-from polyamp.backend_api import SPIKE_BIT, StepOutcome, describe, wrong_object_error
-from polyamp_keras._gradients import all_finite, all_replicas_finite, refuse_loss_scale_factor, unscale
+from polyamp.backend_api import SPIKE_BIT, StepOutcome, describe, ring_codes, wrong_object_error
+from polyamp_keras._gradients import all_finite, all_replicas_finite, gradient_counts, refuse_loss_scale_factor, unscale
 from polyamp_keras._rule import ScaleState, advance_on_flag
 from polyamp_tensorflow._framework import keras, tf
 
@@ -172,28 +172,11 @@ class TensorFlowDevice:
             slot = (
                 list(variables),  # held, so the ids in the key stay theirs
                 names,
-                _variable("non_finite_counts", "int64", [[0, 0, 0, 0]] * len(names)),
+                _variable("non_finite_counts", "int32", [[0, 0, 0, 0]] * len(names)),
                 _variable("non_finite_at", "int64", -1),
             )
             self._provenance[key] = slot
-        rows = []
-        for grad in grads:
-            if grad is None:
-                rows.append(tf.zeros([4], tf.int64))
-                continue
-            values = grad.values if isinstance(grad, tf.IndexedSlices) else tf.convert_to_tensor(grad)
-            inf = tf.math.is_inf(values)
-            rows.append(
-                tf.stack(
-                    [
-                        tf.reduce_sum(tf.cast(inf & (values > 0), tf.int64)),
-                        tf.reduce_sum(tf.cast(inf & (values < 0), tf.int64)),
-                        tf.reduce_sum(tf.cast(tf.math.is_nan(values), tf.int64)),
-                        tf.cast(tf.size(values), tf.int64),
-                    ]
-                )
-            )
-        slot[2].assign(tf.stack(rows))
+        slot[2].assign(gradient_counts(grads))
         slot[3].assign(self._history[1])  # this iteration's index: its history entry is written next
 
     def _counted(self, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
@@ -341,7 +324,4 @@ class TensorFlowDevice:
     def read_history(self, history: tuple[tf.Variable, tf.Variable]) -> tuple[int, list[int]]:
         codes, count = history
         total = int(count.numpy())
-        ring = codes.numpy().tolist()
-        capacity = len(ring)
-        kept = min(total, capacity)
-        return total, [ring[(total - kept + i) % capacity] for i in range(kept)]
+        return total, ring_codes(total, codes.numpy().tolist())

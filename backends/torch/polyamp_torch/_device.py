@@ -35,7 +35,14 @@ from polyamp.backend_api import (
 )
 from polyamp_torch._autocast import float16_regions_entered
 from polyamp_torch._framework import torch
-from polyamp_torch._gradients import PerDevice, fused_amp_capable, fused_step, takes_grad_scaler, unscale_gradients
+from polyamp_torch._gradients import (
+    PerDevice,
+    fused_amp_capable,
+    fused_step,
+    non_finite_counts,
+    takes_grad_scaler,
+    unscale_gradients,
+)
 from polyamp_torch._rule import DeviceState, advance
 
 __all__ = ["TorchDevice"]
@@ -198,6 +205,7 @@ class TorchDevice:
         (DTensor) gradient is counted on this rank's shard."""
         names: list[str] = []
         counts: list[torch.Tensor] = []
+        sizes: list[int] = []
         for g, group in enumerate(optimizer.param_groups):
             given = group.get("param_names")
             for i, param in enumerate(group["params"]):
@@ -208,18 +216,10 @@ class TorchDevice:
                     grad = grad.to_local()
                 values = grad.coalesce().values() if grad.is_sparse else grad
                 names.append(str(given[i]) if given is not None else f"param_groups[{g}][{i}]")
-                counts.append(
-                    torch.stack(
-                        [
-                            torch.isposinf(values).sum(),
-                            torch.isneginf(values).sum(),
-                            torch.isnan(values).sum(),
-                            torch.tensor(values.numel(), device=values.device),
-                        ]
-                    ).cpu()
-                )
+                counts.append(non_finite_counts(values).cpu())
+                sizes.append(values.numel())
         rows = torch.stack(counts).tolist() if counts else []
-        return [(name, *row) for name, row in zip(names, rows, strict=True)]
+        return [(name, *row, size) for name, row, size in zip(names, rows, sizes, strict=True)]
 
     def count_skip(self, found_inf: torch.Tensor) -> None:
         """Count a guarded iteration as skipped when ``found_inf`` is set; the rule does not run."""

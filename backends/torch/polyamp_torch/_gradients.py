@@ -17,7 +17,13 @@ from typing import Any
 from polyamp import ScalerUsageError
 from polyamp_torch._framework import torch
 
-__all__ = ["PerDevice", "fused_amp_capable", "fused_step", "unscale_gradients"]
+__all__ = ["PerDevice", "fused_amp_capable", "fused_step", "non_finite_counts", "unscale_gradients"]
+
+
+def non_finite_counts(tensor: torch.Tensor) -> torch.Tensor:
+    """How many elements of ``tensor`` are +inf, -inf and NaN: an int64 tensor of 3, on its device."""
+    with torch.no_grad():
+        return torch.stack([torch.isposinf(tensor).sum(), torch.isneginf(tensor).sum(), torch.isnan(tensor).sum()])
 
 
 class PerDevice:

@@ -32,6 +32,7 @@ from polyamp.backend_api import (
     join_dtype_names,
     log_forward_report,
 )
+from polyamp_torch._gradients import non_finite_counts
 
 __all__ = ["ForwardWatch", "watch_forward"]
 
@@ -107,9 +108,7 @@ class _Forward:
                 size += tensor.numel()
                 if finite[index]:
                     continue
-                with torch.no_grad():
-                    t = tensor.detach()
-                    found = torch.stack([torch.isposinf(t).sum(), torch.isneginf(t).sum(), torch.isnan(t).sum()])
+                found = non_finite_counts(tensor.detach())
                 counts = [a + b for a, b in zip(counts, found.tolist(), strict=True)]
                 dtypes.append(str(tensor.dtype).removeprefix("torch."))
                 exact = exact and _version(tensor) == version
