@@ -134,6 +134,107 @@ def test_guard_skips_a_non_finite_step_under_bfloat16_and_records_it(guard: bool
         assert records == [(i, False, None, "off", None) for i in range(5)] and not finite
 
 
+def _spike_run(policy: str, rule: polyamp.SpikeRule) -> dict[str, Any]:
+    """20 custom-loop steps with planted outliers (inputs x25 at steps 9 and 15) and an inf gradient at 12."""
+    model = _model()
+    variables = list(model.trainable_variables)
+    enabled = True if policy == "mixed_float16" else None
+    optimizer = polyamp_keras.LossScaleOptimizer(
+        keras.optimizers.Adam(0.01), enabled=enabled, spike=rule, growth_interval=3
+    )
+    optimizer.build(variables)
+    watched = [*variables, *optimizer.inner_optimizer.variables]
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    stats, skipped, unchanged = [], [], []
+    with polyamp.policy_scope(policy):
+        for step in range(20):
+            x, y = _data(step)
+            if step in (9, 15):
+                x = x * 25.0
+            loss, grads = gradients(
+                lambda x=x, y=y: loss_fn(y, model(x, training=True)), variables, optimizer, scaled=True
+            )
+            grads = list(grads)
+            if step == 12:
+                grads[0] = ops.scatter_update(grads[0], [[0, 0]], ops.convert_to_tensor([math.inf], grads[0].dtype))
+            scale = optimizer.get_scale() if optimizer.enabled else 1.0
+            if rule.on == "loss":
+                stats.append(float(np.float64(ops.convert_to_numpy(loss))))
+            else:
+                norm = math.sqrt(
+                    sum(float(np.sum(np.square(ops.convert_to_numpy(g).astype(np.float64)))) for g in grads)
+                )
+                stats.append(norm / scale)
+            before = [np.array(ops.convert_to_numpy(v)) for v in watched]
+            apply(optimizer, grads, variables)
+            skipped.append(bool(ops.convert_to_numpy(optimizer.last_skipped)))
+            unchanged.append(all(np.array_equal(a, np.array(ops.convert_to_numpy(v))) for a, v in zip(before, watched)))
+    return {"stats": stats, "skipped": skipped, "unchanged": unchanged, "optimizer": optimizer}
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_spike_rule_follows_the_reference_and_skips_bitwise(policy: str) -> None:
+    """SpikeRule('loss') (TensorFlow, PyTorch) / ('grad_norm') (JAX): the planted outliers are skipped as the
+    reference decides, bitwise; the inf step skips for its own reason and only it backs the scale off."""
+    rule = polyamp.SpikeRule("grad_norm" if BACKEND == "jax" else "loss", window=6, threshold=4.0)
+    run = _spike_run(policy, rule)
+    overflow = [step == 12 for step in range(20)]
+    spikes = rule.decide(run["stats"], overflow)
+    assert [i for i, s in enumerate(spikes) if s] == [9, 15]
+    assert run["skipped"] == [s or o for s, o in zip(spikes, overflow, strict=True)]
+    assert all(u for u, s in zip(run["unchanged"], run["skipped"], strict=True) if s)
+    optimizer = run["optimizer"]
+    records = optimizer.records()
+    nonfinite = "overflow" if policy == "mixed_float16" else "non_finite"
+    assert [(r.iteration, r.reason) for r in records if r.skipped] == [
+        (9, rule.reason),
+        (12, nonfinite),
+        (15, rule.reason),
+    ]
+    assert int(ops.convert_to_numpy(optimizer.skipped_steps)) == 3
+    assert int(ops.convert_to_numpy(optimizer.iterations)) == 17
+    if policy == "mixed_float16":  # spikes are finite steps for the scale rule
+        states = LossScaleConfig(growth_interval=3).states(overflow)
+        assert [r.next_scale for r in records] == [s.scale for s in states]
+
+
+def test_spike_rule_on_the_gradient_norm_follows_the_reference() -> None:
+    if BACKEND == "jax":
+        pytest.skip("JAX runs SpikeRule('grad_norm') in test_spike_rule_follows_the_reference_and_skips_bitwise")
+    rule = polyamp.SpikeRule("grad_norm", window=6, threshold=4.0)
+    run = _spike_run("mixed_float16", rule)
+    overflow = [step == 12 for step in range(20)]
+    spikes = rule.decide(run["stats"], overflow)
+    assert [i for i, s in enumerate(spikes) if s] == [9, 15]
+    assert run["skipped"] == [s or o for s, o in zip(spikes, overflow, strict=True)]
+
+
+def test_spike_rule_travels_in_the_config() -> None:
+    rule = polyamp.SpikeRule("grad_norm", window=6, threshold=4.0, two_sided=True)
+    config = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), spike=rule).get_config()
+    assert config["spike"] == {"on": "grad_norm", "window": 6, "threshold": 4.0, "warmup": None, "two_sided": True}
+    restored = polyamp_keras.LossScaleOptimizer.from_config(config)
+    assert restored.spike == rule
+    assert polyamp_keras.LossScaleOptimizer.from_config(dict(config, spike=None)).spike is None
+    with pytest.raises(PolyampTypeError, match=r"polyamp\.SpikeRule"):
+        polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), spike={"on": "loss"})
+
+
+def test_spike_rule_on_the_loss_needs_scale_loss_and_is_refused_on_jax() -> None:
+    rule = polyamp.SpikeRule("loss", window=4)
+    if BACKEND == "jax":
+        with pytest.raises(PolyampValueError, match="SpikeRule\\('grad_norm'"):
+            polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), spike=rule)
+        return
+    model = _model()
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), spike=rule)
+    _, grads = gradients(lambda: ops.sum(model(_data(0)[0])), model.trainable_variables, optimizer, scaled=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warning for gradients of an unscaled loss
+        with pytest.raises(polyamp.ScalerUsageError, match="needs the iteration's loss"):
+            apply(optimizer, list(grads), model.trainable_variables)
+
+
 def test_jax_stateless_step_under_jit_skips_and_updates() -> None:
     if BACKEND != "jax":
         pytest.skip("the jitted stateless step is JAX's")

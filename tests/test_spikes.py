@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 from typing import Any
 
 import pytest
@@ -55,12 +56,16 @@ def test_bad_rules_say_what_is_allowed(kwargs: dict[str, Any], fragment: str) ->
 # -- torch -----------------------------------------------------------------------------------------------------
 
 
-def _torch_run(rule: SpikeRule, policy: str, bad: tuple[int, ...], inf_at: tuple[int, ...] = ()) -> dict[str, Any]:
+def _torch_run(
+    rule: SpikeRule, policy: str, bad: tuple[int, ...], inf_at: tuple[int, ...] = (), pickled: bool = False
+) -> dict[str, Any]:
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     scaler = polyamp.LossScaler(spike=rule, growth_interval=3)
+    if pickled:  # a scaler restored from a pickle keeps its rule and the rule's skip reason
+        scaler = pickle.loads(pickle.dumps(scaler))
     losses, norms, skipped, unchanged = [], [], [], []
     with polyamp.policy_scope(policy):
         for step in range(24):
@@ -95,6 +100,7 @@ def test_torch_loss_spikes_follow_the_reference_and_skip_bitwise(policy: str) ->
     assert run["skipped"] == [s or o for s, o in zip(spikes, overflow, strict=True)]
     assert all(u for u, s in zip(run["unchanged"], run["skipped"], strict=True) if s)
     scaler = run["scaler"]
+    assert scaler.spike is rule
     records = scaler.records()
     nonfinite = "overflow" if policy == "mixed_float16" else "non_finite"
     assert [(r.iteration, r.reason) for r in records if r.skipped] == [
@@ -108,9 +114,10 @@ def test_torch_loss_spikes_follow_the_reference_and_skip_bitwise(policy: str) ->
         assert [r.next_scale for r in records] == [s.scale for s in states]
 
 
-def test_torch_grad_norm_spikes_follow_the_reference() -> None:
+@pytest.mark.parametrize("pickled", [False, True])
+def test_torch_grad_norm_spikes_follow_the_reference(pickled: bool) -> None:
     rule = SpikeRule("grad_norm", window=6, threshold=4.0)
-    run = _torch_run(rule, "mixed_bfloat16", bad=(10, 17))
+    run = _torch_run(rule, "mixed_bfloat16", bad=(10, 17), pickled=pickled)
     spikes = rule.decide(run["norms"])
     assert spikes[10] and spikes[17]
     assert run["skipped"] == spikes

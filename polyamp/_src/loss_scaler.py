@@ -439,6 +439,11 @@ class LossScaler:
         return self._config.dynamic
 
     @property
+    def spike(self) -> SpikeRule | None:
+        """The `polyamp.SpikeRule` given as ``spike``, or None."""
+        return self._spike_rule
+
+    @property
     def config(self) -> LossScaleConfig:
         """The validated settings, which also run the reference state machine."""
         return self._config
@@ -1068,7 +1073,11 @@ class LossScaler:
         self._guard_setting = saved.get("guard")
         self._spike_rule = saved.get("spike")
         self._spike_state = None
-        self._recorder = Recorder(saved.get("history", DEFAULT_HISTORY), saved.get("on_min_scale", "warn"))
+        self._recorder = Recorder(
+            saved.get("history", DEFAULT_HISTORY),
+            saved.get("on_min_scale", "warn"),
+            self._spike_rule.reason if self._spike_rule else "loss_spike",
+        )
         self._process_group = None
         self._host_state = saved["state"]
         self._recorder.reanchor(self._host_state)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import warnings
@@ -15,10 +16,12 @@ from polyamp import (
     PolyampTypeError,
     PolyampValueError,
     ScalerUsageError,
+    SpikeRule,
 )
 from polyamp.backend_api import (
     MODE_CODES,
     NOT_GIVEN,
+    SPIKE_BIT,
     Recorder,
     UnscaleStages,
     bind_arguments,
@@ -43,6 +46,7 @@ from polyamp_keras._gradients import (
 )
 from polyamp_keras._keras import keras
 from polyamp_keras._rule import ScaleState, advance, counter_dtype, read_scalar
+from polyamp_keras._spikes import SpikeWindow
 
 try:  # what Keras's own LossScaleOptimizer.build uses: variables are tracked through add_variable only
     from keras.src.utils.tracking import no_automatic_dependency_tracking
@@ -183,6 +187,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             scaling off (``enabled=None`` under bfloat16/float32 policies) and skips a step whose gradients
             hold inf or NaN (reason ``"non_finite"``); True also with ``enabled=False``; False never.
         on_min_scale, history: As `polyamp.LossScaler`'s; `records` gives the step records.
+        spike: A `polyamp.SpikeRule`, as `polyamp.LossScaler`'s: also skip a step whose loss
+            (``on="loss"``, the value passed to ``scale_loss``; TensorFlow and PyTorch) or unscaled gradient
+            norm (``on="grad_norm"``, every backend) is an outlier, decided on the device (reason
+            ``"loss_spike"`` / ``"grad_spike"``; the scale does not back off for it). On JAX the optimizer
+            never sees the loss's value (``fit`` scales it inside the gradient's trace): use
+            ``on="grad_norm"`` there. Without ``jax_enable_x64`` JAX computes the rule in float32.
         **settings: polyamp's loss-scaling settings, see `polyamp.LossScaleConfig`.
 
     Raises:
@@ -201,10 +211,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         guard: bool | None = None,
         on_min_scale: str = "warn",
         history: int = 256,
+        spike: SpikeRule | None = None,
         **kwargs: Any,
     ) -> None:
         guard = check_guard(guard)
-        recorder = Recorder(check_history(history), check_on_min_scale(on_min_scale))
+        spike = _check_spike(spike)
+        recorder = Recorder(
+            check_history(history), check_on_min_scale(on_min_scale), spike.reason if spike else "loss_spike"
+        )
         arguments = bind_arguments(
             "LossScaleOptimizer()", LossScaleConfig.setting_names()[:4], positional, _split_arguments(kwargs)
         )
@@ -242,8 +256,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self._scaled_since_apply = False
         self._warned_unscaled_loss = False
         self._warned_unguarded = False
+        self._spike_rule = spike
+        self._spike: SpikeWindow | None = None
+        self._spike_loss: Any = None  # a loss given to scale_loss before the variables existed
+        self._spike_loss_given = False
+        self._spike_now: tuple[Any, Any] | None = None  # (statistic, gradients finite) of the step being built
 
     # -- settings and state ------------------------------------------------------------------------------
+
+    @property
+    def spike(self) -> SpikeRule | None:
+        """The `polyamp.SpikeRule` given as ``spike``, or None."""
+        return self._spike_rule
 
     @property
     def loss_scale_config(self) -> LossScaleConfig:
@@ -322,6 +346,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             name="non_finite_at",
         )
         self._checked_grads: list[Any] | None = None
+        if self._spike_rule is not None:
+            self._spike = SpikeWindow(self._spike_rule, self.add_variable)
 
     def _count_non_finite(self) -> None:
         """In the branch that skips: each checked gradient's +inf/-inf/NaN counts, for the records."""
@@ -332,11 +358,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             self.non_finite_counts.assign(gradient_counts(grads))
             self.non_finite_at.assign(ops.convert_to_tensor(self.recorded_steps))
 
-    def _record(self, mode: str, skipped: Any) -> None:
-        """Write this apply's code into the ring (on the device; inside compiled steps too)."""
+    def _record(self, mode: str, skipped: Any, spike: bool = False) -> None:
+        """Write this apply's code into the ring (on the device; inside compiled steps too); ``spike``: the
+        step was skipped by the spike rule alone."""
         capacity = self._recorder.capacity
         index = ops.mod(ops.convert_to_tensor(self.recorded_steps), capacity)
-        code = MODE_CODES[mode] + ops.cast(skipped, "int32")
+        code = MODE_CODES[mode] + (1 + SPIKE_BIT if spike else ops.cast(skipped, "int32"))
         ring = ops.convert_to_tensor(self.step_codes)
         self.step_codes.assign(ops.where(ops.arange(capacity, dtype="int32") == index, code, ring))
         self.recorded_steps.assign_add(ops.cast(1, "int32"))
@@ -428,7 +455,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
                 f"Keras runs on {keras.backend.backend()}, but scale_loss() received a {owner} object: "
                 f"{describe(loss)}. Compute the loss with this Keras backend's tensors."
             )
-        if not self._begin():
+        enabled = self._begin()
+        if enabled or self._guards():
+            self._take_spike_loss(loss)
+        if not enabled:
             return loss
         self._stages.clear()
         self._scaled_since_apply = True
@@ -485,8 +515,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
         grads = list(grads)
+        several = _several_replicas()
+        if self._spike_rule is not None and several:
+            raise ScalerUsageError(
+                "LossScaleOptimizer(spike=...) decides on one replica's statistics, but this step runs under a "
+                "tf.distribute strategy with several replicas. Use polyamp.LossScaler(spike=...) in a "
+                "GradientTape loop there, or leave spike unset."
+            )
+        self._spike_now = None
         if not self._start_apply(grads):
-            several = _several_replicas()
             if self._guards() and several and not self._warned_unguarded:
                 self._warned_unguarded = True
                 logging.getLogger("polyamp").warning(
@@ -505,33 +542,85 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         super().apply(grads, trainable_variables)
 
     def _guarded_apply(self, grads: list[Any], trainable_variables: Any) -> None:
-        """The guard, stateful: apply unless a gradient is non-finite; the rule does not run."""
+        """The guard, stateful: apply unless a gradient is non-finite (or the spike rule vetoes); the rule does
+        not run."""
         variables = trainable_variables or self._trainable_variables
         if not self.built:
             self.build(list(variables))
-        finite = all_finite(grads)
+        self._checked_grads = grads
+        go = self._spike_decide(grads, True, all_finite(grads))
 
         def applied() -> None:
             self.inner_optimizer.apply(grads, trainable_variables)
-            self.last_skipped.assign(False)
-            self._record("guarding", False)
+            self._outcome("guarding", "applied")
 
-        def skipped() -> None:
-            self.last_skipped.assign(True)
+        ops.cond(go, applied, lambda: self._on_skip("guarding"))
+
+    # -- the step's outcome and the spike rule -----------------------------------------------------------
+
+    def _outcome(self, mode: str, kind: str) -> None:
+        """The optimizer's own state after a step of ``mode`` ("scaling" or "guarding") that was ``kind``:
+        "applied", skipped for non-finite gradients ("overflow") or by the spike rule ("spike")."""
+        skipped = kind != "applied"
+        self.last_skipped.assign(skipped)
+        if mode == "scaling":
+            advance(self._scale_state, kind == "overflow", self._polyamp_config)  # counts an overflow's skip
+        if skipped and not (mode == "scaling" and kind == "overflow"):
             self.skipped_steps.assign_add(ops.cast(1, self.skipped_steps.dtype))
+        if kind == "overflow":
             self._count_non_finite()
-            self._record("guarding", True)
+        if kind == "applied" and self._spike is not None and self._spike_now is not None:
+            self._spike.push(self._spike_now[0])
+        self._record(mode, skipped, spike=kind == "spike")
 
-        self._checked_grads = grads
-        ops.cond(finite, applied, skipped)
+    def _on_skip(self, mode: str) -> None:
+        """A skipped step's outcome: for non-finite gradients, or, with finite ones, by the spike rule."""
+        if self._spike_now is None:
+            self._outcome(mode, "overflow")
+            return
+        ops.cond(self._spike_now[1], lambda: self._outcome(mode, "spike"), lambda: self._outcome(mode, "overflow"))
+
+    def _take_spike_loss(self, loss: Any) -> None:
+        """``scale_loss``: the loss a ``SpikeRule("loss")`` decides on."""
+        if self._spike_rule is None or self._spike_rule.on != "loss":
+            return
+        self._spike_loss_given = True
+        if self._spike is None:  # not built yet: the first apply builds and takes it
+            self._spike_loss = loss
+            return
+        assert self._spike.loss is not None
+        self._spike.loss.assign(self._spike.loss_statistic(loss))
+
+    def _spike_decide(self, grads: list[Any], unscaled: bool, finite: Any) -> Any:
+        """``finite``, and not a spike: the decision to apply. Remembers the statistic and ``finite`` for the
+        branches (None without a spike rule)."""
+        window = self._spike
+        if window is None:
+            return finite
+        if window.loss is None:
+            x = window.grad_norm(grads, None if unscaled else self.dynamic_scale)
+        else:
+            if not self._spike_loss_given:
+                raise ScalerUsageError(
+                    "A SpikeRule('loss') needs the iteration's loss: call optimizer.scale_loss(loss) (and take the "
+                    "gradients of its result) before every apply."
+                )
+            if self._spike_loss is not None:
+                window.loss.assign(window.loss_statistic(self._spike_loss))
+                self._spike_loss = None
+            x = ops.convert_to_tensor(window.loss)
+        self._spike_loss_given = False
+        self._spike_now = (x, finite)
+        return ops.logical_and(finite, ops.logical_not(window.is_spike(x)))
 
     def check_finite(self, grads: Any) -> Any:
         grads = list(grads)
+        checked = grads
         if self._polyamp_config.checks_unscaled and not self._grads_are_unscaled:
             # Below scale 1 an unscaled gradient can overflow where its scaled value did not.
-            grads = unscale(grads, self.dynamic_scale)
-        self._checked_grads = grads  # for the skip branch's counts
-        return all_replicas_finite(all_finite(grads))
+            checked = unscale(grads, self.dynamic_scale)
+        self._checked_grads = checked  # for the skip branch's counts
+        return self._spike_decide(grads, self._grads_are_unscaled, all_replicas_finite(all_finite(checked)))
 
     def _unscaled(self, grads: Any, variables: Any) -> list[Any]:
         if self._grads_are_unscaled:
@@ -542,15 +631,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
     def _stateful_handle_finite_grads(self, grads: Any, trainable_variables: Any) -> None:
         variables = trainable_variables or self._trainable_variables
         self.inner_optimizer.apply(self._unscaled(grads, variables), trainable_variables=trainable_variables)
-        self.last_skipped.assign(False)
-        advance(self._scale_state, False, self._polyamp_config)
-        self._record("scaling", False)
+        self._outcome("scaling", "applied")
 
     def _stateful_handle_non_finite_grads(self) -> None:
-        self.last_skipped.assign(True)
-        advance(self._scale_state, True, self._polyamp_config)
-        self._count_non_finite()
-        self._record("scaling", True)
+        self._on_skip("scaling")
 
     def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
         """The stateless step (JAX; what ``model.fit`` uses there): variables in, new values out, the skip
@@ -563,6 +647,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         grads = list(grads)
         optimizer_variables = list(optimizer_variables)
         own = len(self._variables)
+        self._spike_now = None
         if not self._start_apply(grads):
             if self._guards():
                 return self._stateless_guarded(optimizer_variables, grads, trainable_variables)
@@ -576,46 +661,47 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             return new_trainable, mine + list(new_inner)
         mapping = list(zip(self.variables, optimizer_variables, strict=True))
         with keras.StatelessScope(state_mapping=mapping):
-            finite = self.check_finite(grads)
+            go = self.check_finite(grads)
         return ops.cond(
-            finite,
+            go,
             lambda: self._stateless_finite(optimizer_variables, grads, trainable_variables),
             lambda: self._stateless_non_finite(optimizer_variables, trainable_variables),
         )
 
-    def _own_values(self, mapping: list[tuple[Any, Any]], overflow: bool) -> list[Any]:
+    def _own_values(self, mapping: list[tuple[Any, Any]], mode: str, kind: str) -> list[Any]:
+        """This optimizer's own variables after `_outcome` (stateless: the new values)."""
         with keras.StatelessScope(state_mapping=mapping) as scope:
-            self.last_skipped.assign(overflow)
-            advance(self._scale_state, overflow, self._polyamp_config)
-            if overflow:
-                self._count_non_finite()
-            self._record("scaling", overflow)
+            self._outcome(mode, kind)
             return [scope.get_current_value(v) for v in self._variables]
 
+    def _skipped_values(self, mapping: list[tuple[Any, Any]], mode: str) -> list[Any]:
+        """`_on_skip`, stateless: both outcomes computed, the spike's kept when the gradients were finite."""
+        overflow = self._own_values(mapping, mode, "overflow")
+        if self._spike_now is None:
+            return overflow
+        spike = self._own_values(mapping, mode, "spike")
+        return [ops.where(self._spike_now[1], a, b) for a, b in zip(spike, overflow, strict=True)]
+
     def _stateless_guarded(self, optimizer_variables: list[Any], grads: list[Any], trainable_variables: Any) -> Any:
-        """The guard, stateless (JAX): apply unless a gradient is non-finite; the rule does not run."""
+        """The guard, stateless (JAX): apply unless a gradient is non-finite (or the spike rule vetoes); the
+        rule does not run."""
         own = len(self._variables)
         mapping = list(zip(self.variables, optimizer_variables, strict=True))
-
-        def mine(skipped: bool) -> list[Any]:
-            with keras.StatelessScope(state_mapping=mapping) as scope:
-                self.last_skipped.assign(skipped)
-                if skipped:
-                    self.skipped_steps.assign_add(ops.cast(1, self.skipped_steps.dtype))
-                    self._count_non_finite()
-                self._record("guarding", skipped)
-                return [scope.get_current_value(v) for v in self._variables]
-
-        # The inner step runs as it would without polyamp (a cond around it compiles differently under jit and
-        # can change the last bit); a select keeps its values, or the old ones when a gradient is non-finite.
         self._checked_grads = grads
-        finite = all_finite(grads)
+        with keras.StatelessScope(state_mapping=mapping):
+            go = self._spike_decide(grads, True, all_finite(grads))
+        # The inner step runs as it would without polyamp (a cond around it compiles differently under jit and
+        # can change the last bit); a select keeps its values, or the old ones when the step is skipped.
         new_trainable, new_inner = self.inner_optimizer.stateless_apply(
             optimizer_variables[own:], grads, trainable_variables
         )
-        kept = ops.cond(finite, lambda: mine(False), lambda: mine(True))
-        trainable = [ops.where(finite, n, o) for n, o in zip(new_trainable, trainable_variables, strict=True)]
-        inner = [ops.where(finite, n, o) for n, o in zip(new_inner, optimizer_variables[own:], strict=True)]
+        kept = ops.cond(
+            go,
+            lambda: self._own_values(mapping, "guarding", "applied"),
+            lambda: self._skipped_values(mapping, "guarding"),
+        )
+        trainable = [ops.where(go, n, o) for n, o in zip(new_trainable, trainable_variables, strict=True)]
+        inner = [ops.where(go, n, o) for n, o in zip(new_inner, optimizer_variables[own:], strict=True)]
         return trainable, list(kept) + inner
 
     def _stateless_finite(self, optimizer_variables: list[Any], grads: list[Any], trainable_variables: Any) -> Any:
@@ -625,11 +711,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             new_trainable, new_inner = self.inner_optimizer.stateless_apply(
                 self.inner_optimizer.variables, unscaled, trainable_variables
             )
-        return new_trainable, self._own_values(mapping, False) + list(new_inner)
+        return new_trainable, self._own_values(mapping, "scaling", "applied") + list(new_inner)
 
     def _stateless_non_finite(self, optimizer_variables: list[Any], trainable_variables: Any) -> Any:
         mapping = list(zip(self.variables, optimizer_variables, strict=True))
-        own = self._own_values(mapping, True)
+        own = self._skipped_values(mapping, "scaling")
         return list(trainable_variables), own + optimizer_variables[len(self._variables) :]
 
     # -- serialisation -----------------------------------------------------------------------------------
@@ -646,13 +732,31 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             "guard": self._polyamp_guard,
             "on_min_scale": self._recorder.on_min_scale,
             "history": self._recorder.capacity,
+            "spike": None if self._spike_rule is None else dataclasses.asdict(self._spike_rule),
         }
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
+        if isinstance(config.get("spike"), Mapping):
+            config["spike"] = SpikeRule(**config["spike"])
         return cls(inner, **config)
+
+
+def _check_spike(spike: Any) -> SpikeRule | None:
+    if spike is not None and not isinstance(spike, SpikeRule):
+        raise PolyampTypeError(
+            f"`spike` must be None or a polyamp.SpikeRule, e.g. SpikeRule('grad_norm', window=128). Received: "
+            f"{describe(spike)}."
+        )
+    if spike is not None and spike.on == "loss" and keras.backend.backend() == "jax":
+        raise PolyampValueError(
+            "LossScaleOptimizer(spike=SpikeRule('loss')) cannot run on Keras's JAX backend: there the loss is "
+            "scaled inside the gradient's trace (model.fit, jax.value_and_grad), so the optimizer never holds its "
+            "value. Use SpikeRule('grad_norm', ...), which decides on the gradients the optimizer receives."
+        )
+    return spike
 
 
 def _several_replicas() -> bool:

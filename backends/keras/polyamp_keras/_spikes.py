@@ -1,0 +1,98 @@
+"""`polyamp.SpikeRule` on Keras variables: the window of accepted statistics, the decision, the statistics.
+
+Keras ops only, so the same code runs on every Keras backend, eagerly, in ``tf.function`` and under
+``jax.jit`` (inside Keras's ``StatelessScope``). The rule is `polyamp.SpikeRule`'s, computed in float64 as
+polyamp's torch and TensorFlow scalers compute it; on JAX without ``jax_enable_x64`` (JAX's default) in
+float32, the only precision JAX computes in there.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from polyamp import SpikeRule
+from polyamp_keras._gradients import is_sparse
+from polyamp_keras._keras import keras
+from polyamp_keras._rule import counter_dtype
+
+__all__ = ["SpikeWindow", "statistic_dtype"]
+
+ops = keras.ops
+
+
+def statistic_dtype() -> str:
+    """float64, or float32 on JAX without ``jax_enable_x64``."""
+    if keras.backend.backend() == "jax" and not sys.modules["jax"].config.jax_enable_x64:
+        return "float32"
+    return "float64"
+
+
+class SpikeWindow:
+    """The rule's window (a ring of the last ``rule.window`` accepted statistics and their count) and, for
+    ``on="loss"``, the iteration's loss, as optimizer variables made by ``add_variable``."""
+
+    def __init__(self, rule: SpikeRule, add_variable: Callable[..., Any]) -> None:
+        self.rule = rule
+        self.dtype = statistic_dtype()
+        zeros = keras.initializers.Zeros()
+        self.ring = add_variable(
+            shape=(rule.window,), dtype=self.dtype, initializer=zeros, aggregation="none", name="spike_window"
+        )
+        self.count = add_variable(
+            shape=(), dtype=counter_dtype(), initializer=zeros, aggregation="none", name="spike_count"
+        )
+        self.loss = None
+        if rule.on == "loss":
+            self.loss = add_variable(
+                shape=(), dtype=self.dtype, initializer=zeros, aggregation="none", name="spike_loss"
+            )
+
+    def loss_statistic(self, loss: Any) -> Any:
+        """The loss (a list of losses: their sum) as a scalar of the window's dtype, without gradient."""
+        values = loss if isinstance(loss, (list, tuple)) else [loss]
+        return ops.sum(ops.stack([ops.sum(ops.cast(ops.stop_gradient(v), self.dtype)) for v in values]))
+
+    def grad_norm(self, grads: Sequence[Any], scale: Any) -> Any:
+        """The global L2 norm of the gradients divided by ``scale`` (None: they are unscaled already)."""
+        squares = []
+        for grad in grads:
+            if grad is None:
+                continue
+            values = grad.values if is_sparse(grad) else grad
+            squares.append(ops.sum(ops.square(ops.cast(values, self.dtype))))
+        norm = ops.sqrt(ops.sum(ops.stack(squares))) if squares else ops.convert_to_tensor(0.0, self.dtype)
+        return norm if scale is None else ops.divide(norm, ops.cast(scale, self.dtype))
+
+    def is_spike(self, x: Any) -> Any:
+        """The rule's decision for ``x`` (a boolean scalar), against the window's values."""
+        rule = self.rule
+        count = ops.convert_to_tensor(self.count)
+        n = ops.minimum(count, ops.cast(rule.window, count.dtype))
+        mask = ops.less(ops.arange(rule.window, dtype=count.dtype), n)
+        denominator = ops.cast(ops.maximum(n, ops.cast(1, count.dtype)), self.dtype)
+        values = ops.convert_to_tensor(self.ring)
+        zero = ops.zeros_like(values)
+        mu = ops.divide(ops.sum(ops.where(mask, values, zero)), denominator)
+        sigma = ops.sqrt(ops.divide(ops.sum(ops.where(mask, ops.square(ops.subtract(values, mu)), zero)), denominator))
+        deviation = ops.subtract(x, mu)
+        if rule.two_sided:
+            deviation = ops.absolute(deviation)
+        checks = [
+            ops.greater_equal(n, ops.cast(rule.min_values, count.dtype)),
+            ops.greater(sigma, ops.cast(0.0, self.dtype)),
+            ops.greater(deviation, ops.multiply(ops.cast(rule.threshold, self.dtype), sigma)),
+            ops.isfinite(x),
+        ]
+        return ops.all(ops.stack(checks))
+
+    def push(self, x: Any) -> None:
+        """An applied iteration's statistic enters the window (unless it is not finite)."""
+        rule = self.rule
+        count = ops.convert_to_tensor(self.count)
+        accept = ops.isfinite(x)
+        index = ops.mod(count, ops.cast(rule.window, count.dtype))
+        at = ops.logical_and(ops.equal(ops.arange(rule.window, dtype=count.dtype), index), accept)
+        self.ring.assign(ops.where(at, ops.cast(x, self.dtype), ops.convert_to_tensor(self.ring)))
+        self.count.assign_add(ops.cast(accept, count.dtype))
