@@ -6,7 +6,10 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
   handles) registered with `polyamp.register_backend` or the ``polyamp.backends`` entry-point group;
 * a `Backend` object whose ``make_device(config, state)`` returns a device form implementing
   `ImperativeDevice` (PyTorch-style loops) or `TapeDevice` (TensorFlow-style loops), and optionally
-  ``make_functional(config)`` returning a `FunctionalDevice` (jitted, stateless steps);
+  ``make_functional(config)`` returning a `FunctionalDevice` (jitted, stateless steps); a device form may
+  also implement the optional `RecordingDevice` (step records on the device), `GuardingDevice` /
+  `ImperativeGuardingDevice` (the guard), `ProvenanceDevice` / `ImperativeProvenanceDevice` (which gradients
+  were non-finite) and `SpikeDevice` (`polyamp.SpikeRule`), which the core uses when present;
 * optionally a conformance harness (see `polyamp.conformance.Harness`) named in the spec;
 * optionally a forward watch: the framework's layer calls as `WatchedCall` records, which `forward_report`
   turns into a `polyamp.ForwardReport` (the decision of which layer produced a non-finite output is the core's).
@@ -21,8 +24,15 @@ from polyamp._src.backend import (
     Backend,
     Flag,
     FunctionalDevice,
+    GradientCounts,
+    GuardingDevice,
     ImperativeDevice,
+    ImperativeGuardingDevice,
+    ImperativeProvenanceDevice,
+    ProvenanceDevice,
+    RecordingDevice,
     ScalerDevice,
+    SpikeDevice,
     StepOutcome,
     TapeDevice,
 )
@@ -87,13 +97,20 @@ __all__ = [
     "Flag",
     "FunctionalDevice",
     "FunctionalLossScaler",
+    "GradientCounts",
+    "GuardingDevice",
     "ImperativeDevice",
+    "ImperativeGuardingDevice",
+    "ImperativeProvenanceDevice",
     "LossScaleConfig",
     "LossScaleSettings",
     "LossScaleState",
     "NotGiven",
+    "ProvenanceDevice",
     "Recorder",
+    "RecordingDevice",
     "ScalerDevice",
+    "SpikeDevice",
     "StepOutcome",
     "TapeDevice",
     "TensorSummary",

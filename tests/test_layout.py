@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import polyamp
+
 ROOT = Path(__file__).resolve().parent.parent
 FRAMEWORKS = ("torch", "tensorflow", "keras", "jax", "tf_keras")
 
@@ -99,3 +101,32 @@ def test_the_public_backend_api_holds_what_backends_import() -> None:
 
     public = {name for name in vars(api) if name.isidentifier() and not name.startswith("_")}
     assert sorted(api.__all__) == sorted(public - {"annotations"})
+
+
+@pytest.mark.parametrize(
+    ("backend", "protocols"),
+    [
+        (
+            "torch",
+            (
+                "ImperativeDevice",
+                "RecordingDevice",
+                "ImperativeGuardingDevice",
+                "ImperativeProvenanceDevice",
+                "SpikeDevice",
+            ),
+        ),
+        ("tensorflow", ("TapeDevice", "RecordingDevice", "GuardingDevice", "ProvenanceDevice", "SpikeDevice")),
+    ],
+)
+def test_first_party_device_forms_implement_the_optional_protocols(backend: str, protocols: tuple[str, ...]) -> None:
+    """The optional device methods the core calls when present are typed protocols of polyamp.backend_api, and
+    the first-party device forms implement every one that fits their loop style."""
+    pytest.importorskip(backend)
+    from polyamp import backend_api
+
+    device = polyamp.LossScaler(enabled=True).bind(backend)
+    missing = [name for name in protocols if not isinstance(device, getattr(backend_api, name))]
+    assert missing == []
+    other_style = "TapeDevice" if backend == "torch" else "ImperativeDevice"
+    assert not isinstance(device, getattr(backend_api, other_style))

@@ -170,6 +170,42 @@ def test_an_explicit_float16_region_enables_a_policy_following_scaler() -> None:
     assert scaler.scale(loss) is loss
 
 
+@pytest.mark.parametrize(
+    ("make", "region", "warns"),
+    [
+        (polyamp.LossScaler, torch.float16, True),
+        (lambda: polyamp_torch.TorchLossScaler(enabled=None), torch.float16, True),
+        (polyamp.LossScaler, torch.bfloat16, False),  # bfloat16 needs no scaling
+        (polyamp.LossScaler, None, False),  # float32: nothing to say
+        (lambda: polyamp.LossScaler(enabled=False), torch.float16, False),  # asked for no scaling
+    ],
+    ids=["LossScaler-fp16", "TorchLossScaler(None)-fp16", "bf16", "fp32", "enabled=False"],
+)
+def test_a_policy_following_scaler_says_so_when_torchs_own_float16_autocast_goes_unscaled(
+    make: Any, region: Any, warns: bool
+) -> None:
+    """polyamp's policy is float32 (no scaling), but the loss came from torch.autocast(float16): one warning,
+    which names the cause and both remedies; the scaler itself does not change what it does."""
+    model, x, y = _model_and_data()
+    scaler = make()
+    scaler.scale(torch.nn.functional.cross_entropy(model(x), y))  # (float16 regions of earlier tests count here)
+    scaler.discard_iteration()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=region or torch.float16, enabled=region is not None):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            assert scaler.scale(loss) is loss and not scaler.enabled
+            scaler.update()
+    messages = [str(w.message) for w in caught if "does not scale" in str(w.message)]
+    if not warns:
+        assert messages == []
+        return
+    assert len(messages) == 1
+    assert "computed in float16" in messages[0] and "'float32'" in messages[0]
+    assert "set_policy('mixed_float16')" in messages[0] and "enabled=True" in messages[0]
+
+
 def test_a_scaler_built_before_the_policy_rescues_tiny_gradients() -> None:
     scaler = polyamp.LossScaler()  # built in a setup function, before the policy is chosen
     polyamp.set_policy("mixed_float16")

@@ -26,8 +26,15 @@ __all__ = [
     "Backend",
     "Flag",
     "FunctionalDevice",
+    "GradientCounts",
+    "GuardingDevice",
     "ImperativeDevice",
+    "ImperativeGuardingDevice",
+    "ImperativeProvenanceDevice",
+    "ProvenanceDevice",
+    "RecordingDevice",
     "ScalerDevice",
+    "SpikeDevice",
     "StepOutcome",
     "TapeDevice",
 ]
@@ -130,21 +137,96 @@ class ScalerDevice(Protocol):
         ...
 
 
-#: Optional device methods, for step records and the guard (the core uses them when present):
-#:
-#: * ``new_history(capacity)`` / ``write_history(history, base, flag)`` / ``read_history(history)``: a ring of
-#:   one code per iteration (``base`` from `polyamp.backend_api.MODE_CODES`, plus 1 when ``flag`` is set;
-#:   ``flag`` may be None), written without a host read; ``read_history`` returns (entries written in all,
-#:   the codes of the most recent ones, oldest first).
-#: * ``count_skip(flag)``: count a guarded iteration as skipped when ``flag`` is set, without the rule.
-#: * ``check_gradients_finite(optimizer)`` (imperative): the flag of ``optimizer``'s gradients, unchanged.
-#: * ``non_finite_gradients(optimizer)`` (imperative): ``(name, +inf, -inf, NaN, size)`` per gradient, called
-#:   after a step the host knows was skipped; ``read_provenance()`` (any style): ``[(iteration, [(name, +inf,
-#:   -inf, NaN, size), ...]), ...]`` counted on the device in the branch that skipped, since the last call.
-#: * ``new_spike_state(rule)``, ``spike_statistic(loss)``, ``spike_grad_norm(optimizer)`` (imperative) or
-#:   ``spike_grad_norm(grads, unscaled=...)`` (tape), ``spike_check(state, x)`` -> flag, ``spike_finish(state,
-#:   x, spike, overflow)`` -> the flag of a skip by the rule alone: `polyamp.SpikeRule` on the device (a tape
-#:   device's ``apply`` then takes ``veto=``, the rule's flag, and returns the overflow flag alone).
+#: ``(name, +inf count, -inf count, NaN count, size)`` of one gradient (`polyamp.NonFiniteGradient`'s fields).
+GradientCounts = tuple[str, int, int, int, int]
+
+
+@runtime_checkable
+class RecordingDevice(Protocol):
+    """Optional: step records (`polyamp.StepRecord`) kept on the device, read in batches. The core uses these
+    methods when a device has them; without them it records on the host (which reads each flag)."""
+
+    def new_history(self, capacity: int) -> Any:
+        """Storage for a ring of ``capacity`` step codes (and the count of codes written), on the device."""
+        ...
+
+    def write_history(self, history: Any, base: int, flag: Flag | None, spike: Flag | None = None) -> None:
+        """Append one iteration's code without a host read: ``base`` (from `polyamp.backend_api.MODE_CODES`),
+        plus 1 when ``flag`` is set (``flag`` may be None: not skipped), plus ``SPIKE_BIT`` + 1 when ``spike`` (a
+        skip by the spike rule alone) is set and ``flag`` is not."""
+        ...
+
+    def read_history(self, history: Any) -> tuple[int, list[int]]:
+        """(codes written in all, the most recent ones oldest first): one host read
+        (`polyamp.backend_api.ring_codes` orders a ring)."""
+        ...
+
+
+@runtime_checkable
+class GuardingDevice(Protocol):
+    """Optional: the guard (steps without scaling skipped when a gradient is non-finite). A tape device
+    needs this only (its ``apply`` checks); an imperative one is an `ImperativeGuardingDevice`."""
+
+    def count_skip(self, flag: Flag) -> None:
+        """Count an iteration as skipped when ``flag`` is set, without running the loss-scale rule."""
+        ...
+
+
+@runtime_checkable
+class ImperativeGuardingDevice(GuardingDevice, Protocol):
+    """Optional, imperative devices: the guard's check of gradients that are not unscaled."""
+
+    def check_gradients_finite(self, optimizer: Any) -> Flag | None:
+        """The flag of ``optimizer``'s gradients, left unchanged; None without gradients."""
+        ...
+
+
+@runtime_checkable
+class ProvenanceDevice(Protocol):
+    """Optional: which gradients were non-finite in a skipped step (`polyamp.NonFiniteGradient`), counted on
+    the device in the branch that skipped (no cost to steps that are applied)."""
+
+    def read_provenance(self) -> list[tuple[int, list[GradientCounts]]]:
+        """``[(iteration, counts), ...]`` since the last call (one host read)."""
+        ...
+
+
+@runtime_checkable
+class ImperativeProvenanceDevice(Protocol):
+    """Optional, imperative devices: which gradients were non-finite, counted on the host's request after a
+    step the host knows was skipped (the gradients are still there)."""
+
+    def non_finite_gradients(self, optimizer: Any) -> list[GradientCounts]:
+        """Counts per gradient of ``optimizer``."""
+        ...
+
+
+@runtime_checkable
+class SpikeDevice(Protocol):
+    """Optional: `polyamp.SpikeRule` decided on the device. A tape device's ``apply`` then takes ``veto=``
+    (the rule's flag) and returns the overflow flag alone in its outcome."""
+
+    def new_spike_state(self, rule: Any) -> Any:
+        """The rule's window (the last ``rule.window`` accepted statistics and their count) on the device."""
+        ...
+
+    def spike_statistic(self, loss: Any) -> Any:
+        """The loss (a list of losses: their sum) as a float64 scalar on the device, detached."""
+        ...
+
+    def spike_grad_norm(self, *args: Any, **kwargs: Any) -> Any:
+        """The global L2 norm of the unscaled gradients, float64: ``(optimizer)`` on an imperative device,
+        ``(grads, unscaled=bool)`` on a tape device."""
+        ...
+
+    def spike_check(self, state: Any, x: Any) -> Flag:
+        """The rule's decision for statistic ``x`` as a flag, without a host read."""
+        ...
+
+    def spike_finish(self, state: Any, x: Any, spike: Flag, overflow: Flag | None) -> Flag:
+        """End the iteration: ``x`` enters the window if the step was applied; return the flag of a skip by
+        the rule alone."""
+        ...
 
 
 @runtime_checkable

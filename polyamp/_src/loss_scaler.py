@@ -13,12 +13,21 @@ import inspect
 import math
 import numbers
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from polyamp._src import registry
-from polyamp._src.backend import ImperativeDevice, ScalerDevice, TapeDevice
+from polyamp._src.backend import (
+    GuardingDevice,
+    ImperativeDevice,
+    ImperativeGuardingDevice,
+    RecordingDevice,
+    ScalerDevice,
+    SpikeDevice,
+    TapeDevice,
+)
 from polyamp._src.enabling import check_enabled, resolve_enabled
 from polyamp._src.errors import (
     BackendMismatchError,
@@ -29,6 +38,7 @@ from polyamp._src.errors import (
     type_error,
 )
 from polyamp._src.functional import FunctionalLossScaler
+from polyamp._src.global_policy import get_policy
 from polyamp._src.iteration import Iteration, Stage, no_gradients_error
 from polyamp._src.provenance import NonFiniteGradient, non_finite_gradients
 from polyamp._src.records import (
@@ -88,6 +98,10 @@ class _Record:
     def __init__(self, storage: Any) -> None:
         self.storage = storage
         self.host: bool | None = None
+
+#: How many iterations a scaler that follows the policy and does not scale asks its device whether the loss was
+#: computed in float16 anyway (a one-time probe; see ``LossScaler._probe_float16``).
+FLOAT16_PROBES: Final = 3
 
 
 class LossScaler:
@@ -239,6 +253,8 @@ class LossScaler:
         self._history: Any = None
         self._pending = 0  # iterations ended since the records were last read
         self._device: Any = None
+        self._can_guard = False
+        self._float16_probes = FLOAT16_PROBES
         self._compiling: Any = None
         self._style: str | None = None
         self._backend_name: str | None = None
@@ -296,16 +312,17 @@ class LossScaler:
             )
         self._device, self._style, self._backend_name = device, style, backend
         self._compiling = getattr(device, "compiling", None)
-        new_history = getattr(device, "new_history", None)
-        self._history = None if new_history is None else new_history(self._recorder.capacity)
+        self._history = device.new_history(self._recorder.capacity) if isinstance(device, RecordingDevice) else None
+        self._can_guard = isinstance(device, GuardingDevice) and (
+            style == "tape" or isinstance(device, ImperativeGuardingDevice)
+        )
         if self._spike_rule is not None:
-            new_spike_state = getattr(device, "new_spike_state", None)
-            if new_spike_state is None:
+            if not isinstance(device, SpikeDevice):
                 raise PolyampTypeError(
-                    f"The {backend!r} backend's scaler cannot apply a SpikeRule (its device form has no "
-                    "new_spike_state). Construct the LossScaler without spike=."
+                    f"The {backend!r} backend's scaler cannot apply a SpikeRule (its device form does not implement "
+                    "polyamp.backend_api.SpikeDevice). Construct the LossScaler without spike=."
                 )
-            self._spike_state = new_spike_state(self._spike_rule)
+            self._spike_state = device.new_spike_state(self._spike_rule)
         return device
 
     @property
@@ -384,12 +401,7 @@ class LossScaler:
             guard = self._enabled_setting is None
         if not guard:
             return False
-        device = self._device
-        supported = (
-            device is not None
-            and hasattr(device, "count_skip")
-            and (self._style == "tape" or hasattr(device, "check_gradients_finite"))
-        )
+        supported = self._can_guard
         if not supported and self._guard_setting:
             raise PolyampTypeError(
                 f"guard=True, but the {self._backend_name!r} backend's device form cannot check gradients without "
@@ -467,11 +479,35 @@ class LossScaler:
         if rule is not None and rule.on == "loss" and (enabled or self._iteration.guarding):
             self._spike_x = device.spike_statistic(loss)
         if not enabled:
+            self._probe_float16(device, loss)
             return loss
         self._iteration.stages.clear()
         scaled = device.scale(loss)
         self._scaled = True
         return scaled
+
+    def _probe_float16(self, device: Any, loss: Any) -> None:
+        """Warn once when a scaler that follows the policy does not scale a loss computed in float16 (the
+        framework's own float16 autocast beside polyamp's float32 policy): its gradients would underflow.
+        Asked of the device in the first iterations only, where it can tell (``float16_computed``)."""
+        if self._float16_probes <= 0 or self._enabled_setting is not None:
+            return
+        self._float16_probes -= 1
+        probe = getattr(device, "float16_computed", None)
+        if probe is None or (self._compiling is not None and self._compiling()):
+            return
+        if get_policy().compute_dtype != "float32" or not probe(loss):
+            return
+        self._float16_probes = 0
+        warnings.warn(
+            f"This LossScaler does not scale: enabled=None follows polyamp's policy, which is "
+            f"{get_policy().name!r}, but the loss was computed in float16 (e.g. under the framework's own "
+            "float16 autocast). Unscaled float16 gradients underflow to zero (and overflow to inf). Set the "
+            "policy (polyamp.set_policy('mixed_float16'), with polyamp's autocast), or pass enabled=True "
+            "(polyamp_torch.TorchLossScaler() scales by default, as torch.amp.GradScaler does).",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def unscale_(self, optimizer: Any) -> None:
         """PyTorch: divide the optimizer's gradients by the scale in place and check them for inf/NaN.
@@ -1086,6 +1122,8 @@ class LossScaler:
         self._reset_step_state()
         self._written = 0
         self._device = None
+        self._can_guard = False
+        self._float16_probes = FLOAT16_PROBES
         self._compiling = None
         self._style = None
         self._backend_name = None

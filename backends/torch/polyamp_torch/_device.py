@@ -138,6 +138,35 @@ class TorchDevice:
             self._float16_regions_seen = seen
         return in_use
 
+    def float16_computed(self, loss: Any) -> bool:
+        """Whether ``loss`` (or a list of losses) came from float16 computation: it is float16, it is computed
+        inside a float16 ``torch.autocast`` region, or its autograd graph saved a float16 tensor (a bounded walk
+        of at most 1024 nodes; the core asks in the first iterations of a scaler that does not scale only)."""
+        losses = [loss] if isinstance(loss, torch.Tensor) else [v for v in loss if isinstance(v, torch.Tensor)]
+        for value in losses:
+            if value.dtype == torch.float16:
+                return True
+            kind = value.device.type
+            if torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.float16:
+                return True
+        pending = [value.grad_fn for value in losses if value.grad_fn is not None]
+        seen: set[int] = set()
+        while pending and len(seen) < 1024:
+            node = pending.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            for name in dir(node):
+                if name.startswith("_saved_"):
+                    try:
+                        saved = getattr(node, name)
+                    except RuntimeError:  # freed by an earlier backward
+                        continue
+                    if isinstance(saved, torch.Tensor) and saved.dtype == torch.float16:
+                        return True
+            pending.extend(next_node for next_node, _ in node.next_functions)
+        return False
+
     def compiling(self) -> bool:
         """Whether torch.compile is tracing the call."""
         return bool(torch.compiler.is_compiling())
