@@ -34,3 +34,25 @@ def test_readme_settings_table_is_the_configs() -> None:
     assert [name for name, _ in rows] == list(defaults)
     for name, default in rows:
         assert eval(default) == defaults[name], name
+
+
+def test_no_doc_says_a_loss_scaler_changes_class_when_it_binds() -> None:
+    """``polyamp.LossScaler()`` keeps its class when it binds to a framework; the bound subclasses only bind
+    up front. No docstring or README line may say that a ``LossScaler()`` "becomes" one of them."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    claim = re.compile(r"LossScaler\(\)`*\s+becomes", flags=re.IGNORECASE)
+    sources = [
+        *sorted((root / "backends").rglob("*.py")),
+        *sorted((root / "polyamp").rglob("*.py")),
+        root / "README.md",
+    ]
+    offenders = [
+        f"{path.relative_to(root)}:{text[: match.start()].count(chr(10)) + 1}"
+        for path in sources
+        for text in [path.read_text()]
+        for match in claim.finditer(text)
+    ]
+    assert offenders == []

@@ -5,8 +5,9 @@
   names this package re-exports.
 * `LossScaleOptimizer` - Keras 3's loss-scale optimizer with polyamp's rule and safeguards, for
   ``model.compile``/``fit`` and custom loops (Keras 3 and tf.keras 2 APIs); from ``polyamp_keras``.
-* `TensorFlowLossScaler` - ``polyamp.LossScaler`` bound to TensorFlow: ``scale`` / ``unscale`` /
-  ``apply_gradients``, usable inside ``tf.function``; what ``polyamp.LossScaler()`` becomes on first use.
+* `TensorFlowLossScaler` - ``polyamp.LossScaler`` bound to TensorFlow from construction: ``scale`` /
+  ``unscale`` / ``apply_gradients``, usable inside ``tf.function``. A ``polyamp.LossScaler()`` that binds to
+  TensorFlow on first use keeps its class and has the same methods and semantics.
 * `LossScaleCallback` - loss scale and skipped steps in the training logs.
 * `cast_outputs` - model outputs in the policy's output dtype.
 
