@@ -194,6 +194,50 @@ def test_an_unscale_left_without_its_apply_does_not_leak_into_the_next_iteration
         scaler.apply_gradients(opt, zip(first, [w]))
 
 
+def test_keras_optimizer_refuses_new_settings_after_fit_traced_them() -> None:
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    import polyamp_keras
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.0), enabled=True)
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 1), "float32")
+    model.fit(x, y, batch_size=4, verbose=0)
+    with pytest.raises(ScalerUsageError, match="has already traced them"):
+        optimizer.load_state_dict(dict(optimizer.state_dict(), hysteresis=3, hysteresis_left=3))
+    assert optimizer.state_dict()["hysteresis"] == 1
+    optimizer.load_state_dict(dict(optimizer.state_dict(), scale=1024.0))  # same settings: the scale loads
+    model.fit(x, np.full((4, 1), np.inf, "float32"), batch_size=4, verbose=0)
+    assert optimizer.get_scale() == 512.0 and tf.executing_eagerly()
+
+
+def test_keras_optimizer_unscaled_gradients_left_unapplied_do_not_leak_into_the_next_iteration() -> None:
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    import polyamp_keras
+
+    w = tf.Variable([0.0])
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(1.0), enabled=True)
+
+    def grads() -> list[Any]:
+        with tf.GradientTape() as tape:
+            scaled = optimizer.scale_loss(tf.reduce_sum(w * 3.0))
+        return tape.gradient(scaled, [w])
+
+    optimizer.get_unscaled_gradients(grads())  # inspected, never applied
+    optimizer.apply_gradients(zip(grads(), [w]))  # fresh scaled gradients: unscaled once, here
+    assert w.numpy()[0] == -3.0  # not -3 * 65536
+    refs = []
+    for _ in range(50):
+        scaled = grads()
+        refs.append(weakref.ref(scaled[0]))
+        optimizer.get_unscaled_gradients(scaled)
+        del scaled
+    gc.collect()
+    assert sum(ref() is not None for ref in refs) <= 1  # only the last stage holds its gradients
+
+
 def test_unscale_stages_do_not_pile_up() -> None:
     tf = pytest.importorskip("tensorflow")
     scaler = polyamp.LossScaler(enabled=True, backend="tensorflow")
@@ -273,6 +317,31 @@ def test_update_with_a_bad_tensor_scale_is_refused(new_scale: Any) -> None:
     scaler.load_state_dict(scaler.state_dict())  # its own state dict still loads
 
 
+@pytest.mark.parametrize("new_scale", [math.nan, -5.0, 0.0, 2.0**30])
+def test_update_with_a_bad_symbolic_scale_in_a_tf_function_is_refused(new_scale: float) -> None:
+    """Inside a tf.function the value is known only when the graph runs: the graph checks it then."""
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    scaler = polyamp.LossScaler(enabled=True, max_scale=2.0**20, backend="tensorflow")
+    w = tf.Variable([1.0])
+    opt = keras.optimizers.SGD(0.0)
+    opt.build([w])
+
+    @tf.function
+    def step(value: Any) -> None:
+        with tf.GradientTape() as tape:
+            scaled = scaler.scale(tf.reduce_sum(w))
+        scaler.step(opt, zip(tape.gradient(scaled, [w]), [w]))
+        scaler.update(new_scale=value)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"update\(new_scale\) needs a finite scale"):
+        step(tf.constant(new_scale))
+    assert scaler.get_scale() == 65536.0
+    step(tf.constant(512.0))
+    assert scaler.get_scale() == 512.0
+    scaler.load_state_dict(scaler.state_dict())  # its own state dict still loads
+
+
 def test_fused_step_without_gradients_and_step_skipped_of_a_non_optimizer() -> None:
     scaler = polyamp_torch.TorchLossScaler("cpu")
     param = torch.nn.Parameter(torch.ones(2))
@@ -308,6 +377,8 @@ def test_a_refused_unscale_leaves_no_trace() -> None:
     scaler.scale(model(torch.ones(1, 2, dtype=torch.float16)).float().sum()).backward()
     with pytest.raises(ScalerUsageError, match="float16 gradients"):
         scaler.unscale_(opt)
+    pickle.dumps(scaler)  # between iterations still: the refused call left no record behind
+    scaler.load_state_dict(scaler.state_dict())
     model.float()  # the fix the message suggests; the parameters (and the optimizer) stay the same objects
     opt.zero_grad()
     scaler.scale(model(torch.ones(1, 2)).sum()).backward()

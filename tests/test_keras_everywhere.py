@@ -270,6 +270,66 @@ def test_jax_stateless_step_under_jit_skips_and_updates() -> None:
     assert not all(np.array_equal(a, np.array(b)) for a, b in zip(start, trainable, strict=True))
 
 
+#: (settings, overflow rate): the default rule at its floor of 1.0, and odd factors with hysteresis that spend
+#: most of the run far below 1, often at min_scale.
+SOAK_CONFIGS = [
+    ({"growth_interval": 25}, 0.1),
+    ({"growth_factor": 1.7, "backoff_factor": 0.3, "growth_interval": 3, "hysteresis": 2, "init_scale": 5.0,
+      "min_scale": 2.0**-100, "max_scale": 2.0**20}, 0.3),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", range(len(SOAK_CONFIGS)))
+def test_a_10000_step_soak_follows_the_reference(index: int) -> None:
+    """10,000 apply calls with random overflows (a compiled loop on TensorFlow and JAX, eager on PyTorch): the
+    scale after every step is the reference's, bit for bit, also far below 1 and at the floor."""
+    config, rate = SOAK_CONFIGS[index]
+    pattern = np.random.default_rng(index).random(10_000) < rate
+    w = keras.Variable(np.zeros(2, "float32"))
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.0), **config)
+    optimizer.build([w])
+    bad, finite = np.array([math.inf, 0.0], "float32"), np.zeros(2, "float32")
+    grads = np.where(pattern[:, None], bad, finite)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # gradients given directly: no scale_loss() call
+        if BACKEND == "tensorflow":
+            import tensorflow as tf
+
+            @tf.function
+            def loop(grads: Any) -> Any:
+                scales = tf.TensorArray(tf.float32, size=grads.shape[0])
+                for i in tf.range(grads.shape[0]):
+                    optimizer.apply([grads[i]], [w])
+                    scales = scales.write(i, optimizer.dynamic_scale.value)
+                return scales.stack()
+
+            scales = loop(tf.constant(grads)).numpy()
+        elif BACKEND == "jax":
+            import jax
+
+            index_of_scale = [v.path for v in optimizer.variables].index(optimizer.dynamic_scale.path)
+
+            def body(carry: Any, grad: Any) -> Any:
+                opt_values, value = carry
+                new_values, new_opt_values = optimizer.stateless_apply(opt_values, [grad], [value])
+                return (new_opt_values, new_values[0]), new_opt_values[index_of_scale]
+
+            start = ([v.value for v in optimizer.variables], w.value)
+            _, scales = jax.jit(lambda start, grads: jax.lax.scan(body, start, grads))(start, grads)
+            scales = np.asarray(scales)
+        else:
+            import torch
+
+            device_scales = []
+            with torch.no_grad():
+                for grad in ops.convert_to_tensor(grads):
+                    optimizer.apply([grad], [w])
+                    device_scales.append(optimizer.dynamic_scale.value.clone())  # no host read per step
+            scales = torch.stack(device_scales).cpu().numpy()
+    expected = [s.scale for s in LossScaleConfig(**config).states(pattern.tolist())]
+    assert scales.tolist() == expected
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_fit_trains_with_the_optimizer(policy: str) -> None:
     with polyamp.policy_scope(policy):

@@ -262,7 +262,24 @@ class TensorFlowDevice:
             advance_on_flag(state, found_inf, self._config)
             return
         if tf.is_tensor(new_scale) or isinstance(new_scale, tf.Variable):
-            state.scale.assign(tf.reshape(tf.cast(new_scale, tf.float32), ()))
+            value = tf.reshape(tf.cast(new_scale, tf.float32), ())
+            if not tf.executing_eagerly():  # symbolic: the core could not read it, so the graph checks it
+                config = self._config
+                ok = tf.math.is_finite(value) & (value >= config.floor_f32)
+                if config.max_scale_f32 is not None:
+                    ok &= value <= config.max_scale_f32
+                check = tf.debugging.Assert(
+                    ok,
+                    [
+                        "update(new_scale) needs a finite scale within [min_scale, max_scale] = "
+                        f"[{config.floor_f32!r}, {config.max_scale!r}] (without a min_scale, the floor is 1.0); "
+                        "the scale was left unchanged. Received:",
+                        value,
+                    ],
+                )
+                with tf.control_dependencies([check]):
+                    value = tf.identity(value)
+            state.scale.assign(value)
         elif isinstance(new_scale, float):
             state.scale.assign(new_scale)
         else:
