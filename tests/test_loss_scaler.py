@@ -136,8 +136,9 @@ def test_scale_binds_from_a_list_of_losses(fake_framework: FakeFramework) -> Non
 
 def test_unknown_objects_cannot_bind() -> None:
     scaler = LossScaler(enabled=True)
-    with pytest.raises(PolyampTypeError, match=r"cannot tell which framework 3\.0 \(of type float\)"):
+    with pytest.raises(PolyampTypeError, match=r"cannot tell which framework 3\.0 \(of type float\)") as caught:
         scaler.scale(3.0)
+    assert f"({', '.join(repr(name) for name in polyamp.backend_specs())})" in str(caught.value)
     assert scaler.backend is None
 
 
@@ -384,3 +385,7 @@ def test_repr_shows_settings() -> None:
     text = repr(LossScaler(growth_interval=5, min_scale=2.0, enabled=True))
     assert text.startswith("LossScaler(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=5")
     assert "min_scale=2.0" in text and "max_scale" not in text and "backend=None" in text
+    # every setting the config has is shown (from the config, so a new setting appears without an edit here)
+    full = repr(LossScaler(min_scale=2.0, max_scale=2.0**20))
+    shown = [part.split("=")[0] for part in full[len("LossScaler(") : -1].split(", ")]
+    assert shown == ["scale", *polyamp.LossScaleConfig.setting_names()[1:], "enabled", "backend"]

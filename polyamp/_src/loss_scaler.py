@@ -99,6 +99,7 @@ class _Record:
         self.storage = storage
         self.host: bool | None = None
 
+
 #: How many iterations a scaler that follows the policy and does not scale asks its device whether the loss was
 #: computed in float16 anyway (a one-time probe; see ``LossScaler._probe_float16``).
 FLOAT16_PROBES: Final = 3
@@ -337,10 +338,11 @@ class LossScaler:
                 raise registry.wrong_object_error(str(self._backend_name), method, obj, "this framework's objects")
             return self._device
         if owner is None:
+            names = ", ".join(repr(name) for name in registry.backend_specs())
             raise PolyampTypeError(
                 f"LossScaler.{method}() cannot tell which framework {describe(obj)} belongs to. Pass a tensor "
-                "or optimizer of PyTorch or TensorFlow, or bind the scaler up front with "
-                "LossScaler(backend='torch') or LossScaler(backend='tensorflow')."
+                f"or optimizer of a framework polyamp has a backend for ({names}), or bind the scaler up front "
+                "with LossScaler(backend=<one of those names>)."
             )
         return self.bind(owner)
 
@@ -554,7 +556,11 @@ class LossScaler:
             ScalerUsageError: the optimizer already stepped in this iteration, has no gradients, or a closure
                 was passed while scaling.
         """
-        if self._style == "tape" or (self._device is None and registry.detect_backend(optimizer) == "tensorflow"):
+        if self._device is None:  # the optimizer's backend decides the loop style
+            owner = registry.detect_backend(optimizer)
+            if owner is not None:
+                self.bind(owner)
+        if self._style == "tape":
             if kwargs.keys() - {"grads_and_vars"} or len(args) + len(kwargs) != 1:
                 raise PolyampTypeError(
                     "A TensorFlow-style step takes (optimizer, grads_and_vars). Received "
@@ -1136,16 +1142,13 @@ class LossScaler:
             self.bind(saved["backend"])
 
     def __repr__(self) -> str:
-        config = self._config
-        bounds = "".join(
+        settings = "".join(
             f", {name}={value!r}"
-            for name, value in (("min_scale", config.min_scale), ("max_scale", config.max_scale))
-            if value is not None
+            for name, value in self._config.settings().items()
+            if name != "init_scale" and value is not None  # the scale stands for it; unset bounds are left out
         )
         return (
-            f"{type(self).__name__}(scale={self.get_scale()!r}, growth_factor={config.growth_factor!r}, "
-            f"backoff_factor={config.backoff_factor!r}, growth_interval={config.growth_interval!r}, "
-            f"hysteresis={config.hysteresis!r}{bounds}, dynamic={config.dynamic!r}, enabled={self._enabled_setting!r}, "
+            f"{type(self).__name__}(scale={self.get_scale()!r}{settings}, enabled={self._enabled_setting!r}, "
             f"backend={self._backend_name!r})"
         )
 

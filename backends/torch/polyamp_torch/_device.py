@@ -149,7 +149,7 @@ class TorchDevice:
             kind = value.device.type
             if torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.float16:
                 return True
-        pending = [value.grad_fn for value in losses if value.grad_fn is not None]
+        pending: list[Any] = [value.grad_fn for value in losses if value.grad_fn is not None]
         seen: set[int] = set()
         while pending and len(seen) < 1024:
             node = pending.pop()
