@@ -78,6 +78,32 @@ def test_bfloat16_guard_skips_the_planted_inf_and_equals_plain_torch_otherwise(
     assert len(warnings) == 1 and "iteration 7: step skipped (non_finite)" in warnings[0]
 
 
+@pytest.mark.parametrize(("policy", "reason"), [("mixed_float16", "overflow"), ("mixed_bfloat16", "non_finite")])
+def test_a_fused_optimizers_skip_names_its_gradients_when_read_before_the_next_iteration(
+    policy: str, reason: str
+) -> None:
+    """A fused optimizer skips on the device (no host read); its non-finite gradients are counted when the
+    records are read before the next iteration opens (step 1), and cannot be after it (step 2)."""
+    model = _model()
+    opt = torch.optim.Adam(model.named_parameters(), lr=0.01, fused=True)
+    scaler = polyamp.LossScaler()
+    with polyamp.policy_scope(policy):
+        for step in range(4):
+            x, y = _batch(step)
+            opt.zero_grad()
+            with polyamp_torch.autocast():
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            if step in (1, 2):
+                model[2].weight.grad[1, 2] = math.nan if step == 1 else math.inf
+            scaler.step(opt)
+            scaler.update()
+            if step == 1:
+                assert scaler.last_record() is not None  # read while its gradients are still there
+    skipped = [(r.iteration, r.reason, [(g.name, g.inf, g.nan, g.size) for g in r.gradients]) for r in scaler.records()]
+    assert [entry for entry in skipped if entry[1]] == [(1, reason, [("2.weight", 0, 1, 64)]), (2, reason, [])]
+
+
 def _adam_state(opt: Any) -> list[Any]:
     return [value for state in opt.state.values() for value in state.values()]
 

@@ -23,6 +23,7 @@ from polyamp._src.backend import (
     GuardingDevice,
     ImperativeDevice,
     ImperativeGuardingDevice,
+    ImperativeProvenanceDevice,
     RecordingDevice,
     ScalerDevice,
     SpikeDevice,
@@ -44,6 +45,7 @@ from polyamp._src.provenance import NonFiniteGradient, non_finite_gradients
 from polyamp._src.records import (
     DEFAULT_HISTORY,
     MODE_CODES,
+    SPIKE_BIT,
     Recorder,
     StepRecord,
     check_guard,
@@ -193,6 +195,8 @@ class LossScaler:
     _host_skip: bool  # a step read its skip to the host
     _host_clean: int  # steps that read "not skipped" to the host
     _iteration_gradients: list[NonFiniteGradient]  # the non-finite gradients of host-known skips
+    _unknown_skips: list[Any]  # optimizers whose skip the device decided this iteration (weak references)
+    _deferred: tuple[int, list[Any]] | None  # the last recorded iteration's such optimizers, until the next opens
     _spike_x: Any  # the spike rule's statistic (device scalar)
     _spike_flag: Any  # the spike rule's decision (device flag)
 
@@ -255,6 +259,7 @@ class LossScaler:
         self._pending = 0  # iterations ended since the records were last read
         self._device: Any = None
         self._can_guard = False
+        self._counts_gradients = False
         self._float16_probes = FLOAT16_PROBES
         self._compiling: Any = None
         self._style: str | None = None
@@ -317,6 +322,7 @@ class LossScaler:
         self._can_guard = isinstance(device, GuardingDevice) and (
             style == "tape" or isinstance(device, ImperativeGuardingDevice)
         )
+        self._counts_gradients = style == "imperative" and isinstance(device, ImperativeProvenanceDevice)
         if self._spike_rule is not None:
             if not isinstance(device, SpikeDevice):
                 raise PolyampTypeError(
@@ -384,6 +390,7 @@ class LossScaler:
         thread = None if compiling is not None and compiling() else threading.get_ident()
         if iteration.enabled is None:
             iteration.enabled = self._decide_enabled(starting=True)
+            self._deferred = None  # a new iteration: the last one's gradients are about to change
             iteration.guarding = not iteration.enabled and self._guards()
             iteration.thread = thread
         elif iteration.thread is None:  # opened inside a compiled region
@@ -805,6 +812,8 @@ class LossScaler:
         self._host_skip = False
         self._host_clean = 0
         self._iteration_gradients = []
+        self._unknown_skips = []
+        self._deferred = None
         self._spike_x = None
         self._spike_flag = None
 
@@ -814,8 +823,11 @@ class LossScaler:
         self._host_clean = 0
         self._iteration_gradients = []
         if self._history is None:
+            self._unknown_skips = []
             return
         self._recorder.attach(self._written, gradients)
+        unknown, self._unknown_skips = self._unknown_skips, []
+        self._deferred = (self._written, unknown) if unknown else None
         self._written += 1
         if spike is None:
             self._device.write_history(self._history, MODE_CODES[mode], flag)
@@ -859,9 +871,31 @@ class LossScaler:
                 for iteration, entries in read_provenance():
                     self._recorder.attach(iteration, non_finite_gradients(entries))
             count, codes = self._device.read_history(self._history)
+            self._attach_deferred(count, codes)
             self._pending = 0
             self._recorder.consume(count, codes, self._config, self._state_or_none)
         return list(self._recorder.records)
+
+    def _attach_deferred(self, count: int, codes: list[int]) -> None:
+        """Name the non-finite gradients of the last recorded iteration when the device decided its skip (a
+        fused optimizer) and no iteration has opened since: its gradients are still there, and counting them now
+        costs the steps that were applied nothing."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        index, optimizers = deferred
+        position = len(codes) - (count - index)
+        if index < self._recorder.read_count or not 0 <= position < len(codes):
+            return  # already recorded, or no longer in the ring
+        code = codes[position]
+        if not code & 1 or code & SPIKE_BIT:
+            return  # applied, or skipped by the spike rule (whose gradients are finite)
+        entries = []
+        for reference in optimizers:
+            optimizer = reference() if isinstance(reference, weakref.ref) else reference
+            if optimizer is not None:
+                entries += self._device.non_finite_gradients(optimizer)
+        self._recorder.attach(index, non_finite_gradients(entries))
 
     def last_record(self) -> StepRecord | None:
         """The record of the last iteration this scaler ended (see `records`), or None before the first."""
@@ -918,9 +952,13 @@ class LossScaler:
             self._host_clean += 1
         if skipped:
             self._host_skip = True
-            count = getattr(self._device, "non_finite_gradients", None)
-            if count is not None and hasattr(optimizer, "param_groups"):  # an imperative device: grads on params
-                self._iteration_gradients += non_finite_gradients(count(optimizer))
+            if self._counts_gradients:
+                self._iteration_gradients += non_finite_gradients(self._device.non_finite_gradients(optimizer))
+        elif skipped is None and self._counts_gradients:  # decided on the device: counted if read in time
+            try:
+                self._unknown_skips.append(weakref.ref(optimizer))
+            except TypeError:
+                self._unknown_skips.append(optimizer)
 
     def _record_of(self, optimizer: Any) -> _Record | None:
         try:
@@ -1129,6 +1167,7 @@ class LossScaler:
         self._written = 0
         self._device = None
         self._can_guard = False
+        self._counts_gradients = False
         self._float16_probes = FLOAT16_PROBES
         self._compiling = None
         self._style = None
