@@ -76,7 +76,11 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: LossScaleConfig) ->
     if missing:
         raise _fail(f"missing keys {missing}; a state dict holds at least {list(_TORCH_KEYS)}.")
     version = state_dict.get("polyamp_format", FORMAT_VERSION)
-    if type(version) is not int or version != FORMAT_VERSION:
+    if type(version) is not int:
+        raise _fail(
+            f"'polyamp_format' must be an int (this polyamp writes {FORMAT_VERSION}). Received: {describe(version)}."
+        )
+    if version != FORMAT_VERSION:
         raise _fail(
             f"polyamp_format={version!r}, but this polyamp reads format {FORMAT_VERSION}. "
             "Upgrade polyamp to read newer checkpoints."
