@@ -59,6 +59,7 @@ from polyamp._src.records import (
     check_history,
     check_on_min_scale,
     ring_codes,
+    ring_values,
 )
 from polyamp._src.registry import (
     ENTRY_POINT_GROUP,
@@ -81,7 +82,7 @@ from polyamp._src.scaling import (
     NotGiven,
     to_float32,
 )
-from polyamp._src.state_dict import FORMAT_VERSION, parse_state_dict, to_state_dict
+from polyamp._src.state_dict import FORMAT_VERSION, parse_spike_window, parse_state_dict, to_state_dict
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -134,10 +135,12 @@ __all__ = [
     "log_forward_report",
     "no_gradients_error",
     "non_finite_gradients",
+    "parse_spike_window",
     "parse_state_dict",
     "register_backend",
     "resolve_enabled",
     "ring_codes",
+    "ring_values",
     "to_float32",
     "to_state_dict",
     "type_error",

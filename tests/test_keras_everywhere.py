@@ -220,6 +220,24 @@ def test_spike_rule_travels_in_the_config() -> None:
         polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), spike={"on": "loss"})
 
 
+def test_spike_window_travels_in_the_state_dict_and_decides_at_once() -> None:
+    rule = polyamp.SpikeRule("grad_norm", window=4, threshold=6.0)
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), spike=rule)
+    state = optimizer.state_dict()
+    assert state["spike_window"] == []
+    optimizer.load_state_dict({**state, "spike_window": [0.5, 1.0, 1.25, 0.75, 1.5]})  # kept until it builds
+    assert optimizer.state_dict()["spike_window"] == [1.0, 1.25, 0.75, 1.5]
+    model = _model()
+    optimizer.build(model.trainable_variables)
+    assert optimizer.state_dict()["spike_window"] == [1.0, 1.25, 0.75, 1.5]
+    x, y = _data(0)
+    _step(model, optimizer, x * 1000.0, y)  # a gradient norm far above 1.125 + 6 * 0.28
+    assert bool(ops.convert_to_numpy(optimizer.last_skipped))
+    assert [r.reason for r in optimizer.records()] == ["grad_spike"]
+    optimizer.load_state_dict({**state, "spike_window": [2.0, 3.0]})
+    assert optimizer.state_dict()["spike_window"] == [2.0, 3.0]
+
+
 def test_spike_rule_on_the_loss_needs_scale_loss_and_is_refused_on_jax() -> None:
     rule = polyamp.SpikeRule("loss", window=4)
     if BACKEND == "jax":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 from typing import Any
@@ -57,7 +58,13 @@ def test_bad_rules_say_what_is_allowed(kwargs: dict[str, Any], fragment: str) ->
 
 
 def _torch_run(
-    rule: SpikeRule, policy: str, bad: tuple[int, ...], inf_at: tuple[int, ...] = (), pickled: bool = False
+    rule: SpikeRule,
+    policy: str,
+    bad: tuple[int, ...],
+    inf_at: tuple[int, ...] = (),
+    pickled: bool = False,
+    resume_at: int | None = None,
+    resume_how: str = "state_dict",
 ) -> dict[str, Any]:
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
@@ -69,6 +76,12 @@ def _torch_run(
     losses, norms, skipped, unchanged = [], [], [], []
     with polyamp.policy_scope(policy):
         for step in range(24):
+            if step == resume_at and resume_how == "pickle":
+                scaler = pickle.loads(pickle.dumps(scaler))
+            elif step == resume_at:  # a new scaler resumes from the state dict, through JSON
+                saved = json.loads(json.dumps(scaler.state_dict()))
+                scaler = polyamp.LossScaler(spike=rule, growth_interval=3)
+                scaler.load_state_dict(saved)
             generator = torch.Generator().manual_seed(step)
             x = torch.randn(16, 8, generator=generator) * (25.0 if step in bad else 1.0)
             y = torch.randint(0, 4, (16,), generator=generator)
@@ -122,6 +135,42 @@ def test_torch_grad_norm_spikes_follow_the_reference(pickled: bool) -> None:
     assert spikes[10] and spikes[17]
     assert run["skipped"] == spikes
     assert [r.reason for r in run["scaler"].records() if r.skipped] == ["grad_spike"] * sum(spikes)
+
+
+@pytest.mark.parametrize("how", ["state_dict", "pickle"])
+def test_the_window_travels_in_state_dicts_and_pickles(how: str) -> None:
+    """Resumed at step 14 (from a state dict, or a pickle taken there), the run decides step 19 exactly as the
+    uninterrupted one: the window came along (an empty one would need 8 new values first)."""
+    rule = SpikeRule("loss", window=8, threshold=4.0)
+    whole = _torch_run(rule, "mixed_float16", bad=(12, 19))
+    resumed = _torch_run(rule, "mixed_float16", bad=(12, 19), resume_at=14, resume_how=how)
+    assert whole["skipped"][19] and resumed["skipped"] == whole["skipped"]
+    window = whole["scaler"].state_dict()["spike_window"]
+    applied = [x for x, skipped in zip(whole["losses"], whole["skipped"], strict=True) if not skipped]
+    assert window == applied[-8:]
+
+
+def test_a_loaded_window_decides_at_once_on_tensorflow_and_bad_windows_are_refused() -> None:
+    tf = pytest.importorskip("tensorflow")
+    rule = SpikeRule("loss", window=4, threshold=3.0)
+    scaler = polyamp.LossScaler(spike=rule, enabled=True, backend="tensorflow")
+    scaler.load_state_dict({**scaler.state_dict(), "spike_window": [0.5, 1.0, 1.1, 0.9, 1.0]})
+    assert scaler.state_dict()["spike_window"] == [1.0, 1.1, 0.9, 1.0]  # the newest `window` values
+    var = tf.Variable([1.0])
+    opt = tf.keras.optimizers.SGD(0.1)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(var * 50.0)
+        scaled = scaler.scale(loss)
+    scaler.apply_gradients(opt, zip(tape.gradient(scaled, [var]), [var]))
+    assert bool(scaler.step_skipped(opt)) and float(var.numpy()[0]) == 1.0
+    before = scaler.state_dict()
+    for bad in (["x"], [math.nan], 3.0):
+        with pytest.raises(polyamp.StateDictError, match="spike_window"):
+            scaler.load_state_dict({**before, "spike_window": bad})
+        assert scaler.state_dict() == before
+    plain = polyamp.LossScaler(enabled=True)  # no rule: a window in the dict is nothing to restore
+    plain.load_state_dict(before)
+    assert "spike_window" not in plain.state_dict()
 
 
 def test_torch_spike_misuse() -> None:

@@ -228,6 +228,14 @@ class SpikeDevice(Protocol):
         the rule alone."""
         ...
 
+    def read_spike_window(self, state: Any) -> list[float]:
+        """The window's values, oldest first (one host read), for state dicts and pickles."""
+        ...
+
+    def write_spike_window(self, state: Any, values: list[float]) -> None:
+        """Make the window hold ``values`` (oldest first, at most the rule's window), the next one after them."""
+        ...
+
 
 @runtime_checkable
 class ImperativeDevice(ScalerDevice, Protocol):

@@ -54,7 +54,7 @@ from polyamp._src.records import (
 )
 from polyamp._src.scaling import NOT_GIVEN, LossScaleConfig, LossScaleState, NotGiven, settings_doc, to_float32
 from polyamp._src.spikes import SpikeRule
-from polyamp._src.state_dict import parse_state_dict, to_state_dict
+from polyamp._src.state_dict import parse_spike_window, parse_state_dict, to_state_dict
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -252,6 +252,7 @@ class LossScaler:
         self._guard_setting = guard
         self._spike_rule = spike
         self._spike_state: Any = None
+        self._spike_window: list[float] | None = None  # a window loaded before the scaler bound
         self._host_state = config.initial_state()
         self._recorder = recorder
         recorder.reanchor(self._host_state)
@@ -330,6 +331,8 @@ class LossScaler:
                     "polyamp.backend_api.SpikeDevice). Construct the LossScaler without spike=."
                 )
             self._spike_state = device.new_spike_state(self._spike_rule)
+            pending, self._spike_window = self._spike_window, None
+            self._write_spike_window(pending)
         return device
 
     @property
@@ -1042,7 +1045,23 @@ class LossScaler:
         a dict saved from one backend resumes on another with the same trajectory. Save it at the start of
         an iteration or after `update`.
         """
-        return to_state_dict(self._config, self.get_state(), self._enabled_setting)
+        return to_state_dict(self._config, self.get_state(), self._enabled_setting, self._read_spike_window())
+
+    def _read_spike_window(self) -> list[float] | None:
+        """The spike rule's window, oldest first (None without a rule; one host read when bound)."""
+        if self._spike_rule is None:
+            return None
+        if self._device is None or self._spike_state is None:
+            return list(self._spike_window or [])
+        return list(self._device.read_spike_window(self._spike_state))
+
+    def _write_spike_window(self, values: list[float] | None) -> None:
+        if values is None or self._spike_rule is None:
+            return
+        if self._device is None or self._spike_state is None:
+            self._spike_window = values  # written into the device's window when the scaler binds
+            return
+        self._device.write_spike_window(self._spike_state, values)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore settings and state from `state_dict` output (polyamp's or torch's GradScaler's).
@@ -1054,6 +1073,7 @@ class LossScaler:
             ScalerUsageError: an iteration is in progress (after a step or unscale, before update).
         """
         config, state = parse_state_dict(state_dict, self._config)
+        window = parse_spike_window(state_dict, None if self._spike_rule is None else self._spike_rule.window)
         self._refuse_mid_iteration("load_state_dict() was called")
         self.records()  # the records so far belong to the state being replaced
         if self._device is not None:
@@ -1061,6 +1081,7 @@ class LossScaler:
         self._config = config
         self._host_state = state
         self._recorder.reanchor(state)
+        self._write_spike_window(window)
 
     def _refuse_mid_iteration(self, what: str) -> None:
         if any(iteration.is_open for iteration in self._iterations.values()):
@@ -1145,6 +1166,7 @@ class LossScaler:
             "history": self._recorder.capacity,
             "state": self.get_state(),
             "backend": self._backend_name,
+            "spike_window": self._read_spike_window(),
         }
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
@@ -1153,6 +1175,7 @@ class LossScaler:
         self._guard_setting = saved.get("guard")
         self._spike_rule = saved.get("spike")
         self._spike_state = None
+        self._spike_window = saved.get("spike_window")
         self._recorder = Recorder(
             saved.get("history", DEFAULT_HISTORY),
             saved.get("on_min_scale", "warn"),

@@ -23,7 +23,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Final, Literal, TypeVar
 
 from polyamp._src.errors import PolyampError, PolyampValueError, describe
 from polyamp._src.provenance import NonFiniteGradient
@@ -42,7 +42,10 @@ __all__ = [
     "check_history",
     "check_on_min_scale",
     "ring_codes",
+    "ring_values",
 ]
+
+T = TypeVar("T")
 
 logger = logging.getLogger("polyamp")
 
@@ -141,12 +144,17 @@ def _fmt(scale: float | None) -> str:
     return f"{scale:g}"
 
 
-def ring_codes(count: int, ring: Sequence[int]) -> list[int]:
-    """The codes a ring holds, oldest first, after ``count`` writes at ``count % len(ring)`` (for a device
-    that keeps the history as a fixed-size ring of codes)."""
+def ring_values(count: int, ring: Sequence[T]) -> list[T]:
+    """The values a ring holds, oldest first, after ``count`` writes at ``count % len(ring)`` (for a device
+    that keeps a history in a fixed-size ring: step codes, the spike rule's window)."""
     capacity = len(ring)
     kept = min(count, capacity)
-    return [int(ring[(count - kept + i) % capacity]) for i in range(kept)]
+    return [ring[(count - kept + i) % capacity] for i in range(kept)]
+
+
+def ring_codes(count: int, ring: Sequence[int]) -> list[int]:
+    """`ring_values` of a ring of step codes, as ints."""
+    return [int(code) for code in ring_values(count, ring)]
 
 
 def check_guard(guard: object) -> bool | None:

@@ -16,13 +16,13 @@ from typing import Any, Final
 from polyamp._src.errors import InvalidConfigError, PolyampTypeError, StateDictError, describe
 from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
 
-__all__ = ["FORMAT_VERSION", "parse_state_dict", "to_state_dict"]
+__all__ = ["FORMAT_VERSION", "parse_spike_window", "parse_state_dict", "to_state_dict"]
 
 FORMAT_VERSION: Final = 1
 #: What torch.amp.GradScaler.state_dict() holds: its scale and tracker, and three of the settings.
 _TORCH_KEYS: Final = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 #: The state (besides the scale and tracker) and the bookkeeping keys; every setting is a key too.
-_STATE_KEYS: Final = ("hysteresis_left", "enabled", "polyamp_format")
+_STATE_KEYS: Final = ("hysteresis_left", "enabled", "polyamp_format", "spike_window")
 
 
 def _known_keys() -> tuple[str, ...]:
@@ -30,9 +30,12 @@ def _known_keys() -> tuple[str, ...]:
     return (*_TORCH_KEYS, *settings, *_STATE_KEYS)
 
 
-def to_state_dict(config: LossScaleConfig, state: LossScaleState, enabled: bool | None) -> dict[str, Any]:
+def to_state_dict(
+    config: LossScaleConfig, state: LossScaleState, enabled: bool | None, spike_window: list[float] | None = None
+) -> dict[str, Any]:
     """The state dict of a scaler: torch's five keys plus every other setting and polyamp's state, as plain
-    Python values. ``enabled`` is the scaler's setting (None: it follows the policy)."""
+    Python values. ``enabled`` is the scaler's setting (None: it follows the policy); ``spike_window``, for a
+    scaler with a `polyamp.SpikeRule`, the statistics in its window, oldest first."""
     settings = config.settings()
     result: dict[str, Any] = {
         "scale": float(state.scale),
@@ -43,7 +46,36 @@ def to_state_dict(config: LossScaleConfig, state: LossScaleState, enabled: bool 
     }
     result.update(settings)
     result.update({"hysteresis_left": int(state.hysteresis_left), "enabled": enabled, "polyamp_format": FORMAT_VERSION})
+    if spike_window is not None:
+        result["spike_window"] = [float(value) for value in spike_window]
     return result
+
+
+def parse_spike_window(state_dict: Mapping[str, Any], window: int | None) -> list[float] | None:
+    """The spike rule's window a state dict carries, validated (None when it carries none), keeping the newest
+    ``window`` values (a loader with a smaller window); ``window`` None: the loader has no spike rule, which
+    takes the dict's window as nothing to restore.
+
+    Raises:
+        StateDictError: ``spike_window`` is not a list of finite numbers.
+    """
+    values = state_dict.get("spike_window")
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__iter__"):
+        raise _fail(f"'spike_window' must be a list of finite numbers. Received: {describe(values)}.")
+    result = []
+    for value in values:
+        try:
+            ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(float(value))
+        except OverflowError:
+            ok = False
+        if not ok:
+            raise _fail(f"'spike_window' must hold finite numbers. Received an entry {describe(value)}.")
+        result.append(float(value))
+    if window is None:
+        return None
+    return result[-window:]
 
 
 def _fail(reason: str) -> StateDictError:

@@ -32,6 +32,7 @@ from polyamp.backend_api import (
     describe,
     detect_backend,
     non_finite_gradients,
+    parse_spike_window,
     parse_state_dict,
     resolve_enabled,
     ring_codes,
@@ -259,6 +260,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self._spike_rule = spike
         self._spike: SpikeWindow | None = None
         self._spike_loss: Any = None  # a loss given to scale_loss before the variables existed
+        self._spike_pending: list[float] | None = None  # a window loaded before the variables existed
         self._spike_loss_given = False
         self._spike_now: tuple[Any, Any] | None = None  # (statistic, gradients finite) of the step being built
 
@@ -348,6 +350,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self._checked_grads: list[Any] | None = None
         if self._spike_rule is not None:
             self._spike = SpikeWindow(self._spike_rule, self.add_variable)
+            if self._spike_pending is not None:
+                self._spike.write(self._spike_pending)
+                self._spike_pending = None
 
     def _count_non_finite(self) -> None:
         """In the branch that skips: each checked gradient's +inf/-inf/NaN counts, for the records."""
@@ -409,7 +414,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
 
     def state_dict(self) -> dict[str, Any]:
         """The loss-scaler state as `polyamp.LossScaler.state_dict` gives it (portable across backends)."""
-        return to_state_dict(self._polyamp_config, self._get_state(), self._polyamp_enabled)
+        window = None
+        if self._spike_rule is not None:
+            window = self._spike.read() if self._spike is not None else list(self._spike_pending or [])
+        return to_state_dict(self._polyamp_config, self._get_state(), self._polyamp_enabled, window)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a polyamp (or torch GradScaler) loss-scaler state dict; validated first, all or nothing.
@@ -420,6 +428,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
                 settings would change after a compiled step traced them.
         """
         config, state = parse_state_dict(state_dict, self._polyamp_config)
+        window = parse_spike_window(state_dict, None if self._spike_rule is None else self._spike_rule.window)
         if config != self._polyamp_config and self._polyamp_traced:
             raise ScalerUsageError(
                 _TRACED_SETTINGS.format(method="load_state_dict()", new=config, old=self._polyamp_config)
@@ -438,6 +447,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         else:
             self.initial_scale = state.scale
         self._recorder.reanchor(state)
+        if window is not None:
+            if self._spike is not None:
+                self._spike.write(window)
+            else:
+                self._spike_pending = window  # written when the optimizer builds
 
     # -- scaling -----------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from polyamp import SpikeRule
+from polyamp.backend_api import ring_values
 from polyamp_keras._gradients import is_sparse
 from polyamp_keras._keras import keras
 from polyamp_keras._rule import counter_dtype
@@ -96,3 +97,14 @@ class SpikeWindow:
         at = ops.logical_and(ops.equal(ops.arange(rule.window, dtype=count.dtype), index), accept)
         self.ring.assign(ops.where(at, ops.cast(x, self.dtype), ops.convert_to_tensor(self.ring)))
         self.count.assign_add(ops.cast(accept, count.dtype))
+
+    def read(self) -> list[float]:
+        """The window's values, oldest first (one host read)."""
+        count = int(ops.convert_to_numpy(self.count))
+        return [float(v) for v in ring_values(count, ops.convert_to_numpy(self.ring).tolist())]
+
+    def write(self, values: list[float]) -> None:
+        """Make the window hold ``values`` (oldest first, at most the rule's window)."""
+        padded = list(values) + [0.0] * (self.rule.window - len(values))
+        self.ring.assign(ops.convert_to_tensor(padded, dtype=self.dtype))
+        self.count.assign(ops.cast(len(values), self.count.dtype))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
-from polyamp.backend_api import SPIKE_BIT, StepOutcome, describe, ring_codes, wrong_object_error
+from polyamp.backend_api import SPIKE_BIT, StepOutcome, describe, ring_codes, ring_values, wrong_object_error
 from polyamp_keras._gradients import all_finite, all_replicas_finite, gradient_counts, refuse_loss_scale_factor, unscale
 from polyamp_keras._rule import ScaleState, advance_on_flag
 from polyamp_tensorflow._framework import keras, tf
@@ -187,6 +187,15 @@ class TensorFlowDevice:
 
     def new_spike_state(self, rule: Any) -> tuple[Any, tf.Variable, tf.Variable]:
         return rule, _variable("spike_window", "float64", [0.0] * rule.window), _variable("spike_count", "int64", 0)
+
+    def read_spike_window(self, state: tuple[Any, tf.Variable, tf.Variable]) -> list[float]:
+        _, ring, count = state
+        return [float(v) for v in ring_values(int(count.numpy()), ring.numpy().tolist())]
+
+    def write_spike_window(self, state: tuple[Any, tf.Variable, tf.Variable], values: list[float]) -> None:
+        rule, ring, count = state
+        ring.assign(list(values) + [0.0] * (rule.window - len(values)))
+        count.assign(len(values))
 
     def spike_statistic(self, loss: Any) -> Any:
         if isinstance(loss, (list, tuple)):

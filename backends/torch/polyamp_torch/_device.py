@@ -31,6 +31,7 @@ from polyamp.backend_api import (
     backend_name_for,
     describe,
     no_gradients_error,
+    ring_values,
     wrong_object_error,
 )
 from polyamp_torch._autocast import float16_regions_entered
@@ -58,17 +59,21 @@ class _History:
 
 
 class _SpikeState:
-    """The spike rule's window on the device: a float64 ring of accepted statistics and their count."""
+    """The spike rule's window on the device: a float64 ring of accepted statistics and their count (made on
+    the statistic's device at first use, from ``values`` when a window was loaded before)."""
 
     def __init__(self, rule: Any) -> None:
         self.rule = rule
         self.ring: torch.Tensor | None = None
         self.count: torch.Tensor | None = None
+        self.values: list[float] = []
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ring is None or self.count is None:
-            self.ring = torch.zeros(self.rule.window, dtype=torch.float64, device=device)
-            self.count = torch.zeros((), dtype=torch.int64, device=device)
+            ring = torch.zeros(self.rule.window, dtype=torch.float64)
+            ring[: len(self.values)] = torch.tensor(self.values, dtype=torch.float64)
+            self.ring = ring.to(device)
+            self.count = torch.tensor(len(self.values), dtype=torch.int64, device=device)
         return self.ring, self.count
 
 
@@ -452,6 +457,18 @@ class TorchDevice:
         count.add_(accept.long())
         only = spike > 0 if overflow is None else (spike > 0) & ~(overflow.to(x.device) > 0)
         return only.float()
+
+    def read_spike_window(self, state: _SpikeState) -> list[float]:
+        if state.ring is None or state.count is None:
+            return list(state.values)
+        return [float(v) for v in ring_values(int(state.count), state.ring.tolist())]
+
+    def write_spike_window(self, state: _SpikeState, values: list[float]) -> None:
+        state.values = list(values)
+        if state.ring is not None:
+            device = state.ring.device
+            state.ring = state.count = None
+            state.on(device)
 
     def skipped_steps(self) -> torch.Tensor:
         if self._state is None:
