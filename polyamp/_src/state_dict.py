@@ -66,16 +66,20 @@ def parse_spike_window(state_dict: Mapping[str, Any], window: int | None) -> lis
         raise _fail(f"'spike_window' must be a list of finite numbers. Received: {describe(values)}.")
     result = []
     for value in values:
-        try:
-            ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(float(value))
-        except OverflowError:
-            ok = False
-        if not ok:
+        if not _finite_number(value):
             raise _fail(f"'spike_window' must hold finite numbers. Received an entry {describe(value)}.")
         result.append(float(value))
     if window is None:
         return None
     return result[-window:]
+
+
+def _finite_number(value: Any) -> bool:
+    """A real number (not a bool) whose float is finite (10**400 is not)."""
+    try:
+        return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def _fail(reason: str) -> StateDictError:
@@ -133,11 +137,7 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: LossScaleConfig) ->
         raise _fail(str(exc)) from exc
 
     scale = state_dict["scale"]
-    try:
-        finite = not isinstance(scale, bool) and isinstance(scale, numbers.Real) and math.isfinite(float(scale))
-    except OverflowError:
-        finite = False
-    if not finite:
+    if not _finite_number(scale):
         raise _fail(f"'scale' must be a finite number. Received: {describe(scale)}.")
     counters = {}
     for key, default in (("_growth_tracker", 0), ("hysteresis_left", config.hysteresis)):
