@@ -15,6 +15,7 @@ ORDER = (
     "keras",
     "scale",
     "guard",
+    "revisions",
     "gpu-syncs",
     "gpu-cuda-graph",
     "gpu-recipe",

@@ -12,14 +12,16 @@ the machine hits both revisions alike. Variants, from identical initial weights:
 * ``TensorFlow tape``: a ``tf.function`` GradientTape step with ``polyamp.LossScaler(enabled=True)``
   (``scale`` / ``apply_gradients``), when TensorFlow is installed.
 
-Reported: per variant, the median over rounds of (head time / base time); 1.00 is no change.
+Reported, per variant: the median over rounds of (head time / base time); 1.00 is no change. The native
+variant runs the same code in both workers, so its ratio shows the noise between the two processes. Also each
+revision's own polyamp/native ratio, measured within one process.
 
-    python benchmarks/revisions.py --base 3609599 --head HEAD
+    python benchmarks/run.py revisions --range 3609599..2844bdc --range 2844bdc..HEAD
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -175,34 +177,70 @@ def compare(base: str, head: str, *, width: int, optimizer: str, rounds: int, st
     return {"head_over_base": ratios, "polyamp_over_native": own, "median_us": medians}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", required=True, help="the earlier revision (a commit, tag or branch)")
-    parser.add_argument("--head", default="HEAD", help="the later revision (default HEAD)")
-    parser.add_argument("--widths", default="64,512")
-    parser.add_argument("--optimizers", default="sgd,adam,adam_fused")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--no-tensorflow", action="store_true")
-    args = parser.parse_args(argv)
-    try:
-        import tensorflow  # noqa: F401
-    except ImportError:
-        args.no_tensorflow = True
-    for width in (int(w) for w in args.widths.split(",")):
-        for optimizer in args.optimizers.split(","):
-            result = compare(
-                args.base,
-                args.head,
-                width=width,
-                optimizer=optimizer,
-                rounds=args.rounds,
-                steps=args.steps,
-                tf=not args.no_tensorflow and optimizer == "sgd",
-            )
-            print(json.dumps({"width": width, "optimizer": optimizer, **result}), flush=True)
-    return 0
+def run(args: Any) -> dict[str, Any]:
+    """The ``revisions`` target of benchmarks/run.py: one table per ``--range BASE..HEAD``."""
+    from benchmarks import _common
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    ranges = args.range or ["HEAD~1..HEAD"]
+    widths = [16] if args.quick else [int(w) for w in args.widths.split(",")]
+    optimizers = ["sgd"] if args.quick else args.optimizers.split(",")
+    rounds, steps = (2, 2) if args.quick else (args.rounds, args.steps)
+    with_tf = not args.quick and importlib.util.find_spec("tensorflow") is not None
+    tables, raw = [], []
+    for revision_range in ranges:
+        base, _, head = revision_range.partition("..")
+        rows = []
+        for width in widths:
+            for optimizer in optimizers:
+                tf = with_tf and optimizer == "sgd"
+                result = compare(
+                    base, head or "HEAD", width=width, optimizer=optimizer, rounds=rounds, steps=steps, tf=tf
+                )
+                ratios, own, medians = result["head_over_base"], result["polyamp_over_native"], result["median_us"]
+                rows.append(
+                    [
+                        f"4 x (Linear {width} + LayerNorm + GELU)" if optimizer == optimizers[0] else "",
+                        optimizer,
+                        f"{medians['base']['polyamp scaler'] / 1000:.3f}",
+                        f"{medians['head']['polyamp scaler'] / 1000:.3f}",
+                        _common.fmt_ratio(ratios["GradScaler"]),
+                        _common.fmt_ratio(ratios["polyamp scaler"]),
+                        _common.fmt_ratio(ratios["TensorFlow tape"]) if "TensorFlow tape" in ratios else "-",
+                        _common.fmt_ratio(own["base"]),
+                        _common.fmt_ratio(own["head"]),
+                    ]
+                )
+                raw.append({"range": revision_range, "width": width, "optimizer": optimizer, **result})
+                print(revision_range, width, optimizer, {k: round(v, 3) for k, v in ratios.items()}, flush=True)
+        tables.append(
+            {
+                "caption": f"{base} -> {head or 'HEAD'}",
+                "columns": [
+                    "model",
+                    "optimizer",
+                    "polyamp ms (base)",
+                    "polyamp ms (head)",
+                    "native head/base",
+                    "polyamp scaler head/base",
+                    "TF tape head/base",
+                    "polyamp/native (base)",
+                    "polyamp/native (head)",
+                ],
+                "rows": rows,
+            }
+        )
+    notes = [
+        f"Each revision in its own worker process (git archive), {rounds} interleaved rounds of {steps} steps per "
+        "variant; ratios are medians over rounds. The native column runs identical code in both workers: its "
+        "spread is the noise between two processes.",
+        "float16 torch.autocast region in every variant, so only the loss-scaler code differs between revisions.",
+    ]
+    return _common.result(
+        "revisions",
+        "The same training step on two revisions (did a change slow the step down?)",
+        quick=args.quick,
+        env=_common.environment("cpu", threads=2),
+        tables=tables,
+        notes=notes,
+        raw=raw,
+    )

@@ -6,7 +6,8 @@ CPU targets (run here, results in benchmarks/RESULTS.md):
     python benchmarks/run.py keras         # GradientTape step (tf.function, XLA) and model.fit steps/s
     python benchmarks/run.py scale         # per-step overhead as the model grows, plus a PNG plot
     python benchmarks/run.py guard         # the bfloat16 guard's and the step records' cost
-    python benchmarks/run.py cpu           # the three above, each in its own process, then `report`
+    python benchmarks/run.py cpu           # the four above, each in its own process, then `report`
+    python benchmarks/run.py revisions --range BASE..HEAD   # the same step on two revisions of polyamp
 
 CUDA targets (need a CUDA device; benchmarks/gpu_suite.sh runs them all):
 
@@ -97,6 +98,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-step-seconds", type=float, default=20.0, help="stop growing past this step time")
     p.add_argument("--plot", default=None, help="PNG path (default: <out>/scale.png; full runs only)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="as for torch-cpu")
+    p = target("revisions", "the same step on two revisions, each imported in its own worker process")
+    p.add_argument("--range", action="append", help="BASE..HEAD (repeatable; default HEAD~1..HEAD)")
+    p.add_argument("--widths", default="64,512")
+    p.add_argument("--optimizers", default="sgd,adam,adam_fused")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--steps", type=int, default=30, help="steps per variant per round")
     for name in GPU_TARGETS:
         p = target(name, GPU_HELP[name])
         p.add_argument("--rounds", type=int, default=11)
@@ -162,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import scale
 
         _common_write(scale.run(args), args)
+    elif args.target == "revisions":
+        from benchmarks import revisions
+
+        _common_write(revisions.run(args), args)
     else:
         from benchmarks import gpu
 

@@ -82,16 +82,14 @@ def test_gpu_targets_refuse_to_run_without_cuda(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_revisions_times_two_revisions_side_by_side() -> None:
+def test_revisions_times_two_revisions_side_by_side(tmp_path: Path) -> None:
     """Each revision's own code runs in its worker (the worker checks where polyamp came from)."""
     pytest.importorskip("torch")
     if subprocess.run(["git", "rev-parse", "HEAD~1"], cwd=ROOT, capture_output=True).returncode != 0:
         pytest.skip("needs a git checkout with history")
-    command = [sys.executable, str(ROOT / "benchmarks" / "revisions.py"), "--base", "HEAD~1", "--head", "HEAD"]
-    command += ["--widths", "16", "--optimizers", "sgd", "--rounds", "2", "--steps", "2", "--no-tensorflow"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    row = json.loads(result.stdout.strip().splitlines()[-1])
-    assert (row["width"], row["optimizer"]) == (16, "sgd")
-    assert set(row["head_over_base"]) == {"GradScaler", "polyamp scaler"}
-    assert all(value > 0 for value in row["head_over_base"].values())
+    run("revisions", "--quick", "--range", "HEAD~1..HEAD", "--out", str(tmp_path))
+    payload = load(tmp_path / "revisions-quick.json")
+    (table,) = payload["tables"]
+    assert table["caption"] == "HEAD~1 -> HEAD" and [row[1] for row in table["rows"]] == ["sgd"]
+    (entry,) = payload["raw"]
+    assert set(entry["head_over_base"]) == {"GradScaler", "polyamp scaler"}
