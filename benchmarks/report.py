@@ -13,6 +13,7 @@ from typing import Any
 ORDER = (
     "torch-cpu",
     "keras",
+    "keras-backends",
     "scale",
     "guard",
     "revisions",

@@ -4,9 +4,10 @@ CPU targets (run here, results in benchmarks/RESULTS.md):
 
     python benchmarks/run.py torch-cpu     # eager step time, polyamp vs torch.autocast + GradScaler
     python benchmarks/run.py keras         # GradientTape step (tf.function, XLA) and model.fit steps/s
+    python benchmarks/run.py keras-backends  # model.fit steps/s on Keras's JAX and PyTorch backends
     python benchmarks/run.py scale         # per-step overhead as the model grows, plus a PNG plot
     python benchmarks/run.py guard         # the bfloat16 guard's and the step records' cost
-    python benchmarks/run.py cpu           # the four above, each in its own process, then `report`
+    python benchmarks/run.py cpu           # the five above, each in its own process, then `report`
     python benchmarks/run.py revisions --range BASE..HEAD   # the same step on two revisions of polyamp
 
 CUDA targets (need a CUDA device; benchmarks/gpu_suite.sh runs them all):
@@ -37,7 +38,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/run.py` from anywhere: `benc
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-CPU_TARGETS = ("torch-cpu", "keras", "scale", "guard")
+CPU_TARGETS = ("torch-cpu", "keras", "keras-backends", "scale", "guard")
 GPU_TARGETS = ("gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16")
 GPU_HELP = {
     "gpu-syncs": "host-device syncs per step, polyamp vs GradScaler, per optimizer",
@@ -86,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
         help="wall time, or the process's CPU time with TensorFlow on one thread (its float16 kernels without "
         "XLA are then far slower than with its default pools, so `cpu` keeps keras on wall time)",
     )
+    p = target("keras-backends", "model.fit on Keras's JAX and PyTorch backends, polyamp vs Keras's LSO")
+    p.add_argument("--rounds", type=int, default=11)
     p = target("guard", "the bfloat16 guard and the step records, vs plain torch and GradScaler")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--rounds", type=int, default=41)
@@ -123,9 +126,10 @@ def _run_cpu(args: argparse.Namespace) -> int:
         command = [sys.executable, str(Path(__file__).resolve()), name, "--out", args.out]
         if args.quick:
             command.append("--quick")
-        if args.threads and name != "keras":
+        keras_target = name.startswith("keras")
+        if args.threads and not keras_target:
             command += ["--threads", str(args.threads)]
-        if args.clock != "wall" and name != "keras":  # one-thread TensorFlow is not representative
+        if args.clock != "wall" and not keras_target:  # one-thread TensorFlow is not representative
             command += ["--clock", args.clock]
         print("::", " ".join(command[1:]), flush=True)
         code = subprocess.run(command, check=False).returncode
@@ -161,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import keras_step
 
         _common_write(keras_step.run(args), args)
+    elif args.target == "keras-backends":
+        from benchmarks import keras_backends
+
+        _common_write(keras_backends.run(args), args)
     elif args.target == "guard":
         from benchmarks import guard
 

@@ -37,6 +37,7 @@ def load(path: Path) -> dict[str, Any]:
         ("scale", "torch"),
         ("guard", "torch"),
         ("keras", "tensorflow"),
+        ("keras-backends", "keras"),
         ("gpu-recipe", "torch"),
         ("gpu-compiled", "torch"),
         ("gpu-bf16", "torch"),
@@ -63,7 +64,16 @@ def test_report_renders_full_results_and_marks_the_rest_not_yet_measured(tmp_pat
     text = output.read_text()
     assert quick["title"] in text and quick["command"] in text
     assert "| model | optimizer | native ms |" in text
-    for target in ("keras", "scale", "gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16"):
+    for target in (
+        "keras",
+        "keras-backends",
+        "scale",
+        "gpu-syncs",
+        "gpu-cuda-graph",
+        "gpu-recipe",
+        "gpu-compiled",
+        "gpu-bf16",
+    ):
         assert f"Not yet measured: `python benchmarks/run.py {target}`" in text
 
 
