@@ -11,8 +11,9 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
   `ImperativeGuardingDevice` (the guard), `ProvenanceDevice` / `ImperativeProvenanceDevice` (which gradients
   were non-finite) and `SpikeDevice` (`polyamp.SpikeRule`), which the core uses when present;
 * optionally a conformance harness (see `polyamp.conformance.Harness`) named in the spec;
-* optionally a forward watch: the framework's layer calls as `WatchedCall` records, which `forward_report`
-  turns into a `polyamp.ForwardReport` (the decision of which layer produced a non-finite output is the core's).
+* optionally a forward watch: the framework's layer calls fed to a `ForwardPass` (which checks each tensor once
+  and assembles the `WatchedCall` records), which `forward_report` turns into a `polyamp.ForwardReport` (the
+  decision of which layer produced a non-finite output is the core's).
 
 `polyamp.LossScaler` owns the semantics (stages, misuse errors, skip records, the enabled rule, state
 dicts); the device form only performs device operations. The helpers below give backends the same
@@ -40,6 +41,7 @@ from polyamp._src.enabling import check_enabled, resolve_enabled
 from polyamp._src.errors import describe, type_error
 from polyamp._src.forward_watch import (
     LOGGER_NAME,
+    ForwardPass,
     WatchedCall,
     check_watch_every,
     forward_report,
@@ -96,6 +98,7 @@ __all__ = [
     "Backend",
     "BackendSpec",
     "Flag",
+    "ForwardPass",
     "FunctionalDevice",
     "FunctionalLossScaler",
     "GradientCounts",

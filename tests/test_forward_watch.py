@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import pytest
 
 import polyamp
 from polyamp import ForwardReport, NonFiniteOutput, PolyampTypeError, PolyampValueError
-from polyamp.backend_api import WatchedCall, forward_report
+from polyamp.backend_api import ForwardPass, WatchedCall, forward_report
 
 HERE = Path(__file__).resolve()
 SUBPROCESS = os.environ.get("POLYAMP_FORWARD_WATCH_SUBPROCESS") == "1"
@@ -92,6 +93,42 @@ def test_core_message_lists_five_propagating_calls_then_a_count() -> None:
     report = forward_report(calls)
     assert report is not None and len(report.propagated) == 8
     assert "; and 3 more (all in the report's propagated)." in report.message() and "'c6'" not in report.message()
+
+
+def test_core_forward_pass_assembles_the_calls_a_backend_sees() -> None:
+    """ForwardPass, framework-free (lists of floats as tensors): each tensor checked once by identity, a
+    version change checks it again, calls nest by begin/end, and the report counts only non-finite outputs."""
+    versions: dict[int, int] = {}
+    checked: list[list[float]] = []
+
+    def check(values: list[float]) -> bool:
+        checked.append(values)
+        return all(math.isfinite(v) for v in values)
+
+    x, hidden, out = [1.0, 2.0], [math.inf, 1.0], [math.nan, math.inf, -math.inf]
+    forward = ForwardPass(3, check, version=lambda t: versions.get(id(t), 0))
+    forward.begin("model", "", [x])
+    forward.begin("dense", "dense", [x])  # x again: no second check
+    forward.end("dense", [hidden])
+    forward.begin("head", "head", [hidden])
+    forward.end("other", [out])  # not the innermost open call: ignored
+    forward.end("head", [out])
+    versions[id(out)] = 1  # changed in place after its check: checked again
+    forward.end("model", [out])
+    assert checked == [x, hidden, out, out]
+    assert forward.report([True] * len(forward.checks), size=len, dtype=lambda t: "float32", counts=len) is None
+    report = forward.report(
+        [bool(c) for c in forward.checks],
+        size=len,
+        dtype=lambda t: "float16",
+        counts=lambda t: [sum(v == math.inf for v in t), sum(v == -math.inf for v in t), sum(v != v for v in t)],
+    )
+    assert report is not None and report.step == 3
+    assert (report.producer.path, report.producer.inf, report.producer.size) == ("dense", 1, 2)
+    assert [(o.path, o.inf, o.neg_inf, o.nan, o.exact) for o in report.propagated] == [
+        ("head", 1, 1, 1, False),  # its output changed after its check: counted as it is now, not exact
+        ("", 1, 1, 1, True),  # checked again after the change
+    ]
 
 
 def test_core_records_refuse_bad_values() -> None:

@@ -18,14 +18,15 @@ pickled without the framework.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from polyamp._src.errors import PolyampValueError
 
 __all__ = [
     "LOGGER_NAME",
+    "ForwardPass",
     "ForwardReport",
     "NonFiniteOutput",
     "WatchedCall",
@@ -267,3 +268,97 @@ def check_watch_every(every: object) -> int:
 def join_dtype_names(names: Sequence[str]) -> str:
     """Distinct dtype names in first-seen order, joined with ``"/"``."""
     return "/".join(dict.fromkeys(names))
+
+
+class ForwardPass:
+    """One watched forward pass, as a backend sees it: the layer calls as they begin and return, each tensor
+    checked once; `report` turns them into `WatchedCall` records for `forward_report`.
+
+    The backend gives ``check(tensor)``, its device-side finiteness check (no host read), and optionally
+    ``version(tensor)``, so that a tensor changed in place since its check is checked again (without it a
+    tensor is checked once, by identity). It calls `begin` and `end` around each layer call, reads `checks`
+    to the host once when the model's call returns, and passes the result to `report`.
+    """
+
+    def __init__(
+        self, step: int, check: Callable[[Any], Any], version: Callable[[Any], Hashable] | None = None
+    ) -> None:
+        self.step = step
+        #: The device checks, in the order they were made; `report` takes one bool per entry.
+        self.checks: list[Any] = []
+        self._check = check
+        self._version = version
+        self._started = 0
+        self._seen: dict[int, tuple[Any, Hashable, int]] = {}  # id -> (tensor, version, check index)
+        self._frames: list[tuple[Any, str, int, list[int]]] = []  # the calls begun and not yet returned
+        # The returned calls: path, start index, input checks, output checks, (output, version at its check).
+        self._calls: list[tuple[str, int, list[int], list[int], list[tuple[Any, Hashable]]]] = []
+
+    def _checked(self, tensor: Any) -> int:
+        version = None if self._version is None else self._version(tensor)
+        entry = self._seen.get(id(tensor))
+        if entry is not None and entry[0] is tensor and entry[1] == version:
+            return entry[2]
+        index = len(self.checks)
+        self.checks.append(self._check(tensor))
+        self._seen[id(tensor)] = (tensor, version, index)
+        return index
+
+    def begin(self, key: Any, path: str, inputs: Iterable[Any]) -> None:
+        """A call of the layer ``key`` (its ``path``) begins, with these floating input tensors."""
+        checks = [self._checked(tensor) for tensor in inputs]
+        self._frames.append((key, path, self._started, checks))
+        self._started += 1
+
+    def end(self, key: Any, outputs: Iterable[Any]) -> None:
+        """The call of ``key`` returns these floating output tensors (ignored unless it is the innermost open
+        call: a hook of a call that began outside the pass)."""
+        if not self._frames or self._frames[-1][0] is not key:
+            return
+        _, path, started, inputs = self._frames.pop()
+        tensors = list(outputs)
+        checks = [self._checked(tensor) for tensor in tensors]
+        self._calls.append((path, started, inputs, checks, [(t, self._seen[id(t)][1]) for t in tensors]))
+
+    def report(
+        self,
+        finite: Sequence[bool],
+        *,
+        size: Callable[[Any], int],
+        dtype: Callable[[Any], str],
+        counts: Callable[[Any], Sequence[int]],
+    ) -> ForwardReport | None:
+        """The pass's `ForwardReport` (None when every check was finite), from ``finite`` (one bool per entry of
+        `checks`), each output's ``size`` and ``dtype`` name, and the ``counts`` (+inf, -inf, NaN) of the
+        outputs that were not finite (counted only for those)."""
+        if all(finite):
+            return None
+        calls = []
+        for path, started, inputs, outputs, tensors in self._calls:
+            output_finite = all(finite[i] for i in outputs)
+            found = [0, 0, 0]
+            total, dtypes, exact = 0, [], True
+            for (tensor, version), index in zip(tensors, outputs, strict=True):
+                total += size(tensor)
+                if finite[index]:
+                    continue
+                found = [a + int(b) for a, b in zip(found, counts(tensor), strict=True)]
+                dtypes.append(dtype(tensor))
+                exact = exact and (self._version is None or self._version(tensor) == version)
+            if output_finite:
+                dtypes = [dtype(tensor) for tensor, _ in tensors]
+            calls.append(
+                WatchedCall(
+                    path,
+                    started,
+                    inputs_finite=all(finite[i] for i in inputs),
+                    output_finite=output_finite,
+                    inf=found[0],
+                    neg_inf=found[1],
+                    nan=found[2],
+                    dtype=join_dtype_names(dtypes),
+                    size=total,
+                    exact=exact,
+                )
+            )
+        return forward_report(calls, step=self.step)

@@ -24,15 +24,7 @@ from typing import Any
 from keras.src.utils import backend_utils, jax_utils
 
 from polyamp import ForwardReport, PolyampTypeError
-from polyamp.backend_api import (
-    LOGGER_NAME,
-    WatchedCall,
-    check_watch_every,
-    describe,
-    forward_report,
-    join_dtype_names,
-    log_forward_report,
-)
+from polyamp.backend_api import LOGGER_NAME, ForwardPass, check_watch_every, describe, log_forward_report
 from polyamp_keras._gradients import non_finite_counts
 from polyamp_keras._keras import keras
 
@@ -87,61 +79,24 @@ def _layers_with_paths(model: Any) -> list[tuple[Any, str]]:
     return found
 
 
-class _Forward:
-    """The checks of one watched forward pass."""
+def _check(tensor: Any) -> Any:
+    """A tensor's finiteness check: a boolean scalar on the backend's device (no host read)."""
+    return ops.all(ops.isfinite(tensor))
 
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.started = 0
-        self.checks: list[Any] = []
-        self.seen: dict[int, tuple[Any, int]] = {}  # id -> (tensor, check index); Keras tensors are immutable
-        self.frames: list[tuple[str, int, list[int]]] = []
-        self.calls: list[tuple[str, int, list[int], list[int], list[Any]]] = []
 
-    def check(self, tensor: Any) -> int:
-        entry = self.seen.get(id(tensor))
-        if entry is not None and entry[0] is tensor:
-            return entry[1]
-        index = len(self.checks)
-        self.checks.append(ops.all(ops.isfinite(tensor)))
-        self.seen[id(tensor)] = (tensor, index)
-        return index
-
-    def report(self) -> ForwardReport | None:
-        if not self.checks:
-            return None
-        flags = ops.stack(self.checks)
-        if bool(ops.convert_to_numpy(ops.all(flags))):  # the one read of the fast path
-            return None
-        finite = [bool(f) for f in ops.convert_to_numpy(flags).tolist()]
-        calls = []
-        for path, started, inputs, outputs, tensors in self.calls:
-            counts = [0, 0, 0]
-            size, dtypes = 0, []
-            for tensor, index in zip(tensors, outputs, strict=True):
-                size += int(ops.size(tensor))
-                if finite[index]:
-                    continue
-                found = non_finite_counts(tensor)
-                counts = [a + int(b) for a, b in zip(counts, ops.convert_to_numpy(found).tolist(), strict=True)]
-                dtypes.append(_dtype(tensor))
-            output_finite = all(finite[i] for i in outputs)
-            if output_finite:
-                dtypes = [_dtype(t) for t in tensors]
-            calls.append(
-                WatchedCall(
-                    path,
-                    started,
-                    inputs_finite=all(finite[i] for i in inputs),
-                    output_finite=output_finite,
-                    inf=counts[0],
-                    neg_inf=counts[1],
-                    nan=counts[2],
-                    dtype=join_dtype_names(dtypes),
-                    size=size,
-                )
-            )
-        return forward_report(calls, step=self.step)
+def _report(forward: ForwardPass) -> ForwardReport | None:
+    """The pass's report: the checks read with one conversion to NumPy (two only when one is non-finite)."""
+    if not forward.checks:
+        return None
+    flags = ops.stack(forward.checks)
+    if bool(ops.convert_to_numpy(ops.all(flags))):  # the one read of the fast path
+        return None
+    return forward.report(
+        [bool(f) for f in ops.convert_to_numpy(flags).tolist()],
+        size=lambda t: int(ops.size(t)),
+        dtype=_dtype,
+        counts=lambda t: ops.convert_to_numpy(non_finite_counts(t)).tolist(),
+    )
 
 
 class ForwardWatch:
@@ -158,7 +113,7 @@ class ForwardWatch:
         self._forwards = 0
         self._traced = 0
         self._depth = 0
-        self._forward: _Forward | None = None
+        self._forward: ForwardPass | None = None
         self._last: ForwardReport | None = None
         self._wrapped: list[tuple[Any, Any, Any]] = []  # (layer, its previous instance `call` or None, wrapper)
         for layer, path in _layers_with_paths(model):
@@ -181,7 +136,7 @@ class ForwardWatch:
         object.__setattr__(layer, "call", watched_call)  # an instance attribute, outside Keras's tracking
         self._wrapped.append((layer, previous, watched_call))
 
-    def _begin(self, layer: Any, path: str, root: bool, args: Any, kwargs: Any) -> _Forward | None:
+    def _begin(self, layer: Any, path: str, root: bool, args: Any, kwargs: Any) -> ForwardPass | None:
         if root:
             if self._depth == 0:
                 tensors = _float_tensors((args, kwargs))
@@ -196,28 +151,23 @@ class ForwardWatch:
                         )
                 else:
                     if self._forwards % self.every == 0:
-                        self._forward = _Forward(self._forwards)
+                        self._forward = ForwardPass(self._forwards, _check)
                     self._forwards += 1
             self._depth += 1
         forward = self._forward
         if forward is None:
             return None
-        inputs = [forward.check(t) for t in _float_tensors((args, kwargs))]
-        forward.frames.append((path, forward.started, inputs))
-        forward.started += 1
+        forward.begin(layer, path, _float_tensors((args, kwargs)))
         return forward
 
-    def _end(self, layer: Any, root: bool, forward: _Forward | None, output: Any) -> None:
-        if forward is not None and forward is self._forward and forward.frames:
-            path, started, inputs = forward.frames.pop()
-            tensors = _float_tensors(output)
-            outputs = [forward.check(t) for t in tensors]
-            forward.calls.append((path, started, inputs, outputs, tensors))
+    def _end(self, layer: Any, root: bool, forward: ForwardPass | None, output: Any) -> None:
+        if forward is not None and forward is self._forward:
+            forward.end(layer, _float_tensors(output))
         if root:
             self._depth -= 1
             if self._depth == 0 and self._forward is not None:
                 finished, self._forward = self._forward, None
-                self._last = finished.report()
+                self._last = _report(finished)
                 log_forward_report(self._last, _logger)
 
     def report(self) -> ForwardReport | None:

@@ -23,15 +23,7 @@ from typing import Any
 import torch
 
 from polyamp import ForwardReport, PolyampTypeError
-from polyamp.backend_api import (
-    LOGGER_NAME,
-    WatchedCall,
-    check_watch_every,
-    describe,
-    forward_report,
-    join_dtype_names,
-    log_forward_report,
-)
+from polyamp.backend_api import LOGGER_NAME, ForwardPass, check_watch_every, describe, log_forward_report
 from polyamp_torch._gradients import non_finite_counts
 
 __all__ = ["ForwardWatch", "watch_forward"]
@@ -57,78 +49,34 @@ def _version(tensor: torch.Tensor) -> int:
     return -1 if tensor.is_inference() else tensor._version
 
 
-class _Forward:
-    """The checks of one watched forward pass."""
+def _check(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tensor's finiteness check on its device: its min and max (one kernel, no host read)."""
+    with torch.no_grad():
+        return torch.aminmax(tensor.detach())
 
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.started = 0
-        self.checks: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.seen: dict[int, tuple[torch.Tensor, int, int]] = {}  # id -> (tensor, version, check index)
-        self.frames: list[tuple[torch.nn.Module, str, int, list[int]]] = []  # open calls
-        # Returned calls: path, started, input checks, output checks, (tensor, version) of the outputs.
-        self.calls: list[tuple[str, int, list[int], list[int], list[tuple[torch.Tensor, int]]]] = []
 
-    def check(self, tensor: torch.Tensor) -> int:
-        version = _version(tensor)
-        entry = self.seen.get(id(tensor))
-        if entry is not None and entry[0] is tensor and entry[1] == version:
-            return entry[2]
-        index = len(self.checks)
-        with torch.no_grad():
-            self.checks.append(torch.aminmax(tensor.detach()))
-        self.seen[id(tensor)] = (tensor, version, index)
-        return index
+def _finite(checks: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
+    """Each check's result: one host read per device (all True on the fast path)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for index, (low, _) in enumerate(checks):
+        by_device.setdefault(low.device, []).append(index)
+    finite = [True] * len(checks)
+    for indices in by_device.values():
+        values = torch.isfinite(torch.stack([v for i in indices for v in checks[i]]))
+        if bool(values.all()):
+            continue
+        for i, ok in zip(indices, values.view(-1, 2).all(dim=1).tolist(), strict=True):
+            finite[i] = bool(ok)
+    return finite
 
-    def finite(self) -> list[bool] | None:
-        """Each check's result, or None when all were finite: one host sync per device."""
-        by_device: dict[torch.device, list[int]] = {}
-        for index, (low, _) in enumerate(self.checks):
-            by_device.setdefault(low.device, []).append(index)
-        finite: list[bool] | None = None
-        for indices in by_device.values():
-            values = torch.isfinite(torch.stack([v for i in indices for v in self.checks[i]]))
-            if bool(values.all()):
-                continue
-            finite = finite or [True] * len(self.checks)
-            for i, ok in zip(indices, values.view(-1, 2).all(dim=1).tolist(), strict=True):
-                finite[i] = bool(ok)
-        return finite
 
-    def report(self) -> ForwardReport | None:
-        finite = self.finite() if self.checks else None
-        if finite is None:
-            return None
-        calls = []
-        for path, started, inputs, outputs, tensors in self.calls:
-            output_finite = all(finite[i] for i in outputs)
-            counts = [0, 0, 0]
-            size, dtypes, exact = 0, [], True
-            for (tensor, version), index in zip(tensors, outputs, strict=True):
-                size += tensor.numel()
-                if finite[index]:
-                    continue
-                found = non_finite_counts(tensor.detach())
-                counts = [a + b for a, b in zip(counts, found.tolist(), strict=True)]
-                dtypes.append(str(tensor.dtype).removeprefix("torch."))
-                exact = exact and _version(tensor) == version
-            if output_finite:
-                dtypes = [str(t.dtype).removeprefix("torch.") for t, _ in tensors]
-            calls.append(
-                WatchedCall(
-                    path,
-                    started,
-                    inputs_finite=all(finite[i] for i in inputs),
-                    output_finite=output_finite,
-                    inf=counts[0],
-                    neg_inf=counts[1],
-                    nan=counts[2],
-                    dtype=join_dtype_names(dtypes),
-                    size=size,
-                    exact=exact,
-                )
-            )
-        return forward_report(calls, step=self.step)
+def _report(forward: ForwardPass) -> ForwardReport | None:
+    return forward.report(
+        _finite(forward.checks),
+        size=lambda t: t.numel(),
+        dtype=lambda t: str(t.dtype).removeprefix("torch."),
+        counts=lambda t: non_finite_counts(t.detach()).tolist(),
+    )
 
 
 class ForwardWatch:
@@ -144,7 +92,7 @@ class ForwardWatch:
         self.model = model
         self._forwards = 0
         self._depth = 0
-        self._forward: _Forward | None = None
+        self._forward: ForwardPass | None = None
         self._last: ForwardReport | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for path, module in model.named_modules():
@@ -160,31 +108,26 @@ class ForwardWatch:
             if root:
                 if self._depth == 0:
                     if self._forwards % self.every == 0:
-                        self._forward = _Forward(self._forwards)
+                        self._forward = ForwardPass(self._forwards, _check, _version)
                     self._forwards += 1
                 self._depth += 1
             forward = self._forward
             if forward is None:  # an unwatched forward, or a module called outside the model's call
                 return
-            inputs = [forward.check(t) for t in _float_tensors((args, kwargs))]
-            forward.frames.append((module, path, forward.started, inputs))
-            forward.started += 1
+            forward.begin(module, path, _float_tensors((args, kwargs)))
 
         return pre_hook
 
     def _hook(self, root: bool) -> Any:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             forward = self._forward
-            if forward is not None and forward.frames and forward.frames[-1][0] is module:
-                _, path, started, inputs = forward.frames.pop()
-                tensors = list(_float_tensors(output))
-                outputs = [forward.check(t) for t in tensors]
-                forward.calls.append((path, started, inputs, outputs, [(t, forward.seen[id(t)][1]) for t in tensors]))
+            if forward is not None:
+                forward.end(module, _float_tensors(output))
             if root:
                 self._depth -= 1
                 if self._depth == 0 and forward is not None:
                     self._forward = None
-                    self._last = forward.report()
+                    self._last = _report(forward)
                     log_forward_report(self._last, _logger)
 
         return hook
