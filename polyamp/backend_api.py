@@ -84,6 +84,7 @@ from polyamp._src.scaling import (
     NotGiven,
     to_float32,
 )
+from polyamp._src.spikes import check_spike
 from polyamp._src.state_dict import FORMAT_VERSION, parse_spike_window, parse_state_dict, to_state_dict
 
 __all__ = [
@@ -127,6 +128,7 @@ __all__ = [
     "check_guard",
     "check_history",
     "check_on_min_scale",
+    "check_spike",
     "check_watch_every",
     "describe",
     "detect_backend",

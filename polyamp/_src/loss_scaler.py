@@ -53,7 +53,7 @@ from polyamp._src.records import (
     check_on_min_scale,
 )
 from polyamp._src.scaling import NOT_GIVEN, LossScaleConfig, LossScaleState, NotGiven, settings_doc, to_float32
-from polyamp._src.spikes import SpikeRule
+from polyamp._src.spikes import SpikeRule, check_spike
 from polyamp._src.state_dict import parse_spike_window, parse_state_dict, to_state_dict
 
 if TYPE_CHECKING:
@@ -221,8 +221,7 @@ class LossScaler:
         self._take_options(arguments)
         enabled = check_enabled(arguments.pop("enabled", self.default_enabled))
         guard = check_guard(guard)
-        if spike is not None and not isinstance(spike, SpikeRule):
-            raise type_error("`spike`", "None or a polyamp.SpikeRule, e.g. SpikeRule('loss', window=128)", spike)
+        spike = check_spike(spike)
         recorder = Recorder(
             check_history(history), check_on_min_scale(on_min_scale), spike.reason if spike else "loss_spike"
         )

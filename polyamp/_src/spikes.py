@@ -22,10 +22,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from polyamp._src.errors import PolyampValueError, describe
+from polyamp._src.errors import PolyampValueError, describe, type_error
 from polyamp._src.records import SkipReason
 
-__all__ = ["SpikeRule"]
+__all__ = ["SpikeRule", "check_spike"]
 
 _ON = ("loss", "grad_norm")
 
@@ -116,3 +116,10 @@ class SpikeRule:
                 if len(window) > self.window:
                     window.pop(0)
         return result
+
+
+def check_spike(spike: object) -> SpikeRule | None:
+    """Validate a ``spike`` argument: None or a `SpikeRule`."""
+    if spike is not None and not isinstance(spike, SpikeRule):
+        raise type_error("`spike`", "None or a polyamp.SpikeRule, e.g. SpikeRule('loss', window=128)", spike)
+    return spike

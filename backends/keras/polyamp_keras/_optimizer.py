@@ -29,6 +29,7 @@ from polyamp.backend_api import (
     check_guard,
     check_history,
     check_on_min_scale,
+    check_spike,
     describe,
     detect_backend,
     non_finite_gradients,
@@ -759,18 +760,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
 
 
 def _check_spike(spike: Any) -> SpikeRule | None:
-    if spike is not None and not isinstance(spike, SpikeRule):
-        raise PolyampTypeError(
-            f"`spike` must be None or a polyamp.SpikeRule, e.g. SpikeRule('grad_norm', window=128). Received: "
-            f"{describe(spike)}."
-        )
-    if spike is not None and spike.on == "loss" and keras.backend.backend() == "jax":
+    rule = check_spike(spike)
+    if rule is not None and rule.on == "loss" and keras.backend.backend() == "jax":
         raise PolyampValueError(
             "LossScaleOptimizer(spike=SpikeRule('loss')) cannot run on Keras's JAX backend: there the loss is "
             "scaled inside the gradient's trace (model.fit, jax.value_and_grad), so the optimizer never holds its "
             "value. Use SpikeRule('grad_norm', ...), which decides on the gradients the optimizer receives."
         )
-    return spike
+    return rule
 
 
 def _several_replicas() -> bool:

@@ -32,9 +32,10 @@ def statistic_dtype() -> str:
 
 class SpikeWindow:
     """The rule's window (a ring of the last ``rule.window`` accepted statistics and their count) and, for
-    ``on="loss"``, the iteration's loss, as optimizer variables made by ``add_variable``."""
+    ``on="loss"`` with ``holds_loss``, the iteration's loss, as variables made by ``add_variable`` (Keras's
+    ``Optimizer.add_variable`` signature)."""
 
-    def __init__(self, rule: SpikeRule, add_variable: Callable[..., Any]) -> None:
+    def __init__(self, rule: SpikeRule, add_variable: Callable[..., Any], *, holds_loss: bool = True) -> None:
         self.rule = rule
         self.dtype = statistic_dtype()
         zeros = keras.initializers.Zeros()
@@ -45,7 +46,7 @@ class SpikeWindow:
             shape=(), dtype=counter_dtype(), initializer=zeros, aggregation="none", name="spike_count"
         )
         self.loss = None
-        if rule.on == "loss":
+        if rule.on == "loss" and holds_loss:
             self.loss = add_variable(
                 shape=(), dtype=self.dtype, initializer=zeros, aggregation="none", name="spike_loss"
             )
@@ -88,11 +89,12 @@ class SpikeWindow:
         ]
         return ops.all(ops.stack(checks))
 
-    def push(self, x: Any) -> None:
-        """An applied iteration's statistic enters the window (unless it is not finite)."""
+    def push(self, x: Any, applied: Any = None) -> None:
+        """An applied iteration's statistic enters the window (unless it is not finite); ``applied``, a boolean
+        scalar, decides on the device whether the iteration's step was applied (None: it was)."""
         rule = self.rule
         count = ops.convert_to_tensor(self.count)
-        accept = ops.isfinite(x)
+        accept = ops.isfinite(x) if applied is None else ops.logical_and(applied, ops.isfinite(x))
         index = ops.mod(count, ops.cast(rule.window, count.dtype))
         at = ops.logical_and(ops.equal(ops.arange(rule.window, dtype=count.dtype), index), accept)
         self.ring.assign(ops.where(at, ops.cast(x, self.dtype), ops.convert_to_tensor(self.ring)))

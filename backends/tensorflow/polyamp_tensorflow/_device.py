@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
-from polyamp.backend_api import SPIKE_BIT, StepOutcome, describe, ring_codes, ring_values, wrong_object_error
+from polyamp.backend_api import SPIKE_BIT, StepOutcome, describe, ring_codes, wrong_object_error
 from polyamp_keras._gradients import all_finite, all_replicas_finite, gradient_counts, refuse_loss_scale_factor, unscale
 from polyamp_keras._rule import ScaleState, advance_on_flag
+from polyamp_keras._spikes import SpikeWindow
 from polyamp_tensorflow._framework import keras, tf
 
 __all__ = ["TensorFlowDevice"]
@@ -185,17 +186,20 @@ class TensorFlowDevice:
 
     # -- the spike rule ----------------------------------------------------------------------------------
 
-    def new_spike_state(self, rule: Any) -> tuple[Any, tf.Variable, tf.Variable]:
-        return rule, _variable("spike_window", "float64", [0.0] * rule.window), _variable("spike_count", "int64", 0)
+    def new_spike_state(self, rule: Any) -> SpikeWindow:
+        """The rule's window: polyamp_keras's, on variables made eagerly (also when first touched in a graph); the
+        loss statistic is the core's to hold."""
 
-    def read_spike_window(self, state: tuple[Any, tf.Variable, tf.Variable]) -> list[float]:
-        _, ring, count = state
-        return [float(v) for v in ring_values(int(count.numpy()), ring.numpy().tolist())]
+        def make(*, shape: Any, dtype: str, initializer: Any, aggregation: str, name: str) -> tf.Variable:
+            return _variable(name, dtype, initializer(shape, dtype))
 
-    def write_spike_window(self, state: tuple[Any, tf.Variable, tf.Variable], values: list[float]) -> None:
-        rule, ring, count = state
-        ring.assign(list(values) + [0.0] * (rule.window - len(values)))
-        count.assign(len(values))
+        return SpikeWindow(rule, make, holds_loss=False)
+
+    def read_spike_window(self, state: SpikeWindow) -> list[float]:
+        return state.read()
+
+    def write_spike_window(self, state: SpikeWindow, values: list[float]) -> None:
+        state.write(values)
 
     def spike_statistic(self, loss: Any) -> Any:
         if isinstance(loss, (list, tuple)):
@@ -209,26 +213,12 @@ class TensorFlowDevice:
         norm = tf.linalg.global_norm(values)
         return norm if unscaled else norm / tf.cast(self._state().scale, tf.float64)
 
-    def spike_check(self, state: tuple[Any, tf.Variable, tf.Variable], x: Any) -> Any:
-        rule, ring, count = state
-        n = tf.minimum(count, rule.window)
-        mask = tf.range(rule.window, dtype=tf.int64) < n
-        denominator = tf.cast(tf.maximum(n, 1), tf.float64)
-        values = tf.convert_to_tensor(ring)
-        mu = tf.reduce_sum(tf.where(mask, values, 0.0)) / denominator
-        sigma = tf.sqrt(tf.reduce_sum(tf.where(mask, tf.square(values - mu), 0.0)) / denominator)
-        deviation = tf.abs(x - mu) if rule.two_sided else x - mu
-        spike = (n >= rule.min_values) & (sigma > 0) & (deviation > rule.threshold * sigma) & tf.math.is_finite(x)
-        return tf.cast(spike, tf.float32)
+    def spike_check(self, state: SpikeWindow, x: Any) -> Any:
+        return tf.cast(state.is_spike(x), tf.float32)
 
-    def spike_finish(self, state: tuple[Any, tf.Variable, tf.Variable], x: Any, spike: Any, overflow: Any) -> Any:
-        rule, ring, count = state
+    def spike_finish(self, state: SpikeWindow, x: Any, spike: Any, overflow: Any) -> Any:
         blocked = spike > 0 if overflow is None else (spike > 0) | (overflow > 0)
-        accept = tf.logical_and(tf.logical_not(blocked), tf.math.is_finite(x))
-        index = tf.math.floormod(tf.convert_to_tensor(count), rule.window)
-        values = tf.convert_to_tensor(ring)
-        ring.assign(tf.where((tf.range(rule.window, dtype=tf.int64) == index) & accept, x, values))
-        count.assign_add(tf.cast(accept, tf.int64))
+        state.push(x, applied=tf.logical_not(blocked))
         only = spike > 0 if overflow is None else (spike > 0) & tf.logical_not(overflow > 0)
         return tf.cast(only, tf.float32)
 
