@@ -24,6 +24,7 @@ from polyamp._src.backend import (
     ImperativeDevice,
     ImperativeGuardingDevice,
     ImperativeProvenanceDevice,
+    ProvenanceDevice,
     RecordingDevice,
     ScalerDevice,
     SpikeDevice,
@@ -868,9 +869,8 @@ class LossScaler:
             ScaleCollapseError: with ``on_min_scale="raise"``, a record shows the scale reaching its floor.
         """
         if self._history is not None and not self._compiling_now():
-            read_provenance = getattr(self._device, "read_provenance", None)
-            if read_provenance is not None:  # counted on the device, in the branch that skipped
-                for iteration, entries in read_provenance():
+            if isinstance(self._device, ProvenanceDevice):  # counted on the device, in the branch that skipped
+                for iteration, entries in self._device.read_provenance():
                     self._recorder.attach(iteration, non_finite_gradients(entries))
             count, codes = self._device.read_history(self._history)
             self._attach_deferred(count, codes)
