@@ -12,10 +12,10 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
+from threading import get_ident
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from polyamp._src import registry
@@ -263,6 +263,7 @@ class LossScaler:
         self._counts_gradients = False
         self._float16_probes = FLOAT16_PROBES
         self._compiling: Any = None
+        self._replica: Any = None  # the device's ``replica`` hook, if it has one
         self._style: str | None = None
         self._backend_name: str | None = None
         self._reset_step_state()
@@ -319,6 +320,7 @@ class LossScaler:
             )
         self._device, self._style, self._backend_name = device, style, backend
         self._compiling = getattr(device, "compiling", None)
+        self._replica = getattr(device, "replica", None)
         self._history = device.new_history(self._recorder.capacity) if isinstance(device, RecordingDevice) else None
         self._can_guard = isinstance(device, GuardingDevice) and (
             style == "tape" or isinstance(device, ImperativeGuardingDevice)
@@ -371,7 +373,7 @@ class LossScaler:
     def _iteration(self) -> Iteration:
         """The iteration in progress: one per replica where the device runs the step once per replica (see
         ``ScalerDevice.replica``), else one."""
-        hook = getattr(self._device, "replica", None)
+        hook = self._replica
         replica = hook() if hook is not None else None
         iteration = self._iterations.get(replica)
         if iteration is None:
@@ -388,13 +390,14 @@ class LossScaler:
     def _begin(self) -> bool:
         """Whether this iteration scales, decided at its first call and kept until it ends."""
         iteration = self._iteration
+        enabled = iteration.enabled
         compiling = self._compiling
         # A compiler tracing the step (torch.compile) cannot trace the thread lookup; it runs in one thread.
-        thread = None if compiling is not None and compiling() else threading.get_ident()
-        if iteration.enabled is None:
-            iteration.enabled = self._decide_enabled(starting=True)
+        thread = None if compiling is not None and compiling() else get_ident()
+        if enabled is None:
+            iteration.enabled = enabled = self._decide_enabled(starting=True)
             self._deferred = None  # a new iteration: the last one's gradients are about to change
-            iteration.guarding = not iteration.enabled and self._guards()
+            iteration.guarding = not enabled and self._guards()
             iteration.thread = thread
         elif iteration.thread is None:  # opened inside a compiled region
             iteration.thread = thread
@@ -404,7 +407,7 @@ class LossScaler:
                 "training loop: its stages and checks belong to one thread at a time. Give each thread its own "
                 "LossScaler (their state dicts are interchangeable), or finish the iteration (update()) first."
             )
-        return iteration.enabled
+        return enabled
 
     def _guards(self) -> bool:
         """Whether an iteration that does not scale checks the gradients (see ``guard``)."""
@@ -774,6 +777,8 @@ class LossScaler:
                 )
         combined = device.combine(found_infs) if found_infs else None
         skipped_on_host = self._host_skip
+        # Every step read "not skipped" to the host: the record needs no flag read later.
+        clean = combined is not None and self._host_clean == len(found_infs) and self._spike_flag is None
         device.update(combined, value)
         spike_only = self._finish_spike(device, combined)
         if combined is not None:
@@ -787,7 +792,7 @@ class LossScaler:
                 self._write_history("set", combined, False, spike_only)
             self._reanchor_after_set(value)
         elif combined is not None:
-            self._write_history("scaling", combined, skipped_on_host, spike_only)
+            self._write_history("scaling", None if clean else combined, skipped_on_host, spike_only)
 
     def _finish_spike(self, device: Any, overflow: Any) -> Any:
         """End the iteration for the spike rule: its statistic enters the window if the step was applied, a
@@ -1192,6 +1197,7 @@ class LossScaler:
         self._counts_gradients = False
         self._float16_probes = FLOAT16_PROBES
         self._compiling = None
+        self._replica = None
         self._style = None
         self._backend_name = None
         self._iterations = {}

@@ -57,6 +57,7 @@ SKIP_REASONS: Final = ("overflow", "non_finite", "loss_spike", "grad_spike")
 SPIKE_BIT: Final = 8
 #: The code of an iteration is its mode's base plus 1 when the iteration's flag is set (a step skipped).
 MODE_CODES: Final = {"scaling": 0, "guarding": 2, "off": 4, "set": 6}
+_MODE_NAMES: Final = {value: name for name, value in MODE_CODES.items()}
 #: What ``on_min_scale`` may be.
 ON_MIN_SCALE: Final = ("warn", "raise", "ignore")
 DEFAULT_HISTORY: Final = 256
@@ -245,7 +246,7 @@ class Recorder:
             spiked = bool(code & SPIKE_BIT)
             code &= SPIKE_BIT - 1
             base = code - code % 2
-            mode = next(name for name, value in MODE_CODES.items() if value == base)
+            mode = _MODE_NAMES[base]
             flagged = code % 2 == 1
             before = state
             if mode == "scaling" and state is not None:
@@ -263,7 +264,8 @@ class Recorder:
             )
             made.append(record)
             self.records.append(record)
-            self._report(record, config)
+            if flagged or self._collapsed:  # an applied step outside a collapse episode has nothing to report
+                self._report(record, config)
         self.read_count = count
         for stale in [i for i in self.gradients if i < count]:
             del self.gradients[stale]

@@ -90,6 +90,9 @@ class TorchDevice:
         # bound count too (a scaler that scales one float32 iteration needlessly loses nothing).
         self._float16_regions_seen = 0
         self._process_group: Any = None
+        # The flag of the last non-fused step when the step read it as 0 (no non-finite gradient): an update
+        # given that very tensor knows the iteration was finite and leaves out what only an overflow needs.
+        self._read_finite: torch.Tensor | None = None
 
     def set_process_group(self, group: Any) -> None:
         """Reduce every found-inf flag over ``group`` (a ``torch.distributed.ProcessGroup``) from now on."""
@@ -185,7 +188,9 @@ class TorchDevice:
     def scale(self, outputs: Any) -> Any:
         if isinstance(outputs, torch.Tensor):
             state = self._state or self._materialize(outputs.device)
-            return outputs * state.scale.to(device=outputs.device, non_blocking=True)
+            scale = state.scale
+            device = outputs.device
+            return outputs * (scale if scale.device == device else scale.to(device=device, non_blocking=True))
         replicas: list[PerDevice] = []
 
         def apply(value: Any) -> Any:
@@ -298,6 +303,7 @@ class TorchDevice:
             return StepOutcome(fused_step(optimizer, grad_scale, found_inf, args, kwargs), found_inf, None)
         assert found_inf is not None, "the core unscales before a non-fused step"
         skipped = bool(found_inf.item())  # the one host read GradScaler also makes
+        self._read_finite = None if skipped else found_inf
         return StepOutcome(None if skipped else optimizer.step(*args, **kwargs), found_inf, skipped)
 
     def step_own_scaling(self, optimizer: Any, scaler: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
@@ -328,13 +334,15 @@ class TorchDevice:
         state = self._state
         if state is None:
             raise ScalerUsageError("update() was called before the scaler created its state with scale().")
+        finite = found_inf is not None and found_inf is self._read_finite
+        self._read_finite = None
         if found_inf is not None and found_inf.device != state.scale.device:
             found_inf = found_inf.to(state.scale.device, non_blocking=True)
         if new_scale is not None:
             self._set_scale(state, new_scale)
         elif found_inf is not None:
-            advance(state, found_inf, self._config)
-        if found_inf is not None:
+            advance(state, found_inf, self._config, finite=finite)
+        if found_inf is not None and not finite:
             state.skipped.add_(found_inf > 0)
 
     def read_new_scale(self, new_scale: Any) -> float | None:

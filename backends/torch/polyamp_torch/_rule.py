@@ -38,8 +38,12 @@ def _times(scale: torch.Tensor, factor: float) -> torch.Tensor:
     return (scale.double() * factor).float()
 
 
-def advance(state: DeviceState, found_inf: torch.Tensor, config: LossScaleConfig) -> None:
-    """Apply one update of ``config``'s rule in place; ``found_inf`` > 0 means a non-finite gradient."""
+def advance(state: DeviceState, found_inf: torch.Tensor, config: LossScaleConfig, *, finite: bool = False) -> None:
+    """Apply one update of ``config``'s rule in place; ``found_inf`` > 0 means a non-finite gradient.
+
+    ``finite``: the host already read ``found_inf`` as 0. Then the scale can only stay or grow, and the floor
+    needs no clamp (the rule applies the floor on back-off only).
+    """
     if not config.dynamic:
         return
     if config.is_standard_rule:
@@ -51,7 +55,8 @@ def advance(state: DeviceState, found_inf: torch.Tensor, config: LossScaleConfig
             config.backoff_factor,
             config.growth_interval,
         )
-        state.scale.clamp_(min=config.floor_f32)  # torch's kernel has no floor; polyamp's rule stops at it
+        if not finite:
+            state.scale.clamp_(min=config.floor_f32)  # torch's kernel has no floor; polyamp's rule stops at it
         return
     scale, tracker, hysteresis_left = state.scale, state.growth_tracker, state.hysteresis_left
     overflow = found_inf > 0
