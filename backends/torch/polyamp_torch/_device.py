@@ -48,6 +48,8 @@ from polyamp_torch._rule import DeviceState, advance
 
 __all__ = ["TorchDevice"]
 
+_CPU = torch.device("cpu")
+
 
 class _History:
     """The iterations since the records were last read: (mode code, device flag, spike-only flag) each, at
@@ -86,6 +88,7 @@ class TorchDevice:
         self._state: DeviceState | None = None
         self._warned_bfloat16 = False
         self._ones: dict[torch.device, torch.Tensor] = {}  # the guard's inverse scale, per device
+        self._finite_flags: dict[torch.device, torch.Tensor] = {}
         # Counted from the process start, so the regions of a first forward pass that ran before this scaler
         # bound count too (a scaler that scales one float32 iteration needlessly loses nothing).
         self._float16_regions_seen = 0
@@ -382,8 +385,13 @@ class TorchDevice:
         return bool(found_inf.item() > 0)
 
     def finite_flag(self) -> torch.Tensor:
-        device = self._state.scale.device if self._state is not None else torch.device("cpu")
-        return torch.zeros((), dtype=torch.float32, device=device)
+        """A zero flag, one per device, made once: flags are only read (records, combine, counts), never
+        written in place, and the user gets ``flag > 0``, a new tensor."""
+        device = self._state.scale.device if self._state is not None else _CPU
+        flag = self._finite_flags.get(device)
+        if flag is None:
+            flag = self._finite_flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+        return flag
 
     def new_record(self) -> list[torch.Tensor | None]:
         return [None]
