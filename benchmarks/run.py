@@ -18,7 +18,7 @@ CUDA targets (need a CUDA device; benchmarks/gpu_suite.sh runs them all):
     python benchmarks/run.py gpu-compiled      # the recipe under torch.compile
     python benchmarks/run.py gpu-bf16          # the recipe in bfloat16, no scaler
 
-    python benchmarks/run.py report            # benchmarks/results/*.json -> benchmarks/RESULTS.md
+    python benchmarks/run.py report            # benchmarks/results/*.json -> benchmarks/RESULTS.md, README table
 
 Every subcommand takes ``--quick`` (a seconds-long smoke run; its JSON is named ``<target>-quick.json``
 and is never rendered into RESULTS.md) and ``--out DIR`` (default benchmarks/results).
@@ -114,9 +114,12 @@ def _parser() -> argparse.ArgumentParser:
     everything = target("cpu", "all CPU targets, each in a fresh process, then the markdown report")
     everything.add_argument("--threads", type=int, default=None, help="passed to torch-cpu and scale")
     everything.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="passed to torch-cpu and scale")
-    report = sub.add_parser("report", help="render results/*.json as benchmarks/RESULTS.md")
+    report = sub.add_parser(
+        "report", help="render results/*.json as benchmarks/RESULTS.md and the summary table in README.md"
+    )
     report.add_argument("--results", default=str(_common.RESULTS))
     report.add_argument("--output", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    report.add_argument("--readme", default=str(ROOT / "README.md"), help="README whose summary table to update")
     return parser
 
 
@@ -138,7 +141,7 @@ def _run_cpu(args: argparse.Namespace) -> int:
     if not args.quick:
         from benchmarks import report
 
-        report.main(Path(args.out), ROOT / "benchmarks" / "RESULTS.md")
+        report.main(Path(args.out), ROOT / "benchmarks" / "RESULTS.md", ROOT / "README.md")
     return 0
 
 
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.target == "report":
         from benchmarks import report
 
-        report.main(Path(args.results), Path(args.output))
+        report.main(Path(args.results), Path(args.output), Path(args.readme))
         return 0
     if args.target == "torch-cpu":
         from benchmarks import torch_cpu

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -12,6 +13,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "benchmarks" / "run.py"
+
+
+def _report() -> Any:
+    """benchmarks/report.py (the repository root is on sys.path only when pytest runs from it)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module("benchmarks.report")
 
 
 def run(*args: str) -> str:
@@ -60,8 +68,17 @@ def test_report_renders_full_results_and_marks_the_rest_not_yet_measured(tmp_pat
     quick["quick"] = False  # as a full run would write it
     (tmp_path / "torch-cpu.json").write_text(json.dumps(quick))
     output = tmp_path / "RESULTS.md"
-    run("report", "--results", str(tmp_path), "--output", str(output))
+    readme = tmp_path / "README.md"
+    report = _report()
+    readme.write_text(f"intro\n{report.README_BEGIN}\nold table\n{report.README_END}\nrest\n")
+    run("report", "--results", str(tmp_path), "--output", str(output), "--readme", str(readme))
     text = output.read_text()
+    summary = readme.read_text()
+    assert summary.startswith("intro\n") and summary.endswith("rest\n") and "old table" not in summary
+    row = next(line for line in summary.splitlines() if line.startswith("| `torch-cpu` |"))
+    assert "polyamp (CUDA's float32 list on CPU): " in row and quick["environment"]["commit"] in row
+    assert "| `gpu-syncs` |" in summary and "| `keras` |" in summary
+    assert summary.count("not yet measured") == 9  # every target but torch-cpu and revisions
     assert quick["title"] in text and quick["command"] in text
     assert "| model | optimizer | native ms |" in text
     for target in (
@@ -103,3 +120,11 @@ def test_revisions_times_two_revisions_side_by_side(tmp_path: Path) -> None:
     assert table["caption"] == "HEAD~1 -> HEAD" and [row[1] for row in table["rows"]] == ["sgd"]
     (entry,) = payload["raw"]
     assert set(entry["head_over_base"]) == {"GradScaler", "polyamp scaler"}
+
+
+def test_readme_performance_table_is_the_committed_results() -> None:
+    """The README's summary is generated from benchmarks/results/ (``python benchmarks/run.py report``)."""
+    report = _report()
+    text = (ROOT / "README.md").read_text()
+    block = text.split(report.README_BEGIN, 1)[1].split(report.README_END, 1)[0]
+    assert block.strip() == report.summary(report.load(ROOT / "benchmarks" / "results")).strip()
