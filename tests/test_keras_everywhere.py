@@ -288,6 +288,46 @@ def test_jax_stateless_step_under_jit_skips_and_updates() -> None:
     assert not all(np.array_equal(a, np.array(b)) for a, b in zip(start, trainable, strict=True))
 
 
+def test_gradient_counts_are_exact_per_gradient_eagerly_and_compiled() -> None:
+    """The skip branch's provenance counts: (+inf, -inf, NaN, size) per gradient, None as zeros, float16 and
+    float64 values by their own classes (1e300 is finite in float64), exact eagerly and compiled."""
+    from polyamp_keras._gradients import _counts_each, gradient_counts
+
+    a = np.zeros((5, 7), dtype="float32")
+    a[0, 1] = a[4, 6] = math.inf
+    a[2, 2] = -math.inf
+    a[1, 0] = a[3, 3] = a[3, 4] = math.nan
+    b = np.array([1.0, -math.inf, 3.0], dtype="float16")
+    wide = np.array([1e300, -1e300, math.nan, math.inf], dtype="float64")
+    arrays = [a, None, b, np.zeros((0, 4), dtype="float32"), np.array(math.nan, dtype="float32")]
+    expected = [[2, 1, 3, 35], [0, 0, 0, 0], [0, 1, 0, 3], [0, 0, 0, 0], [0, 0, 1, 1]]
+    if BACKEND != "jax":  # JAX computes in 32 bits unless jax_enable_x64
+        arrays.append(wide)
+        expected.append([1, 0, 1, 4])
+    grads = [None if x is None else ops.convert_to_tensor(x, dtype=str(x.dtype)) for x in arrays]
+    results = {
+        "eager": gradient_counts(grads),
+        "each": _counts_each(grads, [None if g is None else int(np.prod(g.shape)) for g in grads]),
+    }
+    present = [g for g in grads if g is not None]
+
+    def compiled(*tensors: Any) -> Any:
+        it = iter(tensors)
+        return gradient_counts([None if g is None else next(it) for g in grads])
+
+    if BACKEND == "jax":
+        import jax
+
+        results["jit"] = jax.jit(compiled)(*present)
+    elif BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        results["xla"] = tf.function(compiled, jit_compile=True)(*present)
+    for how, counts in results.items():
+        assert keras.backend.standardize_dtype(counts.dtype) == "int32", how
+        assert ops.convert_to_numpy(counts).tolist() == expected, how
+
+
 #: (settings, overflow rate): the default rule at its floor of 1.0, and odd factors with hysteresis that spend
 #: most of the run far below 1, often at min_scale.
 SOAK_CONFIGS = [

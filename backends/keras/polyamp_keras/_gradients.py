@@ -10,6 +10,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from polyamp import ScalerUsageError
 from polyamp_keras._keras import keras
 
@@ -62,17 +64,62 @@ def non_finite_counts(tensor: Any) -> Any:
 
 def gradient_counts(grads: Sequence[Any]) -> Any:
     """Per gradient, (+inf, -inf, NaN, size) as an int32 tensor of shape (len(grads), 4); None gives zeros,
-    a sparse gradient is counted on its values (for `polyamp.NonFiniteGradient`)."""
+    a sparse gradient is counted on its values (for `polyamp.NonFiniteGradient`).
+
+    On JAX and TensorFlow, with static shapes, all gradients are counted in one pass: flattened, joined,
+    classified element by element and summed per gradient with one segment sum. A compiled step (``jax.jit``,
+    XLA) then holds a handful of operations for the counts instead of a dozen per gradient, and on XLA's CPU
+    runtime every operation of a ``cond`` branch costs a little on each call, the branch that does not run
+    included. Keras's PyTorch segment sum adds in float32 (inexact past 2**24 elements), and that backend
+    runs eagerly, so it counts gradient by gradient, as any backend does for a shape known only at run time.
+    """
+    values = [None if grad is None else (grad.values if is_sparse(grad) else grad) for grad in grads]
+    maybe_sizes = [0 if v is None else _static_size(v) for v in values]
+    sizes = [size for size in maybe_sizes if size is not None]
+    if keras.backend.backend() not in ("jax", "tensorflow") or len(sizes) < len(values):
+        return _counts_each(values, maybe_sizes)
+    present = [(index, v) for index, v in enumerate(values) if v is not None and sizes[index]]
+    size_column = ops.convert_to_tensor(np.asarray(sizes, dtype="int32").reshape(-1, 1))
+    if not present:
+        return ops.concatenate([ops.zeros((len(values), 3), dtype="int32"), size_column], axis=1)
+    # One dtype that holds every value's class exactly: float32 (float16 and bfloat16 widen exactly), or float64.
+    common = "float64" if any(keras.backend.standardize_dtype(v.dtype) == "float64" for _, v in present) else "float32"
+    flat = ops.concatenate([ops.reshape(ops.cast(v, common), (-1,)) for _, v in present])
+    infinite = ops.isinf(flat)
+    classes = ops.stack(
+        [
+            ops.logical_and(infinite, ops.greater(flat, 0)),
+            ops.logical_and(infinite, ops.less(flat, 0)),
+            ops.isnan(flat),
+        ],
+        axis=1,
+    )
+    segments = np.repeat(np.arange(len(values), dtype="int32"), sizes)  # gradient i's elements are segment i
+    counts = ops.segment_sum(ops.cast(classes, "int32"), ops.convert_to_tensor(segments), num_segments=len(values))
+    return ops.concatenate([counts, size_column], axis=1)
+
+
+def _static_size(tensor: Any) -> int | None:
+    """The number of elements of ``tensor``, or None when a dimension is known only at run time."""
+    size = 1
+    for dim in tensor.shape:
+        if dim is None:
+            return None
+        size *= int(dim)
+    return size
+
+
+def _counts_each(values: Sequence[Any], sizes: Sequence[int | None]) -> Any:
+    """`gradient_counts` gradient by gradient (values already taken out of sparse gradients)."""
     rows = []
-    for grad in grads:
-        if grad is None:
+    for tensor, size in zip(values, sizes, strict=True):
+        if tensor is None:
             rows.append(ops.zeros((4,), dtype="int32"))
             continue
-        values = grad.values if is_sparse(grad) else grad
-        size = 1
-        for dim in values.shape:
-            size *= int(dim)
-        rows.append(ops.concatenate([non_finite_counts(values), ops.convert_to_tensor([size], dtype="int32")]))
+        known = ops.convert_to_tensor([size], dtype="int32") if size is not None else None
+        if known is None:
+            known = ops.reshape(ops.cast(ops.size(tensor), "int32"), (1,))
+        rows.append(ops.concatenate([non_finite_counts(tensor), known]))
     return ops.stack(rows)
 
 
