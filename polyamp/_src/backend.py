@@ -117,7 +117,9 @@ class ScalerDevice(Protocol):
         ...
 
     def finite_flag(self) -> Flag:
-        """A flag that says "nothing was non-finite" (for steps taken while scaling is disabled)."""
+        """A flag that says "nothing was non-finite": for steps taken while scaling is disabled, and for an
+        iteration whose steps all read their flags as finite on the host (the core passes it to `update`; a
+        device may recognise it and leave out what only an overflow needs)."""
         ...
 
     def new_record(self) -> Any:

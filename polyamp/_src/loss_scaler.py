@@ -752,8 +752,7 @@ class LossScaler:
             found_infs = iteration.found_infs() if iteration.guarding else []
             if found_infs:
                 combined = device.combine(found_infs)
-                # every step already read "not skipped" to the host
-                clean = self._host_clean == len(found_infs) and self._spike_flag is None
+                clean = self._finite_on_host(found_infs)
                 if not clean:
                     device.count_skip(combined)
                 spike_only = self._finish_spike(device, combined)
@@ -775,10 +774,11 @@ class LossScaler:
                     f"{method} was called but none of the optimizers unscaled in this iteration had gradients, "
                     "so there is nothing to base the update on. Call scaler.scale(loss).backward() first."
                 )
-        combined = device.combine(found_infs) if found_infs else None
+        clean = bool(found_infs) and self._finite_on_host(found_infs)
+        # A finite iteration the host already knows of is the device's finite flag: nothing to combine, and the
+        # device may leave out what only an overflow needs.
+        combined = device.finite_flag() if clean else device.combine(found_infs) if found_infs else None
         skipped_on_host = self._host_skip
-        # Every step read "not skipped" to the host: the record needs no flag read later.
-        clean = combined is not None and self._host_clean == len(found_infs) and self._spike_flag is None
         device.update(combined, value)
         spike_only = self._finish_spike(device, combined)
         if combined is not None:
@@ -793,6 +793,11 @@ class LossScaler:
             self._reanchor_after_set(value)
         elif combined is not None:
             self._write_history("scaling", None if clean else combined, skipped_on_host, spike_only)
+
+    def _finite_on_host(self, found_infs: list[Any]) -> bool:
+        """Whether every step of the iteration read its flag as "not skipped" to the host (and no spike rule
+        decided on the device): the iteration was finite, and its record needs no flag read back later."""
+        return self._host_clean == len(found_infs) and self._spike_flag is None
 
     def _finish_spike(self, device: Any, overflow: Any) -> Any:
         """End the iteration for the spike rule: its statistic enters the window if the step was applied, a

@@ -264,8 +264,7 @@ class Recorder:
             )
             made.append(record)
             self.records.append(record)
-            if flagged or self._collapsed:  # an applied step outside a collapse episode has nothing to report
-                self._report(record, config)
+            self._report(record, config)
         self.read_count = count
         for stale in [i for i in self.gradients if i < count]:
             del self.gradients[stale]
@@ -275,6 +274,8 @@ class Recorder:
         return made
 
     def _report(self, record: StepRecord, config: LossScaleConfig) -> None:
+        if not record.skipped and not self._collapsed:
+            return  # an applied step outside a collapse episode: nothing to log, nothing to re-arm
         if record.reason in ("non_finite", "loss_spike", "grad_spike"):
             logger.warning("polyamp: %s", record.message())
         elif record.reason == "overflow":

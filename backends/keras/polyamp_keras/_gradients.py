@@ -74,10 +74,10 @@ def gradient_counts(grads: Sequence[Any]) -> Any:
     runs eagerly, so it counts gradient by gradient, as any backend does for a shape known only at run time.
     """
     values = [None if grad is None else (grad.values if is_sparse(grad) else grad) for grad in grads]
-    maybe_sizes = [0 if v is None else _static_size(v) for v in values]
-    sizes = [size for size in maybe_sizes if size is not None]
-    if keras.backend.backend() not in ("jax", "tensorflow") or len(sizes) < len(values):
-        return _counts_each(values, maybe_sizes)
+    known = [0 if v is None else _static_size(v) for v in values]
+    if keras.backend.backend() not in ("jax", "tensorflow") or None in known:
+        return _counts_each(values, known)
+    sizes = [int(size) for size in known if size is not None]  # all of them
     present = [(index, v) for index, v in enumerate(values) if v is not None and sizes[index]]
     size_column = ops.convert_to_tensor(np.asarray(sizes, dtype="int32").reshape(-1, 1))
     if not present:
@@ -116,10 +116,11 @@ def _counts_each(values: Sequence[Any], sizes: Sequence[int | None]) -> Any:
         if tensor is None:
             rows.append(ops.zeros((4,), dtype="int32"))
             continue
-        known = ops.convert_to_tensor([size], dtype="int32") if size is not None else None
-        if known is None:
-            known = ops.reshape(ops.cast(ops.size(tensor), "int32"), (1,))
-        rows.append(ops.concatenate([non_finite_counts(tensor), known]))
+        if size is None:
+            count = ops.reshape(ops.cast(ops.size(tensor), "int32"), (1,))
+        else:
+            count = ops.convert_to_tensor([size], dtype="int32")
+        rows.append(ops.concatenate([non_finite_counts(tensor), count]))
     return ops.stack(rows)
 
 

@@ -93,9 +93,6 @@ class TorchDevice:
         # bound count too (a scaler that scales one float32 iteration needlessly loses nothing).
         self._float16_regions_seen = 0
         self._process_group: Any = None
-        # The flag of the last non-fused step when the step read it as 0 (no non-finite gradient): an update
-        # given that very tensor knows the iteration was finite and leaves out what only an overflow needs.
-        self._read_finite: torch.Tensor | None = None
 
     def set_process_group(self, group: Any) -> None:
         """Reduce every found-inf flag over ``group`` (a ``torch.distributed.ProcessGroup``) from now on."""
@@ -306,7 +303,6 @@ class TorchDevice:
             return StepOutcome(fused_step(optimizer, grad_scale, found_inf, args, kwargs), found_inf, None)
         assert found_inf is not None, "the core unscales before a non-fused step"
         skipped = bool(found_inf.item())  # the one host read GradScaler also makes
-        self._read_finite = None if skipped else found_inf
         return StepOutcome(None if skipped else optimizer.step(*args, **kwargs), found_inf, skipped)
 
     def step_own_scaling(self, optimizer: Any, scaler: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
@@ -337,8 +333,8 @@ class TorchDevice:
         state = self._state
         if state is None:
             raise ScalerUsageError("update() was called before the scaler created its state with scale().")
-        finite = found_inf is not None and found_inf is self._read_finite
-        self._read_finite = None
+        # The core passes the finite flag for an iteration the host knows was finite.
+        finite = found_inf is not None and found_inf is self._finite_flags.get(state.scale.device)
         if found_inf is not None and found_inf.device != state.scale.device:
             found_inf = found_inf.to(state.scale.device, non_blocking=True)
         if new_scale is not None:
@@ -386,7 +382,8 @@ class TorchDevice:
 
     def finite_flag(self) -> torch.Tensor:
         """A zero flag, one per device, made once: flags are only read (records, combine, counts), never
-        written in place, and the user gets ``flag > 0``, a new tensor."""
+        written in place, and the user gets ``flag > 0``, a new tensor. `update` given it knows the iteration
+        was finite: the scale can only stay or grow, so the floor's clamp and the skip count are left out."""
         device = self._state.scale.device if self._state is not None else _CPU
         flag = self._finite_flags.get(device)
         if flag is None:

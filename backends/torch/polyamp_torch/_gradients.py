@@ -133,9 +133,8 @@ def unscale_gradients(
                 )
     finally:
         torch._C._set_grad_enabled(grad_enabled)
-    flags = list(per_device_found_inf.copies.values())
-    if len(flags) == 1:
-        return flags[0], has_bfloat16
+    if len(per_device_found_inf.copies) == 1:  # every gradient is on found_inf's device
+        return found_inf, has_bfloat16
     devices = {device for device, _ in grouped}
     flags = [flag for device, flag in per_device_found_inf.copies.items() if device in devices]
     if len(flags) == 1:
