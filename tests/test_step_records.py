@@ -104,6 +104,15 @@ def test_a_fused_optimizers_skip_names_its_gradients_when_read_before_the_next_i
     assert [entry for entry in skipped if entry[1]] == [(1, reason, [("2.weight", 0, 1, 64)]), (2, reason, [])]
 
 
+def test_the_batched_record_read_takes_flags_of_any_shape_and_dtype() -> None:
+    """The records read the iterations' flags in one stack; flags that cannot be stacked as they are (another
+    shape or, with several GPUs, another device) are brought to the CPU one by one first."""
+    from polyamp_torch._device import _read_flags
+
+    assert _read_flags([torch.zeros(()), torch.tensor(True), torch.tensor(2.0)]) == [0.0, 1.0, 2.0]
+    assert _read_flags([torch.zeros(()), torch.ones(1), torch.tensor(False)]) == [0.0, 1.0, 0.0]
+
+
 def _adam_state(opt: Any) -> list[Any]:
     return [value for state in opt.state.values() for value in state.values()]
 

@@ -60,6 +60,16 @@ class _History:
         self.count = 0
 
 
+def _read_flags(flags: list[torch.Tensor]) -> list[Any]:
+    """The values of 0-d flags, in one host read: stacked where they are (the usual case: one device, one
+    shape), else each brought to the CPU first (flags of several devices, or of another shape)."""
+    try:
+        stacked = torch.stack(flags)
+    except RuntimeError:
+        stacked = torch.stack([flag.reshape(()).float().cpu() for flag in flags])
+    return stacked.reshape(-1).tolist()
+
+
 class _SpikeState:
     """The spike rule's window on the device: a float64 ring of accepted statistics and their count (made on
     the statistic's device at first use, from ``values`` when a window was loaded before)."""
@@ -413,7 +423,7 @@ class TorchDevice:
     def read_history(self, history: _History) -> tuple[int, list[int]]:
         entries = list(history.entries)
         flags = [flag for _, found, spike in entries for flag in (found, spike) if flag is not None]
-        values = iter(torch.stack([f.reshape(()).float().cpu() for f in flags]).tolist() if flags else [])
+        values = iter(_read_flags(flags) if flags else [])
         codes = []
         for base, found, spike in entries:
             overflow = found is not None and next(values) > 0
