@@ -7,6 +7,8 @@
 # machine's torch is never touched and no package index is needed. Writes into OUT_DIR:
 #   environment.json      python, torch, CUDA and GPU as torch sees them
 #   conformance.txt/.json `python -m polyamp.conformance --backend torch --device cuda` (output, exit code)
+#   keras-<backend>-conformance.txt/.json   the same for Keras on its torch and JAX backends, where keras
+#                         (and jax) can be imported; a missing framework is recorded as "skipped"
 #   gpu-*.json            one file per CUDA target of benchmarks/run.py
 #   summary.json          every step's exit code
 # Every step runs even if an earlier one fails; the script exits non-zero if any did.
@@ -18,7 +20,7 @@ if [ $# -ne 1 ]; then
 fi
 cd "$(dirname "$0")/.."
 OUT=$(mkdir -p "$1" && cd "$1" && pwd)
-export PYTHONPATH="$PWD:$PWD/backends/torch:$PWD/backends/tensorflow${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$PWD/backends/torch:$PWD/backends/tensorflow:$PWD/backends/keras${PYTHONPATH:+:$PYTHONPATH}"
 export TF_CPP_MIN_LOG_LEVEL=3
 PYTHON=${PYTHON:-python}
 
@@ -37,15 +39,42 @@ print(json.dumps({
 }, indent=2))'
 
 declare -A CODES
-"$PYTHON" -m polyamp.conformance --backend torch --device cuda --verbose >"$OUT/conformance.txt" 2>&1
-CODES[conformance]=$?
-"$PYTHON" - "$OUT/conformance.txt" "${CODES[conformance]}" >"$OUT/conformance.json" <<'EOF'
-import json, sys
-text = open(sys.argv[1]).read()
-print(json.dumps({"command": "python -m polyamp.conformance --backend torch --device cuda",
-                  "exit_code": int(sys.argv[2]), "output": text}, indent=2))
+conformance() {  # conformance NAME COMMAND...: run the suite; keep its output and exit code in NAME.txt/.json
+    # A run whose cases were all skipped (no CUDA device seen) exits 0 but checked nothing: recorded as such.
+    local name=$1 code
+    shift
+    "$@" >"$OUT/$name.txt" 2>&1
+    code=$?
+    "$PYTHON" - "$OUT/$name.txt" "$code" "${KERAS_BACKEND:-}" "${@:2}" >"$OUT/$name.json" <<'EOF'
+import json, re, sys
+output, code, keras_backend, *args = sys.argv[1:]
+text = open(output).read()
+passed = re.search(r"\b(\d+) passed", text)
+command = ("KERAS_BACKEND=" + keras_backend + " " if keras_backend else "") + "python " + " ".join(args)
+count = int(passed.group(1)) if passed else 0
+print(json.dumps({"command": command, "exit_code": int(code), "passed": count, "output": text}, indent=2))
+sys.exit(0 if count else 1)
 EOF
-echo "conformance: exit ${CODES[conformance]} (see $OUT/conformance.txt)"
+    if [ $? -ne 0 ] && [ $code -eq 0 ]; then
+        CODES[$name]='"nothing ran"'
+    else
+        CODES[$name]=$code
+    fi
+    echo "$name: exit ${CODES[$name]} (see $OUT/$name.txt)"
+}
+
+conformance conformance "$PYTHON" -m polyamp.conformance --backend torch --device cuda --verbose
+KERAS_STEPS=()
+for backend in torch jax; do
+    name=keras-$backend-conformance
+    KERAS_STEPS+=("$name")
+    if ! "$PYTHON" -c "import keras, $backend" >/dev/null 2>&1; then
+        echo "$name: skipped (keras or $backend cannot be imported)"
+        CODES[$name]='"skipped"'
+        continue
+    fi
+    KERAS_BACKEND=$backend conformance "$name" "$PYTHON" -m polyamp.conformance --backend keras --device "$backend-cuda" --verbose
+done
 
 for target in gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16; do
     "$PYTHON" benchmarks/run.py "$target" --out "$OUT" 2>&1 | tee "$OUT/$target.log"
@@ -57,11 +86,11 @@ status=0
 {
     echo "{"
     first=1
-    for name in conformance gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16; do
+    for name in conformance "${KERAS_STEPS[@]}" gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16; do
         [ $first -eq 1 ] || echo ","
         first=0
         printf '  "%s": %s' "$name" "${CODES[$name]}"
-        [ "${CODES[$name]}" -eq 0 ] || status=1
+        [ "${CODES[$name]}" = 0 ] || [ "${CODES[$name]}" = '"skipped"' ] || status=1
     done
     echo
     echo "}"

@@ -40,8 +40,8 @@ process in interleaved rounds, and a ratio is the median over rounds of (variant
 round); below 1 is faster than native. The JSON files keep every round's times.
 
 Commands: `python benchmarks/run.py cpu --clock cpu` runs the CPU targets (each in its own process) and
-regenerates this file; `bash benchmarks/gpu_suite.sh OUT_DIR` runs the conformance suite and the CUDA targets
-on a CUDA machine (copy its JSON files into `benchmarks/results/`, then `python benchmarks/run.py report`).
+regenerates this file; `bash benchmarks/gpu_suite.sh OUT_DIR` runs the conformance suite (torch, and Keras on
+its torch and JAX backends) and the CUDA targets on a CUDA machine (copy its JSON files into `benchmarks/results/`, then `python benchmarks/run.py report`).
 `--quick` gives a seconds-long smoke run of any target (CI runs those; their timings mean nothing).
 
 The CPU tables below were taken on a 2-core virtual machine shared with other processes. `--clock cpu`
@@ -133,6 +133,7 @@ SUMMARY: dict[str, tuple[str, list[tuple[int, str, str]]]] = {
     "guard": (
         "bfloat16 step vs plain torch; float16 step vs `GradScaler` (records on)",
         [
+            (0, "check by hand", "the check alone, by hand (the floor)"),
             (0, "guard on (default)", "the guard on"),
             (0, "guard off", "`guard=False`"),
             (1, "polyamp", "float16 with loss scaling and records"),

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +109,49 @@ def test_gpu_targets_refuse_to_run_without_cuda(tmp_path: Path) -> None:
     )
     assert result.returncode != 0 and "needs a CUDA device" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_gpu_suite_records_every_step_and_fails_without_cuda(tmp_path: Path) -> None:
+    """benchmarks/gpu_suite.sh where torch sees no CUDA device: every step still runs and is recorded, a
+    conformance run whose cases were all skipped counts as "nothing ran" (its exit code 0 checked nothing),
+    the CUDA targets refuse, and the script exits non-zero."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the suite would run in full")
+    result = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHON=sys.executable),
+    )
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+
+    def keras_on(backend: str) -> str:
+        found = all(importlib.util.find_spec(name) is not None for name in ("keras", backend))
+        return "nothing ran" if found else "skipped"
+
+    gpu = ("gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16")
+    assert json.loads((tmp_path / "summary.json").read_text()) == {
+        "conformance": "nothing ran",
+        "keras-torch-conformance": keras_on("torch"),
+        "keras-jax-conformance": keras_on("jax"),
+        **dict.fromkeys(gpu, 1),
+    }
+    conformance = json.loads((tmp_path / "conformance.json").read_text())
+    assert conformance["command"] == "python -m polyamp.conformance --backend torch --device cuda --verbose"
+    assert (conformance["exit_code"], conformance["passed"]) == (0, 0)
+    assert "sees no CUDA device" in conformance["output"]
+    if keras_on("jax") == "nothing ran":
+        keras = json.loads((tmp_path / "keras-jax-conformance.json").read_text())
+        assert keras["command"] == (
+            "KERAS_BACKEND=jax python -m polyamp.conformance --backend keras --device jax-cuda --verbose"
+        )
+        assert "Keras on jax sees no CUDA device" in keras["output"]
+    environment = json.loads((tmp_path / "environment.json").read_text())
+    assert environment["torch"] == torch.__version__ and environment["cuda_available"] is False
+    for target in gpu:
+        assert "needs a CUDA device" in (tmp_path / f"{target}.log").read_text()
 
 
 def test_revisions_times_two_revisions_side_by_side(tmp_path: Path) -> None:
