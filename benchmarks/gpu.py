@@ -85,49 +85,57 @@ def _scaler_and_region(kind: str, device: str, dtype: str = "float16") -> tuple[
 
 
 def syncs(args: argparse.Namespace) -> dict[str, Any]:
+    """Per optimizer: float16 with loss scaling (GradScaler vs polyamp), and bfloat16, where GradScaler is off
+    (torch's recipe) and polyamp's scaler guards (checks the gradients, skips a non-finite step)."""
     device = args.device
     size, batch, steps = (16, 4, 3) if args.quick else (1024, 64, 20)
     x = torch.randn(batch, size, device=device)
     y = torch.randn(batch, size, device=device)
-    rows = []
-    raw = {}
-    for name, make in OPTIMIZERS.items():
-        counts: dict[str, float | None] = {}
-        for kind in ("native", "polyamp"):
-            model = _mlp(size, 3, device)
-            opt = make(model.parameters())
-            scaler, region = _scaler_and_region(kind, device)
-            for _ in range(3):  # lazy state (scale tensor, optimizer state) is created outside the count
-                _train_step(model, opt, scaler, region, x, y)
-            _sync(device)()
-            if device != "cuda":
-                counts[kind] = None
-                continue
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    for _ in range(steps):
-                        _train_step(model, opt, scaler, region, x, y)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            found = [w for w in caught if "synchroniz" in str(w.message).lower()]
-            counts[kind] = len(found) / steps
-        raw[name] = counts
-        rows.append([name, *("n/a on cpu" if c is None else f"{c:g}" for c in counts.values())])
+    tables = []
+    raw: dict[str, dict[str, dict[str, float | None]]] = {}
+    for dtype, columns in (
+        ("float16", ["GradScaler syncs/step", "polyamp syncs/step"]),
+        ("bfloat16", ["plain torch (GradScaler off) syncs/step", "polyamp guard syncs/step"]),
+    ):
+        rows = []
+        raw[dtype] = {}
+        for name, make in OPTIMIZERS.items():
+            counts: dict[str, float | None] = {}
+            for kind in ("native", "polyamp"):
+                model = _mlp(size, 3, device)
+                opt = make(model.parameters())
+                scaler, region = _scaler_and_region(kind, device, dtype)
+                for _ in range(3):  # lazy state (scale tensor, optimizer state) is created outside the count
+                    _train_step(model, opt, scaler, region, x, y)
+                _sync(device)()
+                if device != "cuda":
+                    counts[kind] = None
+                    continue
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        for _ in range(steps):
+                            _train_step(model, opt, scaler, region, x, y)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                found = [w for w in caught if "synchroniz" in str(w.message).lower()]
+                counts[kind] = len(found) / steps
+            raw[dtype][name] = counts
+            rows.append([name, *("n/a on cpu" if c is None else f"{c:g}" for c in counts.values())])
+        caption = f"3 x Linear {size}, batch {batch}, {dtype} autocast, {steps} counted steps"
+        tables.append({"caption": caption, "columns": ["optimizer", *columns], "rows": rows})
     return _common.result(
         "gpu-syncs",
         "Host-device synchronisations per training step (torch.cuda.set_sync_debug_mode)",
         quick=args.quick,
         env=_env(args),
-        tables=[
-            {
-                "caption": f"3 x Linear {size}, batch {batch}, float16 autocast, {steps} counted steps",
-                "columns": ["optimizer", "GradScaler syncs/step", "polyamp syncs/step"],
-                "rows": rows,
-            }
+        tables=tables,
+        notes=[
+            "Counted: warnings torch emits for synchronising calls in 'warn' sync-debug mode.",
+            "bfloat16: the guard reads its found-inf flag to the host with a non-fused optimizer (to decide the "
+            "step, as GradScaler does under float16) and never with a fused one, which skips on the device.",
         ],
-        notes=["Counted: warnings torch emits for synchronising calls in 'warn' sync-debug mode."],
         raw=raw,
     )
 
