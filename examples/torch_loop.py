@@ -29,7 +29,7 @@ def train_epoch(model, loader, criterion, optimizer, scaler, device):  # type: i
     for inputs, labels in loader:
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
-        with polyamp_torch.autocast():  # dtype from the policy; cuda if available, else cpu
+        with polyamp_torch.autocast():  # dtype from the policy; the accelerator and the CPU
             outputs = model(inputs)
             loss = criterion(outputs, labels)
         scaler.scale(loss).backward()  # a no-op scale under bfloat16 policies

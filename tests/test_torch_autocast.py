@@ -162,8 +162,42 @@ def test_exceptions_leave_autocast_off() -> None:
 
 def test_default_device_and_torch_device_argument() -> None:
     region = polyamp_torch.autocast(device_type=torch.device("cpu"))
-    assert region.device_type == "cpu"
-    assert polyamp_torch.autocast().device_type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert (region.device_type, region.device_types) == ("cpu", ("cpu",))
+    default = polyamp_torch.autocast()
+    if torch.cuda.is_available():
+        assert (default.device_type, default.device_types) == ("cuda", ("cuda", "cpu"))
+    else:
+        assert default.device_type == default.device_types[0]
+        assert default.device_types[-1] == "cpu"
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_a_region_given_no_device_type_also_autocasts_the_cpu_on_a_gpu_machine(monkeypatch: Any) -> None:
+    """On a machine with an accelerator, autocast() covers it and the CPU: a model left on the CPU computes
+    under the policy, eagerly and compiled, instead of silently in float32. (Simulated: the accelerator is
+    named "cuda" whether or not torch can use it; torch disables a CUDA region it cannot run.)"""
+    monkeypatch.setattr(polyamp_torch._autocast, "_default_device_types", [("cuda", "cpu")])
+    torch.manual_seed(0)
+    linear, norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+    x = torch.randn(2, 4)
+
+    def forward(x: Any) -> tuple[Any, Any]:
+        with polyamp_torch.autocast("mixed_bfloat16"):
+            hidden = linear(x)
+            return hidden, norm(hidden)
+
+    region = polyamp_torch.autocast()
+    assert (region.device_type, region.device_types) == ("cuda", ("cuda", "cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        native = linear(x)
+    eager = forward(x)
+    assert [t.dtype for t in eager] == [torch.bfloat16, torch.float32]  # CUDA's float32 list on the CPU too
+    assert torch.equal(eager[0], native)
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch._dynamo.explain(forward)(x).graph_break_count == 0
+    compiled = torch.compile(forward, backend="eager")(x)
+    assert [t.dtype for t in compiled] == [torch.bfloat16, torch.float32]
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
 
 
 @pytest.mark.parametrize(

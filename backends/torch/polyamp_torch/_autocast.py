@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -13,9 +14,16 @@ from polyamp.backend_api import describe, type_error
 from polyamp_torch import _cpu_float32
 from polyamp_torch._framework import TORCH_DTYPES, torch
 
-__all__ = ["PolicyRegion", "autocast", "default_device_type", "float16_regions_entered", "policy_in_effect"]
+__all__ = [
+    "PolicyRegion",
+    "autocast",
+    "default_device_type",
+    "default_device_types",
+    "float16_regions_entered",
+    "policy_in_effect",
+]
 
-_default_device_type: list[str] = []
+_default_device_types: list[tuple[str, ...]] = []
 
 #: The policy of the innermost polyamp region entered in this thread / task (float32 for a disabled one).
 _region_policy: contextvars.ContextVar[Policy | None] = contextvars.ContextVar("polyamp_torch_region", default=None)
@@ -24,12 +32,36 @@ _region_policy: contextvars.ContextVar[Policy | None] = contextvars.ContextVar("
 _float16_regions = [0]
 
 
-def default_device_type() -> str:
-    """ "cuda" when a CUDA device is available, else "cpu" (checked once per process)."""
+def _accelerator() -> str | None:
+    """The machine's accelerator device type: CUDA when available, else the one ``torch.accelerator`` reports
+    (MPS, XPU, ...; torch >= 2.6), else MPS when available; None on a machine without one."""
+    if torch.cuda.is_available():
+        return "cuda"
+    api = getattr(torch, "accelerator", None)
+    if api is not None and hasattr(api, "is_available") and hasattr(api, "current_accelerator"):
+        if not api.is_available():
+            return None
+        current = api.current_accelerator()
+        return None if current is None else str(current.type)
+    mps = getattr(torch.backends, "mps", None)
+    return "mps" if mps is not None and mps.is_available() else None
+
+
+def default_device_types() -> tuple[str, ...]:
+    """The device types a region given ``device_type=None`` covers: the machine's accelerator (CUDA, or MPS,
+    XPU, ... as ``torch.accelerator`` reports it) and the CPU, or the CPU alone on a machine without one.
+    torch autocasts each op on the device its tensors are on, so a model on either device computes under the
+    policy. Checked once per process."""
     # A plain list cache, not functools.lru_cache, which torch.compile warns about on every compile.
-    if not _default_device_type:
-        _default_device_type.append("cuda" if torch.cuda.is_available() else "cpu")
-    return _default_device_type[0]
+    if not _default_device_types:
+        accelerator = _accelerator()
+        _default_device_types.append(("cpu",) if accelerator is None else (accelerator, "cpu"))
+    return _default_device_types[0]
+
+
+def default_device_type() -> str:
+    """The machine's accelerator device type (see `default_device_types`), else "cpu"."""
+    return default_device_types()[0]
 
 
 def policy_in_effect() -> Policy:
@@ -85,7 +117,8 @@ def _device_type(device_type: object) -> str | None:
     if not available:
         raise PolyampValueError(
             f"torch.autocast does not support device_type={device_type!r}. Use 'cuda' or 'cpu' (or another "
-            "device type your torch build supports), or leave device_type=None for cuda-if-available."
+            "device type your torch build supports), or leave device_type=None for the machine's accelerator "
+            "and the CPU."
         )
     return name
 
@@ -120,11 +153,15 @@ def autocast(
         cpu_float32_ops=cpu_float32_ops,
     )
     if _is_compiling():
-        if region.device_type != "cpu":
-            return region.as_torch_autocast()
-        low_precision = enabled and region.policy.compute_dtype != "float32"
-        return _cpu_float32.compiled_region(region.as_torch_autocast(), low_precision and cpu_float32_ops)
+        return region.compiled()
     return region
+
+
+@contextlib.contextmanager
+def _both(outer: Any, inner: Any) -> Iterator[None]:
+    # A generator context manager of context managers dynamo traces: it traces through without a graph break.
+    with outer, inner:
+        yield
 
 
 _FLOAT32 = Policy("float32")
@@ -145,7 +182,10 @@ class PolicyRegion(contextlib.ContextDecorator):
             ``torch.autocast``'s ``dtype``: ``torch.bfloat16`` means ``"mixed_bfloat16"``). None (default)
             uses the policy in effect each time the region is entered: the enclosing polyamp region's, else
             ``polyamp.get_policy()`` (see `policy_in_effect`).
-        device_type: "cuda", "cpu" (or a ``torch.device``); None picks "cuda" if available, else "cpu".
+        device_type: "cuda", "cpu", "mps", ... (or a ``torch.device``): the device type whose ops autocast.
+            None (default) covers the machine's accelerator and the CPU (`default_device_types`): ops autocast
+            on whichever of them their tensors are on, so a model left on the CPU of a GPU machine is not
+            silently run without autocast.
         enabled: False makes the region run in float32 (autocast off); regions and models inside it that
             follow the policy in effect run in float32 too.
         dtype: ``torch.autocast``'s spelling of a compute dtype, instead of ``policy``.
@@ -196,9 +236,9 @@ class PolicyRegion(contextlib.ContextDecorator):
         self._enabled = enabled
         self._cache_enabled = cache_enabled
         self._cpu_float32_ops = cpu_float32_ops
-        # Per entry: the torch.autocast entered, for CPU regions the float32-op setting to restore, and the
-        # token restoring the enclosing region's policy.
-        self._entered: list[tuple[torch.autocast, bool | None, contextvars.Token[Policy | None]]] = []
+        # Per entry: the torch.autocast regions entered (one per device type), for regions covering the CPU
+        # the float32-op setting to restore, and the token restoring the enclosing region's policy.
+        self._entered: list[tuple[list[torch.autocast], bool | None, contextvars.Token[Policy | None]]] = []
 
     @property
     def policy(self) -> Policy:
@@ -207,33 +247,56 @@ class PolicyRegion(contextlib.ContextDecorator):
 
     @property
     def device_type(self) -> str:
-        """The device type this region applies to."""
+        """The device type this region applies to: the one given, else the machine's accelerator ("cpu"
+        without one). A region given none also covers the CPU (`device_types`)."""
         return self._device_type or default_device_type()
 
-    def as_torch_autocast(self) -> torch.autocast:
-        """The plain ``torch.autocast`` this region amounts to under the current policy."""
-        return self._torch_autocast(self.policy if self._enabled else _FLOAT32)
+    @property
+    def device_types(self) -> tuple[str, ...]:
+        """Every device type this region autocasts: the one given, else `default_device_types`."""
+        return (self._device_type,) if self._device_type is not None else default_device_types()
 
-    def _torch_autocast(self, policy: Policy) -> torch.autocast:
+    def as_torch_autocast(self) -> torch.autocast:
+        """The plain ``torch.autocast`` this region amounts to under the current policy, for `device_type`."""
+        return self._torch_autocast(self.policy if self._enabled else _FLOAT32, self.device_type)
+
+    def compiled(self) -> contextlib.AbstractContextManager[Any]:
+        """The region in the form ``torch.compile`` traces without graph breaks: ``torch.autocast`` per device
+        type, the CPU's with CUDA's float32 op list on or off inside as in eager regions. The policy is read
+        now."""
+        policy = self.policy if self._enabled else _FLOAT32
+        regions: list[contextlib.AbstractContextManager[Any]] = []
+        low_precision = policy.compute_dtype != "float32"
+        for device_type in self.device_types:
+            region = self._torch_autocast(policy, device_type)
+            if device_type == "cpu":
+                regions.append(_cpu_float32.compiled_region(region, low_precision and self._cpu_float32_ops))
+            else:
+                regions.append(region)
+        return regions[0] if len(regions) == 1 else _both(*regions)
+
+    def _torch_autocast(self, policy: Policy, device_type: str) -> torch.autocast:
         compute = policy.compute_dtype
         if compute == "float32":
-            return torch.autocast(self.device_type, enabled=False)
+            return torch.autocast(device_type, enabled=False)
         kwargs: dict[str, Any] = {}
         if self._cache_enabled is not None:
             kwargs["cache_enabled"] = self._cache_enabled
-        return torch.autocast(self.device_type, dtype=TORCH_DTYPES[compute], **kwargs)
+        return torch.autocast(device_type, dtype=TORCH_DTYPES[compute], **kwargs)
 
     def __enter__(self) -> PolicyRegion:
         policy = self.policy if self._enabled else _FLOAT32
-        region = self._torch_autocast(policy)
+        device_types = self.device_types
+        regions = [self._torch_autocast(policy, device_type) for device_type in device_types]
         low_precision = policy.compute_dtype != "float32"
         if policy.compute_dtype == "float16":
             _float16_regions[0] += 1
-        region.__enter__()  # type: ignore[no-untyped-call]
+        for region in regions:
+            region.__enter__()  # type: ignore[no-untyped-call]
         previous = None
-        if self.device_type == "cpu":  # CUDA regions leave the CPU setting of an enclosing region alone
+        if "cpu" in device_types:  # CUDA-only regions leave the CPU setting of an enclosing region alone
             previous = _cpu_float32.enter_region(low_precision and self._cpu_float32_ops)
-        self._entered.append((region, previous, _region_policy.set(policy)))
+        self._entered.append((regions, previous, _region_policy.set(policy)))
         return self
 
     def __exit__(
@@ -242,11 +305,12 @@ class PolicyRegion(contextlib.ContextDecorator):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        region, previous, token = self._entered.pop()
+        regions, previous, token = self._entered.pop()
         _region_policy.reset(token)
         if previous is not None:
             _cpu_float32.exit_region(previous)
-        region.__exit__(exc_type, exc, traceback)
+        for region in reversed(regions):
+            region.__exit__(exc_type, exc, traceback)
 
     def _recreate_cm(self) -> PolicyRegion:
         # A decorated function gets a fresh region per call, so recursion and threads never share state.
