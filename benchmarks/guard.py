@@ -19,11 +19,15 @@ and, under ``"mixed_float16"`` with loss scaling, the records' share of the step
 * ``GradScaler``: ``torch.autocast(float16)`` + ``torch.amp.GradScaler("cpu")``;
 * ``polyamp``: ``polyamp.LossScaler()`` (records on, as always; they add no kernel: the iteration's flag tensor
   is kept, and read in one batch every ``history // 2`` iterations).
+
+and, on the same models' gradients, the ways torch offers to tell whether any gradient is inf/NaN (one call
+each, no step): the fused check the guard uses against the reductions one could use instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +41,17 @@ OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
     "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
     "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-3, fused=True),
+}
+#: Ways to tell whether any of ``grads`` holds inf/NaN; the first is the guard's (exact, writes nothing new).
+CHECKS: dict[str, Callable[[list[Any], Any, Any], Any]] = {
+    "fused check (the guard's)": lambda grads, flag, one: torch._amp_foreach_non_finite_check_and_unscale_(
+        grads, flag, one
+    ),
+    "_foreach_norm, ord 2": lambda grads, flag, one: torch._foreach_norm(grads, 2),
+    "_foreach_norm, ord inf": lambda grads, flag, one: torch._foreach_norm(grads, float("inf")),
+    "_foreach_max": lambda grads, flag, one: torch._foreach_max(grads),
+    "aminmax per tensor": lambda grads, flag, one: [torch.aminmax(g) for g in grads],
+    "sum per tensor, stacked": lambda grads, flag, one: torch.stack([g.sum() for g in grads]),
 }
 BF16_VARIANTS = ("plain torch", "check by hand", "guard on (default)", "guard off")
 FP16_VARIANTS = ("GradScaler", "polyamp")
@@ -135,6 +150,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tables.append(
             {"caption": caption, "columns": ["model", "optimizer", f"{baseline} ms", *variants[1:]], "rows": rows}
         )
+    rows = []
+    for width, batch, depth in configs:
+        model = _model(width, depth)
+        generator = torch.Generator().manual_seed(1)
+        x = torch.randn(batch, width, generator=generator)
+        torch.nn.functional.cross_entropy(model(x), torch.randint(0, width, (batch,), generator=generator)).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        flag, one = torch.zeros(()), torch.ones(())
+        checks = {
+            name: functools.partial(check, grads, flag, one)
+            for name, check in CHECKS.items()
+            if name != "_foreach_max" or hasattr(torch, "_foreach_max")
+        }
+        baseline = next(iter(checks))
+        iters = 1 if args.quick else calibrate(checks[baseline], args.round_seconds / 4)
+        with torch.no_grad():
+            times = _common.interleaved(
+                checks, iters=iters, rounds=rounds, warmup=1 if args.quick else 5, clock=_common.CLOCKS[args.clock]
+            )
+        summary = _common.summarize(times, baseline)
+        label = f"{depth} x (Linear {width} + LayerNorm + GELU): {len(grads)} gradients"
+        for name in checks:
+            us = summary[name]["median_ms"] * 1000
+            rows.append(
+                [label if name == baseline else "", name, f"{us:.1f}", _common.fmt_ratio(summary[name]["ratio"])]
+            )
+        raw.append({"caption": "checks", "width": width, "summary": summary})
+        print("checks", label, {v: round(s["ratio"], 3) for v, s in summary.items()}, flush=True)
+    tables.append(
+        {
+            "caption": "the check alone: is any gradient inf/NaN? (one call over the gradients, no step)",
+            "columns": ["model", "check", "µs per call", "vs the fused check"],
+            "rows": rows,
+        }
+    )
     notes = [
         "Ratios: median over interleaved rounds of (variant's ms/iteration / the baseline's in the same round), "
         f"{rounds} rounds. Clock: "
@@ -144,6 +194,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "'check by hand' is that check written inline with nothing around it: the floor of any guard. The guard's "
         "cost above it is the scaler's bookkeeping (stages, misuse checks, records), which 'guard off' shows "
         "alone.",
+        "The checks table: the fused check is exact and reads the flag out of the same pass; a norm is non-finite "
+        "for inf/NaN but can also overflow on finite gradients (ord 2), and every reduction needs a further "
+        "op to turn its per-tensor results into one flag.",
     ]
     return _common.result(
         "guard",
