@@ -72,12 +72,16 @@ def test_compiled_train_step_equals_compiled_native(fused: bool) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh_scaler", "after_an_eager_step"])
 @pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused_adam"])
-def test_no_graph_break_comes_from_polyamp(fused: bool) -> None:
+def test_no_graph_break_comes_from_polyamp(fused: bool, warm: bool) -> None:
+    """From a scaler that never ran (the first call is compiled) and from one whose state exists, as in a
+    running loop."""
     polyamp.set_policy("mixed_float16")
     step, _, _ = make_step(fused, norm=True)
     x, y = DATA[0]
-    step(x, y, False)  # the scaler's state exists, as in a running loop
+    if warm:
+        step(x, y, False)
     dynamo.reset()
     explanation = dynamo.explain(step)(x, y, False)
     ours = []

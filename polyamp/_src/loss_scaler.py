@@ -268,7 +268,9 @@ class LossScaler:
         self._backend_name: str | None = None
         self._reset_step_state()
         self._written = 0  # iterations written to the history
-        self._iterations: dict[Any, Iteration] = {}
+        # The single-replica iteration is made up front: a first call traced by a compiler (torch.compile)
+        # then finds it instead of constructing it, which dynamo cannot trace (a graph break).
+        self._iterations: dict[Any, Iteration] = {None: Iteration()}
         self._scaled = False
         self._records: weakref.WeakKeyDictionary[Any, _Record] = weakref.WeakKeyDictionary()
         self._unweakable_records: dict[int, tuple[Any, _Record]] = {}
@@ -1205,7 +1207,7 @@ class LossScaler:
         self._replica = None
         self._style = None
         self._backend_name = None
-        self._iterations = {}
+        self._iterations = {None: Iteration()}
         self._scaled = False
         self._records = weakref.WeakKeyDictionary()
         self._unweakable_records = {}
