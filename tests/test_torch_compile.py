@@ -127,3 +127,29 @@ def test_apply_policy_model_compiles_without_breaks() -> None:
     compiled = torch.compile(model, backend="eager")(x)
     assert compiled.dtype == eager.dtype == torch.float32
     assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused_adam"])
+def test_a_compiled_loop_recompiles_a_bounded_number_of_times_and_keeps_every_record(fused: bool) -> None:
+    """Each iteration changes the scaler's host state (its records, counters, history). Compiled code that read
+    that state would be specialised on it anew every iteration, until dynamo's recompile limit, with a warning.
+    So `update()` runs outside the trace, as torch's GradScaler does: a 40-iteration compiled loop compiles
+    each frame at most twice (here dynamo would raise past that), and its records, scales and skip count
+    equal the eager loop's."""
+    polyamp.set_policy("mixed_float16")
+    pattern = [index % 7 == 3 for index in range(40)]
+    runs = []
+    for compiled in (False, True):
+        step, _, scaler = make_step(fused, norm=True)
+        dynamo.reset()
+        run = torch.compile(step, backend="eager") if compiled else step
+        with dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+            for index, overflow in enumerate(pattern):
+                x, y = DATA[index % len(DATA)]
+                run(x, y, overflow)
+        records = [(r.iteration, r.skipped, r.reason, r.scale, r.next_scale) for r in scaler.records()]
+        runs.append((records, scaler.skipped_steps(), scaler.get_scale()))
+    eager, compiled_run = runs
+    assert compiled_run == eager
+    planted = [index for index, overflow in enumerate(pattern) if overflow]
+    assert set(planted) <= {iteration for iteration, skipped, *_ in eager[0] if skipped}

@@ -65,7 +65,10 @@ class ScalerDevice(Protocol):
     framework does outside polyamp's global policy (the enabled rule, `polyamp.backend_api.resolve_enabled`,
     uses it): with ``since_last_iteration=True`` the core is starting an iteration, and the device may start
     counting anew. And ``compiling() -> bool`` says whether a compiler is tracing the call (the core then
-    skips host-only bookkeeping it cannot trace). And ``replica() -> Hashable | None`` names the replica of a
+    skips host-only bookkeeping it cannot trace). And ``run_uncompiled(fn, *args)`` calls ``fn(*args)``
+    outside the compiler's trace, at run time (torch: a ``torch.compiler.disable``d call): the core ends a
+    traced iteration (``update``) through it, so its records and counters are exact and the compiled code is
+    never specialised on them. And ``replica() -> Hashable | None`` names the replica of a
     data-parallel strategy making the call, where the framework runs one copy of the training step per
     replica in threads of its own (``tf.distribute.MirroredStrategy``); the core then keeps one iteration per
     replica, each checked as a loop of its own, and the device must reduce its found-inf flags across the

@@ -263,6 +263,7 @@ class LossScaler:
         self._counts_gradients = False
         self._float16_probes = FLOAT16_PROBES
         self._compiling: Any = None
+        self._uncompiled: Any = None  # the device's ``run_uncompiled`` hook, if it has one
         self._replica: Any = None  # the device's ``replica`` hook, if it has one
         self._style: str | None = None
         self._backend_name: str | None = None
@@ -322,6 +323,7 @@ class LossScaler:
             )
         self._device, self._style, self._backend_name = device, style, backend
         self._compiling = getattr(device, "compiling", None)
+        self._uncompiled = getattr(device, "run_uncompiled", None)
         self._replica = getattr(device, "replica", None)
         self._history = device.new_history(self._recorder.capacity) if isinstance(device, RecordingDevice) else None
         self._can_guard = isinstance(device, GuardingDevice) and (
@@ -744,6 +746,11 @@ class LossScaler:
                 "LossScaler.update() was called before the scaler saw any tensor; call "
                 "scaler.scale(loss).backward() and scaler.step(optimizer) first in each iteration."
             )
+        if self._uncompiled is not None and self._compiling_now():
+            # Traced, the iteration's host bookkeeping (records, provenance, counters) would specialise the
+            # compiled code on values that change every iteration; run outside the trace, it is exact.
+            self._uncompiled(self._finish, self._device, new_scale, "update()")
+            return
         self._finish(self._device, new_scale, "update()")
 
     def _finish(self, device: Any, new_scale: Any, method: str) -> None:
@@ -1204,6 +1211,7 @@ class LossScaler:
         self._counts_gradients = False
         self._float16_probes = FLOAT16_PROBES
         self._compiling = None
+        self._uncompiled = None
         self._replica = None
         self._style = None
         self._backend_name = None

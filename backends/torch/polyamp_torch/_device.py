@@ -51,6 +51,13 @@ __all__ = ["TorchDevice"]
 _CPU = torch.device("cpu")
 
 
+def _call(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
+_uncompiled = torch.compiler.disable(_call)  # type: ignore[no-untyped-call]
+
+
 class _History:
     """The iterations since the records were last read: (mode code, device flag, spike-only flag) each, at
     most ``capacity``."""
@@ -188,6 +195,11 @@ class TorchDevice:
     def compiling(self) -> bool:
         """Whether torch.compile is tracing the call."""
         return bool(torch.compiler.is_compiling())
+
+    @staticmethod
+    def run_uncompiled(fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` at run time, outside torch.compile's trace, as torch runs its own GradScaler."""
+        return _uncompiled(fn, *args)
 
     # -- the step ----------------------------------------------------------------------------------------
 
