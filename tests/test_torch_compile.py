@@ -153,3 +153,40 @@ def test_a_compiled_loop_recompiles_a_bounded_number_of_times_and_keeps_every_re
     assert compiled_run == eager
     planted = [index for index, overflow in enumerate(pattern) if overflow]
     assert set(planted) <= {iteration for iteration, skipped, *_ in eager[0] if skipped}
+
+
+def _guarded_bfloat16_run(fused: bool, compiled: bool) -> tuple[list[Any], int]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
+    scaler = polyamp.LossScaler()
+
+    def step(x: torch.Tensor, y: torch.Tensor, bad: bool) -> None:
+        with polyamp_torch.autocast(device_type="cpu"):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if bad:
+            model[0].weight.grad[0, 0] = math.nan
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    dynamo.reset()
+    run = torch.compile(step, backend="eager") if compiled else step
+    with (
+        polyamp.policy_scope("mixed_bfloat16"),
+        dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True),
+    ):
+        for index in range(30):
+            x, y = DATA[index % len(DATA)]
+            run(x, y, index % 7 == 3)
+    return [(r.iteration, r.skipped, r.reason, r.mode) for r in scaler.records()], int(scaler.skipped_steps())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused_adam"])
+def test_a_compiled_bfloat16_loop_guards_with_bounded_recompiles(fused: bool) -> None:
+    """The guard under torch.compile: the planted non-finite steps are skipped and recorded as in eager, and no
+    frame compiles more than twice (the scaler's first-iteration probes are not counted down in traced code)."""
+    eager = _guarded_bfloat16_run(fused, compiled=False)
+    assert _guarded_bfloat16_run(fused, compiled=True) == eager
+    assert [record[0] for record in eager[0] if record[1]] == [3, 10, 17, 24] and eager[1] == 4

@@ -508,12 +508,13 @@ class LossScaler:
     def _probe_float16(self, device: Any, loss: Any) -> None:
         """Warn once when a scaler that follows the policy does not scale a loss computed in float16 (the
         framework's own float16 autocast beside polyamp's float32 policy): its gradients would underflow.
-        Asked of the device in the first iterations only, where it can tell (``float16_computed``)."""
-        if self._float16_probes <= 0 or self._enabled_setting is not None:
+        Asked of the device in the first eager iterations only, where it can tell (``float16_computed``); a
+        traced call leaves the count alone, so compiled code is not specialised on it."""
+        if self._float16_probes <= 0 or self._enabled_setting is not None or self._compiling_now():
             return
         self._float16_probes -= 1
         probe = getattr(device, "float16_computed", None)
-        if probe is None or (self._compiling is not None and self._compiling()):
+        if probe is None:
             return
         if get_policy().compute_dtype != "float32" or not probe(loss):
             return
