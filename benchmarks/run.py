@@ -7,7 +7,8 @@ CPU targets (run here, results in benchmarks/RESULTS.md):
     python benchmarks/run.py keras-backends  # model.fit steps/s on Keras's JAX and PyTorch backends
     python benchmarks/run.py scale         # per-step overhead as the model grows, plus a PNG plot
     python benchmarks/run.py guard         # the bfloat16 guard's and the step records' cost
-    python benchmarks/run.py cpu           # the five above, each in its own process, then `report`
+    python benchmarks/run.py compiled      # the whole step under torch.compile: compiles, then step time
+    python benchmarks/run.py cpu           # the six above, each in its own process, then `report`
     python benchmarks/run.py revisions --range BASE..HEAD   # the same step on two revisions of polyamp
 
 CUDA targets (need a CUDA device; benchmarks/gpu_suite.sh runs them all):
@@ -38,7 +39,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/run.py` from anywhere: `benc
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-CPU_TARGETS = ("torch-cpu", "keras", "keras-backends", "scale", "guard")
+CPU_TARGETS = ("torch-cpu", "keras", "keras-backends", "scale", "guard", "compiled")
 GPU_TARGETS = ("gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16")
 GPU_HELP = {
     "gpu-syncs": "host-device syncs per step, polyamp vs GradScaler, per optimizer",
@@ -94,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=41)
     p.add_argument("--round-seconds", type=float, default=0.03, help="time per variant per round")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="as for torch-cpu")
+    p = target("compiled", "the whole step under torch.compile, polyamp vs native: compiles and step time")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--rounds", type=int, default=21)
+    p.add_argument("--round-seconds", type=float, default=0.05, help="time per variant per round")
+    p.add_argument("--warmup", type=int, default=40, help="calls timed as the compile phase")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend (--quick uses 'eager')")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="as for torch-cpu (the step times)")
     p = target("scale", "per-step overhead vs model size, with a plot")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--rounds", type=int, default=7)
@@ -176,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import guard
 
         _common_write(guard.run(args), args)
+    elif args.target == "compiled":
+        from benchmarks import compiled
+
+        _common_write(compiled.run(args), args)
     elif args.target == "scale":
         from benchmarks import scale
 
