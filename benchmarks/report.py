@@ -17,6 +17,7 @@ ORDER = (
     "keras-backends",
     "scale",
     "guard",
+    "compiled",
     "revisions",
     "gpu-syncs",
     "gpu-cuda-graph",
@@ -129,6 +130,13 @@ SUMMARY: dict[str, tuple[str, list[tuple[int, str, str]]]] = {
     "scale": (
         "Eager CPU step as the model grows (4.5e3 to 1e8 parameters; 4 to 256 parameter tensors)",
         [(0, "polyamp", "polyamp vs native, by width"), (1, "polyamp", "polyamp vs native, by depth")],
+    ),
+    "compiled": (
+        "PyTorch CPU step, all of it under `torch.compile`, vs `torch.autocast` + `GradScaler` (SGD, Adam, fused Adam)",
+        [
+            (0, "polyamp", "polyamp (CUDA's float32 list on CPU)"),
+            (0, "polyamp, torch CPU lists", "polyamp, `cpu_float32_ops=False`"),
+        ],
     ),
     "guard": (
         "bfloat16 step vs plain torch; float16 step vs `GradScaler` (records on)",

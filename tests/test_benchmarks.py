@@ -46,6 +46,7 @@ def load(path: Path) -> dict[str, Any]:
         ("torch-cpu", "torch"),
         ("scale", "torch"),
         ("guard", "torch"),
+        ("compiled", "torch"),
         ("keras", "tensorflow"),
         ("keras-backends", "keras"),
         ("gpu-recipe", "torch"),
