@@ -82,8 +82,17 @@ def command() -> str:
         script = script.resolve().relative_to(ROOT)
     except ValueError:
         pass
-    # Paths inside the repository are written relative to it, as typed from its root.
-    args = [arg.replace(f"{ROOT}/", "") for arg in sys.argv[1:]]
+    # Paths inside the repository are written relative to it, as typed from its root. Where the JSON went
+    # (--out) is left out: it does not change what was measured.
+    args: list[str] = []
+    skip = False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            args.append(arg.replace(f"{ROOT}/", ""))
     return shlex.join(["python", str(script), *args])
 
 
