@@ -761,8 +761,7 @@ class LossScaler:
                 self._last = _Record(device.new_record())
             found_infs = iteration.found_infs() if iteration.guarding else []
             if found_infs:
-                combined = device.combine(found_infs)
-                clean = self._finite_on_host(found_infs)
+                clean, combined = self._iteration_flag(device, found_infs)
                 if not clean:
                     device.count_skip(combined)
                 spike_only = self._finish_spike(device, combined)
@@ -784,10 +783,7 @@ class LossScaler:
                     f"{method} was called but none of the optimizers unscaled in this iteration had gradients, "
                     "so there is nothing to base the update on. Call scaler.scale(loss).backward() first."
                 )
-        clean = bool(found_infs) and self._finite_on_host(found_infs)
-        # A finite iteration the host already knows of is the device's finite flag: nothing to combine, and the
-        # device may leave out what only an overflow needs.
-        combined = device.finite_flag() if clean else device.combine(found_infs) if found_infs else None
+        clean, combined = self._iteration_flag(device, found_infs)
         skipped_on_host = self._host_skip
         device.update(combined, value)
         spike_only = self._finish_spike(device, combined)
@@ -804,10 +800,17 @@ class LossScaler:
         elif combined is not None:
             self._write_history("scaling", None if clean else combined, skipped_on_host, spike_only)
 
-    def _finite_on_host(self, found_infs: list[Any]) -> bool:
-        """Whether every step of the iteration read its flag as "not skipped" to the host (and no spike rule
-        decided on the device): the iteration was finite, and its record needs no flag read back later."""
-        return self._host_clean == len(found_infs) and self._spike_flag is None
+    def _iteration_flag(self, device: Any, found_infs: list[Any]) -> tuple[bool, Any]:
+        """Whether the host knows the iteration was finite, and the flag standing for the iteration (None
+        without any step's flag). Known finite when every step read its flag as "not skipped" to the host and
+        no spike rule decided on the device: then the flag is the device's finite flag (nothing to combine,
+        the device may leave out what only an overflow needs, and the record needs no flag read back later);
+        else the steps' flags combined."""
+        if not found_infs:
+            return False, None
+        if self._host_clean == len(found_infs) and self._spike_flag is None:
+            return True, device.finite_flag()
+        return False, device.combine(found_infs)
 
     def _finish_spike(self, device: Any, overflow: Any) -> Any:
         """End the iteration for the spike rule: its statistic enters the window if the step was applied, a
