@@ -5,11 +5,15 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
 * a `polyamp.BackendSpec` (import-free: a name, a ``"module:attribute"`` target, the framework modules it
   handles) registered with `polyamp.register_backend` or the ``polyamp.backends`` entry-point group;
 * a `Backend` object whose ``make_device(config, state)`` returns a device form implementing
-  `ImperativeDevice` (PyTorch-style loops) or `TapeDevice` (TensorFlow-style loops), and optionally
-  ``make_functional(config)`` returning a `FunctionalDevice` (jitted, stateless steps); a device form may
-  also implement the optional `RecordingDevice` (step records on the device), `GuardingDevice` /
-  `ImperativeGuardingDevice` (the guard), `ProvenanceDevice` / `ImperativeProvenanceDevice` (which gradients
-  were non-finite) and `SpikeDevice` (`polyamp.SpikeRule`), which the core uses when present;
+  `ImperativeDevice` (PyTorch-style loops) or `TapeDevice` (TensorFlow-style loops); a backend with jitted,
+  stateless steps is also a `FunctionalBackend` (``make_functional(config)`` returning a `FunctionalDevice`);
+* optional protocols a device form may also implement, each one capability: `RecordingDevice` (step records
+  on the device), `GuardingDevice` / `ImperativeGuardingDevice` (the guard), `ProvenanceDevice` /
+  `ImperativeProvenanceDevice` (which gradients were non-finite), `SpikeDevice` (`polyamp.SpikeRule`),
+  `CompilingDevice` / `UncompiledDevice` (a compiler traces the step), `ReplicaDevice` (one step per replica),
+  `ProcessGroupDevice` (flags reduced over a process group), `Float16HintDevice` / `Float16ProbeDevice`
+  (float16 computation outside polyamp's policy) and `OwnScalingDevice` (optimizers that scale by themselves).
+  The core reads which ones a device implements once, at binding (`DeviceCapabilities`);
 * optionally a conformance harness (see `polyamp.conformance.Harness`) named in the spec;
 * optionally a forward watch: the framework's layer calls fed to a `ForwardPass` (which checks each tensor once
   and assembles the `WatchedCall` records), which `forward_report` turns into a `polyamp.ForwardReport` (the
@@ -23,20 +27,29 @@ test suite (tests/numpy_backend/).
 
 from polyamp._src.backend import (
     Backend,
+    CompilingDevice,
     Flag,
+    Float16HintDevice,
+    Float16ProbeDevice,
+    FunctionalBackend,
     FunctionalDevice,
     GradientCounts,
     GuardingDevice,
     ImperativeDevice,
     ImperativeGuardingDevice,
     ImperativeProvenanceDevice,
+    OwnScalingDevice,
+    ProcessGroupDevice,
     ProvenanceDevice,
     RecordingDevice,
+    ReplicaDevice,
     ScalerDevice,
     SpikeDevice,
     StepOutcome,
     TapeDevice,
+    UncompiledDevice,
 )
+from polyamp._src.binding import DeviceCapabilities
 from polyamp._src.enabling import check_enabled, resolve_enabled
 from polyamp._src.errors import describe, type_error
 from polyamp._src.forward_watch import (
@@ -50,7 +63,7 @@ from polyamp._src.forward_watch import (
 )
 from polyamp._src.functional import FunctionalLossScaler
 from polyamp._src.hazards import TensorSummary
-from polyamp._src.iteration import UnscaleStages, no_gradients_error
+from polyamp._src.iteration import NOT_SCALED_RULE, UnscaleStages, no_gradients_error, not_scaled_error
 from polyamp._src.loss_scaler import bind_arguments
 from polyamp._src.provenance import layer_of, non_finite_gradients
 from polyamp._src.records import (
@@ -94,12 +107,18 @@ __all__ = [
     "LOGGER_NAME",
     "MODE_CODES",
     "NOT_GIVEN",
+    "NOT_SCALED_RULE",
     "SETTING_DOCS",
     "SPIKE_BIT",
     "Backend",
     "BackendSpec",
+    "CompilingDevice",
+    "DeviceCapabilities",
     "Flag",
+    "Float16HintDevice",
+    "Float16ProbeDevice",
     "ForwardPass",
+    "FunctionalBackend",
     "FunctionalDevice",
     "FunctionalLossScaler",
     "GradientCounts",
@@ -111,14 +130,18 @@ __all__ = [
     "LossScaleSettings",
     "LossScaleState",
     "NotGiven",
+    "OwnScalingDevice",
+    "ProcessGroupDevice",
     "ProvenanceDevice",
     "Recorder",
     "RecordingDevice",
+    "ReplicaDevice",
     "ScalerDevice",
     "SpikeDevice",
     "StepOutcome",
     "TapeDevice",
     "TensorSummary",
+    "UncompiledDevice",
     "UnscaleStages",
     "WatchedCall",
     "backend_name_for",
@@ -140,6 +163,7 @@ __all__ = [
     "log_forward_report",
     "no_gradients_error",
     "non_finite_gradients",
+    "not_scaled_error",
     "parse_spike_window",
     "parse_state_dict",
     "register_backend",

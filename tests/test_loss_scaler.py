@@ -113,6 +113,7 @@ def test_binds_on_first_use_and_follows_the_reference(fake_framework: FakeFramew
     opt = fw.Optimizer()
     scales = []
     for overflow in "FFFOFFOOFFFFFF":
+        scaler.scale(fw.Tensor(1.0))  # every iteration that scales starts from a scaled loss
         opt.grad = math.inf if overflow == "O" else 1.0
         scaler.step(opt)
         scaler.update()
@@ -219,9 +220,9 @@ def test_state_dict_round_trip_continues_the_same_trajectory(fake_framework: Fak
     fw = fake_framework.load()
     pattern = "FFOFFFFOOFFFFF"
     first = LossScaler(growth_interval=2, hysteresis=2, enabled=True)
-    first.scale(fw.Tensor(1.0))
     opt = fw.Optimizer()
     for overflow in pattern[:6]:
+        first.scale(fw.Tensor(1.0))
         opt.grad = math.inf if overflow == "O" else 1.0
         first.step(opt)
         first.update()
@@ -230,8 +231,8 @@ def test_state_dict_round_trip_continues_the_same_trajectory(fake_framework: Fak
     resumed.load_state_dict(saved)
     assert resumed.config == first.config
     scales = []
-    resumed.scale(fw.Tensor(1.0))
     for overflow in pattern[6:]:
+        resumed.scale(fw.Tensor(1.0))
         opt.grad = math.inf if overflow == "O" else 1.0
         resumed.step(opt)
         resumed.update()

@@ -214,7 +214,7 @@ def test_records_survive_pickling_settings() -> None:
     scaler = polyamp.LossScaler(guard=True, on_min_scale="raise", history=8)
     copy = pickle.loads(pickle.dumps(scaler))
     assert copy._guard_setting is True and copy.records() == []
-    assert copy._recorder.on_min_scale == "raise" and copy._recorder.capacity == 8
+    assert copy._history.recorder.on_min_scale == "raise" and copy._history.recorder.capacity == 8
 
 
 def test_tensorflow_graph_records_are_read_later_and_lost_ones_are_said(caplog: pytest.LogCaptureFixture) -> None:

@@ -24,19 +24,27 @@ from polyamp._src.scaling import LossScaleConfig, LossScaleState
 
 __all__ = [
     "Backend",
+    "CompilingDevice",
     "Flag",
+    "Float16HintDevice",
+    "Float16ProbeDevice",
+    "FunctionalBackend",
     "FunctionalDevice",
     "GradientCounts",
     "GuardingDevice",
     "ImperativeDevice",
     "ImperativeGuardingDevice",
     "ImperativeProvenanceDevice",
+    "OwnScalingDevice",
+    "ProcessGroupDevice",
     "ProvenanceDevice",
     "RecordingDevice",
+    "ReplicaDevice",
     "ScalerDevice",
     "SpikeDevice",
     "StepOutcome",
     "TapeDevice",
+    "UncompiledDevice",
 ]
 
 #: A backend's found-inf flag: a scalar tensor on its device, ``> 0`` when a gradient was inf or NaN.
@@ -61,18 +69,11 @@ class StepOutcome(NamedTuple):
 class ScalerDevice(Protocol):
     """Operations every device form provides, whatever its loop style.
 
-    Optionally, ``float16_in_use(*, since_last_iteration: bool) -> bool`` reports float16 computation the
-    framework does outside polyamp's global policy (the enabled rule, `polyamp.backend_api.resolve_enabled`,
-    uses it): with ``since_last_iteration=True`` the core is starting an iteration, and the device may start
-    counting anew. And ``compiling() -> bool`` says whether a compiler is tracing the call (the core then
-    skips host-only bookkeeping it cannot trace). And ``run_uncompiled(fn, *args)`` calls ``fn(*args)``
-    outside the compiler's trace, at run time (torch: a ``torch.compiler.disable``d call): the core ends a
-    traced iteration (``update``) through it, so its records and counters are exact and the compiled code is
-    never specialised on them. And ``replica() -> Hashable | None`` names the replica of a
-    data-parallel strategy making the call, where the framework runs one copy of the training step per
-    replica in threads of its own (``tf.distribute.MirroredStrategy``); the core then keeps one iteration per
-    replica, each checked as a loop of its own, and the device must reduce its found-inf flags across the
-    replicas so that they all take the same decision. None (or no such method): one iteration.
+    Everything else a device may offer is an optional protocol of its own (`CompilingDevice`,
+    `UncompiledDevice`, `ReplicaDevice`, `ProcessGroupDevice`, `Float16HintDevice`, `Float16ProbeDevice`,
+    `OwnScalingDevice`, `RecordingDevice`, `GuardingDevice`, `ProvenanceDevice`, `SpikeDevice`): the core reads
+    which ones a device implements once, when a scaler binds to it (`polyamp.backend_api.DeviceCapabilities`),
+    and never looks for a method by name afterwards.
     """
 
     def check_optimizer(self, method: str, optimizer: object) -> None:
@@ -208,8 +209,8 @@ class ImperativeProvenanceDevice(Protocol):
 
 @runtime_checkable
 class SpikeDevice(Protocol):
-    """Optional: `polyamp.SpikeRule` decided on the device. A tape device's ``apply`` then takes ``veto=``
-    (the rule's flag) and returns the overflow flag alone in its outcome."""
+    """Optional: `polyamp.SpikeRule` decided on the device. A tape device's ``apply`` receives the rule's
+    flag as ``veto=`` (see `TapeDevice.apply`) and returns the overflow flag alone in its outcome."""
 
     def new_spike_state(self, rule: Any) -> Any:
         """The rule's window (the last ``rule.window`` accepted statistics and their count) on the device."""
@@ -243,13 +244,84 @@ class SpikeDevice(Protocol):
 
 
 @runtime_checkable
-class ImperativeDevice(ScalerDevice, Protocol):
-    """PyTorch-style device form: optimizers own their gradients (``param.grad``).
+class CompilingDevice(Protocol):
+    """Optional: the framework has a compiler that traces the step (torch.compile, tf.function)."""
 
-    Optionally, ``step_own_scaling(optimizer, scaler, args, kwargs)`` steps optimizers that do their own
-    scaling with the scaler handed to them (torch's legacy ``step(grad_scaler=...)`` protocol) and returns
-    ``NotImplemented`` for every other optimizer; the core then neither unscales nor checks for them.
-    """
+    def compiling(self) -> bool:
+        """Whether a compiler is tracing the call now; the core then skips host-only bookkeeping (reading
+        records, counting probes) it cannot trace."""
+        ...
+
+
+@runtime_checkable
+class UncompiledDevice(Protocol):
+    """Optional: a way out of the compiler's trace."""
+
+    def run_uncompiled(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` outside the compiler's trace, at run time (torch: a ``torch.compiler.disable``d call).
+        The core ends a traced iteration (``update``) through it, so its records and counters are exact and the
+        compiled code is never specialised on them."""
+        ...
+
+
+@runtime_checkable
+class ReplicaDevice(Protocol):
+    """Optional: the framework runs one copy of the training step per replica, in threads of its own
+    (``tf.distribute.MirroredStrategy``)."""
+
+    def replica(self) -> Any:
+        """A hashable name of the replica making the call, or None outside a multi-replica step. The core
+        keeps one iteration per replica, each checked as a loop of its own; the device must reduce its
+        found-inf flags across the replicas so that they all take the same decision."""
+        ...
+
+
+@runtime_checkable
+class ProcessGroupDevice(Protocol):
+    """Optional: found-inf flags reduced over a process group (``LossScaler(process_group=...)``)."""
+
+    def set_process_group(self, group: Any) -> None:
+        """Reduce every found-inf flag over ``group`` from now on (a max all-reduce on the device). Raise a
+        `polyamp.PolyampTypeError` when ``group`` is not one of the framework's process groups."""
+        ...
+
+
+@runtime_checkable
+class Float16HintDevice(Protocol):
+    """Optional: float16 computation the framework does outside polyamp's global policy, for the enabled
+    rule (`polyamp.backend_api.resolve_enabled`)."""
+
+    def float16_in_use(self, *, since_last_iteration: bool) -> bool:
+        """Whether float16 computation is in use; with ``since_last_iteration=True`` the core is starting an
+        iteration, and the device may start counting anew."""
+        ...
+
+
+@runtime_checkable
+class Float16ProbeDevice(Protocol):
+    """Optional: tell whether a loss came from float16 computation, for the one-time warning of a scaler
+    that follows the policy and does not scale a float16 loss (its gradients would underflow)."""
+
+    def float16_computed(self, loss: Any) -> bool:
+        """Whether ``loss`` (or a list of losses) was computed in float16. Asked in the first eager iterations
+        of such a scaler only; may walk the framework's graph, within a bound."""
+        ...
+
+
+@runtime_checkable
+class OwnScalingDevice(Protocol):
+    """Optional, imperative devices: optimizers that do their own scaling with the scaler handed to them
+    (torch's legacy ``step(grad_scaler=...)`` protocol)."""
+
+    def step_own_scaling(self, optimizer: Any, scaler: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """Step ``optimizer`` with ``scaler`` handed to it and return the step's result, or ``NotImplemented``
+        for every other optimizer (the core then unscales and checks as usual)."""
+        ...
+
+
+@runtime_checkable
+class ImperativeDevice(ScalerDevice, Protocol):
+    """PyTorch-style device form: optimizers own their gradients (``param.grad``)."""
 
     def unscale_gradients(self, optimizer: Any) -> Flag | None:
         """Divide ``optimizer``'s gradients by the scale in place and check them; return the flag, or None
@@ -289,9 +361,22 @@ class TapeDevice(ScalerDevice, Protocol):
         """The gradients divided by the scale (None entries stay None)."""
         ...
 
-    def apply(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], *, unscaled: bool) -> StepOutcome:
-        """Unscale ``grads`` (unless ``unscaled``), check them and apply them unless one is non-finite, with
-        the decision taken on the device (no host branch, so it runs inside compiled graphs)."""
+    def apply(
+        self,
+        optimizer: Any,
+        grads: Sequence[Any],
+        variables: Sequence[Any],
+        *,
+        unscaled: bool,
+        veto: Flag | None = None,
+    ) -> StepOutcome:
+        """Unscale ``grads`` (unless ``unscaled``), check them and apply them unless one is non-finite or
+        ``veto`` is set, with the decision taken on the device (no host branch, so it runs inside compiled
+        graphs).
+
+        ``veto`` is the spike rule's flag for this iteration (`SpikeDevice`), None without a rule; the core
+        always passes it by keyword. The returned outcome's ``found_inf`` is the overflow flag alone (what the
+        loss-scale rule sees), whether or not a veto skipped the step."""
         ...
 
     def plain_apply(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
@@ -337,8 +422,7 @@ class FunctionalDevice(Protocol):
 class Backend(Protocol):
     """A framework translation of polyamp's semantics, registered by a `polyamp.BackendSpec`.
 
-    ``make_functional(config)`` (returning a `FunctionalDevice`) is optional, for frameworks with jitted,
-    stateless training steps.
+    A backend with jitted, stateless training steps is also a `FunctionalBackend`.
     """
 
     name: str
@@ -346,4 +430,13 @@ class Backend(Protocol):
     def make_device(self, config: LossScaleConfig, state: LossScaleState) -> ScalerDevice:
         """Create the device form of a loss scaler starting from ``state`` (an `ImperativeDevice` and/or a
         `TapeDevice`)."""
+        ...
+
+
+@runtime_checkable
+class FunctionalBackend(Protocol):
+    """Optional: a backend with a functional form, for jitted, stateless steps (`polyamp.FunctionalLossScaler`)."""
+
+    def make_functional(self, config: LossScaleConfig) -> FunctionalDevice:
+        """The device functions following ``config``'s rule."""
         ...

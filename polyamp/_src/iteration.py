@@ -26,7 +26,15 @@ from typing import Any
 
 from polyamp._src.errors import ScalerUsageError
 
-__all__ = ["Iteration", "Stage", "UnscaleStages", "no_gradients_error"]
+__all__ = ["NOT_SCALED_RULE", "Iteration", "Stage", "UnscaleStages", "no_gradients_error", "not_scaled_error"]
+
+#: The iteration rule for scaling, in the words every loop style uses: an iteration that scales unscales only
+#: gradients of a loss scaled in that iteration.
+NOT_SCALED_RULE = (
+    "the gradients were not computed from a loss scaled in this iteration, and dividing them by the loss scale "
+    "would shrink every update to almost nothing. Call scale(loss) (Keras: optimizer.scale_loss(loss)) and take "
+    "the gradients of what it returns, in every iteration."
+)
 
 
 def no_gradients_error(method: str = "step()") -> ScalerUsageError:
@@ -35,6 +43,11 @@ def no_gradients_error(method: str = "step()") -> ScalerUsageError:
         f"{method}: none of the optimizer's parameters has a gradient. Call scaler.scale(loss).backward() "
         f"before {method}."
     )
+
+
+def not_scaled_error(method: str) -> ScalerUsageError:
+    """The error for unscaling or stepping in an iteration that scales but whose loss was not scaled."""
+    return ScalerUsageError(f"{method} was called before scale() in this iteration: {NOT_SCALED_RULE}")
 
 
 class Stage(enum.Enum):
@@ -133,6 +146,8 @@ class Iteration:
     stages: UnscaleStages = field(default_factory=UnscaleStages)
     #: The thread that started the iteration (one scaler serves one training loop).
     thread: int | None = None
+    #: Whether ``scale`` scaled a loss in this iteration (the iteration rule: see `not_scaled_error`).
+    scaled: bool = False
     _entries: dict[int, _Entry] = field(default_factory=dict)
 
     @property
@@ -200,3 +215,4 @@ class Iteration:
         self.enabled = None
         self.guarding = False
         self.thread = None
+        self.scaled = False

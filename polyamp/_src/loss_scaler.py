@@ -5,31 +5,25 @@ stages): when scaling is enabled, which calls are misuse, when a step is skipped
 ``step_skipped`` / ``skipped_steps`` answer, what a state dict holds, when state may be loaded or pickled.
 The bound backend's device form (`polyamp.backend_api.ImperativeDevice` or `TapeDevice`) only performs the
 device operations: scale, check-and-unscale, apply-or-skip, the device update of the rule.
+
+The parts around the loop live in modules of their own: binding and the device's capabilities
+(`polyamp._src.binding`), each optimizer's outcome and the record history (`polyamp._src.step_history`),
+the spike rule's iteration side (`polyamp._src.spike_driver`), the signature and pickles
+(`polyamp._src.persistence`), the stages and misuse of one iteration (`polyamp._src.iteration`).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 import warnings
-import weakref
 from collections.abc import Iterable, Mapping
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from polyamp._src import registry
-from polyamp._src.backend import (
-    GuardingDevice,
-    ImperativeDevice,
-    ImperativeGuardingDevice,
-    ImperativeProvenanceDevice,
-    ProvenanceDevice,
-    RecordingDevice,
-    ScalerDevice,
-    SpikeDevice,
-    TapeDevice,
-)
+from polyamp._src.backend import FunctionalBackend, ScalerDevice
+from polyamp._src.binding import DeviceCapabilities, make_device
 from polyamp._src.enabling import check_enabled, resolve_enabled
 from polyamp._src.errors import (
     BackendMismatchError,
@@ -41,12 +35,10 @@ from polyamp._src.errors import (
 )
 from polyamp._src.functional import FunctionalLossScaler
 from polyamp._src.global_policy import get_policy
-from polyamp._src.iteration import Iteration, Stage, no_gradients_error
-from polyamp._src.provenance import NonFiniteGradient, non_finite_gradients
+from polyamp._src.iteration import Iteration, Stage, no_gradients_error, not_scaled_error
+from polyamp._src.persistence import PICKLED_OPTIONS, derive_signature
 from polyamp._src.records import (
     DEFAULT_HISTORY,
-    MODE_CODES,
-    SPIKE_BIT,
     Recorder,
     StepRecord,
     check_guard,
@@ -54,8 +46,10 @@ from polyamp._src.records import (
     check_on_min_scale,
 )
 from polyamp._src.scaling import NOT_GIVEN, LossScaleConfig, LossScaleState, NotGiven, settings_doc, to_float32
+from polyamp._src.spike_driver import SpikeDriver
 from polyamp._src.spikes import SpikeRule, check_spike
 from polyamp._src.state_dict import parse_spike_window, parse_state_dict, to_state_dict
+from polyamp._src.step_history import OutcomeRecord, RecordHistory, StepOutcomes
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -92,15 +86,8 @@ def bind_arguments(
     return arguments
 
 
-class _Record:
-    """The outcome of an optimizer's most recent step (or of the last iteration): the device flag, kept in
-    backend storage, and the host answer when something already read it."""
-
-    __slots__ = ("host", "storage")
-
-    def __init__(self, storage: Any) -> None:
-        self.storage = storage
-        self.host: bool | None = None
+def _not_compiling() -> bool:
+    return False
 
 
 #: How many iterations a scaler that follows the policy and does not scale asks its device whether the loss was
@@ -192,14 +179,9 @@ class LossScaler:
     #: The value of ``enabled`` when it is not given.
     default_enabled: ClassVar[bool | None] = None
 
-    # What the host learned about the current iteration (see `_reset_step_state`).
-    _host_skip: bool  # a step read its skip to the host
-    _host_clean: int  # steps that read "not skipped" to the host
-    _iteration_gradients: list[NonFiniteGradient]  # the non-finite gradients of host-known skips
-    _unknown_skips: list[Any]  # optimizers whose skip the device decided this iteration (weak references)
-    _deferred: tuple[int, list[Any]] | None  # the last recorded iteration's such optimizers, until the next opens
-    _spike_x: Any  # the spike rule's statistic (device scalar)
-    _spike_flag: Any  # the spike rule's decision (device flag)
+    #: Options of a subclass's own (popped in `_take_options` and kept as attributes of the same name) that a
+    #: pickle or copy carries.
+    pickled_attributes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -223,9 +205,8 @@ class LossScaler:
         enabled = check_enabled(arguments.pop("enabled", self.default_enabled))
         guard = check_guard(guard)
         spike = check_spike(spike)
-        recorder = Recorder(
-            check_history(history), check_on_min_scale(on_min_scale), spike.reason if spike else "loss_spike"
-        )
+        history = check_history(history)
+        on_min_scale = check_on_min_scale(on_min_scale)
         config = LossScaleConfig.from_settings(arguments, caller=caller)
         if backend is not None and not isinstance(backend, str):
             raise type_error("`backend`", "None or a backend name such as 'torch' or 'tensorflow'", backend)
@@ -246,45 +227,58 @@ class LossScaler:
                     f"{describe(process_group)}" + (f" with backend={backend!r}." if owner is not None else ".")
                 )
             backend = owner
+        self._setup(
+            config,
+            config.initial_state(),
+            process_group=process_group,
+            enabled=enabled,
+            guard=guard,
+            spike=spike,
+            on_min_scale=on_min_scale,
+            history=history,
+        )
+        if backend is not None:
+            self.bind(backend)
+
+    def _setup(
+        self,
+        config: LossScaleConfig,
+        state: LossScaleState,
+        *,
+        process_group: Any,
+        enabled: bool | None,
+        guard: bool | None,
+        spike: SpikeRule | None,
+        on_min_scale: str,
+        history: int,
+        spike_window: list[float] | None = None,
+    ) -> None:
+        """Every attribute of an unbound scaler, from validated options (the constructor's and a pickle's)."""
         self._process_group = process_group
         self._config = config
         self._enabled_setting = enabled
         self._guard_setting = guard
-        self._spike_rule = spike
-        self._spike_state: Any = None
-        self._spike_window: list[float] | None = None  # a window loaded before the scaler bound
-        self._host_state = config.initial_state()
-        self._recorder = recorder
-        recorder.reanchor(self._host_state)
-        self._history: Any = None
-        self._pending = 0  # iterations ended since the records were last read
+        self._spikes = SpikeDriver(spike, spike_window)
+        self._host_state = state
+        recorder = Recorder(history, on_min_scale, spike.reason if spike else "loss_spike")
+        recorder.reanchor(state)
+        self._history = RecordHistory(recorder, config)
+        self._outcomes = StepOutcomes()
         self._device: Any = None
-        self._can_guard = False
-        self._counts_gradients = False
+        self._capabilities: DeviceCapabilities | None = None
+        self._compiling: Any = _not_compiling
         self._float16_probes = FLOAT16_PROBES
-        self._compiling: Any = None
-        self._uncompiled: Any = None  # the device's ``run_uncompiled`` hook, if it has one
-        self._replica: Any = None  # the device's ``replica`` hook, if it has one
-        self._style: str | None = None
         self._backend_name: str | None = None
-        self._reset_step_state()
-        self._written = 0  # iterations written to the history
         # The single-replica iteration is made up front: a first call traced by a compiler (torch.compile)
         # then finds it instead of constructing it, which dynamo cannot trace (a graph break).
         self._iterations: dict[Any, Iteration] = {None: Iteration()}
-        self._scaled = False
-        self._records: weakref.WeakKeyDictionary[Any, _Record] = weakref.WeakKeyDictionary()
-        self._unweakable_records: dict[int, tuple[Any, _Record]] = {}
-        self._last: _Record | None = None
-        if backend is not None:
-            self.bind(backend)
 
     def _take_options(self, arguments: dict[str, Any]) -> None:
         """Subclasses pop (and keep) their backend's own constructor options from ``arguments`` here."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.__signature__ = _signature(cls)  # type: ignore[attr-defined]
+        cls.__signature__ = derive_signature(cls, LossScaler.__init__)  # type: ignore[attr-defined]
 
     # -- binding -----------------------------------------------------------------------------------------
 
@@ -303,42 +297,14 @@ class LossScaler:
                 f"This LossScaler is bound to {self._backend_name}; it cannot bind to {backend!r} as well. "
                 "Create one LossScaler per framework (their state dicts are interchangeable)."
             )
-        device = registry.get_backend(backend).make_device(self._config, self._host_state)
-        if self._process_group is not None:
-            set_group = getattr(device, "set_process_group", None)
-            if set_group is None:
-                raise PolyampTypeError(
-                    f"The {backend!r} backend's scaler cannot reduce its found-inf flag over a process group; "
-                    "construct the LossScaler without process_group."
-                )
-            set_group(self._process_group)  # the device checks the group and raises if it is not one
-        if isinstance(device, ImperativeDevice):
-            style = "imperative"
-        elif isinstance(device, TapeDevice):
-            style = "tape"
-        else:
-            raise PolyampTypeError(
-                f"The {backend!r} backend's device form {describe(device)} implements neither "
-                "polyamp.backend_api.ImperativeDevice nor TapeDevice."
-            )
-        self._device, self._style, self._backend_name = device, style, backend
-        self._compiling = getattr(device, "compiling", None)
-        self._uncompiled = getattr(device, "run_uncompiled", None)
-        self._replica = getattr(device, "replica", None)
-        self._history = device.new_history(self._recorder.capacity) if isinstance(device, RecordingDevice) else None
-        self._can_guard = isinstance(device, GuardingDevice) and (
-            style == "tape" or isinstance(device, ImperativeGuardingDevice)
+        device, capabilities = make_device(
+            backend, self._config, self._host_state, self._process_group, spike=self._spikes.rule is not None
         )
-        self._counts_gradients = style == "imperative" and isinstance(device, ImperativeProvenanceDevice)
-        if self._spike_rule is not None:
-            if not isinstance(device, SpikeDevice):
-                raise PolyampTypeError(
-                    f"The {backend!r} backend's scaler cannot apply a SpikeRule (its device form does not implement "
-                    "polyamp.backend_api.SpikeDevice). Construct the LossScaler without spike=."
-                )
-            self._spike_state = device.new_spike_state(self._spike_rule)
-            pending, self._spike_window = self._spike_window, None
-            self._write_spike_window(pending)
+        self._device, self._capabilities, self._backend_name = device, capabilities, backend
+        self._compiling = capabilities.compiling
+        self._history.bind(device, capabilities)
+        if capabilities.spike:
+            self._spikes.bind(device)  # type: ignore[arg-type]  # a SpikeDevice
         return device
 
     @property
@@ -371,13 +337,23 @@ class LossScaler:
             )
         return device
 
+    @property
+    def _style(self) -> str | None:
+        capabilities = self._capabilities
+        return None if capabilities is None else capabilities.style
+
+    @property
+    def capabilities(self) -> DeviceCapabilities | None:
+        """What the bound device form can do (None before binding), read once when the scaler bound."""
+        return self._capabilities
+
     # -- enabled -----------------------------------------------------------------------------------------
 
     @property
     def _iteration(self) -> Iteration:
         """The iteration in progress: one per replica where the device runs the step once per replica (see
         ``ScalerDevice.replica``), else one."""
-        hook = self._replica
+        hook = None if self._capabilities is None else self._capabilities.replica
         replica = hook() if hook is not None else None
         iteration = self._iterations.get(replica)
         if iteration is None:
@@ -387,7 +363,7 @@ class LossScaler:
     def _decide_enabled(self, *, starting: bool = False) -> bool:
         if self._enabled_setting is not None:
             return self._enabled_setting
-        hint = getattr(self._device, "float16_in_use", None)
+        hint = None if self._capabilities is None else self._capabilities.float16_in_use
         in_use = bool(hint(since_last_iteration=starting)) if hint is not None else False
         return resolve_enabled(None, float16_in_use=in_use)
 
@@ -395,12 +371,11 @@ class LossScaler:
         """Whether this iteration scales, decided at its first call and kept until it ends."""
         iteration = self._iteration
         enabled = iteration.enabled
-        compiling = self._compiling
         # A compiler tracing the step (torch.compile) cannot trace the thread lookup; it runs in one thread.
-        thread = None if compiling is not None and compiling() else get_ident()
+        thread = None if self._compiling() else get_ident()
         if enabled is None:
             iteration.enabled = enabled = self._decide_enabled(starting=True)
-            self._deferred = None  # a new iteration: the last one's gradients are about to change
+            self._history.iteration_opened()
             iteration.guarding = not enabled and self._guards()
             iteration.thread = thread
         elif iteration.thread is None:  # opened inside a compiled region
@@ -420,7 +395,7 @@ class LossScaler:
             guard = self._enabled_setting is None
         if not guard:
             return False
-        supported = self._can_guard
+        supported = self._capabilities is not None and self._capabilities.guarding
         if not supported and self._guard_setting:
             raise PolyampTypeError(
                 f"guard=True, but the {self._backend_name!r} backend's device form cannot check gradients without "
@@ -436,12 +411,9 @@ class LossScaler:
         return not self.enabled and self._device is not None and self._guards()
 
     def _require_scaled(self, method: str) -> None:
-        if not self._scaled:
-            raise ScalerUsageError(
-                f"LossScaler.{method} was called before scale(): the gradients were not computed from a scaled "
-                "loss, and dividing them by the scale would shrink them. Call scaler.scale(loss) and "
-                "backpropagate that first in each iteration."
-            )
+        """The iteration rule: an iteration that scales unscales only gradients of a loss scaled in it."""
+        if not self._iteration.scaled:
+            raise not_scaled_error(f"LossScaler.{method}")
 
     @property
     def enabled(self) -> bool:
@@ -472,7 +444,7 @@ class LossScaler:
     @property
     def spike(self) -> SpikeRule | None:
         """The `polyamp.SpikeRule` given as ``spike``, or None."""
-        return self._spike_rule
+        return self._spikes.rule
 
     @property
     def config(self) -> LossScaleConfig:
@@ -494,26 +466,26 @@ class LossScaler:
             return loss  # a disabled scaler passes anything through, as torch's does
         device = self._device_for("scale", loss)
         enabled = self._begin()
-        rule = self._spike_rule
-        if rule is not None and rule.on == "loss" and (enabled or self._iteration.guarding):
-            self._spike_x = device.spike_statistic(loss)
+        iteration = self._iteration
+        if enabled or iteration.guarding:
+            self._spikes.observe_loss(loss)
         if not enabled:
-            self._probe_float16(device, loss)
+            self._probe_float16(loss)
             return loss
-        self._iteration.stages.clear()
+        iteration.stages.clear()
         scaled = device.scale(loss)
-        self._scaled = True
+        iteration.scaled = True
         return scaled
 
-    def _probe_float16(self, device: Any, loss: Any) -> None:
+    def _probe_float16(self, loss: Any) -> None:
         """Warn once when a scaler that follows the policy does not scale a loss computed in float16 (the
         framework's own float16 autocast beside polyamp's float32 policy): its gradients would underflow.
         Asked of the device in the first eager iterations only, where it can tell (``float16_computed``); a
         traced call leaves the count alone, so compiled code is not specialised on it."""
-        if self._float16_probes <= 0 or self._enabled_setting is not None or self._compiling_now():
+        if self._float16_probes <= 0 or self._enabled_setting is not None or self._compiling():
             return
         self._float16_probes -= 1
-        probe = getattr(device, "float16_computed", None)
+        probe = None if self._capabilities is None else self._capabilities.float16_computed
         if probe is None:
             return
         if get_policy().compute_dtype != "float32" or not probe(loss):
@@ -612,7 +584,7 @@ class LossScaler:
                 "recompute gradients that are scaled but never unscaled. Compute the loss and gradients before "
                 "step(), or use a bfloat16 policy without loss scaling."
             )
-        own_scaling = getattr(device, "step_own_scaling", None)
+        own_scaling = self._capabilities.step_own_scaling if self._capabilities is not None else None
         if own_scaling is not None:
             result = own_scaling(optimizer, self, args, kwargs)
             if result is not NotImplemented:
@@ -626,14 +598,14 @@ class LossScaler:
             found_inf = iteration.found_inf_of(optimizer)
             if found_inf is None:
                 raise no_gradients_error()
-        elif self._spike_rule is not None or not device.unscales_in_step(optimizer):
+        elif self._spikes.rule is not None or not device.unscales_in_step(optimizer):
             # (A spike rule decides before the step, on unscaled gradients: a fused optimizer then gets them
             # unscaled, with the combined flag.)
             found_inf = device.unscale_gradients(optimizer)
             if found_inf is None:
                 raise no_gradients_error()
             iteration.mark(optimizer, Stage.UNSCALED, found_inf)  # the gradients are unscaled now, whatever follows
-        if self._spike_rule is None:
+        if self._spikes.rule is None:
             outcome = device.step(optimizer, found_inf, args, kwargs)
             iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)
             self._remember(optimizer, outcome.found_inf, outcome.skipped)
@@ -644,31 +616,9 @@ class LossScaler:
         self._remember(optimizer, skip, outcome.skipped)
         return outcome.result
 
-    def _spike(self, device: Any, grad_norm: Any) -> Any:
-        """This iteration's spike-rule flag, decided at its first step and the same for every optimizer of the
-        iteration (None without a rule). ``grad_norm()`` gives the statistic of a ``"grad_norm"`` rule."""
-        rule = self._spike_rule
-        if rule is None:
-            return None
-        if self._spike_flag is None:
-            if rule.on == "grad_norm":
-                self._spike_x = grad_norm()
-            elif self._spike_x is None:
-                raise ScalerUsageError(
-                    "A SpikeRule('loss') needs the iteration's loss: call scaler.scale(loss) (and backpropagate "
-                    "it) before stepping, in every iteration."
-                )
-            self._spike_flag = device.spike_check(self._spike_state, self._spike_x)
-        elif rule.on == "grad_norm":
-            raise ScalerUsageError(
-                "A SpikeRule('grad_norm') watches the gradients of one optimizer per iteration; this iteration "
-                "steps a second one. Use SpikeRule('loss') with several optimizers."
-            )
-        return self._spike_flag
-
     def _spike_decision(self, device: Any, optimizer: Any, found_inf: Any) -> Any:
         """``found_inf`` combined with the spike rule's flag (imperative devices)."""
-        self._spike(device, lambda: device.spike_grad_norm(optimizer))
+        self._spikes.decide(lambda: device.spike_grad_norm(optimizer))
         return self._with_spike(device, found_inf)
 
     def apply_gradients(self, optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
@@ -697,18 +647,15 @@ class LossScaler:
                 iteration.mark(optimizer, Stage.STEPPED, None)
                 self._remember(optimizer, device.finite_flag(), False)
                 return result
-            veto = self._spike(device, lambda: device.spike_grad_norm(grads, unscaled=True))
+            veto = self._spikes.decide(lambda: device.spike_grad_norm(grads, unscaled=True))
             outcome = device.apply(optimizer, grads, variables, unscaled=True, veto=veto)  # check, apply or skip
             iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)
             self._remember(optimizer, self._with_spike(device, outcome.found_inf), outcome.skipped)
             return outcome.result
         self._require_scaled(method)
         stage = iteration.stages.check(grads, method)
-        veto = self._spike(device, lambda: device.spike_grad_norm(grads, unscaled=stage is not None))
-        if veto is None:
-            outcome = device.apply(optimizer, grads, variables, unscaled=stage is not None)
-        else:
-            outcome = device.apply(optimizer, grads, variables, unscaled=stage is not None, veto=veto)
+        veto = self._spikes.decide(lambda: device.spike_grad_norm(grads, unscaled=stage is not None))
+        outcome = device.apply(optimizer, grads, variables, unscaled=stage is not None, veto=veto)
         if stage is not None:
             iteration.stages.consume(stage)
         iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)  # overflows only: the rule's input
@@ -716,7 +663,8 @@ class LossScaler:
         return outcome.result
 
     def _with_spike(self, device: Any, found_inf: Any) -> Any:
-        return found_inf if self._spike_flag is None else device.combine([found_inf, self._spike_flag])
+        flag = self._spikes.flag
+        return found_inf if flag is None else device.combine([found_inf, flag])
 
     def update(self, new_scale: Any = None) -> None:
         """End the iteration: advance the loss-scale rule once, after every optimizer's `step`.
@@ -747,31 +695,31 @@ class LossScaler:
                 "LossScaler.update() was called before the scaler saw any tensor; call "
                 "scaler.scale(loss).backward() and scaler.step(optimizer) first in each iteration."
             )
-        if self._uncompiled is not None and self._compiling_now():
+        uncompiled = self._capabilities.run_uncompiled if self._capabilities is not None else None
+        if uncompiled is not None and self._compiling():
             # Traced, the iteration's host bookkeeping (records, provenance, counters) would specialise the
             # compiled code on values that change every iteration; run outside the trace, it is exact.
-            self._uncompiled(self._finish, self._device, new_scale, "update()")
+            uncompiled(self._finish, self._device, new_scale, "update()")
             return
         self._finish(self._device, new_scale, "update()")
 
     def _finish(self, device: Any, new_scale: Any, method: str) -> None:
         iteration = self._iteration
+        history = self._history
         if not self._begin() and new_scale is None:
-            if self._last is None:
-                self._last = _Record(device.new_record())
             found_infs = iteration.found_infs() if iteration.guarding else []
             if found_infs:
                 clean, combined = self._iteration_flag(device, found_infs)
                 if not clean:
                     device.count_skip(combined)
                 spike_only = self._finish_spike(device, combined)
-                device.write_record(self._last.storage, self._with_flag(device, combined, spike_only))
-                self._last.host = False if clean else None
-                self._write_history("guarding", None if clean else combined, self._host_skip, spike_only)
+                self._outcomes.write_last(
+                    device, self._with_flag(device, combined, spike_only), False if clean else None
+                )
+                history.write("guarding", None if clean else combined, history.host_skip, spike_only)
             else:
-                device.write_record(self._last.storage, device.finite_flag())
-                self._last.host = False
-                self._write_history("off", None, False)
+                self._outcomes.write_last(device, device.finite_flag(), False)
+                history.write("off", None, False)
             iteration.close()
             return
         value = None if new_scale is None else self._checked_new_scale(new_scale)
@@ -784,21 +732,18 @@ class LossScaler:
                     "so there is nothing to base the update on. Call scaler.scale(loss).backward() first."
                 )
         clean, combined = self._iteration_flag(device, found_infs)
-        skipped_on_host = self._host_skip
+        skipped_on_host = history.host_skip
         device.update(combined, value)
         spike_only = self._finish_spike(device, combined)
         if combined is not None:
-            if self._last is None:
-                self._last = _Record(device.new_record())
-            device.write_record(self._last.storage, self._with_flag(device, combined, spike_only))
-            self._last.host = None
+            self._outcomes.write_last(device, self._with_flag(device, combined, spike_only), None)
         iteration.close()
         if value is not None:
             if combined is not None:  # the iteration counts as skipped or not, but the rule did not run
-                self._write_history("set", combined, False, spike_only)
-            self._reanchor_after_set(value)
+                history.write("set", combined, False, spike_only)
+            history.reanchor_after_set(value)
         elif combined is not None:
-            self._write_history("scaling", None if clean else combined, skipped_on_host, spike_only)
+            history.write("scaling", None if clean else combined, skipped_on_host, spike_only)
 
     def _iteration_flag(self, device: Any, found_infs: list[Any]) -> tuple[bool, Any]:
         """Whether the host knows the iteration was finite, and the flag standing for the iteration (None
@@ -808,19 +753,16 @@ class LossScaler:
         else the steps' flags combined."""
         if not found_infs:
             return False, None
-        if self._host_clean == len(found_infs) and self._spike_flag is None:
+        if self._history.host_clean == len(found_infs) and self._spikes.flag is None:
             return True, device.finite_flag()
         return False, device.combine(found_infs)
 
     def _finish_spike(self, device: Any, overflow: Any) -> Any:
         """End the iteration for the spike rule: its statistic enters the window if the step was applied, a
         skip by the rule alone is counted; returns that skip's flag (None without a decision)."""
-        flag, x = self._spike_flag, self._spike_x
-        self._spike_flag = self._spike_x = None
-        if flag is None:
-            return None
-        only = device.spike_finish(self._spike_state, x, flag, overflow)
-        device.count_skip(only)
+        only = self._spikes.finish(overflow)
+        if only is not None:
+            device.count_skip(only)
         return only
 
     @staticmethod
@@ -828,55 +770,6 @@ class LossScaler:
         return flag if spike_only is None else device.combine([flag, spike_only])
 
     # -- records -----------------------------------------------------------------------------------------
-
-    def _compiling_now(self) -> bool:
-        return self._compiling is not None and bool(self._compiling())
-
-    def _reset_step_state(self) -> None:
-        """Forget what the host learned about the current iteration (its steps' skips, their non-finite
-        gradients, the spike rule's statistic and flag)."""
-        self._host_skip = False
-        self._host_clean = 0
-        self._iteration_gradients = []
-        self._unknown_skips = []
-        self._deferred = None
-        self._spike_x = None
-        self._spike_flag = None
-
-    def _write_history(self, mode: str, flag: Any, host_skipped: bool, spike: Any = None) -> None:
-        gradients = tuple(self._iteration_gradients)
-        self._host_skip = False
-        self._host_clean = 0
-        self._iteration_gradients = []
-        if self._history is None:
-            self._unknown_skips = []
-            return
-        self._recorder.attach(self._written, gradients)
-        unknown, self._unknown_skips = self._unknown_skips, []
-        self._deferred = (self._written, unknown) if unknown else None
-        self._written += 1
-        if spike is None:
-            self._device.write_history(self._history, MODE_CODES[mode], flag)
-        else:
-            self._device.write_history(self._history, MODE_CODES[mode], flag, spike)
-        self._pending += 1
-        # A skip the step already read to the host is reported at once; the rest in batches (one read).
-        if (host_skipped or self._pending >= max(1, self._recorder.capacity // 2)) and not self._compiling_now():
-            self.records()
-
-    def _reanchor_after_set(self, value: Any) -> None:
-        if self._compiling_now():
-            self._recorder.reanchor(None)
-            return
-        self.records()
-        anchor = self._recorder.anchor
-        if isinstance(value, float) and anchor is not None:
-            self._recorder.reanchor(LossScaleState(value, anchor.growth_tracker, anchor.hysteresis_left))
-        else:
-            self._recorder.reanchor(self._device.read_state())
-
-    def _state_or_none(self) -> LossScaleState | None:
-        return None if self._compiling_now() or self._device is None else self._device.read_state()
 
     def records(self) -> list[StepRecord]:
         """The most recent iterations' records (at most ``history``), oldest first: skipped or not, why, and
@@ -891,36 +784,7 @@ class LossScaler:
         Raises:
             ScaleCollapseError: with ``on_min_scale="raise"``, a record shows the scale reaching its floor.
         """
-        if self._history is not None and not self._compiling_now():
-            if isinstance(self._device, ProvenanceDevice):  # counted on the device, in the branch that skipped
-                for iteration, entries in self._device.read_provenance():
-                    self._recorder.attach(iteration, non_finite_gradients(entries))
-            count, codes = self._device.read_history(self._history)
-            self._attach_deferred(count, codes)
-            self._pending = 0
-            self._recorder.consume(count, codes, self._config, self._state_or_none)
-        return list(self._recorder.records)
-
-    def _attach_deferred(self, count: int, codes: list[int]) -> None:
-        """Name the non-finite gradients of the last recorded iteration when the device decided its skip (a
-        fused optimizer) and no iteration has opened since: its gradients are still there, and counting them now
-        costs the steps that were applied nothing."""
-        deferred, self._deferred = self._deferred, None
-        if deferred is None:
-            return
-        index, optimizers = deferred
-        position = len(codes) - (count - index)
-        if index < self._recorder.read_count or not 0 <= position < len(codes):
-            return  # already recorded, or no longer in the ring
-        code = codes[position]
-        if not code & 1 or code & SPIKE_BIT:
-            return  # applied, or skipped by the spike rule (whose gradients are finite)
-        entries = []
-        for reference in optimizers:
-            optimizer = reference() if isinstance(reference, weakref.ref) else reference
-            if optimizer is not None:
-                entries += self._device.non_finite_gradients(optimizer)
-        self._recorder.attach(index, non_finite_gradients(entries))
+        return self._history.read()
 
     def last_record(self) -> StepRecord | None:
         """The record of the last iteration this scaler ended (see `records`), or None before the first."""
@@ -935,7 +799,8 @@ class LossScaler:
         clean); the scale, counters and skip records stay as they were.
         """
         self._iteration.close()
-        self._reset_step_state()
+        self._history.reset_iteration()
+        self._spikes.reset()
 
     def _checked_new_scale(self, new_scale: Any) -> Any:
         if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
@@ -964,33 +829,11 @@ class LossScaler:
     # -- what happened ------------------------------------------------------------------------------------
 
     def _remember(self, optimizer: Any, found_inf: Any, skipped: bool | None) -> None:
-        record = self._record_of(optimizer)
-        if record is None:
-            record = _Record(self._device.new_record())
-            try:
-                self._records[optimizer] = record
-            except TypeError:  # an optimizer that cannot be weakly referenced is held for its record
-                self._unweakable_records[id(optimizer)] = (optimizer, record)
-        self._device.write_record(record.storage, found_inf)
-        record.host = skipped
-        if skipped is False:
-            self._host_clean += 1
-        if skipped:
-            self._host_skip = True
-            if self._counts_gradients:
-                self._iteration_gradients += non_finite_gradients(self._device.non_finite_gradients(optimizer))
-        elif skipped is None and self._counts_gradients:  # decided on the device: counted if read in time
-            try:
-                self._unknown_skips.append(weakref.ref(optimizer))
-            except TypeError:
-                self._unknown_skips.append(optimizer)
+        self._outcomes.write(self._device, optimizer, found_inf, skipped)
+        self._history.note_step(optimizer, skipped)
 
-    def _record_of(self, optimizer: Any) -> _Record | None:
-        try:
-            return self._records.get(optimizer)
-        except TypeError:
-            entry = self._unweakable_records.get(id(optimizer))
-            return None if entry is None else entry[1]
+    def _record_of(self, optimizer: Any) -> OutcomeRecord | None:
+        return self._outcomes.of(optimizer) if self._device is not None else None
 
     def is_unscaled(self, optimizer: Any) -> bool:
         """Whether ``optimizer``'s gradients hold their true (unscaled) values now: True after `unscale_` in
@@ -1012,15 +855,16 @@ class LossScaler:
             ScalerUsageError: the scaler has not stepped ``optimizer`` (or finished an iteration) yet.
         """
         if optimizer is None:
-            if self._last is None:
+            last = self._outcomes.last
+            if last is None:
                 raise ScalerUsageError(
                     "step_skipped() was called before this LossScaler stepped any optimizer: it answers for the "
                     "last iteration, once update() (or apply_gradients()) has ended one."
                 )
-            return self._device.skipped(self._device.read_record(self._last.storage))
+            return self._device.skipped(self._device.read_record(last.storage))
         if self._device is not None:
             self._device.check_optimizer("step_skipped", optimizer)
-        record = self._record_of(optimizer) if self._device is not None else None
+        record = self._record_of(optimizer)
         if record is None:
             raise ScalerUsageError(
                 f"step_skipped(optimizer): {describe(optimizer)} has not been stepped by this scaler."
@@ -1032,7 +876,7 @@ class LossScaler:
 
         Reads the device only when the step did not already (fused optimizers skip on the device).
         """
-        record = self._record_of(optimizer) if self._device is not None else None
+        record = self._record_of(optimizer)
         if record is None:
             return None
         if record.host is None:
@@ -1067,23 +911,7 @@ class LossScaler:
         a dict saved from one backend resumes on another with the same trajectory. Save it at the start of
         an iteration or after `update`.
         """
-        return to_state_dict(self._config, self.get_state(), self._enabled_setting, self._read_spike_window())
-
-    def _read_spike_window(self) -> list[float] | None:
-        """The spike rule's window, oldest first (None without a rule; one host read when bound)."""
-        if self._spike_rule is None:
-            return None
-        if self._device is None or self._spike_state is None:
-            return list(self._spike_window or [])
-        return list(self._device.read_spike_window(self._spike_state))
-
-    def _write_spike_window(self, values: list[float] | None) -> None:
-        if values is None or self._spike_rule is None:
-            return
-        if self._device is None or self._spike_state is None:
-            self._spike_window = values  # written into the device's window when the scaler binds
-            return
-        self._device.write_spike_window(self._spike_state, values)
+        return to_state_dict(self._config, self.get_state(), self._enabled_setting, self._spikes.read_window())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore settings and state from `state_dict` output (polyamp's or torch's GradScaler's).
@@ -1095,15 +923,17 @@ class LossScaler:
             ScalerUsageError: an iteration is in progress (after a step or unscale, before update).
         """
         config, state = parse_state_dict(state_dict, self._config)
-        window = parse_spike_window(state_dict, None if self._spike_rule is None else self._spike_rule.window)
+        rule = self._spikes.rule
+        window = parse_spike_window(state_dict, None if rule is None else rule.window)
         self._refuse_mid_iteration("load_state_dict() was called")
         self.records()  # the records so far belong to the state being replaced
         if self._device is not None:
             self._device.write_state(config, state)
         self._config = config
         self._host_state = state
-        self._recorder.reanchor(state)
-        self._write_spike_window(window)
+        self._history.follow(config)
+        self._history.recorder.reanchor(state)
+        self._spikes.write_window(window)
 
     def _refuse_mid_iteration(self, what: str) -> None:
         if any(iteration.is_open for iteration in self._iterations.values()):
@@ -1119,6 +949,7 @@ class LossScaler:
         if self._device is not None:
             self._device.write_state(config, None)
         self._config = config
+        self._history.follow(config)
 
     # -- torch.amp.GradScaler-compatible accessors -------------------------------------------------------
 
@@ -1164,11 +995,10 @@ class LossScaler:
         name = backend or self._backend_name
         if name is None:
             raise PolyampTypeError("functional() needs a backend: bind the scaler first or pass backend='...'.")
-        make = getattr(registry.get_backend(name), "make_functional", None)
-        if make is None:
+        backend_object = registry.get_backend(name)
+        if not isinstance(backend_object, FunctionalBackend):
             raise PolyampTypeError(f"The {name!r} backend offers no functional (stateless) form.")
-        functional = FunctionalLossScaler(make, self._config, self.enabled)
-        return functional
+        return FunctionalLossScaler(backend_object.make_functional, self._config, self.enabled)
 
     # -- Python protocols --------------------------------------------------------------------------------
 
@@ -1179,51 +1009,43 @@ class LossScaler:
                 "A LossScaler with a process_group cannot be pickled or copied: the group belongs to this process. "
                 "Save scaler.state_dict() and load it into a scaler constructed with the group."
             )
-        return {
+        saved = {
             "config": self._config,
-            "enabled": self._enabled_setting,
-            "guard": self._guard_setting,
-            "spike": self._spike_rule,
-            "on_min_scale": self._recorder.on_min_scale,
-            "history": self._recorder.capacity,
             "state": self.get_state(),
             "backend": self._backend_name,
-            "spike_window": self._read_spike_window(),
+            "spike_window": self._spikes.read_window(),
+            **{name: getattr(self, name) for name in type(self).pickled_attributes},
+        }
+        options = self._options()
+        saved.update((name, options[name]) for name in PICKLED_OPTIONS)
+        return saved
+
+    def _options(self) -> dict[str, Any]:
+        """The constructor options this scaler keeps (`polyamp._src.persistence.PICKLED_OPTIONS`)."""
+        recorder = self._history.recorder
+        return {
+            "enabled": self._enabled_setting,
+            "guard": self._guard_setting,
+            "spike": self._spikes.rule,
+            "on_min_scale": recorder.on_min_scale,
+            "history": recorder.capacity,
         }
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
-        self._config = saved["config"]
-        self._enabled_setting = saved["enabled"]
-        self._guard_setting = saved.get("guard")
-        self._spike_rule = saved.get("spike")
-        self._spike_state = None
-        self._spike_window = saved.get("spike_window")
-        self._recorder = Recorder(
-            saved.get("history", DEFAULT_HISTORY),
-            saved.get("on_min_scale", "warn"),
-            self._spike_rule.reason if self._spike_rule else "loss_spike",
+        # Pickles written before an option existed lack it: the constructor's default stands in.
+        defaults: dict[str, Any] = {
+            "enabled": None,
+            "guard": None,
+            "spike": None,
+            "on_min_scale": "warn",
+            "history": DEFAULT_HISTORY,
+        }
+        options: dict[str, Any] = {name: saved.get(name, defaults[name]) for name in PICKLED_OPTIONS}
+        for name in type(self).pickled_attributes:
+            setattr(self, name, saved.get(name))
+        self._setup(
+            saved["config"], saved["state"], process_group=None, spike_window=saved.get("spike_window"), **options
         )
-        self._process_group = None
-        self._host_state = saved["state"]
-        self._recorder.reanchor(self._host_state)
-        self._history = None
-        self._pending = 0
-        self._reset_step_state()
-        self._written = 0
-        self._device = None
-        self._can_guard = False
-        self._counts_gradients = False
-        self._float16_probes = FLOAT16_PROBES
-        self._compiling = None
-        self._uncompiled = None
-        self._replica = None
-        self._style = None
-        self._backend_name = None
-        self._iterations = {None: Iteration()}
-        self._scaled = False
-        self._records = weakref.WeakKeyDictionary()
-        self._unweakable_records = {}
-        self._last = None
         if saved["backend"] is not None:
             self.bind(saved["backend"])
 
@@ -1242,25 +1064,4 @@ class LossScaler:
 LossScaler.__doc__ = (LossScaler.__doc__ or "").replace("{settings}", settings_doc(indent=12))
 
 
-def _signature(cls: type[LossScaler]) -> inspect.Signature:
-    """The signature `help()` and IDEs show: every setting by name, with its default."""
-    defaults = LossScaleConfig.defaults()
-    kind_positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    parameters = []
-    for name in cls.positional_arguments:
-        default = defaults.get(name, cls.default_enabled if name == "enabled" else None)
-        parameters.append(inspect.Parameter(name, kind_positional, default=default))
-    for name, default in defaults.items():
-        if name not in cls.positional_arguments:
-            parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default))
-    if "enabled" not in cls.positional_arguments:
-        parameters.append(inspect.Parameter("enabled", inspect.Parameter.KEYWORD_ONLY, default=cls.default_enabled))
-    parameters.append(inspect.Parameter("backend", inspect.Parameter.KEYWORD_ONLY, default=None))
-    parameters.append(inspect.Parameter("guard", inspect.Parameter.KEYWORD_ONLY, default=None))
-    parameters.append(inspect.Parameter("on_min_scale", inspect.Parameter.KEYWORD_ONLY, default="warn"))
-    parameters.append(inspect.Parameter("history", inspect.Parameter.KEYWORD_ONLY, default=DEFAULT_HISTORY))
-    parameters.append(inspect.Parameter("process_group", inspect.Parameter.KEYWORD_ONLY, default=None))
-    return inspect.Signature(parameters)
-
-
-LossScaler.__signature__ = _signature(LossScaler)  # type: ignore[attr-defined]
+LossScaler.__signature__ = derive_signature(LossScaler, LossScaler.__init__)  # type: ignore[attr-defined]

@@ -47,6 +47,7 @@ class TorchLossScaler(LossScaler):
         "enabled",
     )
     default_enabled: ClassVar[bool | None] = True
+    pickled_attributes: ClassVar[tuple[str, ...]] = ("device",)
 
     def _take_options(self, arguments: dict[str, Any]) -> None:
         device = arguments.pop("device", None)

@@ -1,0 +1,215 @@
+"""What happened in a scaler's steps: each optimizer's last outcome, and the record history of iterations.
+
+`StepOutcomes` keeps, per optimizer, the flag of its most recent step in the device's storage (what
+``step_skipped(optimizer)`` answers without a host sync) and the host answer when a step already read it.
+
+`RecordHistory` keeps the iterations' records: a ring of step codes on the device (`RecordingDevice`),
+read in batches into `polyamp.StepRecord` by the core's `Recorder`, and what the host learned about the
+current iteration on the way (skips already read, the non-finite gradients of those skips, optimizers whose
+skip the device decided and whose gradients can be counted once the records are read).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from polyamp._src.backend import Flag, ProvenanceDevice, RecordingDevice, ScalerDevice
+from polyamp._src.binding import DeviceCapabilities
+from polyamp._src.provenance import NonFiniteGradient, non_finite_gradients
+from polyamp._src.records import MODE_CODES, SPIKE_BIT, Recorder, StepRecord
+from polyamp._src.scaling import LossScaleConfig, LossScaleState
+
+__all__ = ["OutcomeRecord", "RecordHistory", "StepOutcomes"]
+
+
+class OutcomeRecord:
+    """The outcome of an optimizer's most recent step (or of the last iteration): the device flag, kept in
+    backend storage, and the host answer when something already read it."""
+
+    __slots__ = ("host", "storage")
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = storage
+        self.host: bool | None = None
+
+
+class StepOutcomes:
+    """Each optimizer's most recent outcome, held without keeping the optimizer alive where it can be weakly
+    referenced, and the outcome of the last iteration."""
+
+    __slots__ = ("_records", "_unweakable", "last")
+
+    def __init__(self) -> None:
+        self._records: weakref.WeakKeyDictionary[Any, OutcomeRecord] = weakref.WeakKeyDictionary()
+        self._unweakable: dict[int, tuple[Any, OutcomeRecord]] = {}
+        #: The last iteration's outcome (None before the first iteration ended).
+        self.last: OutcomeRecord | None = None
+
+    def of(self, optimizer: Any) -> OutcomeRecord | None:
+        """``optimizer``'s record, or None if it was never stepped."""
+        try:
+            return self._records.get(optimizer)
+        except TypeError:
+            entry = self._unweakable.get(id(optimizer))
+            return None if entry is None else entry[1]
+
+    def write(self, device: ScalerDevice, optimizer: Any, found_inf: Flag, skipped: bool | None) -> None:
+        """Store ``optimizer``'s step flag (and the host answer, when known)."""
+        record = self.of(optimizer)
+        if record is None:
+            record = OutcomeRecord(device.new_record())
+            try:
+                self._records[optimizer] = record
+            except TypeError:  # an optimizer that cannot be weakly referenced is held for its record
+                self._unweakable[id(optimizer)] = (optimizer, record)
+        device.write_record(record.storage, found_inf)
+        record.host = skipped
+
+    def write_last(self, device: ScalerDevice, flag: Flag, host: bool | None) -> None:
+        """Store the last iteration's flag (and the host answer, when known)."""
+        if self.last is None:
+            self.last = OutcomeRecord(device.new_record())
+        device.write_record(self.last.storage, flag)
+        self.last.host = host
+
+
+class RecordHistory:
+    """The iterations' records of one scaler, and what the host learned about the current iteration."""
+
+    def __init__(self, recorder: Recorder, config: LossScaleConfig) -> None:
+        self.recorder = recorder
+        self._config = config  # the settings the records are replayed under (`follow` keeps it current)
+        self._device: Any = None
+        self._capabilities: DeviceCapabilities | None = None
+        self._ring: Any = None  # the device's storage (None: the device keeps no records)
+        self._pending = 0  # iterations ended since the records were last read
+        self._written = 0  # iterations written to the ring
+        self.reset_iteration()
+
+    def bind(self, device: ScalerDevice, capabilities: DeviceCapabilities) -> None:
+        """Keep the records on ``device`` (when it is a `RecordingDevice`)."""
+        self._device = device
+        self._capabilities = capabilities
+        if capabilities.recording:
+            assert isinstance(device, RecordingDevice)
+            self._ring = device.new_history(self.recorder.capacity)
+
+    # -- the current iteration ---------------------------------------------------------------------------
+
+    def reset_iteration(self) -> None:
+        """Forget what the host learned about the current iteration."""
+        self.host_skip = False  # a step read its skip to the host
+        self.host_clean = 0  # steps that read "not skipped" to the host
+        self._gradients: list[NonFiniteGradient] = []  # the non-finite gradients of host-known skips
+        self._unknown: list[Any] = []  # optimizers whose skip the device decided (weak references)
+        self._deferred: tuple[int, list[Any]] | None = None  # the last iteration's such optimizers
+
+    def iteration_opened(self) -> None:
+        """A new iteration: the last one's gradients are about to change, so they can no longer be counted."""
+        self._deferred = None
+
+    def note_step(self, optimizer: Any, skipped: bool | None) -> None:
+        """What the host knows of ``optimizer``'s step: applied, skipped, or decided on the device (None)."""
+        capabilities = self._capabilities
+        counts = capabilities is not None and capabilities.host_provenance
+        if skipped is False:
+            self.host_clean += 1
+        if skipped:
+            self.host_skip = True
+            if counts:
+                self._gradients += non_finite_gradients(self._device.non_finite_gradients(optimizer))
+        elif skipped is None and counts:  # decided on the device: counted if read in time
+            try:
+                self._unknown.append(weakref.ref(optimizer))
+            except TypeError:
+                self._unknown.append(optimizer)
+
+    # -- writing and reading -----------------------------------------------------------------------------
+
+    def write(self, mode: str, flag: Flag | None, host_skipped: bool, spike: Flag | None = None) -> None:
+        """End the iteration's record: ``mode`` (a key of `MODE_CODES`), skipped when ``flag`` is set or
+        ``spike`` (a skip by the spike rule alone) is; ``host_skipped`` when the host already knows it was."""
+        gradients = tuple(self._gradients)
+        self.host_skip = False
+        self.host_clean = 0
+        self._gradients = []
+        if self._ring is None:
+            self._unknown = []
+            return
+        self.recorder.attach(self._written, gradients)
+        unknown, self._unknown = self._unknown, []
+        self._deferred = (self._written, unknown) if unknown else None
+        self._written += 1
+        if spike is None:
+            self._device.write_history(self._ring, MODE_CODES[mode], flag)
+        else:
+            self._device.write_history(self._ring, MODE_CODES[mode], flag, spike)
+        self._pending += 1
+        # A skip the step already read to the host is reported at once; the rest in batches (one read).
+        if (host_skipped or self._pending >= max(1, self.recorder.capacity // 2)) and not self._compiling():
+            self._read_ring()
+
+    def _compiling(self) -> bool:
+        return self._capabilities is not None and bool(self._capabilities.compiling())
+
+    @property
+    def pending(self) -> int:
+        """Iterations ended since the records were last read from the device."""
+        return self._pending
+
+    def read(self) -> list[StepRecord]:
+        """The records kept (at most the recorder's capacity), after reading the device's new ones."""
+        if self._ring is not None and not self._compiling():
+            self._read_ring()
+        return list(self.recorder.records)
+
+    def _read_ring(self) -> None:
+        device = self._device
+        if isinstance(device, ProvenanceDevice):  # counted on the device, in the branch that skipped
+            for iteration, entries in device.read_provenance():
+                self.recorder.attach(iteration, non_finite_gradients(entries))
+        count, codes = device.read_history(self._ring)
+        self._attach_deferred(count, codes)
+        self._pending = 0
+        self.recorder.consume(count, codes, self._config, self._state_or_none)
+
+    def follow(self, config: LossScaleConfig) -> None:
+        """Replay records under ``config`` from now on (the scaler's settings)."""
+        self._config = config
+
+    def _state_or_none(self) -> LossScaleState | None:
+        return None if self._compiling() or self._device is None else self._device.read_state()
+
+    def _attach_deferred(self, count: int, codes: list[int]) -> None:
+        """Name the non-finite gradients of the last recorded iteration when the device decided its skip (a
+        fused optimizer) and no iteration has opened since: its gradients are still there, and counting them now
+        costs the steps that were applied nothing."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        index, optimizers = deferred
+        position = len(codes) - (count - index)
+        if index < self.recorder.read_count or not 0 <= position < len(codes):
+            return  # already recorded, or no longer in the ring
+        code = codes[position]
+        if not code & 1 or code & SPIKE_BIT:
+            return  # applied, or skipped by the spike rule (whose gradients are finite)
+        entries = []
+        for reference in optimizers:
+            optimizer = reference() if isinstance(reference, weakref.ref) else reference
+            if optimizer is not None:
+                entries += self._device.non_finite_gradients(optimizer)
+        self.recorder.attach(index, non_finite_gradients(entries))
+
+    def reanchor_after_set(self, value: Any) -> None:
+        """After ``update(new_scale=value)``: the records that follow replay from the new scale."""
+        if self._compiling():
+            self.recorder.reanchor(None)
+            return
+        self.read()
+        anchor = self.recorder.anchor
+        if isinstance(value, float) and anchor is not None:
+            self.recorder.reanchor(LossScaleState(value, anchor.growth_tracker, anchor.hysteresis_left))
+        else:
+            self.recorder.reanchor(self._device.read_state())
