@@ -96,6 +96,26 @@ def test_backends_use_only_the_public_backend_api() -> None:
     assert offenders == []
 
 
+BACKEND_PACKAGES = {"torch": "polyamp_torch", "tensorflow": "polyamp_tensorflow", "keras": "polyamp_keras"}
+
+
+def test_no_backend_imports_another_backends_private_modules() -> None:
+    """A backend builds on another only through its public modules (e.g. ``polyamp_keras.device``)."""
+    offenders = []
+    for folder, package in BACKEND_PACKAGES.items():
+        for where, name in _imports(f"backends/{folder}"):
+            top, _, rest = name.partition(".")
+            if top in BACKEND_PACKAGES.values() and top != package and rest.startswith("_"):
+                offenders.append(f"{where} imports {name}")
+    assert offenders == []
+
+
+def test_the_private_import_scan_sees_the_backends_cross_imports() -> None:
+    # The scan above would pass vacuously if it found nothing: the TensorFlow device does build on Keras's.
+    names = [name for _, name in _imports("backends/tensorflow")]
+    assert any(name.startswith("polyamp_keras.device") for name in names)
+
+
 def test_the_public_backend_api_holds_what_backends_import() -> None:
     import polyamp.backend_api as api
 
@@ -114,9 +134,27 @@ def test_the_public_backend_api_holds_what_backends_import() -> None:
                 "ImperativeGuardingDevice",
                 "ImperativeProvenanceDevice",
                 "SpikeDevice",
+                "CompilingDevice",
+                "UncompiledDevice",
+                "ProcessGroupDevice",
+                "Float16HintDevice",
+                "Float16ProbeDevice",
+                "OwnScalingDevice",
             ),
         ),
-        ("tensorflow", ("TapeDevice", "RecordingDevice", "GuardingDevice", "ProvenanceDevice", "SpikeDevice")),
+        (
+            "tensorflow",
+            (
+                "TapeDevice",
+                "RecordingDevice",
+                "GuardingDevice",
+                "ProvenanceDevice",
+                "SpikeDevice",
+                "CompilingDevice",
+                "ReplicaDevice",
+                "Float16HintDevice",
+            ),
+        ),
     ],
 )
 def test_first_party_device_forms_implement_the_optional_protocols(backend: str, protocols: tuple[str, ...]) -> None:

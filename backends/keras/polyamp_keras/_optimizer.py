@@ -21,6 +21,7 @@ from polyamp import (
 from polyamp.backend_api import (
     MODE_CODES,
     NOT_GIVEN,
+    NOT_SCALED_RULE,
     SPIKE_BIT,
     Recorder,
     UnscaleStages,
@@ -516,11 +517,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         if stage is None and not scaled and not self._warned_unscaled_loss:
             self._warned_unscaled_loss = True
             warnings.warn(
-                "LossScaleOptimizer.apply() received gradients, but scale_loss() was not called since the last "
-                "step. If they are gradients of the unscaled loss (a custom train_step without "
-                "`loss = self.optimizer.scale_loss(loss)`), dividing them by the loss scale shrinks every "
-                "update to almost nothing and training stalls. Take the gradients of optimizer.scale_loss(loss) "
-                "(get_scaled_loss in tf.keras 2 loops).",
+                "LossScaleOptimizer.apply() was called before scale_loss() in this iteration (a custom "
+                "train_step without `loss = self.optimizer.scale_loss(loss)`, or get_scaled_loss in tf.keras 2 "
+                f"loops): if {NOT_SCALED_RULE} This is said once per optimizer.",
                 UserWarning,
                 stacklevel=4,
             )

@@ -14,9 +14,16 @@ from typing import Any
 
 from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
 from polyamp.backend_api import SPIKE_BIT, StepOutcome, describe, ring_codes, wrong_object_error
-from polyamp_keras._gradients import all_finite, all_replicas_finite, gradient_counts, refuse_loss_scale_factor, unscale
-from polyamp_keras._rule import ScaleState, advance_on_flag
-from polyamp_keras._spikes import SpikeWindow
+from polyamp_keras.device import (
+    ScaleState,
+    SpikeWindow,
+    advance_on_flag,
+    all_finite,
+    all_replicas_finite,
+    gradient_counts,
+    refuse_loss_scale_factor,
+    unscale,
+)
 from polyamp_tensorflow._framework import keras, tf
 
 __all__ = ["TensorFlowDevice"]

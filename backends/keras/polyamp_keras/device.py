@@ -1,0 +1,48 @@
+"""The Keras device building blocks of polyamp's loss scaling: state in Keras variables, step operations in
+``keras.ops``.
+
+Everything here runs on every Keras backend (TensorFlow, JAX, PyTorch), eagerly and in compiled steps
+(``tf.function``, ``jax.jit`` inside Keras's ``StatelessScope``), with no Python branch on a tensor value. It
+is the public surface other backends build their Keras-based device forms on (``polyamp_tensorflow``'s
+device form is made of it) and what `polyamp_keras.LossScaleOptimizer` runs:
+
+* `ScaleState` - the scale, growth tracker, hysteresis and skip count as variables; `advance` /
+  `advance_on_flag` apply `polyamp.LossScaleConfig`'s rule to them (products formed in float64 and rounded
+  to float32, as the reference and torch do, so trajectories agree bit for bit across backends);
+* `unscale`, `all_finite`, `all_replicas_finite` (the flag reduced across ``tf.distribute`` replicas),
+  `gradient_counts` (each gradient's +inf/-inf/NaN counts, for `polyamp.NonFiniteGradient`), `is_sparse`
+  (TensorFlow's ``IndexedSlices``), `refuse_loss_scale_factor` (Keras's own loss scaling on an optimizer that
+  polyamp scales);
+* `SpikeWindow` - `polyamp.SpikeRule`'s window and decision on variables.
+"""
+
+from __future__ import annotations
+
+from polyamp_keras._gradients import (
+    all_finite,
+    all_replicas_finite,
+    gradient_counts,
+    is_sparse,
+    non_finite_counts,
+    refuse_loss_scale_factor,
+    unscale,
+)
+from polyamp_keras._rule import ScaleState, advance, advance_on_flag, counter_dtype, read_scalar
+from polyamp_keras._spikes import SpikeWindow, statistic_dtype
+
+__all__ = [
+    "ScaleState",
+    "SpikeWindow",
+    "advance",
+    "advance_on_flag",
+    "all_finite",
+    "all_replicas_finite",
+    "counter_dtype",
+    "gradient_counts",
+    "is_sparse",
+    "non_finite_counts",
+    "read_scalar",
+    "refuse_loss_scale_factor",
+    "statistic_dtype",
+    "unscale",
+]
