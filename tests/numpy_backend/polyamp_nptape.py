@@ -1,0 +1,363 @@
+"""polyamp_nptape: a polyamp backend of the *tape* loop style for ``nptape``, written only against
+``polyamp`` and ``polyamp.backend_api`` (and ``polyamp.conformance`` for its harness).
+
+Its device form implements `polyamp.backend_api.TapeDevice` and the optional protocols that give a loop the
+guard (`GuardingDevice`), step records (`RecordingDevice`), the non-finite gradients of skipped steps
+(`ProvenanceDevice`) and the spike rule (`SpikeDevice`). It computes on the host, so its "device" flags are
+NumPy scalars; every semantic (stages, misuse, skips, records, the spike decision's place in the iteration)
+is the core's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import nptape
+import numpy as np
+
+import polyamp
+from polyamp import LossScaleConfig, LossScaler, LossScaleState, Policy, PolyampTypeError, SpikeRule
+from polyamp.backend_api import SPIKE_BIT, BackendSpec, StepOutcome, ring_codes, wrong_object_error
+from polyamp.conformance import HarnessUnavailable
+
+SPEC = BackendSpec(
+    name="nptape",
+    target="polyamp_nptape:TapeBackend",
+    frameworks=("nptape",),
+    install_hint="pip install nptape",
+    harness="polyamp_nptape:TapeHarness",
+)
+
+
+def _inverse(scale: float) -> np.float32:
+    return np.float32(1.0 / scale)
+
+
+def _counts(grad: np.ndarray) -> tuple[int, int, int, int]:
+    return (
+        int(np.isposinf(grad).sum()),
+        int(np.isneginf(grad).sum()),
+        int(np.isnan(grad).sum()),
+        int(grad.size),
+    )
+
+
+class _Window:
+    """The spike rule's window: the last ``rule.window`` statistics of applied iterations."""
+
+    def __init__(self, rule: SpikeRule) -> None:
+        self.rule = rule
+        self.values: list[float] = []
+
+
+class TapeDevice:
+    """The tape device form: the state as NumPy scalars; gradients are values handed to ``apply``."""
+
+    def __init__(self, config: LossScaleConfig, state: LossScaleState) -> None:
+        self._config = config
+        self._state = state
+        self._skipped = np.int64(0)
+        self._codes: list[int] = []
+        self._count = 0
+        self._provenance: list[tuple[int, list[tuple[str, int, int, int, int]]]] = []
+
+    # -- ScalerDevice ------------------------------------------------------------------------------------
+
+    def check_optimizer(self, method: str, optimizer: object) -> None:
+        if not isinstance(optimizer, nptape.Optimizer):
+            raise wrong_object_error("nptape", method, optimizer, "an nptape.Optimizer")
+
+    def read_state(self) -> LossScaleState:
+        return self._state
+
+    def write_state(self, config: LossScaleConfig, state: LossScaleState | None) -> None:
+        self._config = config
+        if state is not None:
+            self._state = state
+
+    def scale(self, loss: Any) -> Any:
+        if isinstance(loss, (list, tuple)):
+            return type(loss)(self.scale(item) for item in loss)
+        if not isinstance(loss, nptape.Tensor):
+            raise wrong_object_error("nptape", "scale", loss, "an nptape.Tensor")
+        return loss * self._state.scale
+
+    def combine(self, flags: Sequence[Any]) -> np.float32:
+        return np.float32(max(flags))
+
+    def read_new_scale(self, new_scale: Any) -> float | None:
+        raise PolyampTypeError(f"nptape's update(new_scale) takes a float, not {type(new_scale).__name__}")
+
+    def update(self, found_inf: Any, new_scale: Any) -> None:
+        if new_scale is not None:
+            self._state = LossScaleState(float(new_scale), self._state.growth_tracker, self._state.hysteresis_left)
+        else:
+            self._state = self._config.next_state(self._state, bool(found_inf > 0))
+        if found_inf is not None and found_inf > 0:
+            self._skipped += 1
+
+    def skipped(self, found_inf: Any) -> np.bool_:
+        return np.bool_(found_inf > 0)
+
+    def read_flag(self, found_inf: Any) -> bool:
+        return bool(found_inf > 0)
+
+    def finite_flag(self) -> np.float32:
+        return np.float32(0.0)
+
+    def new_record(self) -> list[Any]:
+        return [np.float32(0.0)]
+
+    def write_record(self, record: list[Any], found_inf: Any) -> None:
+        record[0] = found_inf
+
+    def read_record(self, record: list[Any]) -> Any:
+        return record[0]
+
+    def skipped_steps(self) -> np.int64:
+        return self._skipped
+
+    # -- TapeDevice --------------------------------------------------------------------------------------
+
+    def check_gradients(self, method: str, grads: Sequence[Any]) -> None:
+        for grad in grads:
+            if grad is not None and not isinstance(grad, np.ndarray):
+                raise wrong_object_error("nptape", method, grad, "NumPy arrays (None for no gradient)")
+
+    def unscale(self, grads: Sequence[Any]) -> list[Any]:
+        inverse = _inverse(self._state.scale)
+        return [None if g is None else (g * inverse).astype(np.float32) for g in grads]
+
+    def apply(
+        self,
+        optimizer: nptape.Optimizer,
+        grads: Sequence[Any],
+        variables: Sequence[nptape.Variable],
+        *,
+        unscaled: bool,
+        veto: Any = None,
+    ) -> StepOutcome:
+        values = list(grads) if unscaled else self.unscale(grads)
+        finite = all(g is None or bool(np.isfinite(g).all()) for g in values)
+        applied = finite and not (veto is not None and veto > 0)
+        if applied:
+            result = optimizer.apply(values, list(variables))
+        else:
+            result = None
+            if not finite:  # counted in the branch that skips, for this iteration's record
+                self._provenance.append(
+                    (
+                        self._count,
+                        [(v.name, *_counts(g)) for g, v in zip(values, variables, strict=True) if g is not None],
+                    )
+                )
+        return StepOutcome(result, np.float32(not finite), None)
+
+    def plain_apply(self, optimizer: nptape.Optimizer, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
+        return optimizer.apply(list(grads), list(variables))
+
+    # -- GuardingDevice ----------------------------------------------------------------------------------
+
+    def count_skip(self, flag: Any) -> None:
+        if flag > 0:
+            self._skipped += 1
+
+    # -- RecordingDevice ---------------------------------------------------------------------------------
+
+    def new_history(self, capacity: int) -> list[int]:
+        self._codes = [0] * capacity
+        self._count = 0
+        return self._codes
+
+    def write_history(self, history: list[int], base: int, flag: Any, spike: Any = None) -> None:
+        overflow = flag is not None and flag > 0
+        spiked = spike is not None and spike > 0
+        code = base + int(overflow or spiked) + (SPIKE_BIT if spiked and not overflow else 0)
+        history[self._count % len(history)] = code
+        self._count += 1
+
+    def read_history(self, history: list[int]) -> tuple[int, list[int]]:
+        return self._count, ring_codes(self._count, list(history))
+
+    # -- ProvenanceDevice --------------------------------------------------------------------------------
+
+    def read_provenance(self) -> list[tuple[int, list[tuple[str, int, int, int, int]]]]:
+        found, self._provenance = self._provenance, []
+        return found
+
+    # -- SpikeDevice -------------------------------------------------------------------------------------
+
+    def new_spike_state(self, rule: SpikeRule) -> _Window:
+        return _Window(rule)
+
+    def spike_statistic(self, loss: Any) -> np.float64:
+        losses = loss if isinstance(loss, (list, tuple)) else [loss]
+        return np.float64(math.fsum(item.value for item in losses))
+
+    def spike_grad_norm(self, grads: Sequence[Any], *, unscaled: bool) -> np.float64:
+        total = math.fsum(float((np.asarray(g, np.float64) ** 2).sum()) for g in grads if g is not None)
+        norm = math.sqrt(total)
+        return np.float64(norm if unscaled else norm / self._state.scale)
+
+    def spike_check(self, state: _Window, x: Any) -> np.float32:
+        return np.float32(state.rule.is_spike(state.values, float(x)))
+
+    def spike_finish(self, state: _Window, x: Any, spike: Any, overflow: Any) -> np.float32:
+        blocked = spike > 0 or (overflow is not None and overflow > 0)
+        if not blocked and math.isfinite(float(x)):
+            state.values.append(float(x))
+            del state.values[: -state.rule.window]
+        return np.float32(spike > 0 and not (overflow is not None and overflow > 0))
+
+    def read_spike_window(self, state: _Window) -> list[float]:
+        return list(state.values)
+
+    def write_spike_window(self, state: _Window, values: list[float]) -> None:
+        state.values = list(values)[-state.rule.window :]
+
+
+class TapeBackend:
+    name = "nptape"
+
+    def make_device(self, config: LossScaleConfig, state: LossScaleState) -> TapeDevice:
+        return TapeDevice(config, state)
+
+
+# -- the conformance harness ----------------------------------------------------------------------------
+
+
+def _optimizer(kind: str) -> nptape.Optimizer:
+    if kind == "sgd":
+        return nptape.SGD(lr=0.1, momentum=0.9)
+    if kind == "adam":
+        return nptape.Adam(lr=0.01)
+    raise ValueError(f"unknown optimizer {kind!r}")
+
+
+def _clip(grads: Sequence[np.ndarray], max_norm: float) -> list[np.ndarray]:
+    norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads))
+    factor = np.float32(min(1.0, max_norm / (norm + 1e-6)))
+    return [(g * factor).astype(np.float32) for g in grads]
+
+
+class TapeTrainer:
+    """A GradientTape-style loop: scale, gradient, (unscale, clip,) apply_gradients."""
+
+    #: The variable whose gradient ``step(overflow=True)`` plants an inf into.
+    planted = "dense_1/kernel"
+
+    def __init__(
+        self, policy: Policy, scaler: Mapping[str, Any] | None, optimizer: str, clip: float | None, seed: int
+    ) -> None:
+        self.variables = nptape.mlp(seed)
+        self.opt = _optimizer(optimizer)
+        self.clip = clip
+        self.policy = policy
+        with polyamp.policy_scope(policy):
+            self.scaler = None if scaler is None else LossScaler(**scaler, backend="nptape")
+
+    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
+        with polyamp.policy_scope(self.policy):
+            return self._step(x, y, overflow)
+
+    def _step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
+        loss = nptape.loss(self.variables, x, y)
+        grads = nptape.gradient(self.scaler.scale(loss) if self.scaler is not None else loss, self.variables)
+        if overflow:
+            grads[0].reshape(-1)[0] = np.inf
+        if self.clip is not None:
+            if self.scaler is not None:
+                grads = self.scaler.unscale(grads)
+            grads = _clip(grads, self.clip)
+        if self.scaler is not None:
+            self.scaler.apply_gradients(self.opt, zip(grads, self.variables, strict=True))
+        else:
+            self.opt.apply(grads, self.variables)
+        return loss.value
+
+    def params(self) -> list[np.ndarray]:
+        return [v.data.copy() for v in self.variables]
+
+    def optimizer_state(self) -> list[np.ndarray]:
+        slots = [np.array(value) for state in self.opt.state.values() for _, value in sorted(state.items())]
+        return [*slots, np.array(self.opt.iterations)]
+
+    def step_skipped(self) -> bool:
+        return self.scaler is not None and bool(self.scaler.step_skipped(self.opt))
+
+
+class TapeLoop:
+    """One iteration call by call, with two optimizers (one per layer), gradients held as values."""
+
+    def __init__(self, policy: Policy, scaler: Mapping[str, Any], seed: int) -> None:
+        self.variables = nptape.mlp(seed)
+        self.groups = [self.variables[:2], self.variables[2:]]
+        self.optimizers = [_optimizer("sgd"), _optimizer("sgd")]
+        with polyamp.policy_scope(policy):
+            self.scaler = LossScaler(**scaler, backend="nptape")
+        self.grads: list[list[np.ndarray]] = [[], []]
+        self._batch = 0
+
+    def backward(self, overflow: Collection[int] = ()) -> None:
+        rng = np.random.default_rng(self._batch)
+        self._batch += 1
+        x = rng.normal(size=(16, 8)).astype(np.float32)
+        y = rng.integers(0, 4, size=(16,))
+        grads = nptape.gradient(self.scaler.scale(nptape.loss(self.variables, x, y)), self.variables)
+        self.grads = [grads[:2], grads[2:]]
+        for index in overflow:
+            self.grads[index][0].reshape(-1)[0] = np.inf
+
+    def unscale(self, index: int) -> None:
+        self.grads[index] = self.scaler.unscale(self.grads[index])
+
+    def step(self, index: int) -> None:
+        self.scaler.step(self.optimizers[index], zip(self.grads[index], self.groups[index], strict=True))
+
+    def update(self) -> None:
+        self.scaler.update()
+
+    def params(self, index: int) -> list[np.ndarray]:
+        return [v.data.copy() for v in self.groups[index]]
+
+    def optimizer_state(self, index: int) -> list[np.ndarray]:
+        optimizer = self.optimizers[index]
+        slots = [np.array(value) for state in optimizer.state.values() for _, value in sorted(state.items())]
+        return [*slots, np.array(optimizer.iterations)]
+
+
+class TapeHarness:
+    """nptape on the CPU: it computes in float32 whatever the policy (no "low_precision"), and guards."""
+
+    backend = "nptape"
+    devices = ("cpu",)
+    capabilities = frozenset({"guard"})
+    divergences: Mapping[str, str] = {}
+
+    def __init__(self, device: str) -> None:
+        if device != "cpu":
+            raise HarnessUnavailable(f"nptape runs on the CPU only, not {device!r}")
+        self.device = device
+
+    def trainer(
+        self,
+        policy: Policy,
+        *,
+        scaler: Mapping[str, Any] | None = None,
+        optimizer: str = "sgd",
+        clip: float | None = None,
+        seed: int = 0,
+    ) -> TapeTrainer:
+        return TapeTrainer(policy, scaler, optimizer, clip, seed)
+
+    def loop(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> TapeLoop:
+        return TapeLoop(policy, scaler, seed)
+
+    def passes_loss_through(self, scaler: LossScaler) -> bool:
+        loss = nptape.Tensor(1.5)
+        return scaler.scale(loss) is loss
+
+
+__all__ = ["SPEC", "TapeBackend", "TapeDevice", "TapeHarness"]

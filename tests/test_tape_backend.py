@@ -1,0 +1,148 @@
+"""A third-party backend of the *tape* loop style, written only against polyamp's public API, gets every
+semantic the core owns: the conformance cases its capabilities allow (the guard and records included), the
+spike rule decided as the reference decides, and the iteration rule for scaling.
+
+``tests/numpy_backend`` holds ``nptape`` (a NumPy stand-in for a framework whose gradients are values, as
+TensorFlow's are) and ``polyamp_nptape``, its backend.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import polyamp
+from polyamp import LossScaler, ScalerUsageError, SpikeRule
+from polyamp.conformance import run
+
+HERE = Path(__file__).resolve().parent / "numpy_backend"
+
+
+@pytest.fixture
+def nptape_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    monkeypatch.syspath_prepend(str(HERE))
+    import polyamp_nptape
+
+    polyamp.register_backend(polyamp_nptape.SPEC)
+    yield polyamp_nptape
+    for name in ("npfw", "nptape", "polyamp_nptape"):
+        sys.modules.pop(name, None)
+
+
+def test_the_tape_backend_imports_only_the_public_api() -> None:
+    tree = ast.parse((HERE / "polyamp_nptape.py").read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert {name for name in imported if name.partition(".")[0] == "polyamp"} == {
+        "polyamp",
+        "polyamp.backend_api",
+        "polyamp.conformance",
+    }
+
+
+def test_the_tape_device_implements_the_protocols_it_claims(nptape_backend: Any) -> None:
+    from polyamp import backend_api as api
+
+    scaler = LossScaler(backend="nptape", enabled=True)
+    capabilities = scaler.capabilities
+    assert capabilities is not None
+    assert (capabilities.style, capabilities.guarding, capabilities.recording, capabilities.spike) == (
+        "tape",
+        True,
+        True,
+        True,
+    )
+    assert capabilities.device_provenance and not capabilities.host_provenance
+    device = scaler.device_form
+    for protocol in (api.TapeDevice, api.GuardingDevice, api.RecordingDevice, api.ProvenanceDevice, api.SpikeDevice):
+        assert isinstance(device, protocol), protocol.__name__
+    assert not isinstance(device, api.ImperativeDevice)
+
+
+def test_it_passes_every_case_it_has_the_capabilities_for(nptape_backend: Any) -> None:
+    results = run(["nptape"])
+    failures = [(r.case, r.detail) for r in results if not r.ok]
+    assert failures == []
+    passed = {r.case.partition("[")[0] for r in results if r.outcome == "passed"}
+    assert passed == {
+        "test_trajectory_matches_the_reference",
+        "test_random_settings_follow_the_reference",
+        "test_two_optimizers_skip_separately_and_update_once",
+        "test_misuse_is_the_same_error_everywhere_and_leaves_no_trace",
+        "test_skipped_step_changes_nothing",
+        "test_unscale_then_clip_equals_the_float32_update",
+        "test_disabled_scaler_passes_the_loss_through_and_changes_nothing",
+        "test_guard_skips_non_finite_steps_without_scaling",
+        "test_records_replay_the_scale_of_every_step",
+        "test_skipped_step_names_the_parameter_that_overflowed",
+    }
+
+
+def _loss(nptape: Any, value: float, *, overflow: bool) -> Any:
+    """A loss of the given value whose gradients are 0.01 everywhere (inf in the first entry when overflowing)."""
+
+    def grads(upstream: float) -> list[np.ndarray]:
+        out = [np.full(shape, 0.01 * upstream, np.float32) for shape in ((8, 16), (16,), (16, 4), (4,))]
+        if overflow:
+            out[0][0, 0] = np.inf
+        return out
+
+    return nptape.Tensor(value, grads)
+
+
+LOSSES = [1.0, 1.1, 0.9, 1.0, 5.0, 1.05, 1.0, 7.0, 1.0, 0.95, 9.0, 1.0]
+OVERFLOWS = {6, 10}
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_spike_rule_on_the_tape_device_decides_as_the_reference(nptape_backend: Any, policy: str) -> None:
+    """Scaling (float16) and guarding (bfloat16): the same skips, reasons and window as `SpikeRule.decide`."""
+    import nptape
+
+    rule = SpikeRule("loss", window=4, threshold=3.0)
+    polyamp.set_policy(policy)
+    scaler = LossScaler(spike=rule, backend="nptape")
+    variables = nptape.mlp(0)
+    optimizer = nptape.SGD(lr=0.1)
+    for index, value in enumerate(LOSSES):
+        loss = scaler.scale(_loss(nptape, value, overflow=index in OVERFLOWS))
+        grads = nptape.gradient(loss, variables)
+        scaler.apply_gradients(optimizer, zip(grads, variables, strict=True))
+    spikes = rule.decide(LOSSES, [i in OVERFLOWS for i in range(len(LOSSES))])
+    overflow_reason = "overflow" if policy == "mixed_float16" else "non_finite"
+    want = [overflow_reason if i in OVERFLOWS else "loss_spike" if spikes[i] else None for i in range(len(LOSSES))]
+    assert [r.reason for r in scaler.records()] == want
+    assert spikes.count(True) >= 2  # the trace exercises the rule
+    assert int(scaler.skipped_steps()) == len(OVERFLOWS) + spikes.count(True)
+    assert optimizer.iterations == len(LOSSES) - len(OVERFLOWS) - spikes.count(True)
+    applied = [x for i, x in enumerate(LOSSES) if i not in OVERFLOWS and not spikes[i]]
+    assert scaler.state_dict()["spike_window"] == applied[-rule.window :]
+
+
+def test_every_iteration_that_scales_needs_its_loss_scaled(nptape_backend: Any) -> None:
+    """The iteration rule, checked every iteration: the second iteration's gradients come from an unscaled loss,
+    so unscale() and apply_gradients() refuse them, with the same words as every other loop style."""
+    import nptape
+
+    scaler = LossScaler(backend="nptape", enabled=True)
+    variables = nptape.mlp(0)
+    optimizer = nptape.SGD(lr=0.1)
+    grads = nptape.gradient(scaler.scale(_loss(nptape, 1.0, overflow=False)), variables)
+    scaler.apply_gradients(optimizer, zip(grads, variables, strict=True))
+    unscaled_grads = nptape.gradient(_loss(nptape, 1.0, overflow=False), variables)
+    before = [v.data.copy() for v in variables]
+    for call in (
+        lambda: scaler.unscale(unscaled_grads),
+        lambda: scaler.apply_gradients(optimizer, zip(unscaled_grads, variables, strict=True)),
+    ):
+        with pytest.raises(ScalerUsageError, match=r"before scale\(\) in this iteration") as raised:
+            call()
+        assert polyamp.backend_api.NOT_SCALED_RULE in str(raised.value)
+    assert all(np.array_equal(a, v.data) for a, v in zip(before, variables, strict=True))
+    assert optimizer.iterations == 1
