@@ -35,8 +35,9 @@ from polyamp._src.errors import (
 )
 from polyamp._src.functional import FunctionalLossScaler
 from polyamp._src.global_policy import get_policy
+from polyamp._src.grad_scaler_api import GradScalerSpelling
 from polyamp._src.iteration import Iteration, Stage, no_gradients_error, not_scaled_error
-from polyamp._src.persistence import PICKLED_OPTIONS, derive_signature
+from polyamp._src.persistence import Pickled, derive_signature
 from polyamp._src.records import (
     DEFAULT_HISTORY,
     Recorder,
@@ -95,7 +96,7 @@ def _not_compiling() -> bool:
 FLOAT16_PROBES: Final = 3
 
 
-class LossScaler:
+class LossScaler(GradScalerSpelling, Pickled):
     """Dynamic loss scaling for float16 training, one semantics for every framework.
 
         The scaler multiplies the loss by a scale before backpropagation so small float16 gradients do not
@@ -178,10 +179,6 @@ class LossScaler:
     positional_arguments: ClassVar[tuple[str, ...]] = LossScaleConfig.setting_names()[:4]
     #: The value of ``enabled`` when it is not given.
     default_enabled: ClassVar[bool | None] = None
-
-    #: Options of a subclass's own (popped in `_take_options` and kept as attributes of the same name) that a
-    #: pickle or copy carries.
-    pickled_attributes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -951,36 +948,6 @@ class LossScaler:
         self._config = config
         self._history.follow(config)
 
-    # -- torch.amp.GradScaler-compatible accessors -------------------------------------------------------
-
-    def is_enabled(self) -> bool:
-        """Same as `enabled` (torch's spelling)."""
-        return self.enabled
-
-    def get_growth_factor(self) -> float:
-        """The growth factor (torch's spelling)."""
-        return self._config.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Change the growth factor (validated; torch's spelling)."""
-        self._change_setting("growth_factor", new_factor)
-
-    def get_backoff_factor(self) -> float:
-        """The backoff factor (torch's spelling)."""
-        return self._config.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Change the backoff factor (validated; torch's spelling)."""
-        self._change_setting("backoff_factor", new_factor)
-
-    def get_growth_interval(self) -> int:
-        """The growth interval (torch's spelling)."""
-        return self._config.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Change the growth interval (validated; torch's spelling)."""
-        self._change_setting("growth_interval", new_interval)
-
     # -- the functional form ------------------------------------------------------------------------------
 
     def functional(self, backend: str | None = None) -> FunctionalLossScaler:
@@ -1002,24 +969,6 @@ class LossScaler:
 
     # -- Python protocols --------------------------------------------------------------------------------
 
-    def __getstate__(self) -> dict[str, Any]:
-        self._refuse_mid_iteration("A LossScaler can be pickled or copied only between iterations; it was copied")
-        if self._process_group is not None:
-            raise ScalerUsageError(
-                "A LossScaler with a process_group cannot be pickled or copied: the group belongs to this process. "
-                "Save scaler.state_dict() and load it into a scaler constructed with the group."
-            )
-        saved = {
-            "config": self._config,
-            "state": self.get_state(),
-            "backend": self._backend_name,
-            "spike_window": self._spikes.read_window(),
-            **{name: getattr(self, name) for name in type(self).pickled_attributes},
-        }
-        options = self._options()
-        saved.update((name, options[name]) for name in PICKLED_OPTIONS)
-        return saved
-
     def _options(self) -> dict[str, Any]:
         """The constructor options this scaler keeps (`polyamp._src.persistence.PICKLED_OPTIONS`)."""
         recorder = self._history.recorder
@@ -1031,18 +980,22 @@ class LossScaler:
             "history": recorder.capacity,
         }
 
-    def __setstate__(self, saved: dict[str, Any]) -> None:
-        # Pickles written before an option existed lack it: the constructor's default stands in.
-        defaults: dict[str, Any] = {
-            "enabled": None,
-            "guard": None,
-            "spike": None,
-            "on_min_scale": "warn",
-            "history": DEFAULT_HISTORY,
+    def _saved_state(self) -> dict[str, Any]:
+        """What a pickle holds besides the options: settings, state, backend and spike window."""
+        if self._process_group is not None:
+            raise ScalerUsageError(
+                "A LossScaler with a process_group cannot be pickled or copied: the group belongs to this process. "
+                "Save scaler.state_dict() and load it into a scaler constructed with the group."
+            )
+        return {
+            "config": self._config,
+            "state": self.get_state(),
+            "backend": self._backend_name,
+            "spike_window": self._spikes.read_window(),
         }
-        options: dict[str, Any] = {name: saved.get(name, defaults[name]) for name in PICKLED_OPTIONS}
-        for name in type(self).pickled_attributes:
-            setattr(self, name, saved.get(name))
+
+    def _restore(self, saved: dict[str, Any], options: dict[str, Any]) -> None:
+        """Become the scaler a pickle describes (`_saved_state` and `_options`), bound again if it was."""
         self._setup(
             saved["config"], saved["state"], process_group=None, spike_window=saved.get("spike_window"), **options
         )
