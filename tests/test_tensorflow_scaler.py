@@ -113,6 +113,7 @@ def test_skipped_step_changes_no_variable_slot_or_iteration() -> None:
     optimizer = keras.optimizers.Adam(0.1)
     scaler.apply_gradients(optimizer, [(scaler.scale(tf.constant([1.0, 1.0])), w)])
     before = [keras.ops.convert_to_numpy(v) for v in [w, *optimizer.variables]]
+    scaler.scale(tf.constant(1.0))  # every iteration that scales starts from a scaled loss
     scaler.apply_gradients(optimizer, [(tf.constant([math.nan, 1.0]), w)])
     after = [keras.ops.convert_to_numpy(v) for v in [w, *optimizer.variables]]
     assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
