@@ -72,12 +72,13 @@ FLOAT32_OP_NAMES = frozenset(
         "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
         "binary_cross_entropy_with_logits", "cross_entropy", "dist", "pdist", "cdist", "renorm", "logsumexp",
         "prod", "softmax", "log_softmax", "cumprod", "cumsum", "vector_norm", "matrix_norm", "sum",
-        "interpolate", "upsample", "upsample_nearest", "upsample_bilinear",
+        "interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "matrix_sqrth",
     }
 )  # fmt: skip
 
-# CUDA autocast's float32 policies, by aten overload (torch's autocast_mode.h). Overloads a torch version
-# lacks, or that its CUDA autocast does not register, are skipped at registration.
+# CUDA autocast's float32 policies, by aten overload (torch's autocast_mode.h, and ops autocast_mode.cpp
+# registers one by one: linalg_matrix_sqrth, torch >= 2.14). Overloads a torch version lacks, or that its
+# CUDA autocast does not register, are skipped at registration.
 _FP32 = (
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
     "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
@@ -89,6 +90,7 @@ _FP32 = (
     "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d", "_upsample_nearest_exact2d",
     "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
     "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+    "linalg_matrix_sqrth",
 )  # fmt: skip
 _FP32_SET_OPT_DTYPE = (
     "prod", "prod.dim_int", "prod.dim_Dimname", "softmax.int", "softmax.Dimname", "log_softmax.int",
