@@ -3,6 +3,7 @@ activation checkpointing, threads, and torch.compile classifying ops as eager re
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -279,6 +280,74 @@ def test_checkpointed_and_plain_runs_give_bitwise_equal_gradients(
         assert torch.equal(a, b)
 
 
+REGIONS: dict[str, Callable[[torch.dtype], Any]] = {
+    "outside": lambda low: contextlib.nullcontext(),
+    "polyamp": lambda low: polyamp_torch.autocast(low, device_type="cpu"),
+    "polyamp_torch_lists": lambda low: polyamp_torch.autocast(low, device_type="cpu", cpu_float32_ops=False),
+    "native": lambda low: torch.autocast("cpu", dtype=low),
+}
+
+
+def _gradients_in(forward: str, backward: str, low: torch.dtype, checkpoint: bool | None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    stem, block = torch.nn.Linear(16, 16), Block()
+    data = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    with REGIONS[forward](low):
+        h = stem(data)
+        if checkpoint is None:
+            h = block(h)
+        else:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=checkpoint)
+        loss = h.float().square().sum()
+    with REGIONS[backward](low):  # recomputation happens here, under another setting
+        loss.backward()
+    return [p.grad for module in (stem, block) for p in module.parameters()]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("low", [F16, BF16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("backward", ["outside", "polyamp", "polyamp_torch_lists"])
+@pytest.mark.parametrize("forward", ["polyamp", "polyamp_torch_lists", "native"])
+def test_recomputation_runs_with_the_forwards_setting_wherever_backward_runs(
+    forward: str, backward: str, low: torch.dtype, use_reentrant: bool
+) -> None:
+    plain = _gradients_in(forward, backward, low, None)
+    checkpointed = _gradients_in(forward, backward, low, use_reentrant)
+    assert len(plain) == len(checkpointed) == 8
+    for a, b in zip(plain, checkpointed, strict=True):
+        assert a.dtype == b.dtype == F32
+        assert torch.equal(a, b)
+
+
+def test_composable_checkpoint_recomputes_with_the_forwards_setting() -> None:
+    composable = pytest.importorskip("torch.distributed._composable")
+
+    def gradients(checkpointed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        stem, block = torch.nn.Linear(16, 16), Block()
+        if checkpointed:
+            composable.checkpoint(block)
+        data = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+            loss = block(stem(data)).float().square().sum()
+        loss.backward()
+        return [p.grad for module in (stem, block) for p in module.parameters()]
+
+    for a, b in zip(gradients(False), gradients(True), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_every_non_reentrant_entry_point_is_wrapped() -> None:
+    import torch.utils.checkpoint as checkpoint
+
+    with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+        pass  # the first polyamp CPU region wraps them
+    names = [name for name in dir(checkpoint) if name.startswith(_cpu_float32._GENERATOR_PREFIX)]
+    assert _cpu_float32._GENERATOR_PREFIX in names
+    assert all(getattr(getattr(checkpoint, name), "_polyamp", False) for name in names), names
+    assert getattr(checkpoint.CheckpointFunction.forward, "_polyamp", False)
+
+
 def test_checkpoint_outside_polyamp_regions_gets_the_function_unchanged() -> None:
     linear = torch.nn.Linear(4, 4)
 
@@ -294,6 +363,12 @@ def test_checkpoint_outside_polyamp_regions_gets_the_function_unchanged() -> Non
         h = _low(2, 4)
         assert wrapped(h).dtype == F32  # recomputation runs inside a polyamp region
         assert function(h).dtype == F16
+        native = _cpu_float32._in_region(function)  # checkpointed under CPU autocast outside polyamp regions
+    assert native is not function
+    with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+        assert native(h).dtype == F16  # recomputed with torch's CPU lists, as it was computed
+        assert function(h).dtype == F32
+    assert _cpu_float32._in_region(wrapped) is wrapped  # wrapped once
     assert not _cpu_float32.cpu_float32_ops_active()
 
 
