@@ -6,6 +6,7 @@ Models are built from small configs; nothing is downloaded.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import io
 from pathlib import Path
@@ -76,11 +77,15 @@ def test_forward_signature_is_the_models_own(build: Any, norms: str) -> None:
         assert inspect.signature(other.forward) == expected
 
 
-def test_trainer_trains_a_model_under_a_policy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("gradient_checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
+def test_trainer_trains_a_model_under_a_policy(tmp_path: Path, gradient_checkpointing: bool) -> None:
     model = polyamp_torch.apply_policy(tiny_bert(), "mixed_bfloat16")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     seen: list[torch.dtype] = []
     model.bert.encoder.layer[0].attention.self.query.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    # Recomputed layers must match their forward's dtypes. Newer transformers renamed the option.
+    fields = {field.name for field in dataclasses.fields(transformers.TrainingArguments)}
+    option = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     arguments = transformers.TrainingArguments(
         output_dir=str(tmp_path),
         use_cpu=True,
@@ -89,13 +94,15 @@ def test_trainer_trains_a_model_under_a_policy(tmp_path: Path) -> None:
         logging_steps=1,
         report_to=[],
         save_strategy="no",
+        **{option: gradient_checkpointing, f"{option}_kwargs": {"use_reentrant": False}},
     )
     trainer = transformers.Trainer(model=model, args=arguments, train_dataset=Batches())
     result = trainer.train()
     assert result.global_step == 3
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 3 and all(loss == loss and loss > 0 for loss in losses)  # finite, logged each step
-    assert seen == [torch.bfloat16] * 3  # each step ran the body under the policy
+    # Each step ran the body under the policy (a checkpointed layer runs again in backward).
+    assert seen == [torch.bfloat16] * (6 if gradient_checkpointing else 3)
     changed = [name for name, p in model.named_parameters() if not torch.equal(p.detach(), before[name])]
     assert "classifier.weight" in changed and "bert.embeddings.word_embeddings.weight" in changed
     assert {p.dtype for p in model.parameters()} == {torch.float32}
