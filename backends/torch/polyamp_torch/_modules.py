@@ -159,7 +159,8 @@ def apply_policy(
     cast to its param dtype. Submodules matched by ``keep_float32`` run in float32: autocast off, floating
     inputs cast to float32, parameters float32. Submodules matched by ``overrides`` run under their own
     policy. A submodule inside a matched one inherits its policy unless it is matched itself. Applying
-    again replaces the previous application.
+    again replaces the previous application. ``inspect.signature(module.forward)`` stays the module's own,
+    so libraries that read it (Hugging Face's ``Trainer``) pass the same arguments as before.
 
     Do this before creating the optimizer: parameters keep their identity, but their dtype may change.
 
