@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import threading
 from typing import Any
@@ -318,6 +319,49 @@ def test_state_dict_pickling_and_deepcopy_are_unaffected() -> None:
         assert torch.equal(other(x)["logits"], model(x)["logits"])
         assert polyamp_torch.module_policy(other.head) == polyamp.Policy("float32")
         assert other.head.forward.module is other.head  # the copy's wrapper drives the copy
+
+
+class Keywords(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, scale: float = 1.0
+    ) -> torch.Tensor:
+        return self.proj(input_ids) * scale
+
+
+def test_the_wrapped_forward_keeps_the_modules_signature() -> None:
+    plain = Keywords()
+    expected = inspect.signature(plain.forward)
+    assert list(expected.parameters) == ["input_ids", "attention_mask", "scale"]
+    model = polyamp_torch.apply_policy(Keywords(), "mixed_float16", keep_float32=["proj"])
+    assert "forward" in model.__dict__
+    assert inspect.signature(model.forward) == expected
+    assert inspect.signature(model.proj.forward) == inspect.signature(torch.nn.Linear(4, 4).forward)
+    unwrapped = inspect.unwrap(model.forward)
+    assert unwrapped.__func__ is Keywords.forward and unwrapped.__self__ is model
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for other in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        assert inspect.signature(other.forward) == expected
+        assert inspect.unwrap(other.forward).__self__ is other
+
+
+def test_a_forward_installed_before_keeps_its_signature() -> None:
+    model = Keywords()
+
+    def patched(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return Keywords.forward(model, input_ids) + labels
+
+    model.forward = patched
+    polyamp_torch.apply_policy(model, "mixed_bfloat16")
+    assert inspect.signature(model.forward) == inspect.signature(patched)
+    assert inspect.unwrap(model.forward) is patched
+    polyamp_torch.remove_policy(model)
+    assert model.forward is patched
 
 
 def test_apply_again_replaces_and_remove_restores() -> None:

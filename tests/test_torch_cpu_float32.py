@@ -3,6 +3,7 @@ activation checkpointing, threads, and torch.compile classifying ops as eager re
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -83,6 +84,12 @@ _case("cumprod", lambda: p.cumprod(0), lambda: p.cumprod(0, dtype=F32))
 _case("vector_norm", lambda: torch.linalg.vector_norm(x), lambda: torch.linalg.vector_norm(x, dtype=F32))
 _case("matrix_norm", lambda: torch.linalg.matrix_norm(x), lambda: torch.linalg.matrix_norm(x, dtype=F32))
 _case("norm", lambda: x.norm(dim=1), lambda: x.norm(dim=1, dtype=F32))
+if hasattr(torch.linalg, "matrix_sqrth"):  # torch >= 2.14; float32 on both devices' lists
+    _case(
+        "linalg_matrix_sqrth",
+        lambda: torch.linalg.matrix_sqrth(p @ p.T),
+        lambda: torch.linalg.matrix_sqrth((p @ p.T).float()),
+    )
 
 
 @pytest.mark.parametrize("low", [F16, BF16], ids=["float16", "bfloat16"])
@@ -114,15 +121,25 @@ def test_every_op_cuda_autocast_registers_is_classified() -> None:
         "rnn_tanh_cell", "rnn_relu_cell", "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
         "cudnn_convolution", "cudnn_convolution_transpose", "binary_cross_entropy", "addcdiv", "addcmul",
         "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put", "tensordot", "scatter_add",
+        # Registered by CUDA (cudnn/AutocastRNN.cpp) and ROCm (miopen/AutocastRNN.cpp) builds only: RNNs in
+        # float16, weights flattened anew.
+        "_cudnn_rnn", "miopen_rnn",
     }  # fmt: skip
     float32 = {*_cpu_float32._FP32, *_cpu_float32._FP32_SET_OPT_DTYPE, *_cpu_float32._FP32_APPEND_DTYPE}
     float32 = {name.removesuffix(".default") for name in float32}
+    assert not lower_or_promote & float32, sorted(lower_or_promote & float32)
     cuda = {
         name.removeprefix("aten::")
         for name in torch._C._dispatch_get_all_op_names()
         if name.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCUDA")
     }
-    assert cuda - lower_or_promote - float32 == set()
+    unclassified = sorted(cuda - lower_or_promote - float32)
+    assert not unclassified, (
+        f"torch {torch.__version__} registers CUDA autocast kernels for {unclassified}, which polyamp does not "
+        "classify. Look each up in torch's aten/src/ATen/autocast_mode.h and autocast_mode.cpp: an op CUDA runs "
+        "in float32 goes into polyamp_torch/_cpu_float32.py (_FP32, _FP32_SET_OPT_DTYPE or _FP32_APPEND_DTYPE, "
+        "by its cast policy), any other into this test's lower_or_promote set."
+    )
 
 
 def test_registered_ops_are_cuda_float32_ops_torch_cpu_passes_through() -> None:
@@ -263,6 +280,74 @@ def test_checkpointed_and_plain_runs_give_bitwise_equal_gradients(
         assert torch.equal(a, b)
 
 
+REGIONS: dict[str, Callable[[torch.dtype], Any]] = {
+    "outside": lambda low: contextlib.nullcontext(),
+    "polyamp": lambda low: polyamp_torch.autocast(low, device_type="cpu"),
+    "polyamp_torch_lists": lambda low: polyamp_torch.autocast(low, device_type="cpu", cpu_float32_ops=False),
+    "native": lambda low: torch.autocast("cpu", dtype=low),
+}
+
+
+def _gradients_in(forward: str, backward: str, low: torch.dtype, checkpoint: bool | None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    stem, block = torch.nn.Linear(16, 16), Block()
+    data = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    with REGIONS[forward](low):
+        h = stem(data)
+        if checkpoint is None:
+            h = block(h)
+        else:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=checkpoint)
+        loss = h.float().square().sum()
+    with REGIONS[backward](low):  # recomputation happens here, under another setting
+        loss.backward()
+    return [p.grad for module in (stem, block) for p in module.parameters()]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("low", [F16, BF16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("backward", ["outside", "polyamp", "polyamp_torch_lists"])
+@pytest.mark.parametrize("forward", ["polyamp", "polyamp_torch_lists", "native"])
+def test_recomputation_runs_with_the_forwards_setting_wherever_backward_runs(
+    forward: str, backward: str, low: torch.dtype, use_reentrant: bool
+) -> None:
+    plain = _gradients_in(forward, backward, low, None)
+    checkpointed = _gradients_in(forward, backward, low, use_reentrant)
+    assert len(plain) == len(checkpointed) == 8
+    for a, b in zip(plain, checkpointed, strict=True):
+        assert a.dtype == b.dtype == F32
+        assert torch.equal(a, b)
+
+
+def test_composable_checkpoint_recomputes_with_the_forwards_setting() -> None:
+    composable = pytest.importorskip("torch.distributed._composable")
+
+    def gradients(checkpointed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        stem, block = torch.nn.Linear(16, 16), Block()
+        if checkpointed:
+            composable.checkpoint(block)
+        data = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+            loss = block(stem(data)).float().square().sum()
+        loss.backward()
+        return [p.grad for module in (stem, block) for p in module.parameters()]
+
+    for a, b in zip(gradients(False), gradients(True), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_every_non_reentrant_entry_point_is_wrapped() -> None:
+    import torch.utils.checkpoint as checkpoint
+
+    with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+        pass  # the first polyamp CPU region wraps them
+    names = [name for name in dir(checkpoint) if name.startswith(_cpu_float32._GENERATOR_PREFIX)]
+    assert _cpu_float32._GENERATOR_PREFIX in names
+    assert all(getattr(getattr(checkpoint, name), "_polyamp", False) for name in names), names
+    assert getattr(checkpoint.CheckpointFunction.forward, "_polyamp", False)
+
+
 def test_checkpoint_outside_polyamp_regions_gets_the_function_unchanged() -> None:
     linear = torch.nn.Linear(4, 4)
 
@@ -278,6 +363,12 @@ def test_checkpoint_outside_polyamp_regions_gets_the_function_unchanged() -> Non
         h = _low(2, 4)
         assert wrapped(h).dtype == F32  # recomputation runs inside a polyamp region
         assert function(h).dtype == F16
+        native = _cpu_float32._in_region(function)  # checkpointed under CPU autocast outside polyamp regions
+    assert native is not function
+    with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+        assert native(h).dtype == F16  # recomputed with torch's CPU lists, as it was computed
+        assert function(h).dtype == F32
+    assert _cpu_float32._in_region(wrapped) is wrapped  # wrapped once
     assert not _cpu_float32.cpu_float32_ops_active()
 
 

@@ -36,8 +36,9 @@ region restarts dynamo's analysis) cannot leave it switched on.
 
 ``torch.utils.checkpoint`` re-runs the checkpointed function restoring torch's autocast state, not
 polyamp's region flag. So that recomputation computes what the forward computed, the checkpoint entry
-points are wrapped (`_patch_checkpoint`): a function checkpointed inside a polyamp region is recomputed
-inside one. Outside polyamp regions the wrapper passes the function through unchanged.
+points are wrapped (`_patch_checkpoint`): a function checkpointed under CPU autocast is recomputed with the
+setting of its forward (inside a polyamp region or not), wherever ``backward()`` runs. Where CPU autocast
+is off the wrapper passes the function through unchanged.
 """
 
 from __future__ import annotations
@@ -72,12 +73,13 @@ FLOAT32_OP_NAMES = frozenset(
         "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
         "binary_cross_entropy_with_logits", "cross_entropy", "dist", "pdist", "cdist", "renorm", "logsumexp",
         "prod", "softmax", "log_softmax", "cumprod", "cumsum", "vector_norm", "matrix_norm", "sum",
-        "interpolate", "upsample", "upsample_nearest", "upsample_bilinear",
+        "interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "matrix_sqrth",
     }
 )  # fmt: skip
 
-# CUDA autocast's float32 policies, by aten overload (torch's autocast_mode.h). Overloads a torch version
-# lacks, or that its CUDA autocast does not register, are skipped at registration.
+# CUDA autocast's float32 policies, by aten overload (torch's autocast_mode.h, and ops autocast_mode.cpp
+# registers one by one: linalg_matrix_sqrth, torch >= 2.14). Overloads a torch version lacks, or that its
+# CUDA autocast does not register, are skipped at registration.
 _FP32 = (
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
     "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
@@ -89,6 +91,7 @@ _FP32 = (
     "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d", "_upsample_nearest_exact2d",
     "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
     "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+    "linalg_matrix_sqrth",
 )  # fmt: skip
 _FP32_SET_OPT_DTYPE = (
     "prod", "prod.dim_int", "prod.dim_Dimname", "softmax.int", "softmax.Dimname", "log_softmax.int",
@@ -415,29 +418,61 @@ def registered_ops() -> tuple[str, ...]:
 
 
 def _in_region(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` run with the float32-op setting it was checkpointed under, as torch does for autocast."""
-    if not _STATE.active:
-        return function
+    """``function`` run with the float32-op setting it was checkpointed under, as torch restores autocast.
 
-    @functools.wraps(function)
+    torch's checkpoint recomputes under the CPU autocast state of the forward; this adds polyamp's setting
+    to it. Where CPU autocast is off the setting changes nothing (torch turns it off for the recomputation
+    too), so the function is returned as it is; where it is on, the recomputation runs with exactly the
+    forward's setting, also when ``backward()`` runs inside a region with another one.
+    """
+    if _is_excluded(_AUTOCAST_CPU) or getattr(function, "_polyamp_recompute", False):
+        return function
+    active = _STATE.active
+
+    @functools.wraps(function, updated=())
     def recompute(*args: Any, **kwargs: Any) -> Any:
-        previous = enter_region(True)
+        previous = _STATE.active
+        _STATE.active = active
         try:
             return function(*args, **kwargs)
         finally:
-            exit_region(previous)
+            _STATE.active = previous
 
+    recompute._polyamp_recompute = True  # type: ignore[attr-defined]
     return recompute
 
 
+#: Prefix of the non-reentrant implementation's generators: ``_checkpoint_without_reentrant_generator``
+#: (every torch) and ``_checkpoint_without_reentrant_generator_impl`` (torch >= 2.14, which ``checkpoint``
+#: calls; the first one is left as a shim calling it). Each takes the function to recompute first.
+_GENERATOR_PREFIX = "_checkpoint_without_reentrant_generator"
+#: Modules that import a generator by name: torch's composable ``checkpoint(module)``.
+_GENERATOR_IMPORTERS = ("torch.distributed._composable.checkpoint_activation",)
+
+
+def _wrap_generator(generator: Callable[..., Any]) -> Callable[..., Any]:
+    if getattr(generator, "_polyamp", False):
+        return generator
+
+    def non_reentrant(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return generator(_in_region(fn), *args, **kwargs)
+
+    non_reentrant._polyamp = True  # type: ignore[attr-defined]
+    return functools.wraps(generator)(non_reentrant)
+
+
 def _patch_checkpoint() -> None:
-    """Makes ``torch.utils.checkpoint`` recompute inside a polyamp region what was computed inside one.
+    """Makes ``torch.utils.checkpoint`` recompute under the float32-op setting of the forward.
 
     Both implementations receive the function to recompute as their first argument: the reentrant one in
-    ``CheckpointFunction.forward(ctx, run_function, ...)``, the non-reentrant one in
-    ``_checkpoint_without_reentrant_generator(fn, ...)``; both are looked up when ``checkpoint`` runs, so
-    wrapping them covers every way of calling ``checkpoint``. A torch without them is left as it is.
+    ``CheckpointFunction.forward(ctx, run_function, ...)``, the non-reentrant one in its generators (every
+    module-level function named ``_checkpoint_without_reentrant_generator*``). They are looked up when
+    ``checkpoint`` runs, so wrapping them covers every way of calling ``checkpoint``; a module that imported
+    a generator by name before (torch's composable ``checkpoint(module)``) gets the wrapped one too. A torch
+    without them is left as it is.
     """
+    import sys
+
     import torch.utils.checkpoint as checkpoint
 
     function_class = getattr(checkpoint, "CheckpointFunction", None)
@@ -449,14 +484,17 @@ def _patch_checkpoint() -> None:
 
         reentrant_forward._polyamp = True  # type: ignore[attr-defined]
         function_class.forward = staticmethod(functools.wraps(forward)(reentrant_forward))
-    generator = getattr(checkpoint, "_checkpoint_without_reentrant_generator", None)
-    if generator is not None and not getattr(generator, "_polyamp", False):
-
-        def non_reentrant(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            return generator(_in_region(fn), *args, **kwargs)
-
-        non_reentrant._polyamp = True  # type: ignore[attr-defined]
-        checkpoint._checkpoint_without_reentrant_generator = functools.wraps(generator)(non_reentrant)
+    wrapped: dict[int, Callable[..., Any]] = {}
+    for name in dir(checkpoint):
+        generator = getattr(checkpoint, name)
+        if name.startswith(_GENERATOR_PREFIX) and callable(generator):
+            wrapped[id(generator)] = _wrap_generator(generator)
+            setattr(checkpoint, name, wrapped[id(generator)])
+    for module_name in _GENERATOR_IMPORTERS:
+        module = sys.modules.get(module_name)
+        for name in dir(module) if module is not None else ():
+            if name.startswith(_GENERATOR_PREFIX) and id(getattr(module, name)) in wrapped:
+                setattr(module, name, wrapped[id(getattr(module, name))])
 
 
 # -- compiled regions ------------------------------------------------------------------------------------

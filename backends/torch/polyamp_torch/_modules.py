@@ -9,12 +9,15 @@
   their own policy: for float32 that is autocast off with their floating inputs cast to float32.
 
 It works by giving each affected module an instance-level ``forward`` (a picklable callable object), so
-``state_dict`` keys, hooks, ``torch.save`` / ``copy.deepcopy`` and wrapping in DDP are unaffected.
+``state_dict`` keys, hooks, ``torch.save`` / ``copy.deepcopy`` and wrapping in DDP are unaffected. That
+object carries the module's forward signature (``__signature__``, ``__wrapped__``), so code inspecting
+``model.forward`` (Hugging Face's ``Trainer`` choosing dataset columns) sees the module's own parameters.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -66,6 +69,26 @@ class _PolicyForward:
         self.param_dtype = param_dtype
         self.previous = module.__dict__.get("forward")  # an instance forward someone else installed
         self._warned = False
+
+    @property
+    def __wrapped__(self) -> Any:
+        """The forward this one runs: the module's class ``forward`` bound to it, or the instance forward that
+        was installed before. ``inspect.unwrap`` and tools following wrapper chains find it here."""
+        if self.previous is not None:
+            return self.previous
+        return type(self.module).forward.__get__(self.module, type(self.module))
+
+    @property
+    def __signature__(self) -> inspect.Signature | None:
+        """The wrapped forward's signature, so ``inspect.signature(model.forward)`` is the module's own.
+
+        Libraries read it to decide what to pass: Hugging Face's ``Trainer`` keeps only the dataset columns
+        the forward names. None (``inspect`` then falls back to ``__call__``) if it has no signature.
+        """
+        try:
+            return inspect.signature(self.__wrapped__)
+        except (TypeError, ValueError):  # a builtin or C-implemented forward without one
+            return None
 
     def _current_policy(self) -> Policy:
         if self.policy is not None:
@@ -136,7 +159,8 @@ def apply_policy(
     cast to its param dtype. Submodules matched by ``keep_float32`` run in float32: autocast off, floating
     inputs cast to float32, parameters float32. Submodules matched by ``overrides`` run under their own
     policy. A submodule inside a matched one inherits its policy unless it is matched itself. Applying
-    again replaces the previous application.
+    again replaces the previous application. ``inspect.signature(module.forward)`` stays the module's own,
+    so libraries that read it (Hugging Face's ``Trainer``) pass the same arguments as before.
 
     Do this before creating the optimizer: parameters keep their identity, but their dtype may change.
 
