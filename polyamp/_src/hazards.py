@@ -277,8 +277,8 @@ def read_tensors(state_or_path: object, *, max_bytes: int = DEFAULT_MAX_BYTES) -
         state_or_path: The checkpoint path, model or state dict.
         max_bytes: For a file, the most bytes its tensors may declare in all (a ``.keras`` archive: its members
             uncompressed); a file declaring more is refused before anything is read. Readers compute max |w|
-            over blocks of a few MiB, so memory stays bounded by the largest tensor ``torch.load`` or Keras
-            materializes, not by what a compressed file inflates to. Ignored for objects in memory.
+            over blocks of a few MiB, so a compressed file is never inflated whole (what ``torch.load`` or
+            ``keras.saving.load_model`` materializes is theirs). Ignored for objects in memory.
 
     Returns:
         One summary per tensor, in the reader's order.
