@@ -116,6 +116,7 @@ def test_a_valid_safetensors_file_passes_the_header_checks(tmp_path: Path) -> No
     assert (hazard.kind, hazard.name, hazard.dtype, hazard.value) == ("float16_overflow", "w", "float32", 70000.0)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse:UserWarning")  # torch's notes on sparse invariants and CSR's beta state
 def test_sparse_tensors_are_read_through_their_values(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     path = tmp_path / "sparse.pt"
