@@ -15,6 +15,9 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
   (float16 computation outside polyamp's policy) and `OwnScalingDevice` (optimizers that scale by themselves).
   The core reads which ones a device implements once, at binding (`DeviceCapabilities`);
 * optionally a conformance harness (see `polyamp.conformance.Harness`) named in the spec;
+* optionally a tensor reader for `polyamp.check_hazards` named in the spec (``tensor_reader``), which checks
+  a file before reading it (`read_safetensors_header`, `check_zip_archive`, `check_declared_bytes` against
+  ``max_bytes``, default `DEFAULT_MAX_BYTES`) and computes max |w| over blocks of `chunk_indices`;
 * optionally a forward watch: the framework's layer calls fed to a `ForwardPass` (which checks each tensor once
   and assembles the `WatchedCall` records), which `forward_report` turns into a `polyamp.ForwardReport` (the
   decision of which layer produced a non-finite output is the core's).
@@ -50,6 +53,16 @@ from polyamp._src.backend import (
     UncompiledDevice,
 )
 from polyamp._src.binding import DeviceCapabilities
+from polyamp._src.checkpoints import (
+    CHUNK_BYTES,
+    DEFAULT_MAX_BYTES,
+    MAX_CONFIG_BYTES,
+    SafetensorsEntry,
+    check_declared_bytes,
+    check_zip_archive,
+    chunk_indices,
+    read_safetensors_header,
+)
 from polyamp._src.enabling import check_enabled, resolve_enabled
 from polyamp._src.errors import describe, type_error
 from polyamp._src.forward_watch import (
@@ -101,10 +114,13 @@ from polyamp._src.spikes import check_spike
 from polyamp._src.state_dict import FORMAT_VERSION, parse_spike_window, parse_state_dict, to_state_dict
 
 __all__ = [
+    "CHUNK_BYTES",
+    "DEFAULT_MAX_BYTES",
     "ENTRY_POINT_GROUP",
     "FORMAT_VERSION",
     "INT32_MAX",
     "LOGGER_NAME",
+    "MAX_CONFIG_BYTES",
     "MODE_CODES",
     "NOT_GIVEN",
     "NOT_SCALED_RULE",
@@ -136,6 +152,7 @@ __all__ = [
     "Recorder",
     "RecordingDevice",
     "ReplicaDevice",
+    "SafetensorsEntry",
     "ScalerDevice",
     "SpikeDevice",
     "StepOutcome",
@@ -147,12 +164,15 @@ __all__ = [
     "backend_name_for",
     "backend_specs",
     "bind_arguments",
+    "check_declared_bytes",
     "check_enabled",
     "check_guard",
     "check_history",
     "check_on_min_scale",
     "check_spike",
     "check_watch_every",
+    "check_zip_archive",
+    "chunk_indices",
     "describe",
     "detect_backend",
     "forward_report",
@@ -166,6 +186,7 @@ __all__ = [
     "not_scaled_error",
     "parse_spike_window",
     "parse_state_dict",
+    "read_safetensors_header",
     "register_backend",
     "resolve_enabled",
     "ring_codes",

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Any
 
+from polyamp._src.checkpoints import DEFAULT_MAX_BYTES, MAX_CONFIG_BYTES
 from polyamp._src.doctor import FRAMEWORKS, diagnose
-from polyamp._src.errors import PolyampError
+from polyamp._src.errors import CheckpointError, PolyampError
 from polyamp._src.hazards import find_hazards, read_tensors
 from polyamp._src.policy import Policy
 
@@ -19,6 +21,32 @@ EXIT_OK = 0
 EXIT_HAZARD = 1
 EXIT_USAGE = 2
 
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kib": 2**10,
+    "m": 2**20,
+    "mib": 2**20,
+    "g": 2**30,
+    "gib": 2**30,
+    "t": 2**40,
+    "tib": 2**40,
+}
+_BYTE_COUNT = re.compile(r"\s*(\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def _byte_count(text: str) -> int:
+    """``--max-bytes`` as a number of bytes: an integer, optionally with a binary unit (``64GiB``, ``512M``)."""
+    match = _BYTE_COUNT.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS or int(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of bytes, optionally with a unit K/KiB, M/MiB, G/GiB or T/TiB "
+            f"(powers of 1024), such as 68719476736 or 64GiB; received {text!r}"
+        )
+    return int(match.group(1)) * _UNITS[unit]
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -26,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Report Python, polyamp, the installed frameworks and their devices, and the precision policy "
         "recommended for this machine (what polyamp.Policy('auto') resolves to). With --check, look for tensors "
         "of a checkpoint that a policy would hurt. Exit status: 0 no hazard, 1 hazards found by --check, "
-        "2 usage error or a checkpoint that could not be read.",
+        "2 usage error or a checkpoint that could not be read (corrupt, truncated, or declaring more than "
+        "--max-bytes).",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object with stable keys")
     parser.add_argument(
@@ -44,11 +73,19 @@ def _parser() -> argparse.ArgumentParser:
         "--policy",
         help="policy to check --check against: a name, 'auto' or a spec (default: mixed_float16)",
     )
+    parser.add_argument(
+        "--max-bytes",
+        type=_byte_count,
+        metavar="N",
+        help=f"refuse a --check file whose tensors declare more than N bytes in all (a .keras archive: its "
+        f"members uncompressed); N may end in K, M, G or T (powers of 1024). Default: 64GiB. A .keras "
+        f"config.json may inflate to at most {MAX_CONFIG_BYTES // 2**20} MiB",
+    )
     return parser
 
 
-def _check(path: str, resolved: Policy) -> dict[str, Any]:
-    tensors = read_tensors(path)
+def _check(path: str, resolved: Policy, max_bytes: int) -> dict[str, Any]:
+    tensors = read_tensors(path, max_bytes=max_bytes)
     hazards = find_hazards(tensors, resolved)
     return {
         "path": path,
@@ -78,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: 0 for --help, 2 for a usage error
         return int(exc.code or 0)
-    if args.policy is not None and args.check is None:
-        parser.print_usage(sys.stderr)
-        print("python -m polyamp doctor: --policy needs --check PATH.", file=sys.stderr)
-        return EXIT_USAGE
+    for given, option in ((args.policy, "--policy"), (args.max_bytes, "--max-bytes")):
+        if given is not None and args.check is None:
+            parser.print_usage(sys.stderr)
+            print(f"python -m polyamp doctor: {option} needs --check PATH.", file=sys.stderr)
+            return EXIT_USAGE
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up logs would bury the report
     policy = None
     if args.check is not None:
@@ -95,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     check = None
     if args.check is not None and policy is not None:
         try:
-            check = _check(args.check, policy)
+            check = _check(args.check, policy, args.max_bytes or DEFAULT_MAX_BYTES)
+        except CheckpointError as exc:  # its message names the file
+            print(f"python -m polyamp doctor: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         except (PolyampError, OSError) as exc:
             print(f"python -m polyamp doctor: cannot check {args.check!r}: {exc}", file=sys.stderr)
             return EXIT_USAGE

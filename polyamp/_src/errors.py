@@ -12,6 +12,7 @@ __all__ = [
     "BackendConflictError",
     "BackendMismatchError",
     "BackendNotInstalledError",
+    "CheckpointError",
     "InvalidConfigError",
     "InvalidPolicyError",
     "PolyampError",
@@ -43,6 +44,11 @@ class InvalidConfigError(PolyampValueError):
 
 class StateDictError(InvalidConfigError):
     """A loss-scaler state dict that is malformed or inconsistent; the scaler is left unchanged."""
+
+
+class CheckpointError(PolyampValueError):
+    """A checkpoint file that cannot be read: corrupt, truncated, holding what no reader handles, or declaring
+    more bytes than the reading limit allows (``max_bytes`` of `polyamp.check_hazards`)."""
 
 
 class PolyampTypeError(PolyampError, TypeError):

@@ -30,6 +30,7 @@ the positions in the compute dtype.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import re
@@ -38,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
-from polyamp._src.errors import PolyampTypeError, PolyampValueError, describe
+from polyamp._src.checkpoints import DEFAULT_MAX_BYTES, check_max_bytes
+from polyamp._src.errors import CheckpointError, PolyampError, PolyampTypeError, PolyampValueError, describe
 from polyamp._src.policy import Policy, PolicyLike
 
 __all__ = [
@@ -255,7 +257,15 @@ def _backend_for_object(obj: object) -> str | None:
     return None
 
 
-def read_tensors(state_or_path: object) -> list[TensorSummary]:
+def _accepts_max_bytes(reader: Any) -> bool:
+    try:
+        parameters = inspect.signature(reader).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C function without a signature
+        return False
+    return any(p.name == "max_bytes" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def read_tensors(state_or_path: object, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[TensorSummary]:
     """The `TensorSummary` of every tensor in a checkpoint file, model or state dict, read by its backend.
 
     ``state_or_path`` is a path (``str`` or ``os.PathLike``) whose suffix a backend's reader opens (PyTorch:
@@ -263,13 +273,27 @@ def read_tensors(state_or_path: object) -> list[TensorSummary]:
     framework with a reader (a ``torch.nn.Module`` or state dict, a Keras model or layer). Reading imports only
     that backend's framework.
 
+    Args:
+        state_or_path: The checkpoint path, model or state dict.
+        max_bytes: For a file, the most bytes its tensors may declare in all (a ``.keras`` archive: its members
+            uncompressed); a file declaring more is refused before anything is read. Readers compute max |w|
+            over blocks of a few MiB, so a compressed file is never inflated whole (what ``torch.load`` or
+            ``keras.saving.load_model`` materializes is theirs). Ignored for objects in memory.
+
+    Returns:
+        One summary per tensor, in the reader's order.
+
     Raises:
         PolyampValueError: no file at the path, or no reader for its suffix.
-        PolyampTypeError: no reader handles the object's framework.
+        CheckpointError: the file cannot be read (corrupt, truncated, holding what the reader does not
+            handle), or it declares more than ``max_bytes``; the message names the file and the reason.
+        PolyampTypeError: no reader handles the object's framework, or ``max_bytes`` is not an int.
         BackendNotInstalledError: the reader's framework (or ``safetensors``) is not installed.
     """
     from polyamp._src.registry import backend_specs, load_target
 
+    max_bytes = check_max_bytes(max_bytes)
+    path: Path | None = None
     if isinstance(state_or_path, (str, os.PathLike)):
         path = Path(state_or_path)
         suffixes = _suffixes()
@@ -298,10 +322,24 @@ def read_tensors(state_or_path: object) -> list[TensorSummary]:
     reader = load_target(
         spec.tensor_reader, backend=spec.name, install_hint=spec.install_hint, frameworks=spec.frameworks
     )
-    return [TensorSummary(*_summary(tuple(item))) for item in reader(source)]
+    if path is None:
+        return [TensorSummary(*_summary(tuple(item))) for item in reader(source)]
+    try:
+        items = reader(source, max_bytes=max_bytes) if _accepts_max_bytes(reader) else reader(source)
+        return [TensorSummary(*_summary(tuple(item))) for item in items]
+    except PolyampError:
+        raise
+    except Exception as exc:  # whatever a framework raises on a file it cannot read
+        raise CheckpointError(
+            f"Cannot read the checkpoint {str(path)!r}: the {spec.name} reader failed with "
+            f"{type(exc).__name__}: {exc}. The file is corrupt, truncated or holds what polyamp does not read: "
+            "re-save it, or load it yourself and pass the model or state dict."
+        ) from exc
 
 
-def check_hazards(state_or_path: object, policy: PolicyLike | None = None) -> list[Hazard]:
+def check_hazards(
+    state_or_path: object, policy: PolicyLike | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES
+) -> list[Hazard]:
     """Find the tensors of a checkpoint, model or state dict that ``policy`` would hurt.
 
     Reads the tensors with `read_tensors` (a file by its suffix, or a ``torch.nn.Module`` / state dict / Keras
@@ -317,9 +355,19 @@ def check_hazards(state_or_path: object, policy: PolicyLike | None = None) -> li
             included), torch state dict, or Keras model or layer.
         policy: The policy to check against: a `polyamp.Policy`, a name (``"auto"`` included) or a spec. None:
             the policy in effect (`polyamp.get_policy`).
+        max_bytes: For a file, the most tensor bytes it may declare in all (a ``.keras`` archive: its members
+            uncompressed), default 64 GiB; a file declaring more is refused before its tensors are read. A
+            ``.keras`` archive's ``config.json`` may inflate to at most 64 MiB. Ignored for objects in memory.
 
     Returns:
         The hazards found, empty when there is none.
+
+    Raises:
+        PolyampValueError: no file at the path, no reader for its suffix, or a bad ``policy``.
+        CheckpointError: the file cannot be read (corrupt, truncated, holding what the reader does not
+            handle) or declares more than ``max_bytes``; the message names the file and the reason.
+        PolyampTypeError: no reader handles the object's framework, or ``max_bytes`` is not an int.
+        BackendNotInstalledError: the reader's framework (or ``safetensors``) is not installed.
 
     Example:
         >>> import polyamp
@@ -331,4 +379,4 @@ def check_hazards(state_or_path: object, policy: PolicyLike | None = None) -> li
 
         policy = get_policy()
     resolved = Policy(policy)
-    return find_hazards(read_tensors(state_or_path), resolved)
+    return find_hazards(read_tensors(state_or_path, max_bytes=max_bytes), resolved)

@@ -76,7 +76,10 @@ class BackendSpec:
             with a `pathlib.Path` (whose name ends with one of ``checkpoint_suffixes``) or an in-memory object of
             one of ``frameworks`` (a model, a state dict), it returns ``(name, dtype, max_abs)`` triples
             (``polyamp.backend_api.TensorSummary``), ``max_abs`` a float computed with the framework (None for
-            non-floating tensors).
+            non-floating tensors). A reader that accepts a ``max_bytes`` keyword is called
+            as ``reader(path, max_bytes=N)`` for files: it refuses a file declaring more than N tensor bytes
+            (``polyamp.backend_api.check_declared_bytes``) and reads in bounded blocks (``chunk_indices``). For
+            files, any error that is not a `polyamp.PolyampError` becomes a `polyamp.CheckpointError`.
         checkpoint_suffixes: File-name endings ``tensor_reader`` opens, such as ``(".pt", ".safetensors")``.
     """
 

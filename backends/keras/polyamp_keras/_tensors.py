@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 import keras
 
-from polyamp import PolyampTypeError, PolyampValueError
-from polyamp.backend_api import TensorSummary, describe
+from polyamp import CheckpointError, PolyampTypeError
+from polyamp.backend_api import (
+    DEFAULT_MAX_BYTES,
+    TensorSummary,
+    check_declared_bytes,
+    check_zip_archive,
+    chunk_indices,
+    describe,
+)
 
 __all__ = ["read_tensors"]
 
@@ -26,22 +35,49 @@ def _summary(name: str, dtype: str, value: object) -> TensorSummary:
     return TensorSummary(name, dtype, _max_abs(value) if _is_floating(dtype) else None)
 
 
-def _read_weights_file(path: Path) -> list[TensorSummary]:
+def _dataset_max_abs(dataset: Any) -> float:
+    """max |w| of an HDF5 dataset, read in blocks of at most 4 MiB (never the whole dataset at once)."""
+    import numpy as np
+
+    best = 0.0
+    for index in chunk_indices(tuple(dataset.shape), dataset.dtype.itemsize):
+        block = np.asarray(dataset[index])
+        if block.size == 0:
+            continue
+        value = float(np.max(np.abs(block)))  # max propagates NaN
+        if math.isnan(value):
+            return value
+        best = max(best, value)
+    return best
+
+
+def _read_weights_file(path: Path, max_bytes: int) -> list[TensorSummary]:
     import h5py  # type: ignore[import-untyped]  # Keras's own dependency for weight files
 
-    found: list[TensorSummary] = []
+    datasets: list[tuple[str, Any]] = []
 
     def visit(name: str, item: object) -> None:
         if isinstance(item, h5py.Dataset) and not name.startswith("optimizer/"):
-            value = item[()]
-            found.append(_summary(name, str(value.dtype), value))
+            datasets.append((name, item))
 
-    with h5py.File(path, "r") as weights:
+    try:
+        weights = h5py.File(path, "r")
+    except OSError as exc:
+        raise CheckpointError(
+            f"Cannot read the checkpoint {str(path)!r}: h5py cannot open it as an HDF5 file ({exc}). The file is "
+            "corrupt or truncated: re-download or re-save it."
+        ) from exc
+    with weights:
         weights.visititems(visit)
-    return found
+        check_declared_bytes(path, sum(int(d.size) * d.dtype.itemsize for _, d in datasets), max_bytes)
+        found = []
+        for name, dataset in datasets:
+            dtype = str(dataset.dtype)
+            found.append(TensorSummary(name, dtype, _dataset_max_abs(dataset) if _is_floating(dtype) else None))
+        return found
 
 
-def read_tensors(source: object) -> list[TensorSummary]:
+def read_tensors(source: object, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[TensorSummary]:
     """Summaries of the variables of a Keras model or layer, or of a ``.keras`` / ``.weights.h5`` file.
 
     A model or layer gives each variable under its path (``"sequential/dense/kernel"``). A ``.keras`` file is
@@ -49,15 +85,33 @@ def read_tensors(source: object) -> list[TensorSummary]:
     load). A ``.weights.h5`` file holds no variable names: its datasets are read under Keras's storage paths
     (``"layers/dense/vars/0"``, named after the layer's class), and its ``optimizer/`` group (optimizer slots,
     not model weights) is not read; use the ``.keras`` file or the model for the name-based checks.
+
+    Files are checked before they are read: a ``.weights.h5`` file's datasets may declare at most
+    ``max_bytes`` in all, and are read in blocks of at most 4 MiB (a small file of compressed zeros does not
+    inflate at once); a ``.keras`` archive's members may declare at most ``max_bytes`` uncompressed, and its
+    ``config.json`` at most 64 MiB (`polyamp.backend_api.check_zip_archive`).
+
+    Args:
+        source: A `pathlib.Path`, or a Keras model or layer.
+        max_bytes: For a path, the most bytes its tensors may declare.
+
+    Returns:
+        One summary per variable or dataset.
+
+    Raises:
+        CheckpointError: The file cannot be read, or declares more than its limits.
+        PolyampTypeError: ``source`` is none of the above.
     """
     if isinstance(source, Path):
         if source.name.lower().endswith(".weights.h5"):
-            return _read_weights_file(source)
+            return _read_weights_file(source, max_bytes)
+        check_zip_archive(source, max_bytes=max_bytes)
         try:
             source = keras.saving.load_model(source, compile=False)
         except Exception as exc:
-            raise PolyampValueError(
-                f"keras.saving.load_model({str(source)!r}, compile=False) failed: {type(exc).__name__}: {exc}. "
+            raise CheckpointError(
+                f"Cannot read the checkpoint {str(source)!r}: keras.saving.load_model(path, compile=False) failed: "
+                f"{type(exc).__name__}: {exc}. "
                 "Load the model yourself (with its custom_objects) and pass it."
             ) from exc
     if not isinstance(source, keras.layers.Layer):
