@@ -291,9 +291,12 @@ class Float16HintDevice(Protocol):
     """Optional: float16 computation the framework does outside polyamp's global policy, for the enabled
     rule (`polyamp.backend_api.resolve_enabled`)."""
 
-    def float16_in_use(self, *, since_last_iteration: bool) -> bool:
-        """Whether float16 computation is in use; with ``since_last_iteration=True`` the core is starting an
-        iteration, and the device may start counting anew."""
+    def float16_in_use(self, *, since_last_iteration: bool, loss: Any = None) -> bool:
+        """Whether the current iteration computes in float16; with ``since_last_iteration=True`` the core is
+        starting an iteration, and the device may start counting anew. The answer must follow this iteration's
+        own computation, never the process's history: ``loss`` is the loss the iteration starts from when it
+        starts in ``scale`` (None otherwise), for a device that cannot count what ran before it existed (its
+        first iteration) and can tell from the loss instead."""
         ...
 
 

@@ -49,7 +49,7 @@ from polyamp._src.records import (
 from polyamp._src.scaling import NOT_GIVEN, LossScaleConfig, LossScaleState, NotGiven, settings_doc, to_float32
 from polyamp._src.spike_driver import SpikeDriver
 from polyamp._src.spikes import SpikeRule, check_spike
-from polyamp._src.state_dict import parse_spike_window, parse_state_dict, to_state_dict
+from polyamp._src.state_dict import is_disabled_torch_state, parse_spike_window, parse_state_dict, to_state_dict
 from polyamp._src.step_history import OutcomeRecord, RecordHistory, StepOutcomes
 
 if TYPE_CHECKING:
@@ -357,21 +357,22 @@ class LossScaler(GradScalerSpelling, Pickled):
             iteration = self._iterations[replica] = Iteration()
         return iteration
 
-    def _decide_enabled(self, *, starting: bool = False) -> bool:
+    def _decide_enabled(self, *, starting: bool = False, loss: Any = None) -> bool:
         if self._enabled_setting is not None:
             return self._enabled_setting
         hint = None if self._capabilities is None else self._capabilities.float16_in_use
-        in_use = bool(hint(since_last_iteration=starting)) if hint is not None else False
+        in_use = bool(hint(since_last_iteration=starting, loss=loss)) if hint is not None else False
         return resolve_enabled(None, float16_in_use=in_use)
 
-    def _begin(self) -> bool:
-        """Whether this iteration scales, decided at its first call and kept until it ends."""
+    def _begin(self, loss: Any = None) -> bool:
+        """Whether this iteration scales, decided at its first call (``loss``: the loss it starts from, when it
+        starts in ``scale``) and kept until it ends."""
         iteration = self._iteration
         enabled = iteration.enabled
         # A compiler tracing the step (torch.compile) cannot trace the thread lookup; it runs in one thread.
         thread = None if self._compiling() else get_ident()
         if enabled is None:
-            iteration.enabled = enabled = self._decide_enabled(starting=True)
+            iteration.enabled = enabled = self._decide_enabled(starting=True, loss=loss)
             self._history.iteration_opened()
             iteration.guarding = not enabled and self._guards()
             iteration.thread = thread
@@ -462,7 +463,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         if self._device is None and registry.detect_backend(loss) is None and not self.enabled:
             return loss  # a disabled scaler passes anything through, as torch's does
         device = self._device_for("scale", loss)
-        enabled = self._begin()
+        enabled = self._begin(loss)
         iteration = self._iteration
         if enabled or iteration.guarding:
             self._spikes.observe_loss(loss)
@@ -913,13 +914,21 @@ class LossScaler(GradScalerSpelling, Pickled):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore settings and state from `state_dict` output (polyamp's or torch's GradScaler's).
 
-        Everything is validated first; on any error the scaler is unchanged.
+        Everything is validated first; on any error the scaler is unchanged. A disabled scaler
+        (``enabled=False``) loads its own state dicts (settings, scale and spike window kept for when it is
+        enabled again) and takes ``{}``, what ``torch.amp.GradScaler(enabled=False).state_dict()`` gives, as
+        nothing to restore, as GradScaler does.
 
         Raises:
-            StateDictError: (a ``ValueError``) the dict is malformed, inconsistent, or from a disabled scaler.
+            StateDictError: (a ``ValueError``) the dict is malformed, inconsistent, or from a disabled scaler
+                while this one is not disabled.
             ScalerUsageError: an iteration is in progress (after a step or unscale, before update).
         """
-        config, state = parse_state_dict(state_dict, self._config)
+        disabled = self._enabled_setting is False
+        if disabled and is_disabled_torch_state(state_dict):
+            self._refuse_mid_iteration("load_state_dict() was called")
+            return
+        config, state = parse_state_dict(state_dict, self._config, loader_disabled=disabled)
         rule = self._spikes.rule
         window = parse_spike_window(state_dict, None if rule is None else rule.window)
         self._refuse_mid_iteration("load_state_dict() was called")

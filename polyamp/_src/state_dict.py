@@ -16,7 +16,7 @@ from typing import Any, Final
 from polyamp._src.errors import InvalidConfigError, PolyampTypeError, StateDictError, describe
 from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
 
-__all__ = ["FORMAT_VERSION", "parse_spike_window", "parse_state_dict", "to_state_dict"]
+__all__ = ["FORMAT_VERSION", "is_disabled_torch_state", "parse_spike_window", "parse_state_dict", "to_state_dict"]
 
 FORMAT_VERSION: Final = 1
 #: What torch.amp.GradScaler.state_dict() holds: its scale and tracker, and three of the settings.
@@ -86,11 +86,20 @@ def _fail(reason: str) -> StateDictError:
     return StateDictError(f"Cannot load this loss-scaler state dict: {reason} The scaler was left unchanged.")
 
 
-def parse_state_dict(state_dict: Mapping[str, Any], current: LossScaleConfig) -> tuple[LossScaleConfig, LossScaleState]:
+def is_disabled_torch_state(state_dict: object) -> bool:
+    """Whether ``state_dict`` is what ``torch.amp.GradScaler(enabled=False).state_dict()`` returns: ``{}``."""
+    return isinstance(state_dict, Mapping) and len(state_dict) == 0
+
+
+def parse_state_dict(
+    state_dict: Mapping[str, Any], current: LossScaleConfig, *, loader_disabled: bool = False
+) -> tuple[LossScaleConfig, LossScaleState]:
     """Validate a polyamp or native torch state dict; return the config and state it describes.
 
     Settings the dict does not carry (a native torch dict has no hysteresis or bounds) keep their
-    ``current`` values.
+    ``current`` values. A dict saved from a disabled scaler (``"enabled": False``) loads only into a disabled
+    scaler (``loader_disabled``): its own checkpoint round-trips, settings, scale and spike window included,
+    while an enabled scaler refuses to resume from it.
 
     Raises:
         StateDictError: (a ``ValueError``) anything is missing, unknown, of the wrong type or inconsistent.
@@ -122,12 +131,12 @@ def parse_state_dict(state_dict: Mapping[str, Any], current: LossScaleConfig) ->
             "Upgrade polyamp to read newer checkpoints."
         )
     enabled = state_dict.get("enabled", True)
-    if enabled is False:
+    if enabled is False and not loader_disabled:
         raise _fail(
-            "it was saved from a disabled LossScaler (enabled=False), which has no scale to resume. Start with "
-            "the fresh scaler instead."
+            "it was saved from a disabled LossScaler (enabled=False), which has no scale to resume. Start this "
+            "scaler fresh, or load the dict into a scaler constructed with enabled=False."
         )
-    if not (enabled is True or enabled is None):
+    if not (enabled is True or enabled is None or enabled is False):
         raise _fail(f"'enabled' must be True, False or None. Received: {describe(enabled)}.")
 
     settings = {name: state_dict[name] for name in LossScaleConfig.setting_names() if name in state_dict}

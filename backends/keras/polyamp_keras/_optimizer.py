@@ -424,12 +424,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a polyamp (or torch GradScaler) loss-scaler state dict; validated first, all or nothing.
 
+        A disabled optimizer (``enabled=False``) loads its own state dicts and takes ``{}`` (a disabled
+        GradScaler's) as nothing to restore, as `polyamp.LossScaler` does.
+
         Raises:
             StateDictError: the dict is malformed (nothing changes).
             ScalerUsageError: gradients unscaled by `get_unscaled_gradients` wait for their apply, or the
                 settings would change after a compiled step traced them.
         """
-        config, state = parse_state_dict(state_dict, self._polyamp_config)
+        if self._polyamp_enabled is False and isinstance(state_dict, Mapping) and len(state_dict) == 0:
+            return  # torch.amp.GradScaler(enabled=False).state_dict(): nothing to restore, as GradScaler's own load
+        config, state = parse_state_dict(
+            state_dict, self._polyamp_config, loader_disabled=self._polyamp_enabled is False
+        )
         window = parse_spike_window(state_dict, None if self._spike_rule is None else self._spike_rule.window)
         if config != self._polyamp_config and self._polyamp_traced:
             raise ScalerUsageError(

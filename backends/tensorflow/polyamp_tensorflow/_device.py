@@ -102,7 +102,7 @@ class TensorFlowDevice:
         if self._variables is not None:
             self._variables.write(state)
 
-    def float16_in_use(self, *, since_last_iteration: bool = False) -> bool:
+    def float16_in_use(self, *, since_last_iteration: bool = False, loss: Any = None) -> bool:
         """Whether Keras's own global dtype policy computes in float16 (e.g. set with
         ``keras.mixed_precision.set_global_policy("mixed_float16")``)."""
         return str(keras.config.dtype_policy().compute_dtype) == "float16"

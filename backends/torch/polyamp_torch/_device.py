@@ -106,9 +106,11 @@ class TorchDevice:
         self._warned_bfloat16 = False
         self._ones: dict[torch.device, torch.Tensor] = {}  # the guard's inverse scale, per device
         self._finite_flags: dict[torch.device, torch.Tensor] = {}
-        # Counted from the process start, so the regions of a first forward pass that ran before this scaler
-        # bound count too (a scaler that scales one float32 iteration needlessly loses nothing).
-        self._float16_regions_seen = 0
+        # Counted from this device's creation: regions that ran before belong to other loops (another scaler's,
+        # an evaluation), not to this scaler's iterations. A first forward that ran before the scaler bound (it
+        # binds at its first scale()) is told from the loss instead (see float16_in_use).
+        self._float16_regions_seen = float16_regions_entered()
+        self._first_iteration = True
         self._process_group: Any = None
 
     def set_process_group(self, group: Any) -> None:
@@ -154,13 +156,18 @@ class TorchDevice:
         if self._state is not None:
             self._state.fill(state.scale, state.growth_tracker, state.hysteresis_left)
 
-    def float16_in_use(self, *, since_last_iteration: bool = False) -> bool:
-        """Whether a ``polyamp_torch.autocast`` region computing in float16 was entered since the previous
-        iteration started (for the first: since the process started)."""
+    def float16_in_use(self, *, since_last_iteration: bool = False, loss: Any = None) -> bool:
+        """Whether this iteration computes in float16: a ``polyamp_torch.autocast`` region computing in float16
+        was entered since the previous iteration started (for the first: since this device was made), or, in
+        the first iteration, whose forward pass may have run before the scaler bound, ``loss`` came from
+        float16 computation (`float16_computed`; not while torch.compile traces)."""
         seen = float16_regions_entered()
         in_use = seen != self._float16_regions_seen
+        if not in_use and self._first_iteration and loss is not None and not self.compiling():
+            in_use = self.float16_computed(loss)
         if since_last_iteration:
             self._float16_regions_seen = seen
+            self._first_iteration = False
         return in_use
 
     def float16_computed(self, loss: Any) -> bool:
