@@ -172,7 +172,9 @@ def test_update_with_a_new_scale_reanchors_the_records() -> None:
             scaler.step(opt)
             scaler.update(new_scale)
     got = [(r.scale, r.next_scale) for r in scaler.records()]
-    assert got == [(65536.0, 131072.0), (131072.0, None), (1024.0, 2048.0), (2048.0, None), (64.0, 128.0)]
+    # An iteration ended by update(new_scale) records the scale it set (a float, or a tensor read eagerly).
+    assert got == [(65536.0, 131072.0), (131072.0, 1024.0), (1024.0, 2048.0), (2048.0, 64.0), (64.0, 128.0)]
+    assert [r.mode for r in scaler.records()] == ["scaling"] * 5
     assert scaler.state_dict()["scale"] == 128.0
 
 

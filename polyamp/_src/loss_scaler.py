@@ -265,6 +265,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         self._capabilities: DeviceCapabilities | None = None
         self._compiling: Any = _not_compiling
         self._float16_probes = FLOAT16_PROBES
+        self._set_scale_read: float | None = None  # the value of update(new_scale=<tensor>), once read
         self._backend_name: str | None = None
         # The single-replica iteration is made up front: a first call traced by a compiler (torch.compile)
         # then finds it instead of constructing it, which dynamo cannot trace (a graph break).
@@ -720,7 +721,9 @@ class LossScaler(GradScalerSpelling, Pickled):
                 history.write("off", None, False)
             iteration.close()
             return
+        self._set_scale_read = None
         value = None if new_scale is None else self._checked_new_scale(new_scale)
+        known = value if isinstance(value, float) else self._set_scale_read  # a tensor's value, when it was read
         found_infs = iteration.found_infs()
         if value is None:
             iteration.check_update(method)
@@ -738,7 +741,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         iteration.close()
         if value is not None:
             if combined is not None:  # the iteration counts as skipped or not, but the rule did not run
-                history.write("set", combined, False, spike_only)
+                history.write("set", combined, False, spike_only, set_scale=known)
             history.reanchor_after_set(value)
         elif combined is not None:
             history.write("scaling", None if clean else combined, skipped_on_host, spike_only)
@@ -808,7 +811,7 @@ class LossScaler(GradScalerSpelling, Pickled):
             # value is checked like a float's; a symbolic tensor in a compiled function is taken as is.
             number = self._device.read_new_scale(new_scale)
             if number is not None:
-                self._checked_new_scale(number)
+                self._set_scale_read = self._checked_new_scale(number)
             return new_scale
         try:
             value = to_float32(float(new_scale))

@@ -204,12 +204,17 @@ class Recorder:
         self.anchor: LossScaleState | None = None  # the state after the last consumed entry, when known
         self.lost = 0
         self.gradients: dict[int, tuple[NonFiniteGradient, ...]] = {}  # by iteration, until its record is made
+        self.set_scales: dict[int, float] = {}  # the scale update(new_scale=...) set, by iteration
         self._collapsed = False  # inside a collapse episode (warned once; re-armed when the scale grows)
 
     def attach(self, iteration: int, gradients: tuple[NonFiniteGradient, ...]) -> None:
         """The non-finite gradients of ``iteration`` (added to those already attached)."""
         if gradients:
             self.gradients[iteration] = self.gradients.get(iteration, ()) + gradients
+
+    def attach_set_scale(self, iteration: int, scale: float) -> None:
+        """``iteration`` ended with ``update(new_scale=scale)``: its record's ``next_scale``."""
+        self.set_scales[iteration] = scale
 
     def reanchor(self, state: LossScaleState | None) -> None:
         """The state is now ``state`` (loaded, set or read), or unknown (None)."""
@@ -258,8 +263,13 @@ class Recorder:
                 reason=(self.spike_reason if spiked else "overflow" if scaled else "non_finite") if flagged else None,
                 mode="scaling" if scaled else mode,
                 scale=None if not scaled or before is None else before.scale,
-                # update(new_scale) sets the scale after the iteration; the scaler re-anchors there
-                next_scale=None if mode != "scaling" or state is None else state.scale,
+                # update(new_scale) sets the scale after the iteration (known when it was a float); the scaler
+                # re-anchors there
+                next_scale=self.set_scales.pop(first + offset, None)
+                if mode == "set"
+                else None
+                if mode != "scaling" or state is None
+                else state.scale,
                 gradients=self.gradients.pop(first + offset, ()) if flagged and not spiked else (),
             )
             made.append(record)
@@ -268,6 +278,8 @@ class Recorder:
         self.read_count = count
         for stale in [i for i in self.gradients if i < count]:
             del self.gradients[stale]
+        for stale in [i for i in self.set_scales if i < count]:
+            del self.set_scales[stale]
         if state is None:
             state = read_state()
         self.anchor = state

@@ -127,9 +127,19 @@ class RecordHistory:
 
     # -- writing and reading -----------------------------------------------------------------------------
 
-    def write(self, mode: str, flag: Flag | None, host_skipped: bool, spike: Flag | None = None) -> None:
+    def write(
+        self,
+        mode: str,
+        flag: Flag | None,
+        host_skipped: bool,
+        spike: Flag | None = None,
+        *,
+        set_scale: float | None = None,
+    ) -> None:
         """End the iteration's record: ``mode`` (a key of `MODE_CODES`), skipped when ``flag`` is set or
-        ``spike`` (a skip by the spike rule alone) is; ``host_skipped`` when the host already knows it was."""
+        ``spike`` (a skip by the spike rule alone) is; ``host_skipped`` when the host already knows it was;
+        ``set_scale``: the scale ``update(new_scale=...)`` set, when the host knows it (the record's
+        ``next_scale``)."""
         gradients = tuple(self._gradients)
         self.host_skip = False
         self.host_clean = 0
@@ -138,6 +148,8 @@ class RecordHistory:
             self._unknown = []
             return
         self.recorder.attach(self._written, gradients)
+        if set_scale is not None:
+            self.recorder.attach_set_scale(self._written, set_scale)
         unknown, self._unknown = self._unknown, []
         self._deferred = (self._written, unknown) if unknown else None
         self._written += 1
