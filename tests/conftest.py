@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -215,3 +218,68 @@ def fake_framework(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeFrame
     yield FakeFramework(name=name, backend_module=f"polyamp_{name}", spec=spec)
     for module in (name, f"polyamp_{name}"):
         sys.modules.pop(module, None)
+
+
+#: Seconds a test may wait for one of the long subprocesses it starts (a test suite or a benchmark run on
+#: another backend); a loaded machine needs more than an idle one.
+TIMEOUT_VARIABLE = "POLYAMP_TEST_TIMEOUT"
+DEFAULT_TIMEOUT = 3600.0
+
+
+def subprocess_timeout() -> float:
+    """The bound in ``POLYAMP_TEST_TIMEOUT`` (seconds), else `DEFAULT_TIMEOUT`."""
+    value = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+    if not value:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise pytest.UsageError(f"{TIMEOUT_VARIABLE}={value!r}: expected a positive number of seconds")
+    return seconds
+
+
+def _decoded(output: str | bytes | None) -> str:
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
+
+
+def _run_bounded(command: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(command, capture_output=True, text=True, **kwargs)`` bounded by `subprocess_timeout`.
+
+    Past the bound, the command and every process it started are killed, and the test fails with the elapsed
+    time and the output the command had written so far.
+    """
+    limit = subprocess_timeout()
+    start = time.monotonic()
+    # Its own session: a test suite run in the subprocess starts subprocesses of its own, which hold the pipes.
+    with subprocess.Popen(
+        list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            elapsed = time.monotonic() - start
+            killpg = getattr(os, "killpg", None)
+            if killpg is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    killpg(process.pid, signal.SIGKILL)
+            process.kill()
+            stdout, stderr = process.communicate()
+            pytest.fail(
+                f"{' '.join(map(str, command))} was stopped after {elapsed:.0f} s, past the {limit:.0f} s bound "
+                f"({TIMEOUT_VARIABLE}={os.environ.get(TIMEOUT_VARIABLE) or 'unset, the default'}; set it higher on "
+                f"a loaded machine).\n--- stdout so far ---\n{_decoded(stdout)[-6000:]}\n"
+                f"--- stderr so far ---\n{_decoded(stderr)[-3000:]}",
+                pytrace=False,
+            )
+    return subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr)
+
+
+@pytest.fixture
+def run_bounded() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``run_bounded(command, **popen_kwargs)``: run a long subprocess (a suite, a benchmark) to completion,
+    bounded by ``POLYAMP_TEST_TIMEOUT`` seconds (default 3600); its output is captured as text."""
+    return _run_bounded

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "benchmarks" / "run.py"
+#: The conftest fixture run_bounded: a subprocess bounded by POLYAMP_TEST_TIMEOUT.
+RunBounded = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
 def _report() -> Any:
@@ -24,8 +27,8 @@ def _report() -> Any:
     return importlib.import_module("benchmarks.report")
 
 
-def run(*args: str) -> str:
-    result = subprocess.run([sys.executable, str(RUNNER), *args], capture_output=True, text=True, timeout=900, cwd=ROOT)
+def run(run_bounded: RunBounded, *args: str) -> str:
+    result = run_bounded([sys.executable, str(RUNNER), *args], cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -56,17 +59,19 @@ def load(path: Path) -> dict[str, Any]:
         ("gpu-cuda-graph", "torch"),
     ],
 )
-def test_quick_run_writes_its_json(target: str, needs: str, tmp_path: Path) -> None:
+def test_quick_run_writes_its_json(target: str, needs: str, tmp_path: Path, run_bounded: RunBounded) -> None:
     pytest.importorskip(needs)
     extra = ["--device", "cpu"] if target.startswith("gpu-") else []  # the CUDA code, at toy sizes on CPU
-    run(target, "--quick", "--out", str(tmp_path), *extra)
+    run(run_bounded, target, "--quick", "--out", str(tmp_path), *extra)
     payload = load(tmp_path / f"{target}-quick.json")
     assert payload["target"] == target
 
 
-def test_report_renders_full_results_and_marks_the_rest_not_yet_measured(tmp_path: Path) -> None:
+def test_report_renders_full_results_and_marks_the_rest_not_yet_measured(
+    tmp_path: Path, run_bounded: RunBounded
+) -> None:
     pytest.importorskip("torch")
-    run("torch-cpu", "--quick", "--out", str(tmp_path))
+    run(run_bounded, "torch-cpu", "--quick", "--out", str(tmp_path))
     quick = json.loads((tmp_path / "torch-cpu-quick.json").read_text())
     quick["quick"] = False  # as a full run would write it
     (tmp_path / "torch-cpu.json").write_text(json.dumps(quick))
@@ -74,7 +79,7 @@ def test_report_renders_full_results_and_marks_the_rest_not_yet_measured(tmp_pat
     readme = tmp_path / "README.md"
     report = _report()
     readme.write_text(f"intro\n{report.README_BEGIN}\nold table\n{report.README_END}\nrest\n")
-    run("report", "--results", str(tmp_path), "--output", str(output), "--readme", str(readme))
+    run(run_bounded, "report", "--results", str(tmp_path), "--output", str(output), "--readme", str(readme))
     text = output.read_text()
     summary = readme.read_text()
     assert summary.startswith("intro\n") and summary.endswith("rest\n") and "old table" not in summary
@@ -99,34 +104,24 @@ def test_report_renders_full_results_and_marks_the_rest_not_yet_measured(tmp_pat
         assert f"Not yet measured: `python benchmarks/run.py {target}`" in text
 
 
-def test_gpu_targets_refuse_to_run_without_cuda(tmp_path: Path) -> None:
+def test_gpu_targets_refuse_to_run_without_cuda(tmp_path: Path, run_bounded: RunBounded) -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    result = subprocess.run(
-        [sys.executable, str(RUNNER), "gpu-recipe", "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    result = run_bounded([sys.executable, str(RUNNER), "gpu-recipe", "--quick", "--out", str(tmp_path)], cwd=ROOT)
     assert result.returncode != 0 and "needs a CUDA device" in result.stderr
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_gpu_suite_records_every_step_and_fails_without_cuda(tmp_path: Path) -> None:
+def test_the_gpu_suite_records_every_step_and_fails_without_cuda(tmp_path: Path, run_bounded: RunBounded) -> None:
     """benchmarks/gpu_suite.sh where torch sees no CUDA device: every step still runs and is recorded, a
     conformance run whose cases were all skipped counts as "nothing ran" (its exit code 0 checked nothing),
     the CUDA targets refuse, and the script exits non-zero."""
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the suite would run in full")
-    result = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, PYTHON=sys.executable),
+    result = run_bounded(
+        ["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), str(tmp_path)], env=dict(os.environ, PYTHON=sys.executable)
     )
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
 
@@ -157,12 +152,12 @@ def test_the_gpu_suite_records_every_step_and_fails_without_cuda(tmp_path: Path)
         assert "needs a CUDA device" in (tmp_path / f"{target}.log").read_text()
 
 
-def test_revisions_times_two_revisions_side_by_side(tmp_path: Path) -> None:
+def test_revisions_times_two_revisions_side_by_side(tmp_path: Path, run_bounded: RunBounded) -> None:
     """Each revision's own code runs in its worker (the worker checks where polyamp came from)."""
     pytest.importorskip("torch")
     if subprocess.run(["git", "rev-parse", "HEAD~1"], cwd=ROOT, capture_output=True).returncode != 0:
         pytest.skip("needs a git checkout with history")
-    run("revisions", "--quick", "--range", "HEAD~1..HEAD", "--out", str(tmp_path))
+    run(run_bounded, "revisions", "--quick", "--range", "HEAD~1..HEAD", "--out", str(tmp_path))
     payload = load(tmp_path / "revisions-quick.json")
     (table,) = payload["tables"]
     assert table["caption"] == "HEAD~1 -> HEAD" and [row[1] for row in table["rows"]] == ["sgd"]

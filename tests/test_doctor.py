@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -44,6 +45,20 @@ def _cpu_has_bf16() -> bool:
 
 def _expected_cpu_policy() -> str:
     return "mixed_bfloat16" if _cpu_has_bf16() else "float32"
+
+
+def _distribution_version(module: str) -> str:
+    """The version of the installed distribution whose files hold the module's ``__init__.py``, found without
+    ``packages_distributions`` or the module's name (``tensorflow`` may come from ``tensorflow-cpu``,
+    ``tensorflow-intel`` or ``tf-nightly``)."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin, module
+    origin = os.path.realpath(spec.origin)
+    for dist in importlib.metadata.distributions():
+        for file in dist.files or ():
+            if file.as_posix() == f"{module}/__init__.py" and os.path.realpath(str(dist.locate_file(file))) == origin:
+                return str(dist.version)
+    raise AssertionError(f"no installed distribution holds {origin}")
 
 
 def _run(*args: str, keras_backend: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -441,7 +456,7 @@ def test_doctor_report_without_a_gpu() -> None:
     lines = result.stdout.splitlines()
     assert lines[0] == "polyamp doctor"
     assert f"  polyamp     {polyamp.__version__}" in lines
-    assert f"  torch       {importlib.metadata.version('torch')}" in lines
+    assert f"  torch       {_distribution_version('torch')}" in lines
     no_cuda = [line for line in lines if line.startswith("  no CUDA device: ")]
     assert no_cuda == [
         f"  no CUDA device: torch {torch.__version__} "
@@ -450,6 +465,77 @@ def test_doctor_report_without_a_gpu() -> None:
     ]
     assert "Devices (probed: torch)" in lines
     assert f"Recommended policy: {_expected_cpu_policy()}" in lines
+
+
+class _FakeDistribution:
+    """What the doctor reads of an installed distribution: its version and the files it installed."""
+
+    def __init__(self, version: str, files: list[str], root: Path) -> None:
+        self.version = version
+        self.files = [importlib.metadata.PackagePath(f) for f in files]
+        self._root = root
+
+    def locate_file(self, path: Any) -> Path:
+        return self._root / str(path)
+
+
+def _installed_as(
+    monkeypatch: pytest.MonkeyPatch, providers: dict[str, list[str]], dists: dict[str, _FakeDistribution]
+) -> None:
+    """importlib.metadata as it reads where these distributions, and no other, are installed."""
+
+    def distribution(name: str) -> _FakeDistribution:
+        if name not in dists:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return dists[name]
+
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: providers)
+    monkeypatch.setattr(importlib.metadata, "distribution", distribution)
+
+
+def test_a_framework_version_comes_from_the_distribution_that_provides_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    package = tmp_path / "site" / "fakefw"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    site, elsewhere = tmp_path / "site", tmp_path / "old-site"
+
+    # Named otherwise than the module, as tensorflow-cpu, tensorflow-intel and tf-nightly are.
+    _installed_as(monkeypatch, {"fakefw": ["fakefw-cpu"]}, {"fakefw-cpu": _FakeDistribution("2.18.1", [], site)})
+    assert doctor._version("fakefw") == "2.18.1"
+
+    # Several distributions write under "fakefw": the one whose __init__.py is the one imported is reported,
+    # not a plugin's, nor a stale install's in another directory, nor one named like the module.
+    plugin = _FakeDistribution("0.3.0", ["fakefw/plugins/io.py"], site)
+    stale = _FakeDistribution("1.0.0", ["fakefw/__init__.py"], elsewhere)
+    nightly = _FakeDistribution("2.19.0.dev20260101", ["fakefw/__init__.py", "fakefw/core.py"], site)
+    named_like_it = _FakeDistribution("2.17.0", ["fakefw_other/__init__.py"], site)
+    dists = {"fakefw-io": plugin, "fakefw-old": stale, "tf-nightly": nightly, "fakefw": named_like_it}
+    _installed_as(monkeypatch, {"fakefw": ["fakefw-io", "fakefw-old", "tf-nightly"]}, dists)
+    assert doctor._version("fakefw") == "2.19.0.dev20260101"
+    _installed_as(monkeypatch, {"fakefw": ["fakefw-io", "fakefw-old"]}, dists)  # none holds it: the first found
+    assert doctor._version("fakefw") == "0.3.0"
+
+    _installed_as(monkeypatch, {}, {})  # importable, installed by no distribution (a source checkout)
+    assert doctor._version("fakefw") == "unknown"
+    assert doctor._version("fakefw_not_installed") is None
+
+
+def test_the_report_names_the_version_of_tensorflow_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "tensorflow").mkdir()
+    (tmp_path / "tensorflow" / "__init__.py").write_text("")
+    spec = importlib.util.spec_from_file_location("tensorflow", tmp_path / "tensorflow" / "__init__.py")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: spec if name == "tensorflow" else real_find_spec(name, *a)
+    )
+    cpu = _FakeDistribution("2.20.0", ["tensorflow/__init__.py"], tmp_path)
+    _installed_as(monkeypatch, {"tensorflow": ["tensorflow-cpu"]}, {"tensorflow-cpu": cpu})
+    report = doctor.diagnose(frameworks=())
+    assert report.frameworks["tensorflow"] == {"installed": True, "version": "2.20.0"}
+    assert "  tensorflow  2.20.0" in report.format().splitlines()
 
 
 def test_doctor_json_has_stable_keys() -> None:
@@ -477,7 +563,7 @@ def test_doctor_json_has_stable_keys() -> None:
         assert info["installed"] is present
         if present:
             installed.append(name)
-            assert info["version"] == importlib.metadata.version(name)
+            assert info["version"] == _distribution_version(name)
     if report["frameworks"]["keras"]["installed"]:
         assert report["frameworks"]["keras"]["backend"] in ("tensorflow", "jax", "torch", "numpy", "openvino")
     assert report["probed"] == [fw for fw in ("torch", "tensorflow", "jax") if fw in installed]

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ from polyamp import ForwardReport, NonFiniteOutput, PolyampTypeError, PolyampVal
 from polyamp.backend_api import ForwardPass, WatchedCall, forward_report
 
 HERE = Path(__file__).resolve()
+#: The conftest fixture run_bounded: a subprocess bounded by POLYAMP_TEST_TIMEOUT.
+RunBounded = Callable[..., "subprocess.CompletedProcess[str]"]
 SUBPROCESS = os.environ.get("POLYAMP_FORWARD_WATCH_SUBPROCESS") == "1"
 
 
@@ -505,7 +508,7 @@ def test_keras_refuses_a_non_layer_and_a_bad_every() -> None:
 
 @pytest.mark.skipif(SUBPROCESS, reason="a subprocess covers its own Keras backend only")
 @pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_keras_on_every_backend(backend: str) -> None:
+def test_keras_on_every_backend(backend: str, run_bounded: RunBounded) -> None:
     keras = _keras()
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"{backend} is not installed")
@@ -513,6 +516,6 @@ def test_keras_on_every_backend(backend: str) -> None:
         pytest.skip(f"this process runs Keras on {backend}")
     env = dict(os.environ, KERAS_BACKEND=backend, POLYAMP_FORWARD_WATCH_SUBPROCESS="1", TF_CPP_MIN_LOG_LEVEL="3")
     command = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider", "-k", "keras"]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=HERE.parent.parent)
+    result = run_bounded(command, env=env, cwd=HERE.parent.parent)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1].startswith("5 passed"), result.stdout[-2000:]

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ from polyamp_keras.testing import apply, gradients, keras_backend  # noqa: E402
 
 ops = keras.ops
 BACKEND = keras_backend()
+#: The conftest fixture run_bounded: a subprocess bounded by POLYAMP_TEST_TIMEOUT.
+RunBounded = Callable[..., "subprocess.CompletedProcess[str]"]
 HERE = Path(__file__).resolve()
 #: Set in the subprocesses, which cover one backend each.
 SUBPROCESS = os.environ.get("POLYAMP_KERAS_SUBPROCESS") == "1"
@@ -520,27 +523,27 @@ def test_a_loss_scaler_handed_keras_objects_off_tensorflow_says_what_to_use() ->
 # -- the other backends, in subprocesses -------------------------------------------------------------------------
 
 
-def _run(command: list[str], backend: str) -> subprocess.CompletedProcess[str]:
+def _run(run_bounded: RunBounded, command: list[str], backend: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, KERAS_BACKEND=backend, POLYAMP_KERAS_SUBPROCESS="1", TF_CPP_MIN_LOG_LEVEL="3")
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=HERE.parent.parent)
+    return run_bounded(command, env=env, cwd=HERE.parent.parent)
 
 
 @pytest.mark.skipif(SUBPROCESS, reason="a subprocess covers its own backend only")
 @pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_on_every_keras_backend(backend: str) -> None:
+def test_on_every_keras_backend(backend: str, run_bounded: RunBounded) -> None:
     if not _installed(backend):
         pytest.skip(f"{backend} is not installed")
-    result = _run([sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider"], backend)
+    result = _run(run_bounded, [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider"], backend)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
 @pytest.mark.skipif(SUBPROCESS, reason="a subprocess covers its own backend only")
 @pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_conformance_suite_on_every_keras_backend(backend: str) -> None:
+def test_conformance_suite_on_every_keras_backend(backend: str, run_bounded: RunBounded) -> None:
     if not _installed(backend):
         pytest.skip(f"{backend} is not installed")
     command = [sys.executable, "-m", "polyamp.conformance", "--backend", "keras", "--backend", "torch"]
-    result = _run(command, backend)
+    result = _run(run_bounded, command, backend)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     pair = f"keras-{backend}-cpu+torch-cpu"
     assert any(line.split()[1:3] == [pair, "passed"] for line in result.stdout.splitlines() if len(line.split()) > 2), (

@@ -10,7 +10,7 @@ import ast
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,8 @@ import polyamp
 from polyamp.conformance import run
 
 HERE = Path(__file__).resolve().parent / "numpy_backend"
+#: The conftest fixture run_bounded: a subprocess bounded by POLYAMP_TEST_TIMEOUT.
+RunBounded = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
 @pytest.fixture
@@ -83,14 +85,14 @@ def test_a_loss_scaler_binds_to_it_from_its_tensors(npfw_backend: object) -> Non
     assert opt.steps == 1 and not bool(scaler.step_skipped(opt))
 
 
-def test_pytest_runs_the_suite_on_it_from_an_entry_point(tmp_path: Path) -> None:
+def test_pytest_runs_the_suite_on_it_from_an_entry_point(tmp_path: Path, run_bounded: RunBounded) -> None:
     """What a third party does: install a package with a polyamp.backends entry point, run the shipped suite."""
     dist = tmp_path / "polyamp_npfw-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: polyamp-npfw\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[polyamp.backends]\nnpfw = polyamp_npfw:SPEC\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run(
+    result = run_bounded(
         [
             sys.executable,
             "-m",
@@ -104,11 +106,8 @@ def test_pytest_runs_the_suite_on_it_from_an_entry_point(tmp_path: Path) -> None
             "no:cacheprovider",
             "-rs",
         ],
-        capture_output=True,
-        text=True,
         env=env,
         cwd=tmp_path,
-        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     summary = result.stdout.strip().splitlines()[-1]

@@ -178,7 +178,29 @@ def test_skipped_step_leaves_params_and_optimizer_state_unchanged(opt_name: str)
     run.opt.zero_grad()
     run.scaler.scale(run.loss(x, y)).backward()
     plant_inf(run.model, 5)
-    assert run.scaler.step(run.opt) is None or opt_name.endswith("fused")
+    # A plain optimizer is skipped on the host: its step() is not called and scaler.step returns None. A fused
+    # one is stepped, as GradScaler steps it: its step() gets the scale and found_inf (as attributes) and skips
+    # in its kernel; scaler.step returns what the optimizer's step() returned.
+    calls: list[tuple[float | None, float | None]] = []
+    returned = object()
+    optimizer_step = run.opt.step
+
+    def recording_step(*args: Any, **kwargs: Any) -> object:
+        handed = (getattr(run.opt, "grad_scale", None), getattr(run.opt, "found_inf", None))
+        calls.append(tuple(None if t is None else float(t) for t in handed))  # type: ignore[arg-type]
+        optimizer_step(*args, **kwargs)
+        return returned
+
+    run.opt.step = recording_step  # type: ignore[method-assign]
+    scale = run.scaler.get_scale()
+    result = run.scaler.step(run.opt)
+    del run.opt.step
+    if opt_name.endswith("_fused"):
+        assert result is returned
+        assert calls == [(scale, 1.0)]
+    else:
+        assert result is None
+        assert calls == []
     run.scaler.update()
     assert bool(run.scaler.step_skipped(run.opt)) and bool(run.scaler.step_skipped())
     for before, after in zip(params, run.model.parameters(), strict=True):

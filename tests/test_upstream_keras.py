@@ -1,25 +1,30 @@
-"""Keras's own LossScaleOptimizer and DTypePolicyMap tests, run with Keras's classes and with polyamp's in their place.
+"""Keras's own optimizer and DTypePolicyMap tests, run as Keras wrote them and with polyamp's classes substituted.
 
 ``polyamp_tensorflow.LossScaleOptimizer`` is a subclass of Keras's ``LossScaleOptimizer`` and
 ``polyamp_keras.PolicyOverridesMap`` one of Keras's ``DTypePolicyMap``. This module runs Keras's tests of those
 two classes (``keras/src/optimizers/loss_scale_optimizer_test.py`` and
-``keras/src/dtype_policies/dtype_policy_map_test.py``) against them, on the Keras backend of the process:
+``keras/src/dtype_policies/dtype_policy_map_test.py``), and of the base optimizer's behaviours that a wrapping
+optimizer must keep (``keras/src/optimizers/optimizer_test.py``, ``optimizer_sparse_test.py``), on the Keras
+backend of the process:
 
 * ``[native]``: as Keras wrote them. They must pass (or skip where Keras skips them on this backend); this shows
   the tests are read and run correctly here.
 * ``[polyamp]``: with polyamp's class in place of Keras's, nothing else changed. The tests import the class from
   its defining module (``from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer``), so that
   name, in the tests' own module, is the one replaced; Keras's public spellings are left alone, since polyamp's
-  own code checks against Keras's class through them.
+  own code checks against Keras's class through them. The optimizer tests name their optimizers through the
+  module ``optimizers``, which is replaced in theirs: in ``optimizer_test.py`` every optimizer it builds comes
+  wrapped in polyamp's LossScaleOptimizer at a fixed scale of 1 (the tests pass unscaled gradients), in
+  ``optimizer_sparse_test.py`` its ``optimizers.LossScaleOptimizer`` case is polyamp's.
 * ``[polyamp-float16]`` (loss-scale tests only): as ``[polyamp]``, inside ``polyamp.policy_scope("mixed_float16")``,
   the policy polyamp's optimizer is meant to be used under; Keras's tests run under float32.
 
 The loss-scale optimizer is ``polyamp_keras.LossScaleOptimizer`` where that package has one, else
 ``polyamp_tensorflow.LossScaleOptimizer`` (which imports TensorFlow, whatever the Keras backend).
 
-A polyamp run that reads the private attributes of the class under test is skipped, naming them; one that fails
-for another reason is a strict xfail whose reason says what polyamp does differently (see ``POLYAMP_EXPECTED``),
-a documented difference or a gap.
+A polyamp run that fails is a strict xfail whose reason says why (see ``POLYAMP_EXPECTED``): a documented
+difference, a gap, or a test of what the inner optimizer holds, which a wrapper does not forward (Keras's own
+LossScaleOptimizer fails those the same way).
 
 Every Keras backend: the tests run in this process on its backend (``KERAS_BACKEND``), and
 ``test_on_keras_backend`` runs this module again, in a subprocess, for each other installed backend
@@ -27,8 +32,10 @@ Every Keras backend: the tests run in this process on its backend (``KERAS_BACKE
 
 The tests are not copied into this repository. They are read, when the module is collected, from the Keras
 source tree that the environment variable ``POLYAMP_KERAS_SOURCE`` names (a checkout of Keras at the tag of the
-installed version; the two files above and ``keras/src/version.py`` are all it needs); without it the module is
-skipped. Their source is compiled unchanged; Keras's test helpers come from the installed ``keras.src.testing``::
+installed version; the four files above and ``keras/src/version.py`` are all it needs), else from the installed
+Keras, whose wheels ship them beside its code (``keras/src/optimizers/*_test.py``); with neither the module is
+skipped.
+Their source is compiled unchanged; Keras's test helpers come from the installed ``keras.src.testing``::
 
     POLYAMP_KERAS_SOURCE=/path/to/keras python -m pytest tests/test_upstream_keras.py
 """
@@ -41,6 +48,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 import unittest
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -70,46 +78,131 @@ def _loss_scale_optimizer() -> type:
     return found  # type: ignore[no-any-return]
 
 
+class _Optimizers(types.ModuleType):
+    """``keras.src.optimizers`` as an upstream test module sees it, with some of its names replaced."""
+
+    def __init__(self, real: types.ModuleType, replaced: dict[str, Any]) -> None:
+        super().__init__(real.__name__, real.__doc__)
+        self.__dict__.update(replaced)
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _with_polyamp_loss_scale_optimizer(namespace: dict[str, Any]) -> types.ModuleType:
+    """``optimizers`` whose ``LossScaleOptimizer`` is polyamp's (the sparse tests build it as
+    ``optimizers.LossScaleOptimizer(...)`` and check ``isinstance(optimizer, optimizers.LossScaleOptimizer)``)."""
+    return _Optimizers(namespace["optimizers"], {"LossScaleOptimizer": _loss_scale_optimizer()})
+
+
+def _wrapped_in_polyamp(namespace: dict[str, Any]) -> types.ModuleType:
+    """``optimizers`` whose every optimizer comes wrapped in polyamp's LossScaleOptimizer, at a fixed scale of 1.
+
+    ``optimizers.SGD(...)`` and ``optimizers.get(...)`` return ``LossScaleOptimizer(SGD(...), initial_scale=1.0,
+    dynamic=False)``: the tests hand ``apply_gradients`` unscaled gradients and expect the inner optimizer's
+    results, which a wrapper at scale 1 must give unchanged, skipping only non-finite steps.
+    """
+    real = namespace["optimizers"]
+    wrapper = _loss_scale_optimizer()
+
+    def wrap(optimizer: Any) -> Any:
+        if isinstance(optimizer, real.Optimizer) and not isinstance(optimizer, real.LossScaleOptimizer):
+            return wrapper(optimizer, initial_scale=1.0, dynamic=False)
+        return optimizer
+
+    def wrapping(cls: type) -> Callable[..., Any]:
+        def make(*args: Any, **kwargs: Any) -> Any:
+            return wrap(cls(*args, **kwargs))
+
+        make.__name__ = make.__qualname__ = cls.__name__
+        return make
+
+    replaced: dict[str, Any] = {
+        name: wrapping(value)
+        for name, value in vars(real).items()
+        if isinstance(value, type)
+        and issubclass(value, real.Optimizer)
+        and value not in (real.Optimizer, real.LossScaleOptimizer)
+    }
+    replaced["get"] = lambda *args, **kwargs: wrap(real.get(*args, **kwargs))
+    return _Optimizers(real, replaced)
+
+
 class Suite(NamedTuple):
-    """One upstream test file, its test class, and the name polyamp's class replaces there."""
+    """One upstream test file, its test class, and the name in its module that polyamp's runs replace."""
 
     path: str  # inside the Keras source tree
     upstream_class: str
-    replaced: str  # the name the tests use for the class under test
-    polyamp_class: Callable[[], type]
+    replaced: str  # the name in the tests' module that the polyamp runs replace (the class under test, ...)
+    substitute: Callable[[dict[str, Any]], Any]  # what replaces it, given the tests' module namespace
     implementations: tuple[str, ...]
     marks: tuple[pytest.MarkDecorator, ...] = ()  # on the polyamp runs
 
+
+_NEEDS_TENSORFLOW = () if hasattr(polyamp_keras, "LossScaleOptimizer") else (pytest.mark.tensorflow,)
 
 SUITES = {
     "TestLossScaleOptimizer": Suite(
         "keras/src/optimizers/loss_scale_optimizer_test.py",
         "LossScaleOptimizerTest",
         "LossScaleOptimizer",
-        _loss_scale_optimizer,
+        lambda namespace: _loss_scale_optimizer(),
         ("native", "polyamp", "polyamp-float16"),
-        () if hasattr(polyamp_keras, "LossScaleOptimizer") else (pytest.mark.tensorflow,),
+        _NEEDS_TENSORFLOW,
     ),
     "TestDTypePolicyMap": Suite(
         "keras/src/dtype_policies/dtype_policy_map_test.py",
         "DTypePolicyMapTest",
         "DTypePolicyMap",
-        lambda: polyamp_keras.PolicyOverridesMap,
+        lambda namespace: polyamp_keras.PolicyOverridesMap,
         ("native", "polyamp"),
+    ),
+    # The base optimizer's behaviours, with every optimizer the tests build wrapped in polyamp's.
+    "TestOptimizer": Suite(
+        "keras/src/optimizers/optimizer_test.py",
+        "OptimizerTest",
+        "optimizers",
+        _wrapped_in_polyamp,
+        ("native", "polyamp"),
+        _NEEDS_TENSORFLOW,
+    ),
+    # Sparse gradients (IndexedSlices on TensorFlow, BCOO on JAX; Keras skips them on torch), in Keras's
+    # loss-scale-optimizer case, where polyamp's class replaces Keras's.
+    "TestOptimizerSparse": Suite(
+        "keras/src/optimizers/optimizer_sparse_test.py",
+        "OptimizerSparseTest",
+        "optimizers",
+        _with_polyamp_loss_scale_optimizer,
+        ("native", "polyamp"),
+        _NEEDS_TENSORFLOW,
+    ),
+}
+#: The instantiations run, per "<upstream class>.<upstream method>" (all of them when absent). The sparse tests'
+#: cases of the other optimizers test those optimizers, not a loss-scale optimizer. On JAX, where an eager
+#: apply takes seconds, two of the eleven inner optimizers (adam, sgd) of the weight-decay accumulation test.
+SELECTED: dict[str, frozenset[str]] = {
+    "OptimizerSparseTest.test_sparse_gradients": frozenset({"loss_scale_optimizer_sgd"}),
+    "OptimizerSparseTest.test_sparse_correctness": frozenset({"loss_scale_optimizer_sgd"}),
+    **(
+        {"OptimizerTest.test_gradient_accumulation_with_weigth_decay": frozenset({"0", "1"})}
+        if BACKEND == "jax"
+        else {}
     ),
 }
 POLYAMP_RUNS = ("polyamp", "polyamp-float16")
 
 # -- what polyamp does differently, per upstream test ---------------------------------------------------------
 #
-# Set against Keras v3.15.1 (commit 250b42181ce9f37df68319d8f4753ec89a349a43), whose tests of both classes pass
-# natively with keras 3.15.1 on the tensorflow, jax and torch backends.
+# Set against Keras v3.15.1 (commit 250b42181ce9f37df68319d8f4753ec89a349a43), whose tests of these four files
+# pass natively with keras 3.15.1 on the tensorflow, jax and torch backends (Keras skips its sparse tests on
+# torch).
 #
 # Keys are "<upstream class>.<upstream method>", or "...[variant]" for one of its named parameters (as in the
 # test id). An entry applies to the backends and polyamp runs it names. Remove an entry once polyamp closes the
 # gap: a strict xfail that passes fails the suite, and `raises` makes one that fails for another reason fail it
-# too. None of these tests reads private attributes of the class under test (the private names they use are
-# their own helpers, Layer._flatten_layers and QuantizedDTypePolicy._source_name), so `private` has no entry.
+# too. The private attributes the optimizer tests read are the inner optimizer's (`inner_only`); the other
+# private names used are the tests' own helpers, Layer._flatten_layers and QuantizedDTypePolicy._source_name.
 
 
 class Expected(NamedTuple):
@@ -120,7 +213,9 @@ class Expected(NamedTuple):
 
 def private(attributes: str, **where: Any) -> Expected:
     """The test reads private attributes of the class under test, which polyamp's need not have."""
-    return Expected(pytest.mark.skip(reason=f"reads the private {attributes}"), **where)
+    return Expected(
+        pytest.mark.xfail(strict=True, raises=AttributeError, reason=f"reads the private {attributes}"), **where
+    )
 
 
 def documented(reason: str, raises: type[BaseException], **where: Any) -> Expected:
@@ -133,7 +228,106 @@ def gap(reason: str, raises: type[BaseException], **where: Any) -> Expected:
     return Expected(pytest.mark.xfail(strict=True, raises=raises, reason=f"gap: {reason}"), **where)
 
 
-POLYAMP_EXPECTED: dict[str, Expected] = {
+def inner_only(reason: str, raises: type[BaseException], **where: Any) -> Expected:
+    """An optimizer test of what the wrapped (inner) optimizer holds, which the wrapper does not forward: Keras's
+    own LossScaleOptimizer, substituted the same way, fails it the same way."""
+    return Expected(
+        pytest.mark.xfail(
+            strict=True,
+            raises=raises,
+            reason=f"the inner optimizer's, not forwarded by a wrapper (as Keras's): {reason}",
+        ),
+        **where,
+    )
+
+
+def _jax_stateful() -> Expected:
+    import jax
+
+    return gap(
+        "on JAX a stateful apply_gradients() fails with jax UnexpectedTracerError, as Keras's own "
+        "LossScaleOptimizer's does (ops.cond traces the update branches, whose variable assignments leak tracers; "
+        "Keras skips its stateful loss-scale tests on JAX): on JAX polyamp's optimizer applies through "
+        "stateless_apply (fit, a jitted stateless step)",
+        jax.errors.UnexpectedTracerError,
+        backends=("jax",),
+    )
+
+
+JAX_STATEFUL = (_jax_stateful(),) if BACKEND == "jax" else ()
+NOT_JAX = ("tensorflow", "torch")
+
+POLYAMP_EXPECTED: dict[str, Expected | tuple[Expected, ...]] = {
+    "OptimizerSparseTest.test_sparse_gradients[loss_scale_optimizer_sgd]": gap(
+        "the record ring variables (step_codes, ...) are assigned outside the optimizer's own `assign`, which the "
+        "test forbids for non-scalar variables (sparse updates would be densified)",
+        pytest.fail.Exception,
+        backends=("tensorflow", "jax"),
+    ),
+    "OptimizerSparseTest.test_sparse_correctness[loss_scale_optimizer_sgd]": gap(
+        "on JAX the skip branch counts each gradient's non-finite entries on the gradient reshaped flat, which a "
+        "BCOO gradient refuses (ValueError: bcoo_reshape: new shape cannot mix sparse and dense dimensions)",
+        ValueError,
+        backends=("jax",),
+    ),
+    "OptimizerTest.test_iterations_counter": JAX_STATEFUL,
+    "OptimizerTest.test_empty_gradients": JAX_STATEFUL,
+    "OptimizerTest.test_constraints_are_applied": JAX_STATEFUL,
+    "OptimizerTest.test_callable_learning_rate": JAX_STATEFUL,
+    "OptimizerTest.test_overwrite_with_gradient": JAX_STATEFUL,
+    "OptimizerTest.test_gradient_accumulation_with_weigth_decay": JAX_STATEFUL,
+    "OptimizerTest.test_clip_args": inner_only(
+        "clipnorm/clipvalue/global_clipnorm read on the wrapper are None", AssertionError
+    ),
+    "OptimizerTest.test_clip_norm": inner_only("the wrapper's own _clip_gradients() does not clip", AssertionError),
+    "OptimizerTest.test_clip_value": inner_only("the wrapper's own _clip_gradients() does not clip", AssertionError),
+    "OptimizerTest.test_global_clip_norm": inner_only(
+        "the wrapper's own _clip_gradients() does not clip", AssertionError
+    ),
+    "OptimizerTest.test_ema": (
+        inner_only("the wrapper has no _model_variables_moving_average", AttributeError, backends=NOT_JAX),
+        *JAX_STATEFUL,
+    ),
+    "OptimizerTest.test_ema_with_model_fit": inner_only(
+        "the wrapper has no _model_variables_moving_average", AttributeError
+    ),
+    "OptimizerTest.test_get_method": inner_only(
+        "optimizers.SGD, made a factory of wrapped optimizers, is no class for assertIsInstance", TypeError
+    ),
+    "OptimizerTest.test_static_loss_scaling": (
+        inner_only(
+            "scale_loss() is the wrapper's (scale 1), not the inner optimizer's loss_scale_factor",
+            AssertionError,
+            backends=NOT_JAX,
+        ),
+        *JAX_STATEFUL,
+    ),
+    "OptimizerTest.test_set_weights": (
+        inner_only(
+            "set_weights() on the wrapper sets its own variables, not the inner optimizer's (their iterations differ)",
+            AssertionError,
+            backends=NOT_JAX,
+        ),
+        *JAX_STATEFUL,
+    ),
+    "OptimizerTest.test_gradient_accumulation": inner_only(
+        "gradient_accumulation_steps read on the wrapper is None", AssertionError
+    ),
+    "OptimizerTest.test_overwrite_with_gradient_with_gradient_accumulation": (
+        inner_only(
+            "_iterations read on the wrapper counts the wrapper's steps, not the inner optimizer's micro-batches",
+            AssertionError,
+            backends=NOT_JAX,
+        ),
+        *JAX_STATEFUL,
+    ),
+    "OptimizerTest.test_setting_lr_to_callable_untracks_lr_var": inner_only(
+        "the wrapper's variables are its own iteration and learning_rate and the inner optimizer's: 4, not 2",
+        AssertionError,
+    ),
+    "OptimizerTest.test_optimizer_auto_naming": inner_only(
+        "the wrapper is named loss_scale_optimizer..., not after the inner optimizer", AssertionError
+    ),
     "LossScaleOptimizerTest.test_serialization": documented(
         "get_config() writes polyamp's settings, Keras's two spellings of init_scale/growth_interval and "
         "`enabled`, `guard`, `on_min_scale`, `history` (16 keys), where Keras writes 4 (name, inner_optimizer, "
@@ -155,12 +349,23 @@ class UpstreamUnavailable(Exception):
     """Why the upstream tests cannot be run here."""
 
 
+def _installed_tests() -> Path | None:
+    """The directory holding the installed ``keras`` package, when it ships the test files (Keras's wheels do)."""
+    root = Path(keras.__file__).resolve().parent.parent
+    if all((root / suite.path).is_file() for suite in SUITES.values()):
+        return root
+    return None
+
+
 def _source_root() -> Path:
     value = os.environ.get(SOURCE_VARIABLE)
     if not value:
+        installed = _installed_tests()
+        if installed is not None:
+            return installed
         raise UpstreamUnavailable(
-            f"{SOURCE_VARIABLE} is not set: point it at a Keras source tree at tag v{keras.__version__} to run "
-            "Keras's LossScaleOptimizer and DTypePolicyMap tests"
+            f"{SOURCE_VARIABLE} is not set and the installed Keras ships no tests: point it at a Keras source tree "
+            f"at tag v{keras.__version__} to run Keras's optimizer and DTypePolicyMap tests"
         )
     root = Path(value)
     version_file = root / "keras" / "src" / "version.py"
@@ -173,6 +378,10 @@ def _source_root() -> Path:
             f"{keras.__version__}: check out tag v{keras.__version__}"
         )
     return root
+
+
+#: What absl's parameterized appends to a test method's name: nothing, "_<testcase_name>" or "<index>".
+_ABSL_SUFFIX = re.compile(r"(_.+|[0-9]+)?")
 
 
 class Upstream(NamedTuple):
@@ -199,10 +408,15 @@ def _load(root: Path, suite: Suite) -> Upstream:
     test_class = namespace[suite.upstream_class]
     tests: dict[str, dict[str, str]] = {name: {} for name in written}
     for method in unittest.TestLoader().getTestCaseNames(test_class):
-        # The longest written name it starts with (test_finite_step vs test_finite_step_with_overwrite).
-        owner = max((n for n in written if method == n or method.startswith(n + "_")), key=len, default=None)
+        # The longest written name it starts with (test_finite_step vs test_finite_step_with_overwrite), followed
+        # by absl's suffix: "_<testcase_name>" (named_parameters) or "<index>" (parameters).
+        owner = max(
+            (n for n in written if method.startswith(n) and _ABSL_SUFFIX.fullmatch(method[len(n) :])),
+            key=len,
+            default=None,
+        )
         if owner is not None:
-            tests[owner][method[len(owner) + 1 :]] = method
+            tests[owner][method[len(owner) :].lstrip("_")] = method
     return Upstream(test_class, namespace, path, tests)
 
 
@@ -230,12 +444,12 @@ def _upstream_marks(test_class: type, method: str) -> list[Any]:
 def _expected(upstream_class: str, upstream: str, variant: str, run: str) -> list[pytest.MarkDecorator]:
     if run == "native":
         return []
-    entry = POLYAMP_EXPECTED.get(f"{upstream_class}.{upstream}[{variant}]") or POLYAMP_EXPECTED.get(
-        f"{upstream_class}.{upstream}"
-    )
-    if entry is None or BACKEND not in entry.backends or run not in entry.runs:
-        return []
-    return [entry.mark]
+    key = f"{upstream_class}.{upstream}"
+    found = POLYAMP_EXPECTED.get(f"{key}[{variant}]") if variant else None
+    if found is None:
+        found = POLYAMP_EXPECTED.get(key, ())
+    entries = (found,) if isinstance(found, Expected) else found
+    return [entry.mark for entry in entries if BACKEND in entry.backends and run in entry.runs][:1]
 
 
 @pytest.fixture
@@ -246,11 +460,12 @@ def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
         yield run
         return
     suite = SUITES[suite_name]
+    namespace = _UPSTREAM[suite_name].namespace
     try:
-        replacement = suite.polyamp_class()
+        replacement = suite.substitute(namespace)
     except ImportError as exc:
-        pytest.skip(f"polyamp's {suite.replaced} needs {exc.name}, which is not installed")
-    monkeypatch.setitem(_UPSTREAM[suite_name].namespace, suite.replaced, replacement)
+        pytest.skip(f"polyamp's LossScaleOptimizer needs {exc.name}, which is not installed")
+    monkeypatch.setitem(namespace, suite.replaced, replacement)
     if run == "polyamp-float16":
         with polyamp.policy_scope("mixed_float16"):
             yield run
@@ -285,13 +500,21 @@ def _make_test(suite_name: str, upstream: str, variants: dict[str, str]) -> Call
     return test
 
 
+def _selected(upstream_class: str, upstream: str, variants: dict[str, str]) -> dict[str, str]:
+    chosen = SELECTED.get(f"{upstream_class}.{upstream}")
+    return variants if chosen is None else {v: m for v, m in variants.items() if v in chosen}
+
+
 for _suite_name, _loaded in _UPSTREAM.items():
     globals()[_suite_name] = type(
         _suite_name,
         (),
         {
             "__doc__": f"Keras's {SUITES[_suite_name].upstream_class} ({_loaded.path}).",
-            **{name: _make_test(_suite_name, name, variants) for name, variants in _loaded.tests.items()},
+            **{
+                name: _make_test(_suite_name, name, _selected(SUITES[_suite_name].upstream_class, name, variants))
+                for name, variants in _loaded.tests.items()
+            },
         },
     )
 
@@ -303,28 +526,28 @@ def test_expectations_name_upstream_tests() -> None:
         for name, loaded in _UPSTREAM.items()
         for upstream, variants in loaded.tests.items()
     }
-    for key, entry in POLYAMP_EXPECTED.items():
+    for key, found in POLYAMP_EXPECTED.items():
         upstream, _, variant = key.partition("[")
         assert upstream in known, f"POLYAMP_EXPECTED names {upstream}, which the Keras tests read do not have"
         if variant:
             assert variant.rstrip("]") in known[upstream], f"POLYAMP_EXPECTED: {key} is not one of its variants"
-        assert set(entry.backends) <= set(KERAS_BACKENDS) and set(entry.runs) <= set(POLYAMP_RUNS), key
+        for entry in (found,) if isinstance(found, Expected) else found:
+            assert set(entry.backends) <= set(KERAS_BACKENDS) and set(entry.runs) <= set(POLYAMP_RUNS), key
+    for test, chosen in SELECTED.items():
+        assert test in known and chosen <= known[test], f"SELECTED: {test} {sorted(chosen - known.get(test, set()))}"
 
 
 @pytest.mark.skipif(os.environ.get(OTHER_BACKENDS_VARIABLE) == "0", reason="this process covers one backend")
 @pytest.mark.parametrize("backend", [b for b in KERAS_BACKENDS if b != BACKEND])
-def test_on_keras_backend(backend: str) -> None:
+def test_on_keras_backend(backend: str, run_bounded: Callable[..., subprocess.CompletedProcess[str]]) -> None:
     """This module on another Keras backend, in a subprocess (Keras picks its backend once per process)."""
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"{backend} is not installed")
     env = dict(os.environ, KERAS_BACKEND=backend, **{OTHER_BACKENDS_VARIABLE: "0"})
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    result = subprocess.run(
+    result = run_bounded(
         [sys.executable, "-m", "pytest", __file__, "-p", "no:cacheprovider", "-q", "-rfE"],
-        capture_output=True,
-        text=True,
         env=env,
         cwd=Path(__file__).resolve().parents[1],
-        timeout=300,
     )
     assert result.returncode == 0, f"Keras backend {backend}:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"

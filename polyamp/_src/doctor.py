@@ -1,6 +1,7 @@
 """``python -m polyamp doctor``: what this machine has, and which policy suits it.
 
-Frameworks are found with ``importlib.util.find_spec`` and their versions with ``importlib.metadata``; a
+Frameworks are found with ``importlib.util.find_spec`` and their versions with ``importlib.metadata``, from the
+distribution that provides the module (``tensorflow-cpu`` or ``tf-nightly`` for ``tensorflow``); a
 framework is imported only to ask it about devices (``torch.cuda``, ``tf.config``, ``jax.devices()``), and only
 when probing was asked for. The core never imports one at ``import polyamp``: this module names frameworks by
 string and imports them through `importlib`.
@@ -30,7 +31,7 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -227,16 +228,36 @@ def cpu_info(torch: Any = None) -> CpuInfo:
     return CpuInfo(False, f"neither avx512_bf16 nor amx_bf16: {where}", platform.machine(), capability)
 
 
-def _version(module: str) -> str | None:
-    if importlib.util.find_spec(module) is None:
+def _version(module: str, providers: Mapping[str, list[str]] | None = None) -> str | None:
+    """The version of the distribution that provides `module`, None when `module` is not installed.
+
+    A module's distribution may be named otherwise (``tensorflow`` comes from ``tensorflow-cpu``,
+    ``tensorflow-intel`` or ``tf-nightly``), and several distributions may write files under one top-level name
+    (a plugin, or a stale second install): the one whose files hold the ``__init__.py`` that ``import module``
+    loads is chosen, else the first that is installed. ``providers`` is
+    ``importlib.metadata.packages_distributions()``, passed by a caller asking about several modules.
+    """
+    spec = importlib.util.find_spec(module)
+    if spec is None:
         return None
-    names = [*importlib.metadata.packages_distributions().get(module, []), module]
-    for name in names:
+    if providers is None:
+        providers = importlib.metadata.packages_distributions()
+    found: list[importlib.metadata.Distribution] = []
+    for name in dict.fromkeys([*providers.get(module, []), module]):
         try:
-            return importlib.metadata.version(name)
+            found.append(importlib.metadata.distribution(name))
         except importlib.metadata.PackageNotFoundError:
             continue
-    return "unknown"
+    if not found:
+        return "unknown"
+    if len(found) > 1 and spec.origin:
+        origin = os.path.realpath(spec.origin)
+        init = f"{module}/__init__.py"
+        for dist in found:
+            for file in dist.files or ():
+                if file.as_posix() == init and os.path.realpath(str(dist.locate_file(file))) == origin:
+                    return str(dist.version)
+    return str(found[0].version)
 
 
 def _keras_backend() -> tuple[str, str]:
@@ -391,8 +412,9 @@ class Diagnosis:
 
 def _frameworks() -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
+    providers = importlib.metadata.packages_distributions()
     for name in _REPORTED:
-        version = _version(name)
+        version = _version(name, providers)
         info: dict[str, Any] = {"installed": version is not None, "version": version}
         if name == "keras":
             backend, source = _keras_backend() if version is not None else (None, None)
