@@ -1,6 +1,7 @@
 """The spike rule against its reference (`SpikeRule.decide`) on random rules, loss traces and overflows: every
 torch optimizer form (for-loop, foreach, fused), TensorFlow's LossScaler tape loop and the tape-style nptape
-backend skip the same iterations for the same reasons and end with the same window."""
+backend skip the same iterations for the same reasons, re-base the window at the same iterations
+(``max_consecutive``) and end with the same window and run of spikes."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def rules(draw: Any) -> SpikeRule:
         threshold=draw(st.sampled_from((0.5, 1.0, 2.0, 3.0))),
         warmup=draw(st.integers(2, window)),
         two_sided=draw(st.booleans()),
+        max_consecutive=draw(st.sampled_from(("auto", None, 1, 2, 3))),
     )
 
 
@@ -46,13 +48,30 @@ def traces(draw: Any) -> tuple[list[float], list[bool]]:
     return losses, overflows
 
 
-def _expected(rule: SpikeRule, losses: list[float], overflows: list[bool], mode: str) -> tuple[list[Any], list[float]]:
-    """The reference's reasons per iteration and its window afterwards."""
+def _expected(rule: SpikeRule, losses: list[float], overflows: list[bool], mode: str) -> dict[str, Any]:
+    """The reference's reasons and re-bases per iteration, and its window and run afterwards."""
     spikes = rule.decide(losses, overflows)
+    rebased = rule.rebased(losses, overflows)
     overflow = "overflow" if mode == "scaling" else "non_finite"
     reasons = [overflow if o else "loss_spike" if s else None for s, o in zip(spikes, overflows, strict=True)]
-    applied = [x for x, reason in zip(losses, reasons, strict=True) if reason is None and math.isfinite(x)]
-    return reasons, applied[-rule.window :]
+    window: list[float] = []
+    run = 0
+    for x, reason, rebase in zip(losses, reasons, rebased, strict=True):
+        if reason == "loss_spike":
+            run += 1
+        elif reason is None:
+            window = ([] if rebase else window) + [x]
+            run = 0
+    return {"reasons": reasons, "rebased": rebased, "window": window[-rule.window :], "run": run}
+
+
+def _check(expected: dict[str, Any], scaler: Any) -> None:
+    records = scaler.records()
+    state = scaler.state_dict()
+    assert [r.reason for r in records] == expected["reasons"]
+    assert [r.rebased for r in records] == expected["rebased"]
+    assert state["spike_window"] == expected["window"]
+    assert state["spike_run"] == expected["run"]
 
 
 # -- torch -----------------------------------------------------------------------------------------------------
@@ -99,12 +118,7 @@ def _torch_trace(form: str, rule: SpikeRule, losses: list[float], overflows: lis
             scaler.update()
             unchanged.append(all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)))
     steps = [int(state["step"]) for state in opt.state.values() if "step" in state and int(state["step"])]
-    return {
-        "reasons": [r.reason for r in scaler.records()],
-        "window": scaler.state_dict()["spike_window"],
-        "unchanged": unchanged,
-        "steps": steps,
-    }
+    return {"scaler": scaler, "unchanged": unchanged, "steps": steps}
 
 
 @pytest.mark.parametrize("form", list(TORCH_FORMS))
@@ -114,12 +128,11 @@ def test_torch_optimizers_decide_as_the_reference(
     form: str, rule: SpikeRule, trace: tuple[list[float], list[bool]], mode: str
 ) -> None:
     losses, overflows = trace
-    reasons, window = _expected(rule, losses, overflows, mode)
+    expected = _expected(rule, losses, overflows, mode)
     run = _torch_trace(form, rule, losses, overflows, mode)
-    assert run["reasons"] == reasons
-    assert run["window"] == window
-    assert run["unchanged"] == [reason is not None for reason in reasons]  # skipped steps change nothing
-    applied = reasons.count(None)
+    _check(expected, run["scaler"])
+    assert run["unchanged"] == [reason is not None for reason in expected["reasons"]]  # skips change nothing
+    applied = expected["reasons"].count(None)
     # Adam's step counters count the applied steps (a fused Adam makes its state, at 0, on a skipped first step)
     assert set(run["steps"]) <= {applied} and len(run["steps"]) == (2 if form.startswith("adam") and applied else 0)
 
@@ -136,16 +149,16 @@ def test_a_fused_adam_step_after_a_skip_decides_as_the_reference() -> None:
         for form in ("sgd-for-loop", "adam-foreach", "adam-fused", "adamw-fused"):
             run = _torch_trace(form, rule, losses, overflows, mode)
             overflow = "overflow" if mode == "scaling" else "non_finite"
-            assert run["reasons"] == [None, None, None, overflow, "loss_spike"], (mode, form)
-            assert run["window"] == [1.0, 0.5], (mode, form)
+            assert [r.reason for r in run["scaler"].records()] == [None, None, None, overflow, "loss_spike"]
+            assert run["scaler"].state_dict()["spike_window"] == [1.0, 0.5], (mode, form)
             assert run["unchanged"] == [False, False, False, True, True], (mode, form)
     # with the inf gradient at iteration 2 the trace has no spike, on every form
     overflows = [False, False, True, False, False]
     assert rule.decide(losses, overflows) == [False] * 5
     for form in ("sgd-for-loop", "adam-fused"):
         run = _torch_trace(form, rule, losses, overflows, "guarding")
-        assert run["reasons"] == [None, None, "non_finite", None, None]
-        assert run["window"] == [1.0, 1.0]
+        assert [r.reason for r in run["scaler"].records()] == [None, None, "non_finite", None, None]
+        assert run["scaler"].state_dict()["spike_window"] == [1.0, 1.0]
 
 
 # -- TensorFlow ------------------------------------------------------------------------------------------------
@@ -160,7 +173,7 @@ def test_tensorflow_tape_loop_decides_as_the_reference(
         pytest.importorskip("torch")  # torch before TensorFlow in one process
     tf = pytest.importorskip("tensorflow")
     losses, overflows = trace
-    reasons, window = _expected(rule, losses, overflows, mode)
+    expected = _expected(rule, losses, overflows, mode)
     var = tf.Variable([1.0, 2.0])
     opt = tf.keras.optimizers.SGD(0.1)
     scaler = polyamp.LossScaler(spike=rule, enabled=mode == "scaling", guard=True, backend="tensorflow")
@@ -172,9 +185,8 @@ def test_tensorflow_tape_loop_decides_as_the_reference(
         if overflow:
             grads = [grads[0] + tf.constant([math.inf, 0.0])]
         scaler.apply_gradients(opt, zip(grads, [var], strict=True))
-    assert [r.reason for r in scaler.records()] == reasons
-    assert scaler.state_dict()["spike_window"] == window
-    assert int(opt.iterations.numpy()) == reasons.count(None)
+    _check(expected, scaler)
+    assert int(opt.iterations.numpy()) == expected["reasons"].count(None)
 
 
 # -- the tape-style nptape backend -----------------------------------------------------------------------------
@@ -215,7 +227,7 @@ def test_nptape_decides_as_the_reference(
     nptape: Any, rule: SpikeRule, trace: tuple[list[float], list[bool]], mode: str
 ) -> None:
     losses, overflows = trace
-    reasons, window = _expected(rule, losses, overflows, mode)
+    expected = _expected(rule, losses, overflows, mode)
     scaler = polyamp.LossScaler(spike=rule, enabled=mode == "scaling", guard=True, backend="nptape")
     variables = nptape.mlp(0)
     optimizer = nptape.SGD(lr=0.1)
@@ -223,6 +235,5 @@ def test_nptape_decides_as_the_reference(
         loss = scaler.scale(_nptape_loss(nptape, value, overflow=overflow))
         grads = nptape.gradient(loss, variables)
         scaler.apply_gradients(optimizer, zip(grads, variables, strict=True))
-    assert [r.reason for r in scaler.records()] == reasons
-    assert scaler.state_dict()["spike_window"] == window
-    assert optimizer.iterations == reasons.count(None)
+    _check(expected, scaler)
+    assert optimizer.iterations == expected["reasons"].count(None)
