@@ -81,6 +81,7 @@ from polyamp._src.loss_scaler import bind_arguments
 from polyamp._src.provenance import layer_of, non_finite_gradients
 from polyamp._src.records import (
     MODE_CODES,
+    REBASE_BIT,
     SPIKE_BIT,
     Recorder,
     check_guard,
@@ -111,7 +112,13 @@ from polyamp._src.scaling import (
     to_float32,
 )
 from polyamp._src.spikes import check_spike
-from polyamp._src.state_dict import FORMAT_VERSION, parse_spike_window, parse_state_dict, to_state_dict
+from polyamp._src.state_dict import (
+    FORMAT_VERSION,
+    parse_spike_run,
+    parse_spike_window,
+    parse_state_dict,
+    to_state_dict,
+)
 
 __all__ = [
     "CHUNK_BYTES",
@@ -124,6 +131,7 @@ __all__ = [
     "MODE_CODES",
     "NOT_GIVEN",
     "NOT_SCALED_RULE",
+    "REBASE_BIT",
     "SETTING_DOCS",
     "SPIKE_BIT",
     "Backend",
@@ -184,6 +192,7 @@ __all__ = [
     "no_gradients_error",
     "non_finite_gradients",
     "not_scaled_error",
+    "parse_spike_run",
     "parse_spike_window",
     "parse_state_dict",
     "read_safetensors_header",

@@ -215,12 +215,46 @@ def test_spike_rule_on_the_gradient_norm_follows_the_reference() -> None:
 def test_spike_rule_travels_in_the_config() -> None:
     rule = polyamp.SpikeRule("grad_norm", window=6, threshold=4.0, two_sided=True)
     config = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), spike=rule).get_config()
-    assert config["spike"] == {"on": "grad_norm", "window": 6, "threshold": 4.0, "warmup": None, "two_sided": True}
+    assert config["spike"] == {
+        "on": "grad_norm",
+        "window": 6,
+        "threshold": 4.0,
+        "warmup": None,
+        "two_sided": True,
+        "max_consecutive": "auto",
+    }
     restored = polyamp_keras.LossScaleOptimizer.from_config(config)
     assert restored.spike == rule
     assert polyamp_keras.LossScaleOptimizer.from_config(dict(config, spike=None)).spike is None
     with pytest.raises(PolyampTypeError, match=r"polyamp\.SpikeRule"):
         polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), spike={"on": "loss"})
+
+
+def test_spike_rule_rebases_after_a_lasting_level_shift(caplog: pytest.LogCaptureFixture) -> None:
+    """The gradient norm settles at a new level (x2 from step 40): steps 40..47 are skipped (window 16, 8
+    consecutive spikes), step 48 re-bases the window with one warning, every later step is applied; the run of
+    spikes travels in the state dict."""
+    rule = polyamp.SpikeRule("grad_norm", window=16, threshold=6.0)
+    model = _model()
+    variables = list(model.trainable_variables)
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.01), enabled=False, guard=True, spike=rule)
+    optimizer.build(variables)
+    base = [np.full(tuple(v.shape), 0.01, "float32") for v in variables]
+    norm = math.sqrt(sum(float(np.sum(np.square(g.astype(np.float64)))) for g in base))
+    stats, skipped = [], []
+    with caplog.at_level("WARNING", logger="polyamp"):
+        for step in range(64):
+            factor = np.float32((1.0 if step < 40 else 2.0) * (1.0025 if step % 2 else 0.9975))
+            apply(optimizer, [ops.convert_to_tensor(g * factor) for g in base], variables)
+            stats.append(norm * float(factor))
+            skipped.append(bool(ops.convert_to_numpy(optimizer.last_skipped)))
+            if step == 44:
+                assert optimizer.state_dict()["spike_run"] == 5
+        records = optimizer.records()
+    assert skipped == rule.decide(stats) and sum(skipped) == 8 and skipped[40:48] == [True] * 8
+    assert [r.iteration for r in records if r.rebased] == [48] == [i for i, r in enumerate(rule.rebased(stats)) if r]
+    assert len([r for r in caplog.records if "re-based" in r.getMessage()]) == 1
+    assert optimizer.state_dict()["spike_run"] == 0
 
 
 def test_spike_window_travels_in_the_state_dict_and_decides_at_once() -> None:

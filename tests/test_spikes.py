@@ -47,6 +47,9 @@ def test_reference_on_a_stored_trace() -> None:
         ({"window": 1}, "window=...) must be an int >= 2"),
         ({"threshold": 0.0}, "finite positive number"),
         ({"window": 8, "warmup": 9}, "cannot exceed window=8"),
+        ({"max_consecutive": 0}, "max_consecutive=...) must be an int >= 1, 'auto'"),
+        ({"max_consecutive": True}, "max_consecutive=...) must be an int >= 1, 'auto'"),
+        ({"max_consecutive": "always"}, "max_consecutive=...) must be an int >= 1, 'auto'"),
     ],
 )
 def test_bad_rules_say_what_is_allowed(kwargs: dict[str, Any], fragment: str) -> None:
@@ -222,3 +225,120 @@ def test_tensorflow_loss_spikes_in_tf_function_follow_the_reference() -> None:
         (i, "loss_spike") for i, s in enumerate(spikes) if s
     ]
     assert scaler.state_dict()["scale"] == LossScaleConfig().initial_state().scale  # never backed off
+
+
+# -- a lasting level shift: max_consecutive --------------------------------------------------------------------
+
+#: The issue's trace: the loss settles at 1.0, then at 2.0 from step 40 (+-0.25% so the window's sigma is not 0).
+SHIFT = [(1.0 if step < 40 else 2.0) * (1.0025 if step % 2 else 0.9975) for step in range(240)]
+SHIFT_RULE = SpikeRule("loss", window=16, threshold=6.0)
+
+
+def test_reference_rebases_after_max_consecutive_spikes() -> None:
+    """window 16 ("auto": 8 consecutive spikes): steps 40..47 are skipped, 48 re-bases the window and every later
+    step is applied; without a bound all 200 later steps are skipped."""
+    assert SHIFT_RULE.consecutive_limit == 8
+    spikes = SHIFT_RULE.decide(SHIFT)
+    assert [step for step, spike in enumerate(spikes) if spike] == list(range(40, 48))
+    assert [step for step, rebase in enumerate(SHIFT_RULE.rebased(SHIFT)) if rebase] == [48]
+    unbounded = SpikeRule("loss", window=16, threshold=6.0, max_consecutive=None)
+    assert unbounded.consecutive_limit is None and sum(unbounded.decide(SHIFT)) == 200
+    assert not any(unbounded.rebased(SHIFT))
+    assert SpikeRule("loss", window=3, threshold=6.0).consecutive_limit == 1  # max(1, window // 2)
+    # overflows neither spike nor end the run; the first applied step after the bound re-bases
+    skipped = [step in (44, 48, 49) for step in range(60)]
+    three = SpikeRule("loss", window=16, threshold=6.0, max_consecutive=3)
+    assert [s for s, spike in enumerate(three.decide(SHIFT[:60], skipped)) if spike] == [40, 41, 42]
+    assert [s for s, rebase in enumerate(three.rebased(SHIFT[:60], skipped)) if rebase] == [43]
+    # after a re-base the window holds one value: decisions resume at `warmup` values of the new level
+    assert three.decide([1.0, 1.1, 0.9, 1.0, 9.0, 9.0, 9.0, 9.0, 9.1, 30.0], None) == [False] * 10
+    early = SpikeRule("loss", window=4, threshold=3.0, warmup=2, max_consecutive=2)
+    trace = [1.0, 1.1, 9.0, 9.0, 9.0, 9.1, 30.0]
+    assert early.decide(trace) == [False, False, True, True, False, False, True]
+    assert early.rebased(trace) == [False, False, False, False, True, False, False]
+
+
+def _rebase_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "polyamp" and "re-based" in r.getMessage()]
+
+
+@pytest.mark.parametrize("resume_how", [None, "state_dict", "pickle"])
+def test_torch_level_shift_rebases_once_and_trains_on(resume_how: str | None, caplog: pytest.LogCaptureFixture) -> None:
+    """A fused Adam under the float32 policy (guarding); resumed in the middle of the run of spikes (step 44),
+    the scaler carries the run along: the same decisions, one re-base warning, every step after 48 applied."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    scaler = polyamp.LossScaler(spike=SHIFT_RULE)
+    skipped, records = [], []
+    with polyamp.policy_scope("float32"), caplog.at_level("WARNING", logger="polyamp"):
+        for step, value in enumerate(SHIFT[:120]):
+            if step == 44 and resume_how == "pickle":
+                records += scaler.records()
+                scaler = pickle.loads(pickle.dumps(scaler))
+            elif step == 44 and resume_how == "state_dict":
+                records += scaler.records()
+                saved = json.loads(json.dumps(scaler.state_dict()))
+                assert saved["spike_run"] == 4
+                scaler = polyamp.LossScaler(spike=SHIFT_RULE)
+                scaler.load_state_dict(saved)
+            opt.zero_grad()
+            out = model(torch.ones(4, 3)).sum()
+            scaler.scale(out - out.detach() + value).backward()
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(bool(scaler.step_skipped(opt)))
+        records += scaler.records()  # a resumed scaler records from its own iteration 0
+    assert skipped == SHIFT_RULE.decide(SHIFT[:120])
+    assert len(records) == 120
+    assert [i for i, r in enumerate(records) if r.rebased] == [48]
+    assert [r.reason for r in records].count("loss_spike") == 8
+    assert [r.rebased for r in records].count(True) == 1
+    assert len(_rebase_warnings(caplog)) == 1
+    state = scaler.state_dict()
+    assert state["spike_run"] == 0
+    assert state["spike_window"] == [float(torch.tensor(v, dtype=torch.float32)) for v in SHIFT[104:120]]
+    assert int(opt.state[model.weight]["step"]) == 120 - 8
+
+
+def test_spike_run_is_validated_in_state_dicts() -> None:
+    scaler = polyamp.LossScaler(spike=SHIFT_RULE, enabled=True)
+    before = scaler.state_dict()
+    assert before["spike_run"] == 0
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(polyamp.StateDictError, match="'spike_run' must be an int >= 0"):
+            scaler.load_state_dict({**before, "spike_run": bad})
+        assert scaler.state_dict() == before
+    scaler.load_state_dict({**before, "spike_run": 5})
+    assert scaler.state_dict()["spike_run"] == 5
+    assert pickle.loads(pickle.dumps(scaler)).state_dict()["spike_run"] == 5
+    older = {key: value for key, value in before.items() if key != "spike_run"}  # saved before spike_run existed
+    scaler.load_state_dict(older)
+    assert scaler.state_dict()["spike_run"] == 0
+
+
+def test_tensorflow_level_shift_rebases_once_in_tf_function(caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("torch")  # torch before TensorFlow in one process
+    tf = pytest.importorskip("tensorflow")
+    var = tf.Variable([1.0, 2.0])
+    opt = tf.keras.optimizers.SGD(0.01)
+    scaler = polyamp.LossScaler(spike=SHIFT_RULE, enabled=False, guard=True, backend="tensorflow")
+
+    @tf.function
+    def step(value: Any) -> None:
+        with tf.GradientTape() as tape:
+            total = tf.reduce_sum(var)
+            scaled = scaler.scale(total - tf.stop_gradient(total) + value)
+        scaler.apply_gradients(opt, zip(tape.gradient(scaled, [var]), [var], strict=True))
+
+    skipped = []
+    with caplog.at_level("WARNING", logger="polyamp"):
+        for value in SHIFT[:80]:
+            step(tf.constant(value, tf.float32))
+            skipped.append(bool(scaler.step_skipped(opt)))
+        records = scaler.records()
+    assert skipped == SHIFT_RULE.decide(SHIFT[:80])
+    assert [r.iteration for r in records if r.rebased] == [48]
+    assert len(_rebase_warnings(caplog)) == 1
+    assert scaler.state_dict()["spike_run"] == 0 and int(opt.iterations.numpy()) == 80 - 8

@@ -159,7 +159,8 @@ class RecordingDevice(Protocol):
     def write_history(self, history: Any, base: int, flag: Flag | None, spike: Flag | None = None) -> None:
         """Append one iteration's code without a host read: ``base`` (from `polyamp.backend_api.MODE_CODES`),
         plus 1 when ``flag`` is set (``flag`` may be None: not skipped), plus ``SPIKE_BIT`` + 1 when ``spike`` (a
-        skip by the spike rule alone) is set and ``flag`` is not."""
+        skip by the spike rule alone) is set (> 0) and ``flag`` is not, plus ``REBASE_BIT`` when ``spike`` is
+        negative (the iteration re-based the rule's window: `SpikeDevice.spike_finish`)."""
         ...
 
     def read_history(self, history: Any) -> tuple[int, list[int]]:
@@ -213,7 +214,8 @@ class SpikeDevice(Protocol):
     flag as ``veto=`` (see `TapeDevice.apply`) and returns the overflow flag alone in its outcome."""
 
     def new_spike_state(self, rule: Any) -> Any:
-        """The rule's window (the last ``rule.window`` accepted statistics and their count) on the device."""
+        """The rule's window (the last ``rule.window`` accepted statistics and their count, and ``run``: the
+        spikes since a statistic last entered it) on the device."""
         ...
 
     def spike_statistic(self, loss: Any) -> Any:
@@ -226,20 +228,28 @@ class SpikeDevice(Protocol):
         ...
 
     def spike_check(self, state: Any, x: Any) -> Flag:
-        """The rule's decision for statistic ``x`` as a flag, without a host read."""
+        """The rule's decision for statistic ``x`` as a flag, without a host read (never set once ``run``
+        reached ``rule.consecutive_limit``)."""
         ...
 
     def spike_finish(self, state: Any, x: Any, spike: Flag, overflow: Flag | None) -> Flag:
-        """End the iteration: ``x`` enters the window if the step was applied; return the flag of a skip by
-        the rule alone."""
+        """End the iteration as `polyamp.SpikeRule.decide` does: a skip by the rule alone adds 1 to ``run``; ``x``
+        enters the window if the step was applied and ``x`` is finite (emptying it first when ``run`` reached
+        ``rule.consecutive_limit``: a re-base), setting ``run`` to 0. Returns the flag of a skip by the rule
+        alone (1), or -1 for an iteration that re-based (a flag that is not set: the step was applied), else 0."""
         ...
 
     def read_spike_window(self, state: Any) -> list[float]:
         """The window's values, oldest first (one host read), for state dicts and pickles."""
         ...
 
-    def write_spike_window(self, state: Any, values: list[float]) -> None:
-        """Make the window hold ``values`` (oldest first, at most the rule's window), the next one after them."""
+    def read_spike_run(self, state: Any) -> int:
+        """The window's ``run`` (spikes since a statistic last entered it; one host read)."""
+        ...
+
+    def write_spike_window(self, state: Any, values: list[float], run: int = 0) -> None:
+        """Make the window hold ``values`` (oldest first, at most the rule's window), the next one after them,
+        and its ``run``."""
         ...
 
 

@@ -49,7 +49,13 @@ from polyamp._src.records import (
 from polyamp._src.scaling import NOT_GIVEN, LossScaleConfig, LossScaleState, NotGiven, settings_doc, to_float32
 from polyamp._src.spike_driver import SpikeDriver
 from polyamp._src.spikes import SpikeRule, check_spike
-from polyamp._src.state_dict import is_disabled_torch_state, parse_spike_window, parse_state_dict, to_state_dict
+from polyamp._src.state_dict import (
+    is_disabled_torch_state,
+    parse_spike_run,
+    parse_spike_window,
+    parse_state_dict,
+    to_state_dict,
+)
 from polyamp._src.step_history import OutcomeRecord, RecordHistory, StepOutcomes
 
 if TYPE_CHECKING:
@@ -249,13 +255,14 @@ class LossScaler(GradScalerSpelling, Pickled):
         on_min_scale: str,
         history: int,
         spike_window: list[float] | None = None,
+        spike_run: int = 0,
     ) -> None:
         """Every attribute of an unbound scaler, from validated options (the constructor's and a pickle's)."""
         self._process_group = process_group
         self._config = config
         self._enabled_setting = enabled
         self._guard_setting = guard
-        self._spikes = SpikeDriver(spike, spike_window)
+        self._spikes = SpikeDriver(spike, spike_window, spike_run)
         self._host_state = state
         recorder = Recorder(history, on_min_scale, spike.reason if spike else "loss_spike")
         recorder.reanchor(state)
@@ -912,7 +919,10 @@ class LossScaler(GradScalerSpelling, Pickled):
         a dict saved from one backend resumes on another with the same trajectory. Save it at the start of
         an iteration or after `update`.
         """
-        return to_state_dict(self._config, self.get_state(), self._enabled_setting, self._spikes.read_window())
+        spikes = self._spikes
+        return to_state_dict(
+            self._config, self.get_state(), self._enabled_setting, spikes.read_window(), spikes.read_run()
+        )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore settings and state from `state_dict` output (polyamp's or torch's GradScaler's).
@@ -934,6 +944,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         config, state = parse_state_dict(state_dict, self._config, loader_disabled=disabled)
         rule = self._spikes.rule
         window = parse_spike_window(state_dict, None if rule is None else rule.window)
+        run = parse_spike_run(state_dict)
         self._refuse_mid_iteration("load_state_dict() was called")
         self.records()  # the records so far belong to the state being replaced
         if self._device is not None:
@@ -942,7 +953,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         self._host_state = state
         self._history.follow(config)
         self._history.recorder.reanchor(state)
-        self._spikes.write_window(window)
+        self._spikes.write_window(window, run)
 
     def _refuse_mid_iteration(self, what: str) -> None:
         if any(iteration.is_open for iteration in self._iterations.values()):
@@ -1004,12 +1015,18 @@ class LossScaler(GradScalerSpelling, Pickled):
             "state": self.get_state(),
             "backend": self._backend_name,
             "spike_window": self._spikes.read_window(),
+            "spike_run": self._spikes.read_run(),
         }
 
     def _restore(self, saved: dict[str, Any], options: dict[str, Any]) -> None:
         """Become the scaler a pickle describes (`_saved_state` and `_options`), bound again if it was."""
         self._setup(
-            saved["config"], saved["state"], process_group=None, spike_window=saved.get("spike_window"), **options
+            saved["config"],
+            saved["state"],
+            process_group=None,
+            spike_window=saved.get("spike_window"),
+            spike_run=saved.get("spike_run", 0),
+            **options,
         )
         if saved["backend"] is not None:
             self.bind(saved["backend"])

@@ -32,6 +32,7 @@ from polyamp._src.scaling import LossScaleConfig, LossScaleState
 __all__ = [
     "MODE_CODES",
     "ON_MIN_SCALE",
+    "REBASE_BIT",
     "SKIP_REASONS",
     "SPIKE_BIT",
     "Recorder",
@@ -55,6 +56,9 @@ SkipReason = Literal["overflow", "non_finite", "loss_spike", "grad_spike"]
 SKIP_REASONS: Final = ("overflow", "non_finite", "loss_spike", "grad_spike")
 #: Added to an iteration's code when its step was skipped by the spike rule (and not for non-finite values).
 SPIKE_BIT: Final = 8
+#: Added to an iteration's code when its statistic re-based the spike rule's window (`polyamp.SpikeRule`'s
+#: ``max_consecutive``); the iteration applied its step.
+REBASE_BIT: Final = 16
 #: The code of an iteration is its mode's base plus 1 when the iteration's flag is set (a step skipped).
 MODE_CODES: Final = {"scaling": 0, "guarding": 2, "off": 4, "set": 6}
 _MODE_NAMES: Final = {value: name for name, value in MODE_CODES.items()}
@@ -90,6 +94,9 @@ class StepRecord:
         gradients: For a skipped step, the parameters whose gradients held inf/-inf/NaN, with the counts
             (see `polyamp.NonFiniteGradient`); empty when not skipped, or when the backend could not tell
             (a fused torch optimizer, which skips on the device without the host learning of it in time).
+        rebased: Whether the iteration's statistic re-based the spike rule's window: it came after
+            ``max_consecutive`` consecutive spikes, so the loss (or gradient norm) settled at a new level and the
+            window restarted from it (see `polyamp.SpikeRule`).
     """
 
     iteration: int
@@ -99,6 +106,7 @@ class StepRecord:
     scale: float | None
     next_scale: float | None
     gradients: tuple[NonFiniteGradient, ...] = field(default=())
+    rebased: bool = False
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -114,6 +122,14 @@ class StepRecord:
 
     def message(self) -> str:
         """The record as one log line."""
+        if not self.skipped and self.rebased:
+            return (
+                f"iteration {self.iteration}: step applied after a run of spikes: the statistic the SpikeRule "
+                "watches shifted to a new level and stayed there (max_consecutive spikes in a row), so this "
+                "iteration is accepted and the rule's window re-based at it; spikes are decided again once the "
+                "window holds `warmup` values of the new level. Pass SpikeRule(max_consecutive=...) to change "
+                "the bound."
+            )
         if not self.skipped:
             return f"iteration {self.iteration}: step applied ({self.mode}, scale {_fmt(self.scale)})"
         if self.reason in ("loss_spike", "grad_spike"):
@@ -248,6 +264,7 @@ class Recorder:
         made: list[StepRecord] = []
         first = count - len(kept)
         for offset, code in enumerate(kept):
+            rebased = bool(code & REBASE_BIT)
             spiked = bool(code & SPIKE_BIT)
             code &= SPIKE_BIT - 1
             base = code - code % 2
@@ -271,6 +288,7 @@ class Recorder:
                 if mode != "scaling" or state is None
                 else state.scale,
                 gradients=self.gradients.pop(first + offset, ()) if flagged and not spiked else (),
+                rebased=rebased and not flagged,
             )
             made.append(record)
             self.records.append(record)
@@ -286,6 +304,8 @@ class Recorder:
         return made
 
     def _report(self, record: StepRecord, config: LossScaleConfig) -> None:
+        if record.rebased:
+            logger.warning("polyamp: %s", record.message())
         if not record.skipped and not self._collapsed:
             return  # an applied step outside a collapse episode: nothing to log, nothing to re-arm
         if record.reason in ("non_finite", "loss_spike", "grad_spike"):

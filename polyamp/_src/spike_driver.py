@@ -4,8 +4,9 @@ The rule itself (`polyamp.SpikeRule`, `polyamp._src.spikes`) is pure: given a wi
 spike? `SpikeDriver` runs it for one scaler: it takes the iteration's statistic (the loss given to ``scale``,
 or the unscaled gradients' norm at the first step), asks the device for the decision once per iteration (the
 same flag for every optimizer of the iteration), and at the end of the iteration lets the statistic into the
-window when the step was applied. The window is read and written for state dicts and pickles; a window
-loaded before the scaler bound waits here until the device's window exists.
+window when the step was applied. The window (its values and ``run``, the spikes since a value last entered
+it) is read and written for state dicts and pickles; a window loaded before the scaler bound waits here until
+the device's window exists.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ __all__ = ["SpikeDriver"]
 class SpikeDriver:
     """One scaler's spike rule across iterations (a driver with ``rule=None`` decides nothing)."""
 
-    __slots__ = ("_device", "_pending_window", "_state", "flag", "rule", "x")
+    __slots__ = ("_device", "_pending_run", "_pending_window", "_state", "flag", "rule", "x")
 
-    def __init__(self, rule: SpikeRule | None, window: list[float] | None = None) -> None:
+    def __init__(self, rule: SpikeRule | None, window: list[float] | None = None, run: int = 0) -> None:
         self.rule = rule
         self._device: SpikeDevice | None = None
         self._state: Any = None
         self._pending_window = window  # loaded before the scaler bound
+        self._pending_run = run
         #: The iteration's statistic (a device scalar) and decision (a device flag), None until known.
         self.x: Any = None
         self.flag: Flag | None = None
@@ -41,7 +43,7 @@ class SpikeDriver:
         self._device = device
         self._state = device.new_spike_state(self.rule)
         pending, self._pending_window = self._pending_window, None
-        self.write_window(pending)
+        self.write_window(pending, self._pending_run)
 
     def observe_loss(self, loss: Any) -> None:
         """Take ``loss`` as the iteration's statistic, for a rule on the loss."""
@@ -98,11 +100,20 @@ class SpikeDriver:
             return list(self._pending_window or [])
         return list(self._device.read_spike_window(self._state))
 
-    def write_window(self, values: list[float] | None) -> None:
-        """Make the window hold ``values`` (validated by the caller); None leaves it as it is."""
+    def read_run(self) -> int:
+        """The window's ``run``: the spikes since a statistic last entered it (0 without a rule)."""
+        if self.rule is None:
+            return 0
+        if self._device is None:
+            return self._pending_run
+        return int(self._device.read_spike_run(self._state))
+
+    def write_window(self, values: list[float] | None, run: int = 0) -> None:
+        """Make the window hold ``values`` and ``run`` (validated by the caller); None leaves it as it is."""
         if values is None or self.rule is None:
             return
         if self._device is None:
             self._pending_window = values  # written into the device's window when the scaler binds
+            self._pending_run = run
             return
-        self._device.write_spike_window(self._state, values)
+        self._device.write_spike_window(self._state, values, run)

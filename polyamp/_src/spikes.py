@@ -14,6 +14,13 @@ The rule, exactly (the backends compute it on the device in float64; `SpikeRule.
 * A spike skips the step like an overflow (parameters, slots and counters unchanged, ``step_skipped``
   true, counted in ``skipped_steps``, recorded with reason ``"loss_spike"`` / ``"grad_spike"``), but the
   loss-scale rule sees a finite iteration: the scale does not back off for it.
+* The window also counts ``run``, the spikes since a statistic last entered it (iterations skipped for another
+  reason, and non-finite statistics, leave it unchanged). With ``max_consecutive`` set (the default:
+  ``max(1, window // 2)``), an iteration with ``run >= max_consecutive`` is never a spike: the loss or norm
+  settled at a new level. If its step is applied and ``x`` is finite, the window *re-bases*: it is emptied,
+  then ``x`` enters it (so decisions resume once ``warmup`` values of the new level are in), ``run`` returns to
+  0, the record says ``rebased=True`` and ``logging.getLogger("polyamp")`` warns once. ``max_consecutive=None``
+  never re-bases: a lasting shift then skips every later step.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from polyamp._src.errors import PolyampValueError, describe, type_error
 from polyamp._src.records import SkipReason
@@ -40,6 +48,12 @@ class SpikeRule:
         threshold: The z-score above which an iteration is a spike (default 6.0).
         warmup: How many values the window must hold before any decision (default: ``window``).
         two_sided: Also skip downward outliers (default False: only upward spikes).
+        max_consecutive: After this many consecutive spikes the next statistic is accepted and the window
+            re-bases at it (a lasting level shift, not an outlier; see the module's rule). ``"auto"`` (default):
+            ``max(1, window // 2)``; an int >= 1; None: never (every step after a lasting shift is skipped).
+
+    Raises:
+        PolyampValueError: an argument is out of its range (the message says which, and what is allowed).
 
     >>> rule = SpikeRule("loss", window=4, threshold=3.0)
     >>> rule.decide([1.0, 1.1, 0.9, 1.0, 5.0, 1.05, 1.0])
@@ -51,6 +65,7 @@ class SpikeRule:
     threshold: float = 6.0
     warmup: int | None = None
     two_sided: bool = False
+    max_consecutive: int | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         if self.on not in _ON:
@@ -78,6 +93,7 @@ class SpikeRule:
                 f"SpikeRule(threshold=...) must be a finite positive number (a z-score). Received: "
                 f"{describe(threshold)}."
             )
+        _check_max_consecutive(self.max_consecutive)
 
     @property
     def reason(self) -> SkipReason:
@@ -89,10 +105,23 @@ class SpikeRule:
         """``warmup``, or ``window`` when not given."""
         return self.window if self.warmup is None else self.warmup
 
-    def is_spike(self, window: Sequence[float], x: float) -> bool:
-        """The decision for statistic ``x`` given the window's values (oldest first), in float64."""
+    @property
+    def consecutive_limit(self) -> int | None:
+        """``max_consecutive`` resolved: ``max(1, window // 2)`` for ``"auto"``; None: no bound."""
+        if self.max_consecutive == "auto":
+            return max(1, self.window // 2)
+        return self.max_consecutive
+
+    def rebases(self, run: int) -> bool:
+        """Whether ``run`` consecutive spikes reached the bound: the next statistic is accepted, re-basing."""
+        limit = self.consecutive_limit
+        return limit is not None and run >= limit
+
+    def is_spike(self, window: Sequence[float], x: float, run: int = 0) -> bool:
+        """The decision for statistic ``x`` given the window's values (oldest first), in float64, after ``run``
+        consecutive spikes (at ``max_consecutive`` nothing is a spike)."""
         n = len(window)
-        if n < self.min_values or not math.isfinite(x):
+        if n < self.min_values or not math.isfinite(x) or self.rebases(run):
             return False
         mu = math.fsum(window) / n
         sigma = math.sqrt(math.fsum((v - mu) ** 2 for v in window) / n)
@@ -103,19 +132,49 @@ class SpikeRule:
 
     def decide(self, values: Iterable[float], skipped_otherwise: Iterable[bool] | None = None) -> list[bool]:
         """The reference over a trace: whether each iteration is a spike. ``skipped_otherwise[i]`` marks
-        iterations skipped for another reason (an overflow), which neither spike nor enter the window."""
+        iterations skipped for another reason (an overflow), which neither spike nor enter the window.
+
+        A spike adds 1 to ``run``; an applied iteration with a finite statistic empties the window first when
+        ``run`` reached ``max_consecutive`` (it re-bases), enters it and sets ``run`` to 0; anything else leaves
+        both unchanged (`rebased` gives the iterations that re-based).
+        """
+        return [spike for spike, _ in self._trace(values, skipped_otherwise)]
+
+    def rebased(self, values: Iterable[float], skipped_otherwise: Iterable[bool] | None = None) -> list[bool]:
+        """Over the same trace as `decide`: whether each iteration re-based the window."""
+        return [rebase for _, rebase in self._trace(values, skipped_otherwise)]
+
+    def _trace(self, values: Iterable[float], skipped_otherwise: Iterable[bool] | None) -> list[tuple[bool, bool]]:
         values = list(values)
         other = [False] * len(values) if skipped_otherwise is None else list(skipped_otherwise)
         window: list[float] = []
+        run = 0
         result = []
         for x, skipped in zip(values, other, strict=True):
-            spike = not skipped and self.is_spike(window, x)
-            result.append(spike)
-            if not spike and not skipped and math.isfinite(x):
+            spike = not skipped and self.is_spike(window, x, run)
+            rebase = False
+            if spike:
+                run += 1
+            elif not skipped and math.isfinite(x):
+                rebase = self.rebases(run)
+                if rebase:
+                    window.clear()
                 window.append(x)
                 if len(window) > self.window:
                     window.pop(0)
+                run = 0
+            result.append((spike, rebase))
         return result
+
+
+def _check_max_consecutive(value: object) -> None:
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PolyampValueError(
+            f"SpikeRule(max_consecutive=...) must be an int >= 1, 'auto' (max(1, window // 2)) or None (never "
+            f"re-base the window). Received: {describe(value)}."
+        )
 
 
 def check_spike(spike: object) -> SpikeRule | None:

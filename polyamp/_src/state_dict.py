@@ -16,13 +16,20 @@ from typing import Any, Final
 from polyamp._src.errors import InvalidConfigError, PolyampTypeError, StateDictError, describe
 from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
 
-__all__ = ["FORMAT_VERSION", "is_disabled_torch_state", "parse_spike_window", "parse_state_dict", "to_state_dict"]
+__all__ = [
+    "FORMAT_VERSION",
+    "is_disabled_torch_state",
+    "parse_spike_run",
+    "parse_spike_window",
+    "parse_state_dict",
+    "to_state_dict",
+]
 
 FORMAT_VERSION: Final = 1
 #: What torch.amp.GradScaler.state_dict() holds: its scale and tracker, and three of the settings.
 _TORCH_KEYS: Final = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 #: The state (besides the scale and tracker) and the bookkeeping keys; every setting is a key too.
-_STATE_KEYS: Final = ("hysteresis_left", "enabled", "polyamp_format", "spike_window")
+_STATE_KEYS: Final = ("hysteresis_left", "enabled", "polyamp_format", "spike_window", "spike_run")
 
 
 def _known_keys() -> tuple[str, ...]:
@@ -31,11 +38,16 @@ def _known_keys() -> tuple[str, ...]:
 
 
 def to_state_dict(
-    config: LossScaleConfig, state: LossScaleState, enabled: bool | None, spike_window: list[float] | None = None
+    config: LossScaleConfig,
+    state: LossScaleState,
+    enabled: bool | None,
+    spike_window: list[float] | None = None,
+    spike_run: int = 0,
 ) -> dict[str, Any]:
     """The state dict of a scaler: torch's five keys plus every other setting and polyamp's state, as plain
     Python values. ``enabled`` is the scaler's setting (None: it follows the policy); ``spike_window``, for a
-    scaler with a `polyamp.SpikeRule`, the statistics in its window, oldest first."""
+    scaler with a `polyamp.SpikeRule`, the statistics in its window, oldest first, and ``spike_run`` the spikes
+    since a statistic last entered it (`polyamp.SpikeRule`'s ``max_consecutive``)."""
     settings = config.settings()
     result: dict[str, Any] = {
         "scale": float(state.scale),
@@ -48,7 +60,23 @@ def to_state_dict(
     result.update({"hysteresis_left": int(state.hysteresis_left), "enabled": enabled, "polyamp_format": FORMAT_VERSION})
     if spike_window is not None:
         result["spike_window"] = [float(value) for value in spike_window]
+        result["spike_run"] = int(spike_run)
     return result
+
+
+def parse_spike_run(state_dict: Mapping[str, Any]) -> int:
+    """The spike rule's ``run`` a state dict carries, validated: 0 when it carries none (a dict written before
+    the rule had ``max_consecutive``).
+
+    Raises:
+        StateDictError: ``spike_run`` is not an int >= 0.
+    """
+    value = state_dict.get("spike_run", 0)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise _fail(
+            f"'spike_run' must be an int >= 0 (the spike rule's consecutive spikes). Received: {describe(value)}."
+        )
+    return int(value)
 
 
 def parse_spike_window(state_dict: Mapping[str, Any], window: int | None) -> list[float] | None:

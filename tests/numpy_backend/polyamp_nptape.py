@@ -19,7 +19,7 @@ import numpy as np
 
 import polyamp
 from polyamp import LossScaleConfig, LossScaler, LossScaleState, Policy, PolyampTypeError, SpikeRule
-from polyamp.backend_api import SPIKE_BIT, BackendSpec, StepOutcome, ring_codes, wrong_object_error
+from polyamp.backend_api import REBASE_BIT, SPIKE_BIT, BackendSpec, StepOutcome, ring_codes, wrong_object_error
 from polyamp.conformance import HarnessUnavailable
 
 SPEC = BackendSpec(
@@ -50,6 +50,7 @@ class _Window:
     def __init__(self, rule: SpikeRule) -> None:
         self.rule = rule
         self.values: list[float] = []
+        self.run = 0  # spikes since a statistic last entered the window
 
 
 class TapeDevice:
@@ -175,6 +176,7 @@ class TapeDevice:
         overflow = flag is not None and flag > 0
         spiked = spike is not None and spike > 0
         code = base + int(overflow or spiked) + (SPIKE_BIT if spiked and not overflow else 0)
+        code += REBASE_BIT if spike is not None and spike < 0 else 0
         history[self._count % len(history)] = code
         self._count += 1
 
@@ -202,20 +204,32 @@ class TapeDevice:
         return np.float64(norm if unscaled else norm / self._state.scale)
 
     def spike_check(self, state: _Window, x: Any) -> np.float32:
-        return np.float32(state.rule.is_spike(state.values, float(x)))
+        return np.float32(state.rule.is_spike(state.values, float(x), state.run))
 
     def spike_finish(self, state: _Window, x: Any, spike: Any, overflow: Any) -> np.float32:
         blocked = spike > 0 or (overflow is not None and overflow > 0)
+        only = spike > 0 and not (overflow is not None and overflow > 0)
+        rebase = False
         if not blocked and math.isfinite(float(x)):
+            rebase = state.rule.rebases(state.run)
+            if rebase:
+                state.values.clear()
             state.values.append(float(x))
             del state.values[: -state.rule.window]
-        return np.float32(spike > 0 and not (overflow is not None and overflow > 0))
+            state.run = 0
+        elif only:
+            state.run += 1
+        return np.float32(-1.0 if rebase else float(only))
 
     def read_spike_window(self, state: _Window) -> list[float]:
         return list(state.values)
 
-    def write_spike_window(self, state: _Window, values: list[float]) -> None:
+    def read_spike_run(self, state: _Window) -> int:
+        return state.run
+
+    def write_spike_window(self, state: _Window, values: list[float], run: int = 0) -> None:
         state.values = list(values)[-state.rule.window :]
+        state.run = run
 
 
 class TapeBackend:

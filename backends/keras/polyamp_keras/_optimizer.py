@@ -22,6 +22,7 @@ from polyamp.backend_api import (
     MODE_CODES,
     NOT_GIVEN,
     NOT_SCALED_RULE,
+    REBASE_BIT,
     SPIKE_BIT,
     Recorder,
     UnscaleStages,
@@ -34,6 +35,7 @@ from polyamp.backend_api import (
     describe,
     detect_backend,
     non_finite_gradients,
+    parse_spike_run,
     parse_spike_window,
     parse_state_dict,
     resolve_enabled,
@@ -263,6 +265,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self._spike: SpikeWindow | None = None
         self._spike_loss: Any = None  # a loss given to scale_loss before the variables existed
         self._spike_pending: list[float] | None = None  # a window loaded before the variables existed
+        self._spike_pending_run = 0
         self._spike_loss_given = False
         self._spike_now: tuple[Any, Any] | None = None  # (statistic, gradients finite) of the step being built
 
@@ -353,7 +356,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         if self._spike_rule is not None:
             self._spike = SpikeWindow(self._spike_rule, self.add_variable)
             if self._spike_pending is not None:
-                self._spike.write(self._spike_pending)
+                self._spike.write(self._spike_pending, self._spike_pending_run)
                 self._spike_pending = None
 
     def _count_non_finite(self) -> None:
@@ -365,12 +368,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             self.non_finite_counts.assign(gradient_counts(grads))
             self.non_finite_at.assign(ops.convert_to_tensor(self.recorded_steps))
 
-    def _record(self, mode: str, skipped: Any, spike: bool = False) -> None:
+    def _record(self, mode: str, skipped: Any, spike: bool = False, rebased: Any = None) -> None:
         """Write this apply's code into the ring (on the device; inside compiled steps too); ``spike``: the
-        step was skipped by the spike rule alone."""
+        step was skipped by the spike rule alone; ``rebased`` (a boolean scalar): its statistic re-based the
+        rule's window."""
         capacity = self._recorder.capacity
         index = ops.mod(ops.convert_to_tensor(self.recorded_steps), capacity)
         code = MODE_CODES[mode] + (1 + SPIKE_BIT if spike else ops.cast(skipped, "int32"))
+        if rebased is not None:
+            code = code + ops.cast(rebased, "int32") * REBASE_BIT
         ring = ops.convert_to_tensor(self.step_codes)
         self.step_codes.assign(ops.where(ops.arange(capacity, dtype="int32") == index, code, ring))
         self.recorded_steps.assign_add(ops.cast(1, "int32"))
@@ -416,10 +422,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
 
     def state_dict(self) -> dict[str, Any]:
         """The loss-scaler state as `polyamp.LossScaler.state_dict` gives it (portable across backends)."""
-        window = None
+        window, run = None, 0
         if self._spike_rule is not None:
             window = self._spike.read() if self._spike is not None else list(self._spike_pending or [])
-        return to_state_dict(self._polyamp_config, self._get_state(), self._polyamp_enabled, window)
+            run = self._spike.read_run() if self._spike is not None else self._spike_pending_run
+        return to_state_dict(self._polyamp_config, self._get_state(), self._polyamp_enabled, window, run)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a polyamp (or torch GradScaler) loss-scaler state dict; validated first, all or nothing.
@@ -438,6 +445,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             state_dict, self._polyamp_config, loader_disabled=self._polyamp_enabled is False
         )
         window = parse_spike_window(state_dict, None if self._spike_rule is None else self._spike_rule.window)
+        run = parse_spike_run(state_dict)
         if config != self._polyamp_config and self._polyamp_traced:
             raise ScalerUsageError(
                 _TRACED_SETTINGS.format(method="load_state_dict()", new=config, old=self._polyamp_config)
@@ -458,9 +466,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self._recorder.reanchor(state)
         if window is not None:
             if self._spike is not None:
-                self._spike.write(window)
+                self._spike.write(window, run)
             else:
                 self._spike_pending = window  # written when the optimizer builds
+                self._spike_pending_run = run
 
     # -- scaling -----------------------------------------------------------------------------------------
 
@@ -590,9 +599,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             self.skipped_steps.assign_add(ops.cast(1, self.skipped_steps.dtype))
         if kind == "overflow":
             self._count_non_finite()
+        rebased = None
         if kind == "applied" and self._spike is not None and self._spike_now is not None:
-            self._spike.push(self._spike_now[0])
-        self._record(mode, skipped, spike=kind == "spike")
+            rebased = self._spike.push(self._spike_now[0])
+        if kind == "spike" and self._spike is not None:
+            self._spike.note_spike()
+        self._record(mode, skipped, spike=kind == "spike", rebased=rebased)
 
     def _on_skip(self, mode: str) -> None:
         """A skipped step's outcome: for non-finite gradients, or, with finite ones, by the spike rule."""

@@ -31,9 +31,9 @@ def statistic_dtype() -> str:
 
 
 class SpikeWindow:
-    """The rule's window (a ring of the last ``rule.window`` accepted statistics and their count) and, for
-    ``on="loss"`` with ``holds_loss``, the iteration's loss, as variables made by ``add_variable`` (Keras's
-    ``Optimizer.add_variable`` signature)."""
+    """The rule's window (a ring of the last ``rule.window`` accepted statistics, their count and ``run``, the
+    spikes since one was accepted) and, for ``on="loss"`` with ``holds_loss``, the iteration's loss, as
+    variables made by ``add_variable`` (Keras's ``Optimizer.add_variable`` signature)."""
 
     def __init__(self, rule: SpikeRule, add_variable: Callable[..., Any], *, holds_loss: bool = True) -> None:
         self.rule = rule
@@ -44,6 +44,9 @@ class SpikeWindow:
         )
         self.count = add_variable(
             shape=(), dtype=counter_dtype(), initializer=zeros, aggregation="none", name="spike_count"
+        )
+        self.run = add_variable(
+            shape=(), dtype=counter_dtype(), initializer=zeros, aggregation="none", name="spike_run"
         )
         self.loss = None
         if rule.on == "loss" and holds_loss:
@@ -87,26 +90,53 @@ class SpikeWindow:
             ops.greater(deviation, ops.multiply(ops.cast(rule.threshold, self.dtype), sigma)),
             ops.isfinite(x),
         ]
+        if rule.consecutive_limit is not None:  # a run at the bound: a level shift, accepted
+            run = ops.convert_to_tensor(self.run)
+            checks.append(ops.less(run, ops.cast(rule.consecutive_limit, run.dtype)))
         return ops.all(ops.stack(checks))
 
-    def push(self, x: Any, applied: Any = None) -> None:
-        """An applied iteration's statistic enters the window (unless it is not finite); ``applied``, a boolean
-        scalar, decides on the device whether the iteration's step was applied (None: it was)."""
+    def push(self, x: Any, applied: Any = None, spiked: Any = None) -> Any:
+        """End an iteration as `polyamp.SpikeRule.decide` does: an applied iteration's statistic enters the
+        window (unless it is not finite), emptying it first when ``run`` reached the rule's bound, and sets
+        ``run`` to 0; a skip by the rule alone (``spiked``) adds 1 to ``run``. ``applied`` and ``spiked``,
+        boolean scalars, are decided on the device (None: applied; not a spike).
+
+        Returns:
+            A boolean scalar: whether the iteration re-based the window.
+        """
         rule = self.rule
         count = ops.convert_to_tensor(self.count)
+        run = ops.convert_to_tensor(self.run)
         accept = ops.isfinite(x) if applied is None else ops.logical_and(applied, ops.isfinite(x))
+        if rule.consecutive_limit is None:
+            rebase = ops.logical_and(accept, ops.convert_to_tensor(False))
+        else:
+            rebase = ops.logical_and(accept, ops.greater_equal(run, ops.cast(rule.consecutive_limit, run.dtype)))
+        count = ops.where(rebase, ops.zeros_like(count), count)
         index = ops.mod(count, ops.cast(rule.window, count.dtype))
         at = ops.logical_and(ops.equal(ops.arange(rule.window, dtype=count.dtype), index), accept)
         self.ring.assign(ops.where(at, ops.cast(x, self.dtype), ops.convert_to_tensor(self.ring)))
-        self.count.assign_add(ops.cast(accept, count.dtype))
+        self.count.assign(ops.add(count, ops.cast(accept, count.dtype)))
+        bump = run if spiked is None else ops.add(run, ops.cast(spiked, run.dtype))
+        self.run.assign(ops.where(accept, ops.zeros_like(run), bump))
+        return rebase
+
+    def note_spike(self) -> None:
+        """A skip by the rule alone (in the branch that skips): ``run`` grows by 1."""
+        self.run.assign_add(ops.cast(1, self.run.dtype))
 
     def read(self) -> list[float]:
         """The window's values, oldest first (one host read)."""
         count = int(ops.convert_to_numpy(self.count))
         return [float(v) for v in ring_values(count, ops.convert_to_numpy(self.ring).tolist())]
 
-    def write(self, values: list[float]) -> None:
-        """Make the window hold ``values`` (oldest first, at most the rule's window)."""
+    def read_run(self) -> int:
+        """``run``: the spikes since a statistic last entered the window (one host read)."""
+        return int(ops.convert_to_numpy(self.run))
+
+    def write(self, values: list[float], run: int = 0) -> None:
+        """Make the window hold ``values`` (oldest first, at most the rule's window) and ``run``."""
         padded = list(values) + [0.0] * (self.rule.window - len(values))
         self.ring.assign(ops.convert_to_tensor(padded, dtype=self.dtype))
         self.count.assign(ops.cast(len(values), self.count.dtype))
+        self.run.assign(ops.cast(run, self.run.dtype))

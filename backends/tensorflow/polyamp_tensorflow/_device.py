@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
-from polyamp.backend_api import SPIKE_BIT, StepOutcome, describe, ring_codes, wrong_object_error
+from polyamp.backend_api import REBASE_BIT, SPIKE_BIT, StepOutcome, describe, ring_codes, wrong_object_error
 from polyamp_keras.device import (
     ScaleState,
     SpikeWindow,
@@ -205,8 +205,11 @@ class TensorFlowDevice:
     def read_spike_window(self, state: SpikeWindow) -> list[float]:
         return state.read()
 
-    def write_spike_window(self, state: SpikeWindow, values: list[float]) -> None:
-        state.write(values)
+    def read_spike_run(self, state: SpikeWindow) -> int:
+        return state.read_run()
+
+    def write_spike_window(self, state: SpikeWindow, values: list[float], run: int = 0) -> None:
+        state.write(values, run)
 
     def spike_statistic(self, loss: Any) -> Any:
         if isinstance(loss, (list, tuple)):
@@ -225,9 +228,9 @@ class TensorFlowDevice:
 
     def spike_finish(self, state: SpikeWindow, x: Any, spike: Any, overflow: Any) -> Any:
         blocked = spike > 0 if overflow is None else (spike > 0) | (overflow > 0)
-        state.push(x, applied=tf.logical_not(blocked))
         only = spike > 0 if overflow is None else (spike > 0) & tf.logical_not(overflow > 0)
-        return tf.cast(only, tf.float32)
+        rebased = state.push(x, applied=tf.logical_not(blocked), spiked=only)
+        return tf.cast(only, tf.float32) - tf.cast(rebased, tf.float32)  # -1: re-based (SpikeDevice)
 
     def read_provenance(self) -> list[tuple[int, list[tuple[str, int, int, int, int]]]]:
         found = []
@@ -338,6 +341,8 @@ class TensorFlowDevice:
         spiked = tf.constant(False) if spike is None else spike > 0
         code += tf.cast(overflow | spiked, tf.int32)
         code += tf.cast(spiked & tf.logical_not(overflow), tf.int32) * SPIKE_BIT
+        if spike is not None:
+            code += tf.cast(spike < 0, tf.int32) * REBASE_BIT
         size = tf.size(codes, out_type=tf.int64)
         index = tf.math.floormod(tf.convert_to_tensor(count), size)
         # A whole-ring assign (a scatter is not defined on tf.distribute's mirrored variables).

@@ -26,6 +26,7 @@ from typing import Any
 
 from polyamp import InvalidConfigError, LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
 from polyamp.backend_api import (
+    REBASE_BIT,
     SPIKE_BIT,
     StepOutcome,
     backend_name_for,
@@ -78,22 +79,26 @@ def _read_flags(flags: list[torch.Tensor]) -> list[Any]:
 
 
 class _SpikeState:
-    """The spike rule's window on the device: a float64 ring of accepted statistics and their count (made on
-    the statistic's device at first use, from ``values`` when a window was loaded before)."""
+    """The spike rule's window on the device: a float64 ring of accepted statistics, their count and the run of
+    spikes since one was accepted (made on the statistic's device at first use, from ``values`` and
+    ``run_value`` when a window was loaded before)."""
 
     def __init__(self, rule: Any) -> None:
         self.rule = rule
         self.ring: torch.Tensor | None = None
         self.count: torch.Tensor | None = None
+        self.run: torch.Tensor | None = None
         self.values: list[float] = []
+        self.run_value = 0
 
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.ring is None or self.count is None:
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.ring is None or self.count is None or self.run is None:
             ring = torch.zeros(self.rule.window, dtype=torch.float64)
             ring[: len(self.values)] = torch.tensor(self.values, dtype=torch.float64)
             self.ring = ring.to(device)
             self.count = torch.tensor(len(self.values), dtype=torch.int64, device=device)
-        return self.ring, self.count
+            self.run = torch.tensor(self.run_value, dtype=torch.int64, device=device)
+        return self.ring, self.count, self.run
 
 
 class TorchDevice:
@@ -446,8 +451,10 @@ class TorchDevice:
         codes = []
         for base, found, spike in entries:
             overflow = found is not None and next(values) > 0
-            spiked = spike is not None and next(values) > 0
-            codes.append(base + int(overflow or spiked) + (SPIKE_BIT if spiked and not overflow else 0))
+            only = next(values) if spike is not None else 0.0
+            spiked = only > 0
+            code = base + int(overflow or spiked) + (SPIKE_BIT if spiked and not overflow else 0)
+            codes.append(code + (REBASE_BIT if only < 0 else 0))
         history.entries.clear()
         return history.count, codes
 
@@ -474,7 +481,7 @@ class TorchDevice:
     def spike_check(self, state: _SpikeState, x: torch.Tensor) -> torch.Tensor:
         """The rule's decision for ``x`` as a float32 flag (1.0: a spike), on the device, no host read."""
         rule = state.rule
-        ring, count = state.on(x.device)
+        ring, count, run = state.on(x.device)
         n = torch.clamp(count, max=rule.window)
         mask = torch.arange(rule.window, device=x.device) < n
         denominator = torch.clamp(n, min=1).double()
@@ -484,32 +491,47 @@ class TorchDevice:
         spike: torch.Tensor = (
             (n >= rule.min_values) & (sigma > 0) & (deviation > rule.threshold * sigma) & torch.isfinite(x)
         )
+        if rule.consecutive_limit is not None:
+            spike = spike & (run < rule.consecutive_limit)
         return spike.float()
 
     def spike_finish(
         self, state: _SpikeState, x: torch.Tensor, spike: torch.Tensor, overflow: torch.Tensor | None
     ) -> torch.Tensor:
-        """After the iteration: ``x`` enters the window when the step was applied; returns the flag of a skip
-        by the spike rule alone (counted by the core)."""
-        ring, count = state.on(x.device)
+        """After the iteration: ``x`` enters the window when the step was applied (emptying it first when the
+        run of spikes reached the rule's bound: a re-base); returns the flag of a skip by the spike rule alone
+        (counted by the core), or -1 when the iteration re-based (`polyamp.backend_api.SpikeDevice`)."""
+        rule = state.rule
+        ring, count, run = state.on(x.device)
         blocked = spike > 0 if overflow is None else (spike > 0) | (overflow.to(x.device) > 0)
         accept = ~blocked & torch.isfinite(x)
-        index = torch.remainder(count, state.rule.window)
+        only = spike > 0 if overflow is None else (spike > 0) & ~(overflow.to(x.device) > 0)
+        if rule.consecutive_limit is not None:
+            rebase = accept & (run >= rule.consecutive_limit)
+            count.copy_(torch.where(rebase, 0, count))
+        else:
+            rebase = torch.zeros_like(accept)
+        index = torch.remainder(count, rule.window)
         ring.index_copy_(0, index.reshape(1), torch.where(accept, x, ring[index]).reshape(1))
         count.add_(accept.long())
-        only = spike > 0 if overflow is None else (spike > 0) & ~(overflow.to(x.device) > 0)
-        return only.float()
+        run.copy_(torch.where(accept, 0, run + only.long()))
+        flag: torch.Tensor = only.float() - rebase.float()
+        return flag
 
     def read_spike_window(self, state: _SpikeState) -> list[float]:
         if state.ring is None or state.count is None:
             return list(state.values)
         return [float(v) for v in ring_values(int(state.count), state.ring.tolist())]
 
-    def write_spike_window(self, state: _SpikeState, values: list[float]) -> None:
+    def read_spike_run(self, state: _SpikeState) -> int:
+        return state.run_value if state.run is None else int(state.run)
+
+    def write_spike_window(self, state: _SpikeState, values: list[float], run: int = 0) -> None:
         state.values = list(values)
+        state.run_value = run
         if state.ring is not None:
             device = state.ring.device
-            state.ring = state.count = None
+            state.ring = state.count = state.run = None
             state.on(device)
 
     def skipped_steps(self) -> torch.Tensor:

@@ -167,7 +167,10 @@ def _fused_step(optimizer: Any, grad_scale: Any, found_inf: torch.Tensor, args: 
     # torch's Optimizer.step breaks the graph twice under torch.compile (pytorch#104053), so the step is
     # never part of a graph; running this block eagerly as one unit keeps the attribute hand-over exact.
     optimizer.grad_scale = grad_scale
-    optimizer.found_inf = found_inf
+    # torch's fused kernels skip only when found_inf == 1.0 and subtract it from the step counters, while a
+    # polyamp flag is "set" when > 0: a sum of flags (the guard's check and the spike rule's decision, or
+    # several devices' checks) can be 2.0, which would apply the step and count it back. Hand over 0.0 or 1.0.
+    optimizer.found_inf = (found_inf > 0).to(found_inf.dtype)
     try:
         return optimizer.step(*args, **kwargs)
     finally:
