@@ -145,6 +145,35 @@ def sharded(fused: bool, with_group: bool, resume: dict[str, Any] | None = None)
     return result
 
 
+def discard(alone: bool) -> dict[str, Any]:
+    """Ranks holding different gradients, one process group; at step 5, after backward and before any flag
+    reduction, rank 1 (``alone``) or every rank discards the iteration."""
+    model = make_model(1)
+    params = list(model.parameters())
+    mine = params[RANK::2]
+    opt = torch.optim.SGD(mine, lr=0.05, momentum=0.9)
+    scaler = polyamp.LossScaler(2.0**8, growth_interval=3, enabled=True, process_group=dist.new_group([0, 1]))
+    generator = torch.Generator().manual_seed(7)
+    steps: list[dict[str, Any]] = []
+    error = None
+    for step in range(12):
+        x = torch.randn(4, 8, generator=generator)
+        opt.zero_grad()
+        scaler.scale(model(x).pow(2).mean()).backward()
+        if step == 5 and (RANK == 1 or not alone):
+            scaler.discard_iteration()  # e.g. after an exception in this rank's step
+            continue
+        before = bits(mine)
+        try:
+            scaler.step(opt)
+            scaler.update()
+        except polyamp.ScalerUsageError as exc:
+            error = {"step": step, "message": str(exc), "unchanged": bits(mine) == before}
+            break
+        steps.append({"step": step, "skipped": bool(scaler.step_skipped(opt)), "unchanged": bits(mine) == before})
+    return {"steps": steps, "error": error, "state": state(scaler)}
+
+
 def no_gradients() -> dict[str, Any]:
     """Rank 1's optimizer has no gradients: it still joins the all-reduce, then raises; rank 0 steps."""
     used, unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
@@ -282,6 +311,8 @@ def main() -> None:
         "sharded_no_group": lambda: sharded(fused=False, with_group=False),
         "sharded_resumed": lambda: sharded(fused=False, with_group=True, resume=resume),
         "no_gradients": no_gradients,
+        "discard_alone": lambda: discard(alone=True),
+        "discard_together": lambda: discard(alone=False),
         "fsdp": fsdp,
         "fsdp_apply_policy": fsdp_apply_policy,
     }

@@ -4,8 +4,9 @@
   parameters and the same scale after every step, on both ranks.
 * Ranks holding different gradients (each rank owns half of the parameters, its own optimizer, no DDP):
   with ``process_group=`` both ranks skip exactly the steps where one rank overflowed, keep identical scale
-  and counters, and the scaler issues exactly one single-element MAX all-reduce per step; without a group
-  they diverge.
+  and counters, and the scaler issues exactly one three-element MAX all-reduce per step (the flag and the
+  rank's iteration count, to detect ranks out of step); without a group they diverge. A rank that discards an
+  iteration alone is detected, and every rank skips and is told why; ranks that discard together go on.
 * FSDP2 on CPU: DTensor gradients, torch's DTensor rule reduces the flag (no group needed), parity with
   native GradScaler under FSDP2; ``apply_policy`` and ``fully_shard`` in both orders.
 * State dicts move between a distributed run and a single device both ways.
@@ -111,8 +112,8 @@ def test_process_group_makes_every_rank_skip_together(runs: dict[str, list[dict[
         # a skipped step leaves this rank's parameters bitwise unchanged, also on rank 0 whose gradients were finite
         assert [r["unchanged"] for r in records] == [r["skipped"] for r in records]
         assert [r["state"] for r in records] == expected
-        # exactly one all-reduce per step from the scaler: one element, MAX
-        assert [r["all_reduces"] for r in records] == [[[1, "RedOpType.MAX"]]] * 20
+        # exactly one all-reduce per step from the scaler: MAX of (flag, iteration, -iteration)
+        assert [r["all_reduces"] for r in records] == [[[3, "RedOpType.MAX"]]] * 20
     assert [r["state"] for r in rank0["records"]] == [r["state"] for r in rank1["records"]]
     assert rank0["state_dict"] == rank1["state_dict"]
     assert "process_group" not in rank0["state_dict"]
@@ -254,3 +255,29 @@ def test_a_backend_without_reduction_refuses_a_process_group(monkeypatch: pytest
     finally:
         for name in ("npfw", "polyamp_npfw"):
             sys.modules.pop(name, None)
+
+
+def test_a_rank_discarding_an_iteration_alone_is_detected_on_every_rank(
+    runs: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Rank 1 discards step 5 before its reduction: rank 0's step 5 meets rank 1's step 6. Both ranks skip that
+    step (parameters bitwise unchanged) and raise ScalerUsageError naming discard_iteration, instead of going on
+    out of step until the job ends."""
+    rank0, rank1 = _results(runs, "discard_alone")
+    assert [s["skipped"] for s in rank0["steps"]] == [False] * 5
+    assert [s["skipped"] for s in rank1["steps"]] == [False] * 5
+    assert (rank0["error"]["step"], rank1["error"]["step"]) == (5, 6)
+    for result in (rank0, rank1):
+        assert "process_group are out of step" in result["error"]["message"]
+        assert "discard_iteration() on every rank" in result["error"]["message"]
+        assert result["error"]["unchanged"] is True  # the mismatched step was skipped
+    assert rank0["state"] == rank1["state"]
+
+
+def test_ranks_discarding_the_same_iteration_go_on_in_step(runs: dict[str, list[dict[str, Any]]]) -> None:
+    rank0, rank1 = _results(runs, "discard_together")
+    for result in (rank0, rank1):
+        assert result["error"] is None
+        assert [s["step"] for s in result["steps"]] == [s for s in range(12) if s != 5]
+        assert not any(s["skipped"] for s in result["steps"])
+    assert rank0["state"] == rank1["state"]

@@ -295,6 +295,18 @@ class ProcessGroupDevice(Protocol):
         `polyamp.PolyampTypeError` when ``group`` is not one of the framework's process groups."""
         ...
 
+    def set_group_iteration(self, index: int) -> None:
+        """This rank's iteration count (iterations ended or discarded) for the reductions that follow: each
+        reduction carries it, so that a reduction pairing different iterations of two ranks (one rank
+        discarded an iteration alone) is detected on the device; the device then treats the flag as set (every
+        rank skips) and remembers the mismatch for `read_group_mismatch`."""
+        ...
+
+    def read_group_mismatch(self) -> bool:
+        """Whether a reduction since the last call paired different iterations of the group's ranks (one
+        host read; False without a group)."""
+        ...
+
 
 @runtime_checkable
 class Float16HintDevice(Protocol):

@@ -273,6 +273,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         self._compiling: Any = _not_compiling
         self._float16_probes = FLOAT16_PROBES
         self._set_scale_read: float | None = None  # the value of update(new_scale=<tensor>), once read
+        self._group_iterations = 0  # iterations ended or discarded, for the process group's reductions
         self._backend_name: str | None = None
         # The single-replica iteration is made up front: a first call traced by a compiler (torch.compile)
         # then finds it instead of constructing it, which dynamo cannot trace (a graph break).
@@ -727,6 +728,7 @@ class LossScaler(GradScalerSpelling, Pickled):
                 self._outcomes.write_last(device, device.finite_flag(), False)
                 history.write("off", None, False)
             iteration.close()
+            self._count_group_iteration()
             return
         self._set_scale_read = None
         value = None if new_scale is None else self._checked_new_scale(new_scale)
@@ -746,6 +748,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         if combined is not None:
             self._outcomes.write_last(device, self._with_flag(device, combined, spike_only), None)
         iteration.close()
+        self._count_group_iteration()
         if value is not None:
             if combined is not None:  # the iteration counts as skipped or not, but the rule did not run
                 history.write("set", combined, False, spike_only, set_scale=known)
@@ -805,10 +808,24 @@ class LossScaler(GradScalerSpelling, Pickled):
 
         For recovering after an exception in the middle of a training step (the next iteration starts
         clean); the scale, counters and skip records stay as they were.
+
+        With a ``process_group``, every rank reduces its found-inf flags with the others at each ``unscale_``
+        and ``step``, so a rank may discard an iteration alone only after those reductions; otherwise call it on
+        every rank for the same iteration. A rank that discards alone before its reductions would pair its next
+        iteration's reductions with the others' current ones: each reduction carries the rank's iteration
+        count, so this is detected on the device, the affected steps are skipped on every rank, and the next
+        read of the records (`records`, or the scaler's own reads) raises `ScalerUsageError` naming the cause.
         """
         self._iteration.close()
         self._history.reset_iteration()
         self._spikes.reset()
+        self._count_group_iteration()
+
+    def _count_group_iteration(self) -> None:
+        """Tell a device that reduces flags over a process group that this rank's iteration ended."""
+        if self._process_group is not None and self._device is not None:
+            self._group_iterations += 1
+            self._device.set_group_iteration(self._group_iterations)
 
     def _checked_new_scale(self, new_scale: Any) -> Any:
         if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):

@@ -16,11 +16,22 @@ from typing import Any
 
 from polyamp._src.backend import Flag, ProvenanceDevice, RecordingDevice, ScalerDevice
 from polyamp._src.binding import DeviceCapabilities
+from polyamp._src.errors import ScalerUsageError
 from polyamp._src.provenance import NonFiniteGradient, non_finite_gradients
 from polyamp._src.records import MODE_CODES, SPIKE_BIT, Recorder, StepRecord
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
 
-__all__ = ["OutcomeRecord", "RecordHistory", "StepOutcomes"]
+__all__ = ["GROUP_MISMATCH", "OutcomeRecord", "RecordHistory", "StepOutcomes"]
+
+#: The error for ranks of a process group whose flag reductions paired different iterations.
+GROUP_MISMATCH = (
+    "The ranks of this LossScaler's process_group are out of step: a found-inf reduction paired this rank's "
+    "iteration with a different iteration of another rank. This happens when discard_iteration() is called on "
+    "some ranks but not on the others before their reductions (unscale_/step), or when one rank ends an extra "
+    "iteration (update()). The affected steps were skipped on every rank. Call discard_iteration() on every "
+    "rank for the same iteration (e.g. after the ranks agree to drop a batch), or only after the iteration's "
+    "unscale_/step calls."
+)
 
 
 class OutcomeRecord:
@@ -185,6 +196,8 @@ class RecordHistory:
         self._attach_deferred(count, codes)
         self._pending = 0
         self.recorder.consume(count, codes, self._config, self._state_or_none)
+        if self._capabilities is not None and self._capabilities.process_groups and device.read_group_mismatch():
+            raise ScalerUsageError(GROUP_MISMATCH)
 
     def follow(self, config: LossScaleConfig) -> None:
         """Replay records under ``config`` from now on (the scaler's settings)."""

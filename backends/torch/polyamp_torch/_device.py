@@ -117,6 +117,17 @@ class TorchDevice:
         self._float16_regions_seen = float16_regions_entered()
         self._first_iteration = True
         self._process_group: Any = None
+        self._group_iteration = 0  # this rank's iteration count, carried by each reduction over the group
+        self._group_mismatch: torch.Tensor | None = None  # set once a reduction paired different iterations
+
+    def set_group_iteration(self, index: int) -> None:
+        """The iteration count the following reductions carry (see `_check_and_unscale`)."""
+        self._group_iteration = index
+
+    def read_group_mismatch(self) -> bool:
+        """Whether a reduction since the last call paired different iterations of the group's ranks."""
+        mismatch, self._group_mismatch = self._group_mismatch, None
+        return mismatch is not None and bool(mismatch.item())
 
     def set_process_group(self, group: Any) -> None:
         """Reduce every found-inf flag over ``group`` (a ``torch.distributed.ProcessGroup``) from now on."""
@@ -309,10 +320,22 @@ class TorchDevice:
         the flag over the gradients' device mesh."""
         flag, bfloat16 = unscale_gradients(optimizer, inv_scale, found_inf, **options)
         if self._process_group is not None:
-            reduced = found_inf if flag is None else flag
-            torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, group=self._process_group)
+            local = found_inf if flag is None else flag
+            # (flag, iteration, -iteration) in one MAX all-reduce: the ranks' iterations differ exactly when the
+            # maximum of the count and the maximum of its negation do not cancel (a rank discarded an iteration
+            # alone); the flag is then set, so every rank skips, and the mismatch is kept for the host to report.
+            iteration = float(self._group_iteration)
+            packed = torch.stack(
+                [local.reshape(()).to(torch.float64), torch.tensor(iteration, dtype=torch.float64, device=local.device)]
+            )
+            packed = torch.cat([packed, -packed[1:]])
+            torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self._process_group)
+            mismatch = (packed[1] + packed[2]) != 0
+            local.copy_(torch.maximum(packed[0], mismatch.to(torch.float64)).to(local.dtype).reshape(local.shape))
+            known = self._group_mismatch
+            self._group_mismatch = mismatch if known is None else known | mismatch
             if flag is not None:
-                flag = reduced
+                flag = local
         return flag, bfloat16
 
     def unscales_in_step(self, optimizer: Any) -> bool:
