@@ -711,6 +711,13 @@ class LossScaler(GradScalerSpelling, Pickled):
         self._finish(self._device, new_scale, "update()")
 
     def _finish(self, device: Any, new_scale: Any, method: str) -> None:
+        """End the iteration, holding the history's lock: a reader in another thread (`records`, `get_state`)
+        sees the device state and the records at one iteration. torch.compile never traces this (`update` runs
+        it uncompiled: dynamo cannot trace a lock); ``tf.function`` takes the lock only while tracing."""
+        with self._history.lock:
+            self._end_iteration(device, new_scale, method)
+
+    def _end_iteration(self, device: Any, new_scale: Any, method: str) -> None:
         iteration = self._iteration
         history = self._history
         if not self._begin() and new_scale is None:
@@ -920,8 +927,14 @@ class LossScaler(GradScalerSpelling, Pickled):
     # -- state -------------------------------------------------------------------------------------------
 
     def get_state(self) -> LossScaleState:
-        """The scale and counters (reading a device state synchronises)."""
-        return self._device.read_state() if self._device is not None else self._host_state
+        """The scale and counters (reading a device state synchronises). Safe from another thread: the
+        state is read between two updates, never halfway through one."""
+        if self._device is None:
+            return self._host_state
+        if self._compiling():  # a compiler cannot trace the lock; a traced function runs in one thread
+            return self._device.read_state()  # type: ignore[no-any-return]
+        with self._history.lock:
+            return self._device.read_state()  # type: ignore[no-any-return]
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). Reading a device scale synchronises."""
@@ -963,13 +976,14 @@ class LossScaler(GradScalerSpelling, Pickled):
         window = parse_spike_window(state_dict, None if rule is None else rule.window)
         run = parse_spike_run(state_dict)
         self._refuse_mid_iteration("load_state_dict() was called")
-        self.records()  # the records so far belong to the state being replaced
-        if self._device is not None:
-            self._device.write_state(config, state)
-        self._config = config
-        self._host_state = state
-        self._history.follow(config)
-        self._history.recorder.reanchor(state)
+        with self._history.lock:  # a reader in another thread sees the old state and records, or the new
+            self.records()  # the records so far belong to the state being replaced
+            if self._device is not None:
+                self._device.write_state(config, state)
+            self._config = config
+            self._host_state = state
+            self._history.follow(config)
+            self._history.recorder.reanchor(state)
         self._spikes.write_window(window, run)
 
     def _refuse_mid_iteration(self, what: str) -> None:
@@ -982,11 +996,12 @@ class LossScaler(GradScalerSpelling, Pickled):
 
     def _change_setting(self, name: str, value: Any) -> None:
         config = self._config.replace(**{name: value})
-        self.records()  # replayed under the rule they ran with
-        if self._device is not None:
-            self._device.write_state(config, None)
-        self._config = config
-        self._history.follow(config)
+        with self._history.lock:  # the records so far are replayed under the rule they ran with
+            self.records()
+            if self._device is not None:
+                self._device.write_state(config, None)
+            self._config = config
+            self._history.follow(config)
 
     # -- the functional form ------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final, Literal, TypeVar
 
 from polyamp._src.errors import PolyampError, PolyampValueError, describe
@@ -231,6 +231,28 @@ class Recorder:
     def attach_set_scale(self, iteration: int, scale: float) -> None:
         """``iteration`` ended with ``update(new_scale=scale)``: its record's ``next_scale``."""
         self.set_scales[iteration] = scale
+
+    def find(self, iteration: int) -> StepRecord | None:
+        """The kept record of ``iteration``, or None (not read yet, lost, or no longer kept)."""
+        for record in reversed(self.records):  # the one wanted is usually among the last
+            if record.iteration == iteration:
+                return record
+            if record.iteration < iteration:
+                break
+        return None
+
+    def amend(self, iteration: int, gradients: tuple[NonFiniteGradient, ...]) -> None:
+        """Add ``gradients`` to the kept record of ``iteration``, made before they could be counted (records
+        already handed out stay as they were)."""
+        if not gradients:
+            return
+        for position in range(len(self.records) - 1, -1, -1):
+            record = self.records[position]
+            if record.iteration == iteration:
+                self.records[position] = replace(record, gradients=record.gradients + gradients)
+                return
+            if record.iteration < iteration:
+                return
 
     def reanchor(self, state: LossScaleState | None) -> None:
         """The state is now ``state`` (loaded, set or read), or unknown (None)."""

@@ -7,11 +7,18 @@
 read in batches into `polyamp.StepRecord` by the core's `Recorder`, and what the host learned about the
 current iteration on the way (skips already read, the non-finite gradients of those skips, optimizers whose
 skip the device decided and whose gradients can be counted once the records are read).
+
+Threads: the training loop is one thread, but the records, scale and counters may be read from others (a
+monitoring thread). `RecordHistory.lock` makes each read of the ring and each write (with the read it may
+trigger) one step, so no record is read twice or lost; gradients are only ever counted by the thread that
+ended the iteration, the only one that knows they are not being zeroed or recomputed at that moment.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
+from threading import get_ident
 from typing import Any
 
 from polyamp._src.backend import Flag, ProvenanceDevice, RecordingDevice, ScalerDevice
@@ -86,10 +93,17 @@ class StepOutcomes:
 
 
 class RecordHistory:
-    """The iterations' records of one scaler, and what the host learned about the current iteration."""
+    """The iterations' records of one scaler, and what the host learned about the current iteration.
+
+    The current iteration's attributes belong to the training thread. `read` may be called from any thread:
+    `lock` is held around every read of the ring and every `write`, and the scaler holds it while it ends an
+    iteration, so a read sees the device state and the ring at the same iteration.
+    """
 
     def __init__(self, recorder: Recorder, config: LossScaleConfig) -> None:
         self.recorder = recorder
+        # Reentrant: ending an iteration holds it and then writes, and a write may read the ring.
+        self.lock = threading.RLock()
         self._config = config  # the settings the records are replayed under (`follow` keeps it current)
         self._device: Any = None
         self._capabilities: DeviceCapabilities | None = None
@@ -114,7 +128,8 @@ class RecordHistory:
         self.host_clean = 0  # steps that read "not skipped" to the host
         self._gradients: list[NonFiniteGradient] = []  # the non-finite gradients of host-known skips
         self._unknown: list[Any] = []  # optimizers whose skip the device decided (weak references)
-        self._deferred: tuple[int, list[Any]] | None = None  # the last iteration's such optimizers
+        # The last iteration's such optimizers: (its index, the optimizers, the thread that ended it).
+        self._deferred: tuple[int, list[Any], int] | None = None
 
     def iteration_opened(self) -> None:
         """A new iteration: the last one's gradients are about to change, so they can no longer be counted."""
@@ -158,20 +173,21 @@ class RecordHistory:
         if self._ring is None:
             self._unknown = []
             return
-        self.recorder.attach(self._written, gradients)
-        if set_scale is not None:
-            self.recorder.attach_set_scale(self._written, set_scale)
-        unknown, self._unknown = self._unknown, []
-        self._deferred = (self._written, unknown) if unknown else None
-        self._written += 1
-        if spike is None:
-            self._device.write_history(self._ring, MODE_CODES[mode], flag)
-        else:
-            self._device.write_history(self._ring, MODE_CODES[mode], flag, spike)
-        self._pending += 1
-        # A skip the step already read to the host is reported at once; the rest in batches (one read).
-        if (host_skipped or self._pending >= max(1, self.recorder.capacity // 2)) and not self._compiling():
-            self._read_ring()
+        with self.lock:  # a read from another thread between the entry and its count would lose it
+            self.recorder.attach(self._written, gradients)
+            if set_scale is not None:
+                self.recorder.attach_set_scale(self._written, set_scale)
+            unknown, self._unknown = self._unknown, []
+            self._deferred = (self._written, unknown, get_ident()) if unknown else None
+            self._written += 1
+            if spike is None:
+                self._device.write_history(self._ring, MODE_CODES[mode], flag)
+            else:
+                self._device.write_history(self._ring, MODE_CODES[mode], flag, spike)
+            self._pending += 1
+            # A skip the step already read to the host is reported at once; the rest in batches (one read).
+            if (host_skipped or self._pending >= max(1, self.recorder.capacity // 2)) and not self._compiling():
+                self._read_ring()
 
     def _compiling(self) -> bool:
         return self._capabilities is not None and bool(self._capabilities.compiling())
@@ -182,12 +198,15 @@ class RecordHistory:
         return self._pending
 
     def read(self) -> list[StepRecord]:
-        """The records kept (at most the recorder's capacity), after reading the device's new ones."""
-        if self._ring is not None and not self._compiling():
-            self._read_ring()
-        return list(self.recorder.records)
+        """The records kept (at most the recorder's capacity), after reading the device's new ones (from any
+        thread)."""
+        with self.lock:
+            if self._ring is not None and not self._compiling():
+                self._read_ring()
+            return list(self.recorder.records)
 
     def _read_ring(self) -> None:
+        """Read the device's new entries into records (with `lock` held)."""
         device = self._device
         if isinstance(device, ProvenanceDevice):  # counted on the device, in the branch that skipped
             for iteration, entries in device.read_provenance():
@@ -209,32 +228,51 @@ class RecordHistory:
     def _attach_deferred(self, count: int, codes: list[int]) -> None:
         """Name the non-finite gradients of the last recorded iteration when the device decided its skip (a
         fused optimizer) and no iteration has opened since: its gradients are still there, and counting them now
-        costs the steps that were applied nothing."""
-        deferred, self._deferred = self._deferred, None
+        costs the steps that were applied nothing (with `lock` held).
+
+        Only the thread that ended that iteration counts them: any other would read ``param.grad`` while the
+        training thread may be zeroing or recomputing it. Another thread's read leaves them to the training
+        thread's next read before its next iteration opens; when that read finds the record already made (by
+        the other thread, without names), it adds the names to the record kept. If the next iteration opens
+        first, the record stays without them."""
+        deferred = self._deferred
         if deferred is None:
             return
-        index, optimizers = deferred
+        index, optimizers, thread = deferred
+        if thread != get_ident():
+            return
+        self._deferred = None
+        if index < self.recorder.read_count:  # recorded by another thread's read
+            record = self.recorder.find(index)
+            if record is not None and record.skipped and record.reason in ("overflow", "non_finite"):
+                self.recorder.amend(index, self._count(optimizers))
+            return
         position = len(codes) - (count - index)
-        if index < self.recorder.read_count or not 0 <= position < len(codes):
-            return  # already recorded, or no longer in the ring
+        if not 0 <= position < len(codes):
+            return  # no longer in the ring
         code = codes[position]
         if not code & 1 or code & SPIKE_BIT:
             return  # applied, or skipped by the spike rule (whose gradients are finite)
+        self.recorder.attach(index, self._count(optimizers))
+
+    def _count(self, optimizers: list[Any]) -> tuple[NonFiniteGradient, ...]:
+        """The non-finite gradients of ``optimizers`` (weak references or optimizers), as they are now."""
         entries = []
         for reference in optimizers:
             optimizer = reference() if isinstance(reference, weakref.ref) else reference
             if optimizer is not None:
                 entries += self._device.non_finite_gradients(optimizer)
-        self.recorder.attach(index, non_finite_gradients(entries))
+        return non_finite_gradients(entries)
 
     def reanchor_after_set(self, value: Any) -> None:
         """After ``update(new_scale=value)``: the records that follow replay from the new scale."""
         if self._compiling():
             self.recorder.reanchor(None)
             return
-        self.read()
-        anchor = self.recorder.anchor
-        if isinstance(value, float) and anchor is not None:
-            self.recorder.reanchor(LossScaleState(value, anchor.growth_tracker, anchor.hysteresis_left))
-        else:
-            self.recorder.reanchor(self._device.read_state())
+        with self.lock:  # read and re-anchored in one step: the anchor is the state after the last record
+            self.read()
+            anchor = self.recorder.anchor
+            if isinstance(value, float) and anchor is not None:
+                self.recorder.reanchor(LossScaleState(value, anchor.growth_tracker, anchor.hysteresis_left))
+            else:
+                self.recorder.reanchor(self._device.read_state())
