@@ -308,10 +308,11 @@ def chunk_indices(shape: tuple[int, ...], itemsize: int, limit: int = CHUNK_BYTE
     the same way. ``()`` (the whole array) when it fits. Use each as ``array[index]`` (h5py, safetensors
     slices and NumPy/torch arrays all accept integers and slices).
 
-    >>> list(chunk_indices((4, 3), 4, limit=24))
-    [(slice(0, 2, None),), (slice(2, 4, None),)]
-    >>> list(chunk_indices((2, 3), 4, limit=8))[:2]
-    [(0, slice(0, 2, None)), (0, slice(2, 3, None))]
+    Examples:
+        >>> list(chunk_indices((4, 3), 4, limit=24))
+        [(slice(0, 2, None),), (slice(2, 4, None),)]
+        >>> list(chunk_indices((2, 3), 4, limit=8))[:2]
+        [(0, slice(0, 2, None)), (0, slice(2, 3, None))]
     """
     if math.prod(shape) * itemsize <= limit or not shape:
         yield ()

@@ -148,10 +148,11 @@ def find_hazards(tensors: Iterable[TensorSummary | tuple[str, str, float | None]
     Framework-free: give it triples from any source. ``policy`` is a `polyamp.Policy`, a policy name or a spec
     (``"auto"`` included). Returns the hazards in the order of ``tensors``, each tensor's in the table's order.
 
-    >>> [h.kind for h in find_hazards([("w", "float32", 1e5), ("rope.inv_freq", "float32", 1.0)], "mixed_float16")]
-    ['float16_overflow', 'rotary_buffer']
-    >>> [h.kind for h in find_hazards([("w", "float32", 1e5), ("steps", "int64", None)], "mixed_bfloat16")]
-    []
+    Examples:
+        >>> [h.kind for h in find_hazards([("w", "float32", 1e5), ("rope.inv_freq", "float32", 1.0)], "mixed_float16")]
+        ['float16_overflow', 'rotary_buffer']
+        >>> [h.kind for h in find_hazards([("w", "float32", 1e5), ("steps", "int64", None)], "mixed_bfloat16")]
+        []
     """
     resolved = Policy(policy)
     dtypes = (resolved.param_dtype, resolved.compute_dtype)
