@@ -31,9 +31,9 @@ __all__ = ["NOT_SCALED_RULE", "Iteration", "Stage", "UnscaleStages", "no_gradien
 #: The iteration rule for scaling, in the words every loop style uses: an iteration that scales unscales only
 #: gradients of a loss scaled in that iteration.
 NOT_SCALED_RULE = (
-    "the gradients were not computed from a loss scaled in this iteration, and dividing them by the loss scale "
-    "would shrink every update to almost nothing. Call scale(loss) (Keras: optimizer.scale_loss(loss)) and take "
-    "the gradients of what it returns, in every iteration."
+    "In an iteration that scales, the gradients must come from a loss scaled in that iteration: dividing the "
+    "gradients of an unscaled loss by the loss scale shrinks every update to almost nothing. Call scale(loss) "
+    "(Keras: optimizer.scale_loss(loss)) and take the gradients of what it returns, in every iteration."
 )
 
 
@@ -47,7 +47,7 @@ def no_gradients_error(method: str = "step()") -> ScalerUsageError:
 
 def not_scaled_error(method: str) -> ScalerUsageError:
     """The error for unscaling or stepping in an iteration that scales but whose loss was not scaled."""
-    return ScalerUsageError(f"{method} was called before scale() in this iteration: {NOT_SCALED_RULE}")
+    return ScalerUsageError(f"{method} was called before scale() in this iteration. {NOT_SCALED_RULE}")
 
 
 class Stage(enum.Enum):

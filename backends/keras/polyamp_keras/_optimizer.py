@@ -535,7 +535,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             warnings.warn(
                 "LossScaleOptimizer.apply() was called before scale_loss() in this iteration (a custom "
                 "train_step without `loss = self.optimizer.scale_loss(loss)`, or get_scaled_loss in tf.keras 2 "
-                f"loops): if {NOT_SCALED_RULE} This is said once per optimizer.",
+                f"loops). {NOT_SCALED_RULE} This is said once per optimizer.",
                 UserWarning,
                 stacklevel=4,
             )
