@@ -30,6 +30,7 @@ from polyamp._src.provenance import NonFiniteGradient
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
 
 __all__ = [
+    "MAX_HISTORY",
     "MODE_CODES",
     "ON_MIN_SCALE",
     "SKIP_REASONS",
@@ -61,6 +62,9 @@ _MODE_NAMES: Final = {value: name for name, value in MODE_CODES.items()}
 #: What ``on_min_scale`` may be.
 ON_MIN_SCALE: Final = ("warn", "raise", "ignore")
 DEFAULT_HISTORY: Final = 256
+#: The largest ``history`` a scaler accepts: the ring of step codes lives on the device and is read in one
+#: batch, so its size is what each read costs.
+MAX_HISTORY: Final = 65_536
 
 _COLLAPSE_CAUSES = (
     "Likely causes: weights pretrained in bfloat16 (or with values beyond float16's range, 65504) trained in "
@@ -180,11 +184,16 @@ def check_on_min_scale(value: object) -> str:
 
 
 def check_history(value: object) -> int:
-    """Validate a ``history`` argument (how many records the scaler keeps)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """Validate a ``history`` argument (how many records the scaler keeps): an int from 1 to `MAX_HISTORY`.
+
+    Raises:
+        PolyampValueError: (a ``ValueError``) anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_HISTORY:
         raise PolyampValueError(
-            f"`history` must be a positive int: how many iterations the scaler records between reads and keeps "
-            f"for records(). Received: {describe(value)}. The default is {DEFAULT_HISTORY}."
+            f"`history` must be an int from 1 to {MAX_HISTORY:,}: how many iterations the scaler records between "
+            f"reads and keeps for records(). Received: {describe(value)}. The default is {DEFAULT_HISTORY}; "
+            "read the records more often (records(), the Keras LossScaleCallback) rather than keeping more."
         )
     return value
 

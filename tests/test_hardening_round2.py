@@ -1,0 +1,196 @@
+"""Hardening, round two: each test pins a defect found by attacking polyamp's arguments, saved files, logs and
+distribution strategies.
+
+The promise stays the one of tests/test_hardening.py: a bad input is a PolyampError of the right built-in that
+names the value and changes nothing; a run never writes a non-finite value into the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")  # before TensorFlow, in a process that imports both
+
+import polyamp  # noqa: E402
+from polyamp import (  # noqa: E402
+    FunctionalLossScaler,
+    InvalidConfigError,
+    LossScaleConfig,
+    LossScaleState,
+    PolyampTypeError,
+    PolyampValueError,
+    SpikeRule,
+)
+from polyamp._src.records import MAX_HISTORY  # noqa: E402
+from polyamp._src.spikes import MAX_WINDOW  # noqa: E402
+
+# -- SpikeRule: wrong exception types, silent accepts ------------------------------------------------------------
+
+
+def test_a_threshold_beyond_floats_range_is_a_value_error_naming_it() -> None:
+    with pytest.raises(PolyampValueError, match=r"threshold=\.\.\.\) must be a finite positive number") as caught:
+        SpikeRule(threshold=10**400)
+    assert "(of type int)" in str(caught.value) and "1000000" in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["yes", None, 1, math.nan], ids=["str", "none", "int", "nan"])
+def test_two_sided_must_be_a_bool(value: object) -> None:
+    with pytest.raises(PolyampTypeError, match=r"`SpikeRule\(two_sided=\.\.\.\)` must be a bool\. Received: "):
+        SpikeRule(two_sided=value)  # type: ignore[arg-type]
+    assert SpikeRule(two_sided=True).two_sided is True
+
+
+@pytest.mark.parametrize("field", ["window", "warmup"])
+@pytest.mark.parametrize("value", [MAX_WINDOW + 1, 10**8, 10**12])
+def test_window_and_warmup_are_bounded(field: str, value: int) -> None:
+    kwargs = {"window": MAX_WINDOW, field: value}
+    with pytest.raises(PolyampValueError, match=rf"SpikeRule\({field}=\.\.\.\) must be an int from 2 to 65,536\."):
+        SpikeRule(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_largest_window_is_accepted() -> None:
+    assert MAX_WINDOW == 65_536
+    assert SpikeRule(window=MAX_WINDOW, warmup=MAX_WINDOW).min_values == MAX_WINDOW
+
+
+def test_on_must_be_a_string() -> None:
+    # an array holding 'loss' compared equal to 'loss' element-wise and was taken as one
+    with pytest.raises(PolyampValueError, match=r"must be 'loss' or 'grad_norm'\. Received: array\(\['loss'\]"):
+        SpikeRule(on=np.array(["loss"]))  # type: ignore[arg-type]
+
+
+#: Statistics whose squared deviations (above ~1.3e154) or sums (above ~1.8e308) overflow float64.
+HUGE_TRACES = {
+    "squares_overflow": [1e200, 1.0, 1.0, 1.0, 1.0, 2e154, 1.0, 1.0],
+    "sum_overflows": [1e308, 1e308, 1e308, 1e308, 1.0, 1e308],
+    "big_but_representable": [1e150, 1.1e150, 0.9e150, 1e150, 5e150, 1e150],
+}
+
+
+def test_the_reference_decides_huge_statistics_without_overflowing() -> None:
+    rule = SpikeRule("loss", window=4, threshold=3.0)
+    assert rule.decide(HUGE_TRACES["squares_overflow"]) == [False] * 8
+    assert rule.decide(HUGE_TRACES["sum_overflows"]) == [False] * 6
+    assert rule.decide(HUGE_TRACES["big_but_representable"]) == [False] * 4 + [True, False]
+    assert rule.is_spike([0.0, 0.0, 0.0, 2e154], 1e155) is False  # sigma is inf on the devices: no spike
+
+
+def _torch_decisions(rule: SpikeRule, trace: list[float]) -> list[bool]:
+    weight = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    scaler = polyamp.LossScaler(spike=rule)
+    skipped = []
+    for value in trace:
+        optimizer.zero_grad()
+        scaler.scale(weight * value).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped.append(bool(scaler.step_skipped(optimizer)))
+    return skipped
+
+
+def _tensorflow_decisions(rule: SpikeRule, trace: list[float]) -> list[bool]:
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    weight = tf.Variable(1.0, dtype=tf.float64)
+    optimizer = keras.optimizers.SGD(0.0)
+    scaler = polyamp.LossScaler(spike=rule, backend="tensorflow")
+    skipped = []
+    for value in trace:
+        with tf.GradientTape() as tape:
+            loss = scaler.scale(weight * value)
+        scaler.apply_gradients(optimizer, [(tape.gradient(loss, weight), weight)])
+        skipped.append(bool(scaler.step_skipped()))
+    return skipped
+
+
+@pytest.mark.parametrize("trace", list(HUGE_TRACES), ids=list(HUGE_TRACES))
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_the_devices_decide_huge_statistics_as_the_reference(backend: str, trace: str) -> None:
+    rule = SpikeRule("loss", window=4, threshold=3.0)
+    run = _torch_decisions if backend == "torch" else _tensorflow_decisions
+    assert run(rule, HUGE_TRACES[trace]) == rule.decide(HUGE_TRACES[trace])
+
+
+# -- history, FunctionalLossScaler.init, overflow patterns, get_backend ------------------------------------------
+
+
+@pytest.mark.parametrize("history", [MAX_HISTORY + 1, 10**9])
+def test_history_is_bounded(history: int) -> None:
+    with pytest.raises(PolyampValueError, match=r"`history` must be an int from 1 to 65,536") as caught:
+        polyamp.LossScaler(history=history)
+    assert f"Received: {history} (of type int)" in str(caught.value)
+    assert polyamp.LossScaler(history=MAX_HISTORY).state_dict()["scale"] == 65536.0
+
+
+class _StubDevice:
+    """A functional device that hands back the host state it is initialised with."""
+
+    def init(self, state: LossScaleState) -> LossScaleState:
+        return state
+
+
+def _functional(**settings: Any) -> FunctionalLossScaler:
+    return FunctionalLossScaler(lambda config: _StubDevice(), LossScaleConfig(**settings), True)  # type: ignore[arg-type,return-value]
+
+
+@pytest.mark.parametrize(
+    ("state", "fragment"),
+    [
+        (LossScaleState(math.nan), "finite positive number representable in float32. Received: scale=nan"),
+        (LossScaleState(0.0), "Received: scale=0.0"),
+        (LossScaleState(math.inf), "Received: scale=inf"),
+        (LossScaleState(-2.0), "Received: scale=-2.0"),
+        (LossScaleState(1e39), "Received: scale=1e+39"),  # finite in float64, inf in float32
+        (LossScaleState(1e-40), "scale=1e-40 is below min_scale"),  # a float32 subnormal
+        (LossScaleState(1024.0, growth_tracker=2000), "growth tracker must be in [0, growth_interval=2000)"),
+        (LossScaleState(1024.0, hysteresis_left=0), "hysteresis_left must be in [1, hysteresis=1]"),
+    ],
+)
+def test_functional_init_refuses_impossible_states(state: LossScaleState, fragment: str) -> None:
+    with pytest.raises(InvalidConfigError) as caught:
+        _functional().init(state)
+    assert "FunctionalLossScaler.init() cannot start from this state" in str(caught.value)
+    assert fragment in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "state",
+    [LossScaleState("1024"), LossScaleState(1024.0, growth_tracker=1.5), 1024.0],  # type: ignore[arg-type]
+    ids=["str_scale", "float_tracker", "not_a_state"],
+)
+def test_functional_init_refuses_wrong_types(state: Any) -> None:
+    with pytest.raises(PolyampTypeError, match=r"FunctionalLossScaler\.init"):
+        _functional().init(state)
+
+
+def test_functional_init_takes_a_valid_state_rounded_to_float32() -> None:
+    functional = _functional(hysteresis=2, min_scale=0.5)
+    assert functional.init(LossScaleState(np.float64(3.0000001), 5, 2)) == LossScaleState(3.0, 5, 2)
+    assert functional.init() == LossScaleState(65536.0, 0, 2)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [[np.array([True, False])], [np.array([True])], [np.array([[False]])], np.array(False)],
+    ids=["two_flags_in_one_item", "one_element_array", "nested_array", "zero_d_array"],
+)
+def test_an_overflow_pattern_takes_only_scalar_flags(pattern: Any) -> None:
+    with pytest.raises(PolyampTypeError, match=r"overflow pattern") as caught:
+        LossScaleConfig().trajectory(pattern)
+    assert "array(" in str(caught.value)
+
+
+def test_an_overflow_pattern_takes_numpy_bools() -> None:
+    config = LossScaleConfig(growth_interval=2)
+    assert config.trajectory([np.False_, np.True_]) == config.trajectory("FO") == [65536.0, 32768.0]
+    assert config.trajectory(np.array([False, True])) == [65536.0, 32768.0]
+
+
+def test_get_backend_with_an_array_is_a_type_error_naming_it() -> None:
+    with pytest.raises(PolyampTypeError, match=r"must be a string such as 'torch'\. Received: array\(\[1\., 2\.\]\)"):
+        polyamp.get_backend(np.array([1.0, 2.0]))  # type: ignore[arg-type]
