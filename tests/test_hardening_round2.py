@@ -7,6 +7,7 @@ names the value and changes nothing; a run never writes a non-finite value into 
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -25,7 +26,7 @@ from polyamp import (  # noqa: E402
     PolyampValueError,
     SpikeRule,
 )
-from polyamp._src.records import MAX_HISTORY  # noqa: E402
+from polyamp._src.records import LOGGED_SKIPS, MAX_HISTORY, Recorder, StepRecord  # noqa: E402
 from polyamp._src.spikes import MAX_WINDOW  # noqa: E402
 
 # -- SpikeRule: wrong exception types, silent accepts ------------------------------------------------------------
@@ -194,3 +195,60 @@ def test_an_overflow_pattern_takes_numpy_bools() -> None:
 def test_get_backend_with_an_array_is_a_type_error_naming_it() -> None:
     with pytest.raises(PolyampTypeError, match=r"must be a string such as 'torch'\. Received: array\(\[1\., 2\.\]\)"):
         polyamp.get_backend(np.array([1.0, 2.0]))  # type: ignore[arg-type]
+
+
+# -- the logging of skipped steps is rate-limited ----------------------------------------------------------------
+
+
+def _polyamp_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "polyamp"]
+
+
+def test_a_storm_of_guarded_skips_logs_a_handful_of_lines(caplog: pytest.LogCaptureFixture) -> None:
+    """200 guarded steps with a NaN gradient (a bfloat16 storm): 8 lines, then one each at 16, 32, 64, 128."""
+    caplog.set_level(logging.INFO, logger="polyamp")
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler = polyamp.LossScaler()
+    with polyamp.policy_scope("mixed_bfloat16"):
+        for _ in range(200):
+            optimizer.zero_grad()
+            scaler.scale((weight * math.nan).sum()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    records = scaler.records()
+    assert len([r for r in records if r.skipped]) == 200 and int(scaler.skipped_steps()) == 200
+    lines = _polyamp_lines(caplog)
+    assert all(level == logging.WARNING for level, _ in lines)
+    assert [message.split(":")[1].strip() for _, message in lines[:LOGGED_SKIPS]] == [
+        f"iteration {i}" for i in range(LOGGED_SKIPS)
+    ]
+    assert "further ones are summarised when their count reaches 16, 32, 64" in lines[LOGGED_SKIPS - 1][1]
+    summaries = [message for _, message in lines[LOGGED_SKIPS:]]
+    assert [m.split(" steps skipped")[0] for m in summaries] == [
+        "polyamp: 16",
+        "polyamp: 32",
+        "polyamp: 64",
+        "polyamp: 128",
+    ]
+    assert "16 steps skipped (non_finite) so far, 8 since the last such line, in iterations 8 to 15" in summaries[0]
+    assert "128 steps skipped (non_finite) so far, 64 since the last such line, in iterations 64 to 127" in summaries[3]
+    assert "The last one: iteration 127: step skipped (non_finite)" in summaries[3]
+    assert len(lines) == LOGGED_SKIPS + 4
+
+
+def test_each_reason_has_its_own_budget(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="polyamp")
+    recorder = Recorder(64, "ignore")
+    config = LossScaleConfig()
+    reasons = ["non_finite"] * 20 + ["loss_spike"] * 3
+    for i, reason in enumerate(reasons):
+        record = StepRecord(i, True, reason, "guarding", None, None)  # type: ignore[arg-type]
+        recorder._report(record, config)
+    lines = [message for _, message in _polyamp_lines(caplog)]
+    assert len(lines) == LOGGED_SKIPS + 1 + 3
+    assert [line for line in lines if "(loss_spike)" in line] == [
+        lines[-3],
+        lines[-2],
+        lines[-1],
+    ] and lines[-1].startswith("polyamp: iteration 22: step skipped (loss_spike)")
