@@ -235,6 +235,13 @@ class Recorder:
         """The state is now ``state`` (loaded, set or read), or unknown (None)."""
         self.anchor = state
 
+    def restart(self, count: int, state: LossScaleState) -> None:
+        """The device's ring was replaced (variables loaded from a checkpoint): its ``count`` entries belong to the
+        run that wrote them, not to this one, and the state is now ``state``."""
+        self.read_count = count
+        self.anchor = state
+        self.gradients.clear()
+
     def consume(
         self,
         count: int,
