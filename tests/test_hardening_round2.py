@@ -398,3 +398,50 @@ def _missing(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is None
+
+
+# -- the tape scaler under a one-replica MirroredStrategy ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("function", [True, False], ids=["tf_function", "eager"])
+def test_tape_scaler_under_a_one_replica_mirrored_strategy(function: bool) -> None:
+    """What MirroredStrategy() gives on a one-GPU machine: the apply is a merge_call there too, which used to
+    be taken inside a cond in the replica context ("merge_call called while defining a new graph")."""
+    tf = pytest.importorskip("tensorflow")
+    keras = _keras()
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("Keras runs on another backend here")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    assert strategy.num_replicas_in_sync == 1
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = keras.optimizers.Adam(0.01)
+        optimizer.build(model.trainable_variables)
+        scaler = polyamp.LossScaler(enabled=True, init_scale=1024.0, growth_interval=2, backend="tensorflow")
+
+    def step(x: Any, y: Any, bad: Any) -> None:
+        with tf.GradientTape() as tape:
+            loss = scaler.scale(tf.reduce_mean((model(x) - y) ** 2) * bad)
+        grads = tape.gradient(loss, model.trainable_variables)
+        scaler.apply_gradients(optimizer, zip(grads, model.trainable_variables))
+
+    def train_step(x: Any, y: Any, bad: Any) -> None:
+        strategy.run(step, args=(x, y, bad))
+
+    run = tf.function(train_step) if function else train_step
+    pattern = "FOFFF"
+    x, y = tf.ones((4, 3)), tf.zeros((4, 2))
+    skipped_unchanged = []
+    for char in pattern:
+        before = [v.numpy().copy() for v in model.trainable_variables]
+        run(x, y, tf.constant(math.inf if char == "O" else 1.0))
+        after = [v.numpy() for v in model.trainable_variables]
+        skipped_unchanged.append(all(np.array_equal(a, b) for a, b in zip(before, after, strict=True)))
+    assert skipped_unchanged == [char == "O" for char in pattern]
+    assert int(optimizer.iterations.numpy()) == pattern.count("F")
+    assert int(scaler.skipped_steps().numpy()) == 1
+    assert [r.next_scale for r in scaler.records()] == LossScaleConfig(init_scale=1024.0, growth_interval=2).trajectory(
+        pattern
+    )
+    assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
