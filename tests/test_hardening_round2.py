@@ -146,7 +146,8 @@ class _StubDevice:
 
 
 def _functional(**settings: Any) -> FunctionalLossScaler:
-    return FunctionalLossScaler(lambda config: _StubDevice(), LossScaleConfig(**settings), True)  # type: ignore[arg-type,return-value]
+    stub: Any = lambda config: _StubDevice()  # noqa: E731 - a FunctionalDevice factory for init() alone
+    return FunctionalLossScaler(stub, LossScaleConfig(**settings), True)
 
 
 @pytest.mark.parametrize(

@@ -531,8 +531,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             "optimizer was left unchanged. To fix the file: restore an earlier checkpoint; or rewrite the entry "
             "with h5py (in a model.keras archive, the model.weights.h5 inside it), e.g. "
             f"`with h5py.File('model.weights.h5', 'r+') as f: f['{scale_at}'][...] = "
-            f"{self._polyamp_config.init_scale!r}` for the scale; or load the layers alone with model.load_weights(path, skip_mismatch=True), which keeps this "
-            "optimizer's fresh state."
+            f"{self._polyamp_config.init_scale!r}` for the scale; or load the layers alone with "
+            "model.load_weights(path, skip_mismatch=True), which keeps this optimizer's fresh state."
         )
 
     # -- scaling -----------------------------------------------------------------------------------------
