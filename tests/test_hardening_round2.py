@@ -446,3 +446,52 @@ def test_tape_scaler_under_a_one_replica_mirrored_strategy(function: bool) -> No
         pattern
     )
     assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
+
+
+@pytest.mark.parametrize("function", [True, False], ids=["tf_function", "eager"])
+def test_guard_of_the_keras_optimizer_under_a_one_replica_mirrored_strategy(function: bool) -> None:
+    """The guard (enabled=None under a float32 policy) took its cond around the inner optimizer's merge_call in the
+    replica context, and failed there, model.fit included."""
+    tf = pytest.importorskip("tensorflow")
+    keras = _keras()
+    import polyamp_keras
+
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("tf.distribute needs Keras on TensorFlow")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.Adam(0.01), enabled=None)
+        optimizer.build(model.trainable_variables)
+
+    def step(x: Any, y: Any, bad: Any) -> None:
+        with tf.GradientTape() as tape:
+            loss = optimizer.scale_loss(tf.reduce_mean((model(x) - y) ** 2) * bad)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    def train_step(x: Any, y: Any, bad: Any) -> None:
+        strategy.run(step, args=(x, y, bad))
+
+    run = tf.function(train_step) if function else train_step
+    x, y = tf.ones((4, 3)), tf.zeros((4, 2))
+    unchanged = []
+    for bad in [1.0, math.nan, 1.0]:
+        before = [v.numpy().copy() for v in model.trainable_variables]
+        run(x, y, tf.constant(bad))
+        unchanged.append(
+            all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.trainable_variables, strict=True))
+        )
+    assert unchanged == [False, True, False]
+    assert int(optimizer.iterations.numpy()) == 2 and int(optimizer.skipped_steps.numpy()) == 1
+    assert [(r.mode, r.reason) for r in optimizer.records()] == [
+        ("guarding", None),
+        ("guarding", "non_finite"),
+        ("guarding", None),
+    ]
+    with strategy.scope():
+        fitted = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        fitted.compile(polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), enabled=None), "mse")
+    history = fitted.fit(np.ones((8, 3), "float32"), np.zeros((8, 2), "float32"), batch_size=4, verbose=0)
+    assert math.isfinite(history.history["loss"][-1]) and int(fitted.optimizer.iterations.numpy()) == 2

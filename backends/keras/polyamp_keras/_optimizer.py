@@ -646,11 +646,29 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self._checked_grads = grads
         go = self._spike_decide(grads, True, all_finite(grads))
 
+        context = _merge_call_context()
+        if context is not None:  # a one-replica strategy (several replicas do not guard)
+            context.merge_call(self._guarded_cross_replica, args=(go, grads, trainable_variables))
+            return
+
         def applied() -> None:
             self.inner_optimizer.apply(grads, trainable_variables)
             self._outcome("guarding", "applied")
 
         ops.cond(go, applied, lambda: self._on_skip("guarding"))
+
+    def _guarded_cross_replica(self, distribution: Any, go: Any, grads: Any, trainable_variables: Any) -> None:
+        """The guard's ``cond`` in the cross-replica context: the inner optimizer's apply is a ``merge_call``,
+        which TensorFlow refuses inside a ``cond`` in a replica context (as Keras's own LossScaleOptimizer does
+        for its scaling step)."""
+
+        def applied() -> None:
+            distribution.extended.call_for_each_replica(
+                self.inner_optimizer.apply, args=(grads,), kwargs={"trainable_variables": trainable_variables}
+            )
+            self._outcome("guarding", "applied")
+
+        ops.cond(distribution.experimental_local_results(go)[0], applied, lambda: self._on_skip("guarding"))
 
     # -- the step's outcome and the spike rule -----------------------------------------------------------
 
@@ -881,6 +899,18 @@ def _check_spike(spike: Any) -> SpikeRule | None:
             "value. Use SpikeRule('grad_norm', ...), which decides on the gradients the optimizer receives."
         )
     return rule
+
+
+def _merge_call_context() -> Any:
+    """The replica context of a ``tf.distribute`` strategy whose optimizer updates go through ``merge_call``
+    (MirroredStrategy, one replica included), or None (no strategy, another Keras backend, or a strategy
+    without ``merge_call``)."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or keras.backend.backend() != "tensorflow" or not tf.distribute.has_strategy():
+        return None
+    if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        return None
+    return tf.distribute.get_replica_context()
 
 
 def _several_replicas() -> bool:
