@@ -44,7 +44,7 @@ def test_reference_on_a_stored_trace() -> None:
     ("kwargs", "fragment"),
     [
         ({"on": "grads"}, "must be 'loss' or 'grad_norm'"),
-        ({"window": 1}, "window=...) must be an int >= 2"),
+        ({"window": 1}, "window=...) must be an int from 2 to 65,536"),
         ({"threshold": 0.0}, "finite positive number"),
         ({"window": 8, "warmup": 9}, "cannot exceed window=8"),
         ({"max_consecutive": 0}, "max_consecutive=...) must be an int >= 1, 'auto'"),

@@ -202,7 +202,7 @@ def test_scale_collapse(on_min_scale: str, caplog: pytest.LogCaptureFixture) -> 
     [
         ({"guard": "yes"}, "`guard` must be None"),
         ({"on_min_scale": "stop"}, "`on_min_scale` must be one of 'warn', 'raise', 'ignore'. Received: 'stop'"),
-        ({"history": 0}, "`history` must be a positive int"),
+        ({"history": 0}, "`history` must be an int from 1 to 65,536"),
     ],
 )
 def test_bad_record_settings_say_what_is_allowed(kwargs: dict[str, Any], fragment: str) -> None:

@@ -13,7 +13,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from polyamp._src.backend import Flag, FunctionalDevice
-from polyamp._src.scaling import LossScaleConfig, LossScaleState
+from polyamp._src.errors import InvalidConfigError, PolyampTypeError
+from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
 from polyamp._src.state_dict import parse_state_dict, to_state_dict
 
 __all__ = ["FunctionalLossScaler"]
@@ -62,8 +63,32 @@ class FunctionalLossScaler:
         return self._device
 
     def init(self, state: LossScaleState | None = None) -> Any:
-        """A fresh state (the config's initial state unless ``state`` is given)."""
-        return self._device.init(self._config.initial_state() if state is None else state)
+        """A fresh state: the config's initial state, or ``state`` (validated as `load_state_dict` validates a
+        state dict's).
+
+        Args:
+            state: None, or a `polyamp.LossScaleState` this config can be in (e.g. ``fn.read(old_state)``).
+
+        Returns:
+            The backend's state value, to pass to the other functions.
+
+        Raises:
+            PolyampTypeError: (a ``TypeError``) ``state`` is not a `polyamp.LossScaleState` of numbers.
+            InvalidConfigError: (a ``ValueError``) ``state`` is impossible under this config: a scale that is
+                NaN, infinite, zero, negative, subnormal or outside ``[min_scale, max_scale]`` (without
+                ``min_scale``, the floor is 1.0), or a counter outside its range.
+        """
+        if state is None:
+            return self._device.init(self._config.initial_state())
+        try:
+            self._config.check_state(state)
+        except (InvalidConfigError, PolyampTypeError) as exc:
+            raise type(exc)(
+                f"FunctionalLossScaler.init() cannot start from this state: {exc} Pass no state for the config's "
+                "initial one, or a state this config reaches (fn.read(state), scaler.get_state())."
+            ) from exc
+        host = LossScaleState(to_float32(float(state.scale)), int(state.growth_tracker), int(state.hysteresis_left))
+        return self._device.init(host)
 
     def scale(self, state: Any, loss: Any) -> Any:
         """``loss`` times the current scale (``loss`` itself when disabled)."""

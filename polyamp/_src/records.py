@@ -30,6 +30,8 @@ from polyamp._src.provenance import NonFiniteGradient
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
 
 __all__ = [
+    "LOGGED_SKIPS",
+    "MAX_HISTORY",
     "MODE_CODES",
     "ON_MIN_SCALE",
     "REBASE_BIT",
@@ -65,6 +67,12 @@ _MODE_NAMES: Final = {value: name for name, value in MODE_CODES.items()}
 #: What ``on_min_scale`` may be.
 ON_MIN_SCALE: Final = ("warn", "raise", "ignore")
 DEFAULT_HISTORY: Final = 256
+#: The largest ``history`` a scaler accepts: the ring of step codes lives on the device and is read in one
+#: batch, so its size is what each read costs.
+MAX_HISTORY: Final = 65_536
+#: How many skipped steps of each reason are logged one line each; after that, one summary line when the
+#: reason's count reaches a power of two (16, 32, 64, ...), so a storm of skips logs a handful of lines.
+LOGGED_SKIPS: Final = 8
 
 _COLLAPSE_CAUSES = (
     "Likely causes: weights pretrained in bfloat16 (or with values beyond float16's range, 65504) trained in "
@@ -196,11 +204,16 @@ def check_on_min_scale(value: object) -> str:
 
 
 def check_history(value: object) -> int:
-    """Validate a ``history`` argument (how many records the scaler keeps)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """Validate a ``history`` argument (how many records the scaler keeps): an int from 1 to `MAX_HISTORY`.
+
+    Raises:
+        PolyampValueError: (a ``ValueError``) anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_HISTORY:
         raise PolyampValueError(
-            f"`history` must be a positive int: how many iterations the scaler records between reads and keeps "
-            f"for records(). Received: {describe(value)}. The default is {DEFAULT_HISTORY}."
+            f"`history` must be an int from 1 to {MAX_HISTORY:,}: how many iterations the scaler records between "
+            f"reads and keeps for records(). Received: {describe(value)}. The default is {DEFAULT_HISTORY}; "
+            "read the records more often (records(), the Keras LossScaleCallback) rather than keeping more."
         )
     return value
 
@@ -209,6 +222,11 @@ class Recorder:
     """The host side of the step records: the last known state, the kept records, logging and collapse.
 
     ``read_state`` reads the device state (a host sync), used only when the replay cannot tell the scale.
+
+    Skipped steps are logged (``"overflow"`` at INFO, the other reasons at WARNING) one line each for the first
+    `LOGGED_SKIPS` of each reason; after that, one line when the reason's count reaches a power of two, saying
+    how many were skipped since the last line, in which iterations, and the last one's message. The records
+    keep every skip.
     """
 
     def __init__(self, capacity: int, on_min_scale: str, spike_reason: SkipReason = "loss_spike") -> None:
@@ -222,6 +240,8 @@ class Recorder:
         self.gradients: dict[int, tuple[NonFiniteGradient, ...]] = {}  # by iteration, until its record is made
         self.set_scales: dict[int, float] = {}  # the scale update(new_scale=...) set, by iteration
         self._collapsed = False  # inside a collapse episode (warned once; re-armed when the scale grows)
+        self._skip_counts: dict[str, int] = {}  # skipped steps by reason, for the rate limit of their log lines
+        self._quiet_since: dict[str, int] = {}  # by reason: the first iteration skipped since its last line
 
     def attach(self, iteration: int, gradients: tuple[NonFiniteGradient, ...]) -> None:
         """The non-finite gradients of ``iteration`` (added to those already attached)."""
@@ -257,6 +277,13 @@ class Recorder:
     def reanchor(self, state: LossScaleState | None) -> None:
         """The state is now ``state`` (loaded, set or read), or unknown (None)."""
         self.anchor = state
+
+    def restart(self, count: int, state: LossScaleState) -> None:
+        """The device's ring was replaced (variables loaded from a checkpoint): its ``count`` entries belong to the
+        run that wrote them, not to this one, and the state is now ``state``."""
+        self.read_count = count
+        self.anchor = state
+        self.gradients.clear()
 
     def consume(
         self,
@@ -325,15 +352,44 @@ class Recorder:
         self.anchor = state
         return made
 
+    def _log_skip(self, record: StepRecord, reason: str) -> None:
+        level = logging.INFO if reason == "overflow" else logging.WARNING
+        count = self._skip_counts.get(reason, 0) + 1
+        self._skip_counts[reason] = count
+        if count <= LOGGED_SKIPS:
+            tail = ""
+            if count == LOGGED_SKIPS:
+                tail = (
+                    f" (The first {LOGGED_SKIPS} {reason} skips are logged one line each; further ones are "
+                    "summarised when their count reaches 16, 32, 64, ...; records() has each.)"
+                )
+            logger.log(level, "polyamp: %s%s", record.message(), tail)
+            return
+        first = self._quiet_since.setdefault(reason, record.iteration)
+        if count & (count - 1):
+            return  # not a power of two: summarised later
+        del self._quiet_since[reason]
+        since = count - max(LOGGED_SKIPS, count // 2)
+        logger.log(
+            level,
+            "polyamp: %d steps skipped (%s) so far, %d since the last such line, in iterations %d to %d "
+            "(records() has each; the next summary comes at %d). The last one: %s",
+            count,
+            reason,
+            since,
+            first,
+            record.iteration,
+            2 * count,
+            record.message(),
+        )
+
     def _report(self, record: StepRecord, config: LossScaleConfig) -> None:
         if record.rebased:
             logger.warning("polyamp: %s", record.message())
         if not record.skipped and not self._collapsed:
             return  # an applied step outside a collapse episode: nothing to log, nothing to re-arm
-        if record.reason in ("non_finite", "loss_spike", "grad_spike"):
-            logger.warning("polyamp: %s", record.message())
-        elif record.reason == "overflow":
-            logger.info("polyamp: %s", record.message())
+        if record.skipped and record.reason is not None:
+            self._log_skip(record, record.reason)
         if record.mode != "scaling" or record.next_scale is None or not config.dynamic:
             return
         at_floor = record.next_scale <= config.floor_f32 and record.reason == "overflow"

@@ -391,10 +391,33 @@ class LossScaleConfig:
         return [s.scale for s in self.states(pattern, state)]
 
     def check_state(self, state: LossScaleState) -> None:
-        """Raise InvalidConfigError unless ``state`` is one this config can be in."""
+        """Raise unless ``state`` is one this config can be in.
+
+        Raises:
+            PolyampTypeError: (a ``TypeError``) ``state`` is not a `LossScaleState`, its scale is not a real
+                number or a counter not an int.
+            InvalidConfigError: (a ``ValueError``) a value is out of range: a scale that is not finite in
+                float32, not positive or below the floor (a zero or subnormal scale), above ``max_scale``; a
+                counter outside its range.
+        """
+        if not isinstance(state, LossScaleState):
+            raise PolyampTypeError(f"A loss-scale state must be a polyamp.LossScaleState. Received: {describe(state)}.")
         scale = state.scale
-        if not (math.isfinite(scale) and scale > 0):
-            raise InvalidConfigError(f"The loss scale must be a finite positive number. Received: scale={scale!r}.")
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise PolyampTypeError(f"The loss scale must be a real number. Received: scale={describe(scale)}.")
+        for name in ("growth_tracker", "hysteresis_left"):
+            value = getattr(state, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise PolyampTypeError(f"`{name}` must be an int. Received: {name}={describe(value)}.")
+        try:
+            finite = math.isfinite(scale) and math.isfinite(to_float32(float(scale)))
+        except OverflowError:  # an int beyond float's range
+            finite = False
+        if not (finite and scale > 0):
+            raise InvalidConfigError(
+                "The loss scale must be a finite positive number representable in float32. "
+                f"Received: scale={describe(scale)}."
+            )
         if scale < self.floor_f32:
             floor = f"{self.min_scale!r}" if self.min_scale is not None else f"{self.floor_f32!r} (none set)"
             raise InvalidConfigError(
@@ -440,14 +463,23 @@ def _overflows(pattern: OverflowPattern) -> list[bool]:
                 )
             flags.append(char == "O")
         return flags
+    wrong = PolyampTypeError(
+        f"An overflow pattern is a string of 'F'/'O' or an iterable of bools. Received: {describe(pattern)}."
+    )
     if not isinstance(pattern, Iterable):
-        raise PolyampTypeError(
-            f"An overflow pattern is a string of 'F'/'O' or an iterable of bools. Received: {describe(pattern)}."
-        )
+        raise wrong
+    try:
+        items = iter(pattern)
+    except TypeError:  # iterable by type but not by value: a 0-d array
+        raise wrong from None
     flags = []
-    for flag in pattern:
-        # bools, or array scalars of a boolean dtype; 2.0 or "x" is a mistake, not an overflow
-        if not (isinstance(flag, bool) or getattr(getattr(flag, "dtype", None), "kind", None) == "b"):
+    for flag in items:
+        # bools, or scalars of a boolean dtype (numpy's np.True_, a 0-d array); 2.0 or "x" is a mistake, not an
+        # overflow, and an array of several flags is one item too many (its truth value is ambiguous)
+        is_scalar_bool = (
+            getattr(getattr(flag, "dtype", None), "kind", None) == "b" and getattr(flag, "shape", None) == ()
+        )
+        if not (isinstance(flag, bool) or is_scalar_bool):
             raise PolyampTypeError(
                 "An overflow pattern holds bools (True = a non-finite gradient was found). "
                 f"Received an item {describe(flag)} in {describe(pattern)}."

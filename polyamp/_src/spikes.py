@@ -28,14 +28,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 from polyamp._src.errors import PolyampValueError, describe, type_error
 from polyamp._src.records import SkipReason
 
-__all__ = ["SpikeRule", "check_spike"]
+__all__ = ["MAX_WINDOW", "SpikeRule", "check_spike"]
 
 _ON = ("loss", "grad_norm")
+#: The largest ``window`` (and ``warmup``) a `SpikeRule` accepts: the window is a device buffer that every step
+#: reduces, so its size is its cost.
+MAX_WINDOW: Final = 65_536
 
 
 @dataclass(frozen=True)
@@ -44,16 +47,19 @@ class SpikeRule:
 
     Args:
         on: "loss" or "grad_norm".
-        window: How many applied iterations the statistics come from (default 128).
+        window: How many applied iterations the statistics come from (default 128; 2 to `MAX_WINDOW`,
+            65,536).
         threshold: The z-score above which an iteration is a spike (default 6.0).
         warmup: How many values the window must hold before any decision (default: ``window``).
-        two_sided: Also skip downward outliers (default False: only upward spikes).
+        two_sided: Also skip downward outliers (a bool; default False: only upward spikes).
         max_consecutive: After this many consecutive spikes the next statistic is accepted and the window
             re-bases at it (a lasting level shift, not an outlier; see the module's rule). ``"auto"`` (default):
             ``max(1, window // 2)``; an int >= 1; None: never (every step after a lasting shift is skipped).
 
     Raises:
-        PolyampValueError: an argument is out of its range (the message says which, and what is allowed).
+        PolyampValueError: (a ``ValueError``) an argument is out of its range (the message says which, and what
+            is allowed).
+        PolyampTypeError: (a ``TypeError``) ``two_sided`` is not a bool.
 
     >>> rule = SpikeRule("loss", window=4, threshold=3.0)
     >>> rule.decide([1.0, 1.1, 0.9, 1.0, 5.0, 1.05, 1.0])
@@ -68,30 +74,46 @@ class SpikeRule:
     max_consecutive: int | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
-        if self.on not in _ON:
+        if not isinstance(self.on, str) or self.on not in _ON:
             raise PolyampValueError(
                 f"SpikeRule(on=...) must be 'loss' or 'grad_norm'. Received: {describe(self.on)}. 'loss' watches "
                 "the value passed to scale(); 'grad_norm' the global norm of the unscaled gradients."
             )
-        for name, value, low in (("window", self.window, 2), ("warmup", self.warmup, 2)):
+        for name, value in (("window", self.window), ("warmup", self.warmup)):
             if value is None and name == "warmup":
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise PolyampValueError(f"SpikeRule({name}=...) must be an int >= {low}. Received: {describe(value)}.")
+            if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= MAX_WINDOW:
+                raise PolyampValueError(
+                    f"SpikeRule({name}=...) must be an int from 2 to {MAX_WINDOW:,}. Received: {describe(value)}. "
+                    f"The window lives on the device and is read every step; {MAX_WINDOW:,} applied steps are "
+                    "far more than an outlier test needs (the default is 128)."
+                )
         if self.warmup is not None and self.warmup > self.window:
             raise PolyampValueError(
                 f"SpikeRule(warmup={self.warmup}) cannot exceed window={self.window}: the window never holds more "
                 "values than its size, so no step would ever be checked."
             )
         threshold = self.threshold
-        if (
-            isinstance(threshold, bool)
-            or not isinstance(threshold, (int, float))
-            or not (math.isfinite(threshold) and threshold > 0)
-        ):
+        try:
+            usable = (
+                not isinstance(threshold, bool)
+                and isinstance(threshold, (int, float))
+                and math.isfinite(threshold)
+                and threshold > 0
+            )
+        except OverflowError:  # an int beyond float's range, e.g. 10**400
+            usable = False
+        if not usable:
             raise PolyampValueError(
-                f"SpikeRule(threshold=...) must be a finite positive number (a z-score). Received: "
-                f"{describe(threshold)}."
+                f"SpikeRule(threshold=...) must be a finite positive number (a z-score), e.g. threshold=6.0. "
+                f"Received: {describe(threshold)}."
+            )
+        if not isinstance(self.two_sided, bool):
+            raise type_error(
+                "`SpikeRule(two_sided=...)`",
+                "a bool",
+                self.two_sided,
+                fix="Pass True to also skip downward outliers, False (default) for upward spikes only.",
             )
         _check_max_consecutive(self.max_consecutive)
 
@@ -119,13 +141,21 @@ class SpikeRule:
 
     def is_spike(self, window: Sequence[float], x: float, run: int = 0) -> bool:
         """The decision for statistic ``x`` given the window's values (oldest first), in float64, after ``run``
-        consecutive spikes (at ``max_consecutive`` nothing is a spike)."""
+        consecutive spikes (at ``max_consecutive`` nothing is a spike).
+
+        As on the devices, a sum or square beyond float64's range is inf, not an error: a window whose mean or
+        standard deviation is not finite (values above ~1.3e154, whose squares overflow) decides no spike.
+        """
         n = len(window)
         if n < self.min_values or not math.isfinite(x) or self.rebases(run):
             return False
-        mu = math.fsum(window) / n
-        sigma = math.sqrt(math.fsum((v - mu) ** 2 for v in window) / n)
-        if sigma <= 0:
+        try:
+            mu = math.fsum(window) / n
+            # squares as float products (inf beyond float64's range, where ``** 2`` raises)
+            sigma = math.sqrt(math.fsum((v - mu) * (v - mu) for v in window) / n)
+        except OverflowError:  # a sum beyond float64: inf on the devices, whose mean or sigma is then not finite
+            return False
+        if not (math.isfinite(sigma) and sigma > 0):
             return False
         deviation = abs(x - mu) if self.two_sided else x - mu
         return deviation > self.threshold * sigma

@@ -9,14 +9,18 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 from polyamp import (
     BackendMismatchError,
+    InvalidConfigError,
     LossScaleConfig,
     LossScaleState,
     PolyampTypeError,
     PolyampValueError,
     ScalerUsageError,
     SpikeRule,
+    StateDictError,
 )
 from polyamp.backend_api import (
     MODE_CODES,
@@ -471,6 +475,83 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
                 self._spike_pending = window  # written when the optimizer builds
                 self._spike_pending_run = run
 
+    def load_own_variables(self, store: Any) -> None:
+        """Load the variables from a Keras weights file (``model.load_weights``, ``keras.models.load_model``),
+        refusing a loss-scale state this optimizer cannot be in.
+
+        A scale of 0, a subnormal, inf or NaN in a file (corrupted, or edited) would write NaN into the weights
+        at the first step or skip every step for ever; the scale, growth counter, hysteresis and counters are
+        checked against the optimizer's settings before anything is assigned. Keras wraps the refusal into the
+        ``ValueError`` of ``load_weights`` / ``load_model`` (``skip_mismatch=True`` makes it a warning and loads
+        the layers alone).
+
+        Args:
+            store: Keras's variable store for this optimizer (``store[str(i)]``: the i-th variable's value).
+
+        Raises:
+            StateDictError: (a ``ValueError``) the saved state is impossible; the optimizer is left unchanged.
+        """
+        if not self.built or len(store.keys()) != len(self.variables):
+            super().load_own_variables(store)  # Keras warns and loads nothing
+            return
+        state, recorded = self._saved_state(store)
+        self.records()  # the records so far belong to the state being replaced
+        super().load_own_variables(store)
+        self._polyamp_initial_state = state
+        self._recorder.restart(recorded, state)
+
+    def _saved_state(self, store: Any) -> tuple[LossScaleState, int]:
+        """The loss-scale state and the count of recorded steps a store holds, validated."""
+        index = {id(variable): i for i, variable in enumerate(self.variables)}
+        entry = str(getattr(store, "_h5_entry_path", "") or "optimizer")
+        scale_at = f"{entry}/vars/{index[id(self.dynamic_scale)]}"
+        values: dict[str, Any] = {}
+        where: dict[str, str] = {}
+        for name, variable in (
+            ("dynamic_scale", self.dynamic_scale),
+            ("step_counter", self.step_counter),
+            ("hysteresis_left", self.hysteresis_left),
+            ("skipped_steps", self.skipped_steps),
+            ("recorded_steps", self.recorded_steps),
+        ):
+            i = index[id(variable)]
+            where[name] = f"{name} (entry '{entry}/vars/{i}')"
+            value = np.asarray(store[str(i)])
+            if value.size != 1:
+                raise self._refuse_file(scale_at, f"{where[name]} has shape {value.shape}, where a scalar belongs.")
+            values[name] = value.reshape(()).item()
+        for name in ("step_counter", "hysteresis_left", "skipped_steps", "recorded_steps"):
+            if isinstance(values[name], bool) or not isinstance(values[name], int):
+                raise self._refuse_file(scale_at, f"{where[name]} is {describe(values[name])}, where an int belongs.")
+        for name in ("skipped_steps", "recorded_steps"):
+            if values[name] < 0:
+                raise self._refuse_file(scale_at, f"{where[name]} is {values[name]}, a count that cannot be negative.")
+        scale = values["dynamic_scale"]
+        state = LossScaleState(scale, values["step_counter"], values["hysteresis_left"])
+        try:
+            self._polyamp_config.check_state(state)
+        except (InvalidConfigError, PolyampTypeError) as exc:
+            held = ", ".join(
+                f"{where[name]} = {values[name]!r}" for name in ("dynamic_scale", "step_counter", "hysteresis_left")
+            )
+            raise self._refuse_file(
+                scale_at,
+                f"its loss-scale state is impossible for this optimizer's settings: {exc} The file holds {held}. "
+                "A scale of 0 or a subnormal would write NaN into the weights at the first step; inf or NaN "
+                "would skip every step.",
+            ) from exc
+        return state, values["recorded_steps"]
+
+    def _refuse_file(self, scale_at: str, reason: str) -> StateDictError:
+        return StateDictError(
+            f"Cannot load the variables of LossScaleOptimizer {self.name!r} from this weights file: {reason} The "
+            "optimizer was left unchanged. To fix the file: restore an earlier checkpoint; or rewrite the entry "
+            "with h5py (in a model.keras archive, the model.weights.h5 inside it), e.g. "
+            f"`with h5py.File('model.weights.h5', 'r+') as f: f['{scale_at}'][...] = "
+            f"{self._polyamp_config.init_scale!r}` for the scale; or load the layers alone with "
+            "model.load_weights(path, skip_mismatch=True), which keeps this optimizer's fresh state."
+        )
+
     # -- scaling -----------------------------------------------------------------------------------------
 
     def scale_loss(self, loss: Any) -> Any:
@@ -580,11 +661,29 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self._checked_grads = grads
         go = self._spike_decide(grads, True, all_finite(grads))
 
+        context = _merge_call_context()
+        if context is not None:  # a one-replica strategy (several replicas do not guard)
+            context.merge_call(self._guarded_cross_replica, args=(go, grads, trainable_variables))
+            return
+
         def applied() -> None:
             self.inner_optimizer.apply(grads, trainable_variables)
             self._outcome("guarding", "applied")
 
         ops.cond(go, applied, lambda: self._on_skip("guarding"))
+
+    def _guarded_cross_replica(self, distribution: Any, go: Any, grads: Any, trainable_variables: Any) -> None:
+        """The guard's ``cond`` in the cross-replica context: the inner optimizer's apply is a ``merge_call``,
+        which TensorFlow refuses inside a ``cond`` in a replica context (as Keras's own LossScaleOptimizer does
+        for its scaling step)."""
+
+        def applied() -> None:
+            distribution.extended.call_for_each_replica(
+                self.inner_optimizer.apply, args=(grads,), kwargs={"trainable_variables": trainable_variables}
+            )
+            self._outcome("guarding", "applied")
+
+        ops.cond(distribution.experimental_local_results(go)[0], applied, lambda: self._on_skip("guarding"))
 
     # -- the step's outcome and the spike rule -----------------------------------------------------------
 
@@ -770,10 +869,42 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
+        """The optimizer a `get_config` dict describes (what ``keras.models.load_model`` calls).
+
+        Args:
+            config: The dict `get_config` returned (or Keras's own LossScaleOptimizer's).
+            custom_objects: Passed on to Keras to deserialize the inner optimizer.
+
+        Returns:
+            A new, unbuilt `LossScaleOptimizer`.
+
+        Raises:
+            PolyampTypeError: (a ``TypeError``) ``config`` is not a dict, or its ``spike`` names a field a
+                `polyamp.SpikeRule` does not have.
+            PolyampValueError: (a ``ValueError``) ``config`` has no ``inner_optimizer``; or a setting is invalid
+                (as for the constructor).
+        """
+        if not isinstance(config, Mapping):
+            raise PolyampTypeError(
+                f"LossScaleOptimizer.from_config() takes the dict get_config() returned. Received: {describe(config)}."
+            )
         config = dict(config)
+        if "inner_optimizer" not in config:
+            raise PolyampValueError(
+                "LossScaleOptimizer.from_config() needs 'inner_optimizer' (the serialized inner optimizer, as "
+                f"get_config() writes it). Received the keys: {sorted(map(str, config))}."
+            )
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
-        if isinstance(config.get("spike"), Mapping):
-            config["spike"] = SpikeRule(**config["spike"])
+        spike = config.get("spike")
+        if isinstance(spike, Mapping):
+            fields = [field.name for field in dataclasses.fields(SpikeRule)]
+            unknown = sorted(str(key) for key in spike if key not in fields)
+            if unknown:
+                raise PolyampTypeError(
+                    f"LossScaleOptimizer.from_config(): 'spike' holds {unknown}, which SpikeRule does not take. "
+                    f"Its fields are: {', '.join(fields)}. Received: spike={describe(spike)}."
+                )
+            config["spike"] = SpikeRule(**spike)
         return cls(inner, **config)
 
 
@@ -786,6 +917,18 @@ def _check_spike(spike: Any) -> SpikeRule | None:
             "value. Use SpikeRule('grad_norm', ...), which decides on the gradients the optimizer receives."
         )
     return rule
+
+
+def _merge_call_context() -> Any:
+    """The replica context of a ``tf.distribute`` strategy whose optimizer updates go through ``merge_call``
+    (MirroredStrategy, one replica included), or None (no strategy, another Keras backend, or a strategy
+    without ``merge_call``)."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or keras.backend.backend() != "tensorflow" or not tf.distribute.has_strategy():
+        return None
+    if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        return None
+    return tf.distribute.get_replica_context()
 
 
 def _several_replicas() -> bool:

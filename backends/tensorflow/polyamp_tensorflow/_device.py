@@ -150,7 +150,9 @@ class TensorFlowDevice:
         finite = all_replicas_finite(all_finite(unscaled_grads))
         go = finite if veto is None else tf.logical_and(finite, tf.logical_not(veto > 0))
         context = tf.distribute.get_replica_context()
-        if context is not None and context.num_replicas_in_sync > 1:
+        if context is not None and tf.distribute.has_strategy():
+            # Any strategy, one replica included (MirroredStrategy() on a one-GPU machine): the optimizer's
+            # apply is a merge_call there too, which TensorFlow refuses inside a cond in a replica context.
             _apply_across_replicas(context, optimizer, go, unscaled_grads, list(variables))
         else:
 
