@@ -19,7 +19,7 @@ CUDA targets (need a CUDA device; benchmarks/gpu_suite.sh runs them all):
     python benchmarks/run.py gpu-compiled      # the recipe under torch.compile
     python benchmarks/run.py gpu-bf16          # the recipe in bfloat16, no scaler
 
-    python benchmarks/run.py report            # benchmarks/results/*.json -> benchmarks/RESULTS.md, README table
+    python benchmarks/run.py report            # benchmarks/results/*.json -> benchmarks/RESULTS.md, docs table
 
 Every subcommand takes ``--quick`` (a seconds-long smoke run; its JSON is named ``<target>-quick.json``
 and is never rendered into RESULTS.md) and ``--out DIR`` (default benchmarks/results).
@@ -127,7 +127,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     report.add_argument("--results", default=str(_common.RESULTS))
     report.add_argument("--output", default=str(ROOT / "benchmarks" / "RESULTS.md"))
-    report.add_argument("--readme", default=str(ROOT / "README.md"), help="README whose summary table to update")
+    report.add_argument(
+        "--readme",
+        default=str(ROOT / "docs" / "benchmarks.md"),
+        help="the page whose summary table to update (the documentation's performance page)",
+    )
     return parser
 
 

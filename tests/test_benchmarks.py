@@ -165,9 +165,9 @@ def test_revisions_times_two_revisions_side_by_side(tmp_path: Path, run_bounded:
     assert set(entry["head_over_base"]) == {"GradScaler", "polyamp scaler"}
 
 
-def test_readme_performance_table_is_the_committed_results() -> None:
-    """The README's summary is generated from benchmarks/results/ (``python benchmarks/run.py report``)."""
+def test_docs_performance_table_is_the_committed_results() -> None:
+    """The performance page's summary is generated from benchmarks/results/ (``python benchmarks/run.py report``)."""
     report = _report()
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
     block = text.split(report.README_BEGIN, 1)[1].split(report.README_END, 1)[0]
     assert block.strip() == report.summary(report.load(ROOT / "benchmarks" / "results")).strip()

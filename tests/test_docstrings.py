@@ -22,13 +22,13 @@ def test_docstring_examples(module_name: str) -> None:
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {module_name}"
 
 
-def test_readme_settings_table_is_the_configs() -> None:
-    """The README's settings table lists exactly LossScaleConfig's settings, in order, with their defaults."""
+def test_docs_settings_table_is_the_configs() -> None:
+    """The guide's settings table lists exactly LossScaleConfig's settings, in order, with their defaults."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    table = readme.split("<!-- settings-table -->")[1].split("<!-- /settings-table -->")[0]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "guide" / "overview.md").read_text()
+    table = page.split("<!-- settings-table -->")[1].split("<!-- /settings-table -->")[0]
     rows = re.findall(r"^\| `(\w+)` \| `([^`]+)` \|", table, flags=re.MULTILINE)
     defaults = polyamp.LossScaleConfig.defaults()
     assert [name for name, _ in rows] == list(defaults)
@@ -48,6 +48,7 @@ def test_no_doc_says_a_loss_scaler_changes_class_when_it_binds() -> None:
         *sorted((root / "backends").rglob("*.py")),
         *sorted((root / "polyamp").rglob("*.py")),
         root / "README.md",
+        *sorted((root / "docs").rglob("*.md")),
     ]
     offenders = [
         f"{path.relative_to(root)}:{text[: match.start()].count(chr(10)) + 1}"
