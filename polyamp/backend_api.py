@@ -6,7 +6,9 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
   handles) registered with `polyamp.register_backend` or the ``polyamp.backends`` entry-point group;
 * a `Backend` object whose ``make_device(config, state)`` returns a device form implementing
   `ImperativeDevice` (PyTorch-style loops) or `TapeDevice` (TensorFlow-style loops); a backend with jitted,
-  stateless steps is also a `FunctionalBackend` (``make_functional(config)`` returning a `FunctionalDevice`);
+  stateless steps is also a `FunctionalBackend` (``make_functional(config)`` returning a `FunctionalDevice`,
+  which may also implement `FunctionalRecordingDevice`, `FunctionalGuardingDevice` and `FunctionalSpikeDevice`:
+  the records' ring, the guard and the spike window as trees of arrays in the functional state);
 * optional protocols a device form may also implement, each one capability: `RecordingDevice` (step records
   on the device), `GuardingDevice` / `ImperativeGuardingDevice` (the guard), `ProvenanceDevice` /
   `ImperativeProvenanceDevice` (which gradients were non-finite), `SpikeDevice` (`polyamp.SpikeRule`),
@@ -36,6 +38,9 @@ from polyamp._src.backend import (
     Float16ProbeDevice,
     FunctionalBackend,
     FunctionalDevice,
+    FunctionalGuardingDevice,
+    FunctionalRecordingDevice,
+    FunctionalSpikeDevice,
     GradientCounts,
     GuardingDevice,
     ImperativeDevice,
@@ -144,7 +149,10 @@ __all__ = [
     "ForwardPass",
     "FunctionalBackend",
     "FunctionalDevice",
+    "FunctionalGuardingDevice",
     "FunctionalLossScaler",
+    "FunctionalRecordingDevice",
+    "FunctionalSpikeDevice",
     "GradientCounts",
     "GuardingDevice",
     "ImperativeDevice",

@@ -67,6 +67,16 @@ def test_keras_backends(backend: str) -> None:
     assert "prediction dtype: float32" in out
 
 
+def test_keras_hub_task() -> None:
+    pytest.importorskip("keras_hub")
+    out = run("keras_hub_task.py", "--steps", "3", env={"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert "layer_norm computes in float32, transformer_layer_0 in float16" in out
+    assert re.search(r"fit: 3 steps, loss [0-9.]+, loss_scale 65536", out), out
+    assert "loaded: polyamp_keras.LossScaleOptimizer(Adam), scale 65536, iterations 3" in out
+    found = re.search(r"generated \[([0-9, ]+)\]", out)
+    assert found is not None and len(found.group(1).split(",")) == 12, out
+
+
 @pytest.mark.parametrize("flags", [(), ("--scaler",)], ids=["optimizer", "loss_scaler"])
 def test_gradient_tape(flags: tuple[str, ...]) -> None:
     pytest.importorskip("tensorflow")

@@ -359,9 +359,42 @@ def test_subclassed_and_unbuilt_models() -> None:
     for model in (Classifier(), sequential):
         assert not model.built
         applied = polyamp_keras.apply_policy(model, keep_float32=["*norm*"])
-        assert dtype_of(applied(X)) == "float32"
         assert (model.get_layer("body").compute_dtype, model.get_layer("norm").compute_dtype) == ("float16", "float32")
         assert dtype_of(model.get_layer("norm")(model.get_layer("body")(X))) == "float32"
+        if isinstance(model, Classifier):
+            # Its own class: modified in place and returned, no output cast (the head computes in float16).
+            assert applied is model and model.dtype_policy.name == "mixed_float16"
+            assert dtype_of(applied(X)) == "float16"
+            assert polyamp_keras.apply_policy(model, keep_float32=["head"]) is model
+            assert dtype_of(model(X)) == "float32"
+        else:
+            assert applied is not model and applied.layers[0] is model and dtype_of(applied(X)) == "float32"
+
+
+def test_subclasses_of_keras_containers_are_modified_in_place() -> None:
+    """Subclasses of Sequential and of Functional models keep their class and methods; plain ones are rebuilt."""
+    polyamp.set_policy("mixed_float16")
+
+    class Stack(keras.Sequential):  # type: ignore[misc]
+        def describe(self) -> str:
+            return "stack"
+
+    class Graph(keras.Model):  # type: ignore[misc]
+        def __init__(self) -> None:
+            inputs = keras.Input((6,))
+            super().__init__(inputs, LAYERS.Softmax(name="sm")(LAYERS.Dense(4, name="d")(inputs)), name="graph")
+
+        def describe(self) -> str:
+            return "graph"
+
+    stack = Stack([keras.Input((6,)), LAYERS.Dense(4, name="d"), LAYERS.Softmax(name="sm")])
+    for model in (stack, Graph()):
+        applied = polyamp_keras.apply_policy(model)
+        assert applied is model and applied.describe() in ("stack", "graph")
+        assert (model.get_layer("d").compute_dtype, model.get_layer("sm").compute_dtype) == ("float16", "float32")
+    functional = keras.Model(stack.inputs, stack.outputs)
+    assert type(polyamp_keras.apply_policy(functional)) is type(functional)
+    assert polyamp_keras.apply_policy(functional) is not functional
 
 
 def test_applying_again_replaces_the_earlier_application() -> None:

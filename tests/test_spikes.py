@@ -342,3 +342,26 @@ def test_tensorflow_level_shift_rebases_once_in_tf_function(caplog: pytest.LogCa
     assert [r.iteration for r in records if r.rebased] == [48]
     assert len(_rebase_warnings(caplog)) == 1
     assert scaler.state_dict()["spike_run"] == 0 and int(opt.iterations.numpy()) == 80 - 8
+
+
+@pytest.mark.parametrize("enabled", [False, True], ids=["guarding", "scaling"])
+def test_a_spike_on_an_overflowing_step_skips_a_fused_optimizer(enabled: bool) -> None:
+    # Both flags set at once: torch's fused optimizers skip only when found_inf is exactly 1.0.
+    torch = pytest.importorskip("torch")
+    import polyamp_torch
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    scaler = polyamp_torch.TorchLossScaler(enabled=enabled, guard=True, spike=SpikeRule(window=4, warmup=2))
+    for i in range(5):
+        loss = (weight * (1000.0 if i == 4 else 1.0 + 0.01 * i)).sum()  # the last loss is a spike
+        scaler.scale(loss).backward()
+        if i == 4:
+            weight.grad.fill_(float("inf"))
+        before = weight.detach().clone()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    assert scaler.records()[-1].skipped
+    assert torch.equal(weight.detach(), before)
+    assert int(scaler.skipped_steps()) == 1

@@ -12,7 +12,9 @@ A device form offers one or more loop styles:
 * `ImperativeDevice` - PyTorch-style: gradients live on the parameters, ``unscale_`` / ``step`` / ``update``;
 * `TapeDevice` - TensorFlow-style: gradients are values, ``unscale(grads)`` / ``apply_gradients(opt, ...)``;
 * `FunctionalDevice` - state in, state out, for jitted steps (JAX-style), made by
-  ``Backend.make_functional``; the core wraps it in `polyamp.FunctionalLossScaler`.
+  ``Backend.make_functional``; the core wraps it in `polyamp.FunctionalLossScaler`. Its optional protocols
+  `FunctionalRecordingDevice`, `FunctionalGuardingDevice` and `FunctionalSpikeDevice` mirror the stateful
+  `RecordingDevice`, `GuardingDevice` and `SpikeDevice` as pure functions over trees of arrays.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ __all__ = [
     "Float16ProbeDevice",
     "FunctionalBackend",
     "FunctionalDevice",
+    "FunctionalGuardingDevice",
+    "FunctionalRecordingDevice",
+    "FunctionalSpikeDevice",
     "GradientCounts",
     "GuardingDevice",
     "ImperativeDevice",
@@ -440,6 +445,94 @@ class FunctionalDevice(Protocol):
 
     def select(self, found_inf: Flag, if_skipped: Any, if_applied: Any) -> Any:
         """``if_skipped`` where ``found_inf`` is set, else ``if_applied`` (trees of equal structure)."""
+        ...
+
+
+@runtime_checkable
+class FunctionalRecordingDevice(Protocol):
+    """Optional, functional devices: the step records' ring as a tree of arrays carried in the state (the
+    functional form of `RecordingDevice`). Every function returns a new tree; none reads the host but
+    `ring_read`."""
+
+    def ring_init(self, capacity: int) -> Any:
+        """A tree holding a ring of ``capacity`` step codes, all zero, and a count of codes written (0)."""
+        ...
+
+    def ring_write(self, ring: Any, base: int, flag: Flag | None, spike: Flag | None = None) -> Any:
+        """``ring`` with one more iteration's code, as `RecordingDevice.write_history` computes it: ``base``
+        (from `polyamp.backend_api.MODE_CODES`), plus 1 when ``flag`` is set (None: not set), plus ``SPIKE_BIT``
+        + 1 when ``spike`` is set (> 0) and ``flag`` is not, plus ``REBASE_BIT`` when ``spike`` is negative; at
+        position ``count % capacity``, with the count advanced."""
+        ...
+
+    def ring_read(self, ring: Any) -> tuple[int, list[int]]:
+        """(codes written in all, the most recent ones oldest first): one host read
+        (`polyamp.backend_api.ring_codes` orders a ring)."""
+        ...
+
+
+@runtime_checkable
+class FunctionalGuardingDevice(Protocol):
+    """Optional, functional devices: the guard (steps without scaling skipped when a gradient is non-finite),
+    the functional form of `GuardingDevice`."""
+
+    def check(self, tree: Any, grads: Any) -> Flag:
+        """The flag of whether one of ``grads`` (any nesting) is inf or NaN, the gradients left as they are
+        (nothing is divided)."""
+        ...
+
+    def count_skip(self, tree: Any, flag: Flag) -> Any:
+        """``tree`` with its skip count advanced when ``flag`` is set (> 0), the loss-scale rule not run."""
+        ...
+
+
+@runtime_checkable
+class FunctionalSpikeDevice(Protocol):
+    """Optional, functional devices: `polyamp.SpikeRule` decided on the device, its window a tree of arrays
+    carried in the state (the functional form of `SpikeDevice`). The rule (a frozen, hashable value) is passed
+    to the functions that need its constants."""
+
+    def window_init(self, rule: Any) -> Any:
+        """An empty window for ``rule``: room for ``rule.window`` float64 statistics, their count and ``run``
+        (the spikes since a statistic last entered it), all zero."""
+        ...
+
+    def spike_statistic(self, loss: Any) -> Any:
+        """The loss (a list of losses: their sum) as a float64 scalar, detached."""
+        ...
+
+    def spike_grad_norm(self, grads: Any) -> Any:
+        """The global L2 norm of ``grads`` (any nesting; unscaled), float64."""
+        ...
+
+    def spike_check(self, rule: Any, window: Any, x: Any) -> Flag:
+        """``rule``'s decision for statistic ``x`` against ``window`` as a flag, as `SpikeDevice.spike_check`
+        (never set once ``run`` reached ``rule.consecutive_limit``)."""
+        ...
+
+    def spike_finish(self, rule: Any, window: Any, x: Any, spike: Flag, overflow: Flag | None) -> tuple[Any, Flag]:
+        """The window after the iteration, as `SpikeDevice.spike_finish` leaves it, and the flag it returns: 1
+        for a skip by the rule alone (``run`` + 1), -1 for an iteration that re-based (``x`` entered an emptied
+        window), else 0."""
+        ...
+
+    def combine(self, first: Flag, second: Flag) -> Flag:
+        """One flag that is set when either is."""
+        ...
+
+    def count_skip(self, tree: Any, flag: Flag) -> Any:
+        """``tree`` with its skip count advanced when ``flag`` is set (> 0), as
+        `FunctionalGuardingDevice.count_skip` (a skip by the spike rule is counted without running the
+        loss-scale rule)."""
+        ...
+
+    def read_window(self, window: Any) -> tuple[list[float], int]:
+        """The window's values, oldest first, and its ``run`` (one host read), for state dicts."""
+        ...
+
+    def write_window(self, window: Any, values: list[float], run: int) -> Any:
+        """``window`` holding ``values`` (oldest first, at most its capacity; the core trims them) and
+        ``run``."""
         ...
 
 

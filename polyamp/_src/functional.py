@@ -5,19 +5,44 @@ scaler's state travels with the step as a value: ``state`` in, ``state`` out. Th
 as `polyamp.LossScaler`'s: gradients are unscaled and checked, a step with a non-finite gradient is skipped
 (``apply_if_finite`` keeps the old parameters and optimizer state), and the scale follows the reference
 rule of `polyamp.LossScaleConfig`; the backend's `polyamp.backend_api.FunctionalDevice` does the device work.
+
+The state is a dict of the device's trees of arrays (nothing else, so a jitted function can take and return
+it, and ``jax.lax.cond`` can carry it): ``"scaler"`` (scale, counters, the skip count), and, where the
+device offers them, ``"ring"`` (the step records' codes, `polyamp.backend_api.FunctionalRecordingDevice`)
+and ``"window"`` (the `polyamp.SpikeRule`'s window, `polyamp.backend_api.FunctionalSpikeDevice`). Everything
+that is decided rather than computed (the iteration's mode: scaling, guarding or off; a record's code; a
+spike skip counted as a skip) is decided here, once, when `polyamp.LossScaler.functional` is called.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Final, Literal, cast
 
-from polyamp._src.backend import Flag, FunctionalDevice
-from polyamp._src.errors import InvalidConfigError, PolyampTypeError
+from polyamp._src.backend import (
+    Flag,
+    FunctionalDevice,
+    FunctionalGuardingDevice,
+    FunctionalRecordingDevice,
+    FunctionalSpikeDevice,
+)
+from polyamp._src.errors import InvalidConfigError, PolyampTypeError, ScalerUsageError, describe
+from polyamp._src.records import DEFAULT_HISTORY, MODE_CODES, Recorder, StepRecord
 from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
-from polyamp._src.state_dict import parse_state_dict, to_state_dict
+from polyamp._src.spikes import SpikeRule
+from polyamp._src.state_dict import (
+    is_disabled_torch_state,
+    parse_spike_run,
+    parse_spike_window,
+    parse_state_dict,
+    to_state_dict,
+)
 
 __all__ = ["FunctionalLossScaler"]
+
+#: What an iteration of a functional scaler does: scale, check without scaling, or neither.
+FunctionalMode = Literal["scaling", "guarding", "off"]
+_STATE_KEYS: Final = ("scaler", "ring", "window")
 
 
 class FunctionalLossScaler:
@@ -35,17 +60,112 @@ class FunctionalLossScaler:
             params, opt_state = fn.apply_if_finite(found_inf, (new_params, new_opt_state), (params, opt_state))
             return params, opt_state, fn.update(state, found_inf)
 
-    With scaling disabled (``enabled`` decided when `functional` was called) every function passes its
-    input through and the flag is None.
+    With scaling disabled (``enabled`` decided when `functional` was called) and no guard, every function
+    passes its input through and the flag is None.
+
+    The guard, the records and the spike rule follow the options of the `polyamp.LossScaler` that made this
+    object (``guard=``, ``history=``, ``spike=``, ``on_min_scale=``). With a `polyamp.SpikeRule`, the step asks
+    `spike` for the iteration's decision and hands it to `apply_if_finite` and `update`::
+
+        scaler = polyamp.LossScaler(spike=polyamp.SpikeRule("loss", window=64))
+        fn = scaler.functional(backend="...")
+        state = fn.init()
+
+        def train_step(params, opt_state, state, batch):
+            def scaled(p):
+                loss = loss_fn(p, batch)
+                return fn.scale(state, loss), loss          # the unscaled loss is the rule's statistic
+
+            (_, loss), grads = value_and_grad(scaled, has_aux=True)(params)
+            grads, found_inf = fn.unscale(state, grads)      # guarding (enabled=False, guard=True): checked only
+            spike = fn.spike(state, loss=loss, grads=grads)  # None without a rule
+            new_params, new_opt_state = apply(grads, params, opt_state)
+            params, opt_state = fn.apply_if_finite(
+                found_inf, (new_params, new_opt_state), (params, opt_state), spike=spike
+            )
+            return params, opt_state, fn.update(state, found_inf, spike=spike)
+
+        for batch in batches:
+            params, opt_state, state = train_step(params, opt_state, state, batch)
+        fn.records(state)      # [StepRecord(iteration=0, skipped=False, reason=None, mode='scaling', ...), ...]
+        fn.state_dict(state)   # interchangeable with LossScaler.state_dict(), spike window included
+
+    A skip by the spike rule leaves parameters and optimizer state as they were and counts in
+    `skipped_steps`, but the loss-scale rule sees a finite iteration, exactly as with `polyamp.LossScaler`.
     """
 
     def __init__(
-        self, make_device: Callable[[LossScaleConfig], FunctionalDevice], config: LossScaleConfig, enabled: bool
+        self,
+        make_device: Callable[[LossScaleConfig], FunctionalDevice],
+        config: LossScaleConfig,
+        enabled: bool,
+        *,
+        setting: bool | None = True,
+        guard: bool | None = None,
+        history: int = DEFAULT_HISTORY,
+        spike: SpikeRule | None = None,
+        on_min_scale: str = "warn",
+        backend: str = "this",
     ) -> None:
+        """Wrap a backend's functional device (`polyamp.LossScaler.functional` calls this).
+
+        Args:
+            make_device: The backend's ``make_functional``.
+            config: The settings the state follows.
+            enabled: Whether the functions scale.
+            setting: The scaler's ``enabled`` argument (True, False or None), written to state dicts.
+            guard: The scaler's ``guard`` argument: whether functions that do not scale still check the
+                gradients (None: when ``setting`` is None, i.e. the policy turned scaling off).
+            history: How many step codes the state's ring holds, and how many records `records` keeps.
+            spike: The scaler's `polyamp.SpikeRule`, or None.
+            on_min_scale: What `records` does when a record shows the scale reaching its floor.
+            backend: The backend's name, for error messages.
+
+        Raises:
+            PolyampTypeError: ``guard=True`` or ``spike`` is asked of a device that cannot do it.
+        """
         self._make_device = make_device
         self._device = make_device(config)
         self._config = config
         self._enabled = enabled
+        self._setting = setting
+        self._guard = guard
+        self._rule = spike
+        self._history = history
+        self._on_min_scale = on_min_scale
+        self._backend = backend
+        self._mode: FunctionalMode = "off"
+        self._recording = False
+        self._read_capabilities()
+        self._recorder = self._new_recorder(config.initial_state())
+
+    def _read_capabilities(self) -> None:
+        """Read which optional protocols the device implements, once (and again when it is remade)."""
+        device = self._device
+        self._recording = isinstance(device, FunctionalRecordingDevice)
+        if self._rule is not None and not isinstance(device, FunctionalSpikeDevice):
+            raise PolyampTypeError(
+                f"The {self._backend!r} backend's functional form cannot apply a SpikeRule (it does not implement "
+                "polyamp.backend_api.FunctionalSpikeDevice). Received spike="
+                f"{self._rule!r}; construct the LossScaler without spike= to make its functional form."
+            )
+        if self._enabled:
+            self._mode = "scaling"
+            return
+        guard = self._setting is None if self._guard is None else self._guard
+        supported = isinstance(device, FunctionalGuardingDevice)
+        if guard and not supported and self._guard:
+            raise PolyampTypeError(
+                f"guard=True, but the {self._backend!r} backend's functional form cannot check gradients without "
+                "scaling (it does not implement polyamp.backend_api.FunctionalGuardingDevice). Pass guard=None or "
+                "False."
+            )
+        self._mode = "guarding" if guard and supported else "off"
+
+    def _new_recorder(self, state: LossScaleState) -> Recorder:
+        recorder = Recorder(self._history, self._on_min_scale, self._rule.reason if self._rule else "loss_spike")
+        recorder.reanchor(state)
+        return recorder
 
     @property
     def config(self) -> LossScaleConfig:
@@ -58,19 +178,35 @@ class FunctionalLossScaler:
         return self._enabled
 
     @property
+    def mode(self) -> FunctionalMode:
+        """What every iteration does: ``"scaling"``, ``"guarding"`` (checks gradients without scaling and skips
+        non-finite steps) or ``"off"`` (passes everything through); the records' mode."""
+        return self._mode
+
+    @property
+    def spike_rule(self) -> SpikeRule | None:
+        """The `polyamp.SpikeRule` the state's window follows, or None."""
+        return self._rule
+
+    @property
     def device(self) -> FunctionalDevice:
         """The backend's device operations."""
         return self._device
 
-    def init(self, state: LossScaleState | None = None) -> Any:
-        """A fresh state: the config's initial state, or ``state`` (validated as `load_state_dict` validates a
-        state dict's).
+    # -- the state ---------------------------------------------------------------------------------------
+
+    def init(self, state: LossScaleState | None = None) -> dict[str, Any]:
+        """A fresh state: the config's initial state (or ``state``, validated as `load_state_dict` validates a
+        state dict's), a zero skip count, an empty record ring (where the device keeps records) and an empty
+        spike window (with a `polyamp.SpikeRule`).
+
+        The records `records` gives start anew from here: iteration 0 is the first `update` of this state.
 
         Args:
             state: None, or a `polyamp.LossScaleState` this config can be in (e.g. ``fn.read(old_state)``).
 
         Returns:
-            The backend's state value, to pass to the other functions.
+            The state: a dict of the backend's arrays, to pass to the other functions.
 
         Raises:
             PolyampTypeError: (a ``TypeError``) ``state`` is not a `polyamp.LossScaleState` of numbers.
@@ -79,61 +215,245 @@ class FunctionalLossScaler:
                 ``min_scale``, the floor is 1.0), or a counter outside its range.
         """
         if state is None:
-            return self._device.init(self._config.initial_state())
-        try:
-            self._config.check_state(state)
-        except (InvalidConfigError, PolyampTypeError) as exc:
-            raise type(exc)(
-                f"FunctionalLossScaler.init() cannot start from this state: {exc} Pass no state for the config's "
-                "initial one, or a state this config reaches (fn.read(state), scaler.get_state())."
-            ) from exc
-        host = LossScaleState(to_float32(float(state.scale)), int(state.growth_tracker), int(state.hysteresis_left))
-        return self._device.init(host)
+            initial = self._config.initial_state()
+        else:
+            try:
+                self._config.check_state(state)
+            except (InvalidConfigError, PolyampTypeError) as exc:
+                raise type(exc)(
+                    f"FunctionalLossScaler.init() cannot start from this state: {exc} Pass no state for the "
+                    "config's initial one, or a state this config reaches (fn.read(state), scaler.get_state())."
+                ) from exc
+            initial = LossScaleState(
+                to_float32(float(state.scale)), int(state.growth_tracker), int(state.hysteresis_left)
+            )
+        self._recorder = self._new_recorder(initial)
+        tree: dict[str, Any] = {"scaler": self._device.init(initial)}
+        if self._recording:
+            device = cast(FunctionalRecordingDevice, self._device)
+            tree["ring"] = device.ring_init(self._history)
+        if self._rule is not None:
+            spikes = cast(FunctionalSpikeDevice, self._device)
+            tree["window"] = spikes.window_init(self._rule)
+        return tree
+
+    def _scaler(self, state: Any, method: str) -> Any:
+        """The device's scale-and-counters tree of ``state``.
+
+        Raises:
+            PolyampTypeError: ``state`` is not a state `init` made.
+        """
+        if not isinstance(state, Mapping) or "scaler" not in state or set(state) - set(_STATE_KEYS):
+            raise PolyampTypeError(
+                f"FunctionalLossScaler.{method} takes the state init() (or update(), load_state_dict()) returned: a "
+                f"dict with the keys 'scaler', and 'ring' / 'window' where kept. Received: {describe(state)}."
+            )
+        return state["scaler"]
+
+    # -- one iteration -----------------------------------------------------------------------------------
 
     def scale(self, state: Any, loss: Any) -> Any:
-        """``loss`` times the current scale (``loss`` itself when disabled)."""
-        return self._device.scale(state, loss) if self._enabled else loss
+        """``loss`` times the current scale (``loss`` itself when not scaling)."""
+        tree = self._scaler(state, "scale()")
+        return self._device.scale(tree, loss) if self._enabled else loss
 
     def unscale(self, state: Any, grads: Any) -> tuple[Any, Flag | None]:
-        """The gradients divided by the scale, and the flag saying whether one is inf or NaN."""
-        if not self._enabled:
-            return grads, None
-        return self._device.unscale(state, grads)
+        """The gradients divided by the scale, and the flag saying whether one is inf or NaN.
 
-    def apply_if_finite(self, found_inf: Flag | None, applied: Any, current: Any) -> Any:
-        """``applied`` (the values after the optimizer step) unless ``found_inf`` is set, then ``current``:
-        a skipped step leaves parameters and optimizer state exactly as they were."""
+        Guarding (``enabled=False`` with the guard), the gradients are returned as they are and only checked;
+        with neither, the flag is None.
+        """
+        tree = self._scaler(state, "unscale()")
+        if self._mode == "scaling":
+            return self._device.unscale(tree, grads)
+        if self._mode == "guarding":
+            device = cast(FunctionalGuardingDevice, self._device)
+            return grads, device.check(tree, grads)
+        return grads, None
+
+    def spike(self, state: Any, *, loss: Any = None, grads: Any = None) -> dict[str, Any] | None:
+        """The spike rule's decision for this iteration: ``{"statistic": x, "flag": spike}`` (arrays, so a
+        jitted step can return it), for `apply_if_finite` and `update`; None without a rule, or when the
+        functions neither scale nor guard.
+
+        Args:
+            state: The iteration's state.
+            loss: The iteration's loss, *unscaled* (a rule on ``"loss"``; a list of losses: their sum).
+            grads: The iteration's unscaled gradients, as `unscale` returned them (a rule on ``"grad_norm"``:
+                their global L2 norm).
+
+        Raises:
+            ScalerUsageError: the statistic the rule watches was not given.
+        """
+        self._scaler(state, "spike()")
+        rule = self._rule
+        if rule is None or self._mode == "off":
+            return None
+        device = cast(FunctionalSpikeDevice, self._device)
+        if rule.on == "loss":
+            if loss is None:
+                raise ScalerUsageError(
+                    "FunctionalLossScaler.spike() needs loss=: the SpikeRule watches the loss (on='loss'). Pass the "
+                    "iteration's unscaled loss, e.g. fn.spike(state, loss=loss, grads=grads)."
+                )
+            statistic = device.spike_statistic(loss)
+        else:
+            if grads is None:
+                raise ScalerUsageError(
+                    "FunctionalLossScaler.spike() needs grads=: the SpikeRule watches the gradient norm "
+                    "(on='grad_norm'). Pass the gradients unscale() returned, e.g. fn.spike(state, grads=grads)."
+                )
+            statistic = device.spike_grad_norm(grads)
+        return {"statistic": statistic, "flag": device.spike_check(rule, state["window"], statistic)}
+
+    def skipped(self, found_inf: Flag | None, spike: Mapping[str, Any] | None = None) -> Flag | None:
+        """The flag of whether this iteration's step is skipped: ``found_inf`` (a non-finite gradient) or the
+        spike rule's flag (``spike``, what `spike` returned); None when nothing was checked."""
+        if spike is None:
+            return found_inf
         if found_inf is None:
+            return spike["flag"]
+        device = cast(FunctionalSpikeDevice, self._device)
+        return device.combine(found_inf, spike["flag"])
+
+    def apply_if_finite(
+        self, found_inf: Flag | None, applied: Any, current: Any, spike: Mapping[str, Any] | None = None
+    ) -> Any:
+        """``applied`` (the values after the optimizer step) unless ``found_inf`` or the spike rule's flag
+        (``spike``, what `spike` returned) is set, then ``current``: a skipped step leaves parameters and
+        optimizer state exactly as they were."""
+        flag = self.skipped(found_inf, spike)
+        if flag is None:
             return applied
-        return self._device.select(found_inf, current, applied)
+        return self._device.select(flag, current, applied)
 
-    def update(self, state: Any, found_inf: Flag | None) -> Any:
-        """The state after one step of the rule (the scale, counters and the count of skipped steps)."""
+    def update(self, state: Any, found_inf: Flag | None, spike: Mapping[str, Any] | None = None) -> Any:
+        """The state after the iteration, as `polyamp.LossScaler.update` leaves its own.
+
+        Scaling, the loss-scale rule advances with ``found_inf`` (and counts a skip when it is set); guarding,
+        a skip is counted without running the rule; with a `polyamp.SpikeRule`, a skip by the rule alone is
+        counted (the loss-scale rule sees a finite iteration) and the statistic enters the window when the step
+        was applied (re-basing it after ``max_consecutive`` spikes). The iteration's record code is written to
+        the ring.
+
+        Args:
+            state: The iteration's state.
+            found_inf: The flag `unscale` returned (None when the functions neither scale nor guard).
+            spike: What `spike` returned for this iteration (None without a rule).
+
+        Raises:
+            ScalerUsageError: scaling or guarding without a flag, or a rule's iteration without its decision.
+            PolyampTypeError: a decision for a scaler without a rule.
+        """
+        tree = self._scaler(state, "update()")
+        new = dict(state)
+        mode = self._mode
+        if mode == "off":
+            if self._recording:
+                recording = cast(FunctionalRecordingDevice, self._device)
+                new["ring"] = recording.ring_write(state["ring"], MODE_CODES["off"], None)
+            return new
         if found_inf is None:
-            return state
-        return self._device.update(state, found_inf)
+            raise ScalerUsageError(
+                f"FunctionalLossScaler.update() received found_inf=None, but these functions are {mode}: pass the "
+                "flag unscale() returned for this iteration."
+            )
+        rule = self._rule
+        if rule is not None and spike is None:
+            raise ScalerUsageError(
+                "FunctionalLossScaler.update() needs spike=: this scaler has a SpikeRule. Pass what "
+                "fn.spike(state, loss=..., grads=...) returned for this iteration."
+            )
+        if rule is None and spike is not None:
+            raise PolyampTypeError(
+                f"FunctionalLossScaler.update(spike=...) takes None for a scaler without a SpikeRule (spike() "
+                f"returns None then). Received: {describe(spike)}."
+            )
+        if mode == "scaling":
+            tree = self._device.update(tree, found_inf)
+        else:
+            guarding = cast(FunctionalGuardingDevice, self._device)
+            tree = guarding.count_skip(tree, found_inf)
+        only = None
+        if rule is not None and spike is not None:
+            device = cast(FunctionalSpikeDevice, self._device)
+            new["window"], only = device.spike_finish(
+                rule, state["window"], spike["statistic"], spike["flag"], found_inf
+            )
+            tree = device.count_skip(tree, only)
+        new["scaler"] = tree
+        if self._recording:
+            recording = cast(FunctionalRecordingDevice, self._device)
+            if only is None:
+                new["ring"] = recording.ring_write(state["ring"], MODE_CODES[mode], found_inf)
+            else:
+                new["ring"] = recording.ring_write(state["ring"], MODE_CODES[mode], found_inf, only)
+        return new
+
+    # -- reading on the host -----------------------------------------------------------------------------
 
     def read(self, state: Any) -> LossScaleState:
-        """The host view of a state (synchronises)."""
-        return self._device.read(state)
+        """The host view of a state's scale and counters (synchronises)."""
+        return self._device.read(self._scaler(state, "read()"))
 
     def skipped_steps(self, state: Any) -> Any:
-        """How many steps were skipped, as the framework's integer scalar."""
-        return self._device.skipped_count(state)
+        """How many steps were skipped (non-finite gradients and spikes), as the framework's integer scalar."""
+        return self._device.skipped_count(self._scaler(state, "skipped_steps()"))
+
+    def records(self, state: Any) -> list[StepRecord]:
+        """The most recent iterations' records (at most ``history``), oldest first, as `polyamp.StepRecord`:
+        skipped or not, why, the mode, and the scale replayed from the config, as `polyamp.LossScaler.records`
+        gives them (empty when the device keeps no records).
+
+        Reads the codes ``state``'s ring gained since the last call (one host read); the records belong to the
+        run that started at the last `init` or `load_state_dict`, and are kept here, on the host. Read them at
+        least every ``history`` iterations: older codes are overwritten in the ring (a warning says how many
+        were lost).
+
+        Raises:
+            ScaleCollapseError: with ``on_min_scale="raise"``, a record shows the scale reaching its floor.
+        """
+        self._scaler(state, "records()")
+        if not self._recording:
+            return []
+        device = cast(FunctionalRecordingDevice, self._device)
+        count, codes = device.ring_read(state["ring"])
+        self._recorder.consume(count, codes, self._config, lambda: self.read(state))
+        return list(self._recorder.records)
 
     def state_dict(self, state: Any) -> dict[str, Any]:
-        """A state dict interchangeable with `polyamp.LossScaler.state_dict`'s."""
-        return to_state_dict(self._config, self.read(state), True)
+        """A state dict interchangeable with `polyamp.LossScaler.state_dict`'s (the spike window and its run
+        included, with a rule)."""
+        host = self.read(state)
+        window: list[float] | None = None
+        run = 0
+        if self._rule is not None:
+            device = cast(FunctionalSpikeDevice, self._device)
+            window, run = device.read_window(state["window"])
+        return to_state_dict(self._config, host, self._setting, window, run)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> Any:
-        """A state from a `polyamp.LossScaler` (or torch GradScaler) state dict; its settings are adopted
-        (re-trace jitted steps that captured the old ones).
+        """A state from a `polyamp.LossScaler` (or torch GradScaler) state dict, its spike window and run
+        included; its settings are adopted (re-trace jitted steps that captured the old ones). The records start
+        anew, as after `init`. A scaler made with ``enabled=False`` takes ``{}`` (a disabled GradScaler's dict)
+        as nothing to restore: a fresh state.
 
         Raises:
             StateDictError: the dict is malformed (nothing changes).
         """
-        config, host = parse_state_dict(state_dict, self._config)
+        disabled = self._setting is False
+        if disabled and is_disabled_torch_state(state_dict):
+            return self.init()
+        config, host = parse_state_dict(state_dict, self._config, loader_disabled=disabled)
+        rule = self._rule
+        window = parse_spike_window(state_dict, None if rule is None else rule.window)
+        run = parse_spike_run(state_dict)
         if config != self._config:  # the rule's constants live in the device functions: make new ones
             self._device = self._make_device(config)
             self._config = config
-        return self._device.init(host)
+            self._read_capabilities()
+        state = self.init(host)
+        if window is not None and rule is not None:
+            device = cast(FunctionalSpikeDevice, self._device)
+            state["window"] = device.write_window(state["window"], window, run)
+        return state

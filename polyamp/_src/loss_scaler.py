@@ -1006,13 +1006,19 @@ class LossScaler(GradScalerSpelling, Pickled):
     # -- the functional form ------------------------------------------------------------------------------
 
     def functional(self, backend: str | None = None) -> FunctionalLossScaler:
-        """This scaler's settings and state as pure functions, for jitted steps (see `FunctionalLossScaler`).
+        """This scaler's settings as pure functions of a state, for jitted steps (see `FunctionalLossScaler`).
+
+        Whether the functions scale is decided now (``enabled``, or the policy in effect); the guard, the
+        record history and the spike rule follow this scaler's ``guard``, ``history``, ``spike`` and
+        ``on_min_scale``. The functional state starts from the settings' initial state (`FunctionalLossScaler.init`;
+        ``load_state_dict(scaler.state_dict())`` resumes from this scaler's).
 
         Args:
             backend: The backend whose ``make_functional`` to use; None uses the bound backend.
 
         Raises:
-            PolyampTypeError: no backend given and none bound, or the backend has no functional form.
+            PolyampTypeError: no backend given and none bound, the backend has no functional form, or its
+                functional form cannot guard (``guard=True`` on a scaler that does not scale) or apply ``spike``.
         """
         name = backend or self._backend_name
         if name is None:
@@ -1020,7 +1026,18 @@ class LossScaler(GradScalerSpelling, Pickled):
         backend_object = registry.get_backend(name)
         if not isinstance(backend_object, FunctionalBackend):
             raise PolyampTypeError(f"The {name!r} backend offers no functional (stateless) form.")
-        return FunctionalLossScaler(backend_object.make_functional, self._config, self.enabled)
+        recorder = self._history.recorder
+        return FunctionalLossScaler(
+            backend_object.make_functional,
+            self._config,
+            self.enabled,
+            setting=self._enabled_setting,
+            guard=self._guard_setting,
+            history=recorder.capacity,
+            spike=self._spikes.rule,
+            on_min_scale=recorder.on_min_scale,
+            backend=name,
+        )
 
     # -- Python protocols --------------------------------------------------------------------------------
 

@@ -176,6 +176,9 @@ class Harness(Protocol):
         ...
 
     def functional_trainer(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> Trainer:
-        """A `Trainer` whose step runs through ``LossScaler(**scaler).functional()`` (state in, state out);
-        its ``scaler`` offers ``state_dict()`` of the current functional state."""
+        """A `Trainer` whose step runs through ``LossScaler(**scaler).functional()`` (state in, state out),
+        asking ``fn.spike(state, loss=<the unscaled loss>, grads=<the unscaled gradients>)`` for the spike rule's
+        decision and handing it to ``apply_if_finite`` and ``update`` (``scaler`` may hold ``guard`` and
+        ``spike``); its ``scaler`` offers ``state_dict()``, ``records()`` and ``skipped_steps()`` of the current
+        functional state, and ``step`` returns the unscaled loss as a float."""
         ...

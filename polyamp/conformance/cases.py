@@ -7,9 +7,10 @@ import them into a pytest module (see tests/test_conformance.py in polyamp's rep
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from polyamp import LossScaleConfig, Policy
+from polyamp import LossScaleConfig, Policy, SpikeRule
 from polyamp.backend_api import layer_of
 from polyamp.conformance._context import (
     assert_close,
@@ -164,6 +165,89 @@ def test_functional_form_follows_the_reference(harness: Any, vector: str) -> Non
     ((x, y),) = _batches(1)
     trainer.step(x, y, overflow=True)
     assert_equal_arrays(trainer.params(), before, "parameters after a skipped functional step")
+
+
+#: The functional case's pattern: F finite, O planted overflow, S a spike (the batch's inputs times 40).
+FUNCTIONAL_PATTERN = "FFFFSFOFFSSSFFOFFF"
+
+
+def _spike_window(rule: SpikeRule, losses: list[float], overflows: list[bool]) -> tuple[list[float], int]:
+    """The rule's window and run after ``losses``, by the reference's trace (`SpikeRule.decide`)."""
+    window: list[float] = []
+    run = 0
+    spikes, rebased = rule.decide(losses, overflows), rule.rebased(losses, overflows)
+    for x, spike, overflow, rebase in zip(losses, spikes, overflows, rebased, strict=True):
+        if spike:
+            run += 1
+        elif not overflow and math.isfinite(x):
+            window = ([] if rebase else window) + [x]
+            window, run = window[-rule.window :], 0
+    return window, run
+
+
+@parametrize("mode", ["scaling", "guarding"])
+@requires("functional")
+def test_functional_form_guards_records_and_spikes(harness: Any, mode: str) -> None:
+    """The stateless form with the guard (``enabled=False, guard=True``) or scaling, and a `polyamp.SpikeRule`
+    on the loss: it skips the reference's steps (overflows, spikes; a run of ``max_consecutive`` spikes
+    re-bases the window), leaves the parameters of a skipped step unchanged, and its records, skip count and
+    state dict (spike window and run included) are the reference's."""
+    rule = SpikeRule("loss", window=4, warmup=3, threshold=3.0, max_consecutive=2)
+    settings: dict[str, Any] = {"growth_interval": 2, "hysteresis": 1}
+    options = {"enabled": True} if mode == "scaling" else {"enabled": False, "guard": True}
+    trainer = harness.functional_trainer(Policy("float32"), scaler={**settings, **options, "spike": rule})
+    where = f"functional {mode} on {harness.backend}-{harness.device}"
+    pattern = FUNCTIONAL_PATTERN
+    losses, skips = [], []
+    for index, ((x, y), char) in enumerate(zip(_batches(len(pattern)), pattern, strict=True)):
+        before = trainer.params()
+        losses.append(float(trainer.step(x * 40.0 if char == "S" else x, y, overflow=char == "O")))
+        skips.append(bool(trainer.step_skipped()))
+        if skips[-1]:
+            assert_equal_arrays(trainer.params(), before, f"parameters after skipped step {index} ({where})")
+    overflows = [char == "O" for char in pattern]
+    spikes, rebased = rule.decide(losses, overflows), rule.rebased(losses, overflows)
+    missed = [i for i, char in enumerate(pattern) if char == "S" and not spikes[i] and not rebased[i]]
+    if missed or not any(rebased):
+        raise AssertionError(
+            f"the case's spikes did not come out as planned ({where}): losses {losses}; spikes {spikes}; "
+            f"re-based {rebased}"
+        )
+    want_skips = [o or s for o, s in zip(overflows, spikes, strict=True)]
+    if skips != want_skips:
+        raise AssertionError(f"step_skipped() per step: {skips}, expected {want_skips} ({where})")
+    reference = LossScaleConfig(**settings)
+    states = [reference.initial_state(), *reference.states("".join("O" if o else "F" for o in overflows))]
+    scaled = mode == "scaling"
+    overflow = "overflow" if scaled else "non_finite"
+    want = [
+        (
+            i,
+            want_skips[i],
+            overflow if overflows[i] else "loss_spike" if spikes[i] else None,
+            mode,
+            states[i].scale if scaled else None,
+            states[i + 1].scale if scaled else None,
+            rebased[i],
+        )
+        for i in range(len(pattern))
+    ]
+    got = [
+        (r.iteration, r.skipped, r.reason, r.mode, r.scale, r.next_scale, r.rebased) for r in trainer.scaler.records()
+    ]
+    if got != want:
+        raise AssertionError(f"records ({where}): {got}, expected {want}")
+    if int(trainer.scaler.skipped_steps()) != sum(want_skips):
+        raise AssertionError(f"skipped_steps() = {int(trainer.scaler.skipped_steps())}, expected {sum(want_skips)}")
+    saved = trainer.scaler.state_dict()
+    window, run = _spike_window(rule, losses, overflows)
+    final = states[-1] if scaled else reference.initial_state()
+    got_state = (saved["scale"], saved["_growth_tracker"], saved["spike_window"], saved["spike_run"])
+    want_state = (final.scale, final.growth_tracker, window, run)
+    if got_state != want_state:
+        raise AssertionError(
+            f"(scale, tracker, spike_window, spike_run) = {got_state}, expected {want_state} ({where})"
+        )
 
 
 @requires("trainer")

@@ -3,7 +3,10 @@
 
 It is the worked example of the README's "Backends" section: a spec that imports nothing, a backend
 object, an imperative device form (PyTorch-style loop), a functional device form (state in, state out)
-and a conformance harness declaring what it can do.
+and a conformance harness declaring what it can do. Both device forms keep step records, guard and decide
+a `polyamp.SpikeRule` (the stateful `RecordingDevice` / `ImperativeGuardingDevice` / `SpikeDevice` and the
+functional `FunctionalRecordingDevice` / `FunctionalGuardingDevice` / `FunctionalSpikeDevice`), with the same
+array arithmetic: the pure functions below, which the stateful form applies to trees it keeps.
 """
 
 from __future__ import annotations
@@ -16,8 +19,16 @@ import npfw
 import numpy as np
 
 import polyamp
-from polyamp import LossScaleConfig, LossScaler, LossScaleState, Policy, PolyampTypeError
-from polyamp.backend_api import BackendSpec, StepOutcome, wrong_object_error
+from polyamp import LossScaleConfig, LossScaler, LossScaleState, Policy, PolyampTypeError, SpikeRule, StepRecord
+from polyamp.backend_api import (
+    REBASE_BIT,
+    SPIKE_BIT,
+    BackendSpec,
+    StepOutcome,
+    ring_codes,
+    ring_values,
+    wrong_object_error,
+)
 from polyamp.conformance import HarnessUnavailable
 
 #: What a package would publish through the ``polyamp.backends`` entry-point group.
@@ -32,6 +43,78 @@ SPEC = BackendSpec(
 
 def _inverse(scale: float) -> np.float32:
     return np.float32(1.0 / scale)  # formed in double, rounded to float32, as the torch backend does
+
+
+def _is_set(flag: Any) -> bool:
+    return flag is not None and bool(flag > 0)
+
+
+def _non_finite(grads: Sequence[Any]) -> np.float32:
+    return np.float32(not all(bool(np.isfinite(g).all()) for g in grads if g is not None))
+
+
+# -- the array work of records, guard and spike rule, as pure functions of trees of NumPy arrays ------------
+
+
+def _ring_init(capacity: int) -> dict[str, Any]:
+    return {"codes": np.zeros(capacity, np.int32), "count": np.int64(0)}
+
+
+def _ring_write(ring: Mapping[str, Any], base: int, flag: Any, spike: Any = None) -> dict[str, Any]:
+    overflow = _is_set(flag)
+    spiked = _is_set(spike)
+    code = base + int(overflow or spiked) + (SPIKE_BIT if spiked and not overflow else 0)
+    code += REBASE_BIT if spike is not None and spike < 0 else 0
+    codes = np.array(ring["codes"])
+    codes[int(ring["count"]) % len(codes)] = code
+    return {"codes": codes, "count": ring["count"] + np.int64(1)}
+
+
+def _ring_read(ring: Mapping[str, Any]) -> tuple[int, list[int]]:
+    count = int(ring["count"])
+    return count, ring_codes(count, list(ring["codes"]))
+
+
+def _window_init(rule: SpikeRule) -> dict[str, Any]:
+    return {"values": np.zeros(rule.window, np.float64), "count": np.int64(0), "run": np.int64(0)}
+
+
+def _window_values(window: Mapping[str, Any]) -> list[float]:
+    return [float(v) for v in ring_values(int(window["count"]), list(window["values"]))]
+
+
+def _spike_check(rule: SpikeRule, window: Mapping[str, Any], x: Any) -> np.float32:
+    return np.float32(rule.is_spike(_window_values(window), float(x), int(window["run"])))
+
+
+def _spike_finish(
+    rule: SpikeRule, window: Mapping[str, Any], x: Any, spike: Any, overflow: Any
+) -> tuple[dict[str, Any], np.float32]:
+    only = _is_set(spike) and not _is_set(overflow)
+    values, count, run = np.array(window["values"]), window["count"], window["run"]
+    rebase = False
+    if not _is_set(spike) and not _is_set(overflow) and math.isfinite(float(x)):
+        rebase = rule.rebases(int(run))
+        if rebase:
+            count = np.int64(0)
+        values[int(count) % len(values)] = float(x)
+        count, run = count + np.int64(1), np.int64(0)
+    elif only:
+        run = run + np.int64(1)
+    return {"values": values, "count": count, "run": run}, np.float32(-1.0 if rebase else float(only))
+
+
+def _write_window(window: Mapping[str, Any], values: Sequence[float], run: int) -> dict[str, Any]:
+    array = np.zeros(len(window["values"]), np.float64)
+    kept = list(values)[-len(array) :]
+    array[: len(kept)] = kept
+    return {"values": array, "count": np.int64(len(kept)), "run": np.int64(run)}
+
+
+def _grad_norm(grads: Sequence[Any]) -> np.float64:
+    return np.float64(
+        math.sqrt(math.fsum(float((np.asarray(g, np.float64) ** 2).sum()) for g in grads if g is not None))
+    )
 
 
 class NumpyDevice:
@@ -123,6 +206,55 @@ class NumpyDevice:
     def skipped_steps(self) -> np.int64:
         return self._skipped
 
+    # -- ImperativeGuardingDevice ------------------------------------------------------------------------
+
+    def check_gradients_finite(self, optimizer: npfw.Optimizer) -> np.float32 | None:
+        grads = [p.grad for p in optimizer.params if p.grad is not None]
+        return _non_finite(grads) if grads else None
+
+    def count_skip(self, flag: Any) -> None:
+        if _is_set(flag):
+            self._skipped += 1
+
+    # -- RecordingDevice ---------------------------------------------------------------------------------
+
+    def new_history(self, capacity: int) -> dict[str, Any]:
+        return _ring_init(capacity)
+
+    def write_history(self, history: dict[str, Any], base: int, flag: Any, spike: Any = None) -> None:
+        history.update(_ring_write(history, base, flag, spike))
+
+    def read_history(self, history: dict[str, Any]) -> tuple[int, list[int]]:
+        return _ring_read(history)
+
+    # -- SpikeDevice: the window is the functional form's tree, with its rule ------------------------------
+
+    def new_spike_state(self, rule: SpikeRule) -> dict[str, Any]:
+        return {"rule": rule, "window": _window_init(rule)}
+
+    def spike_statistic(self, loss: Any) -> np.float64:
+        losses = loss if isinstance(loss, (list, tuple)) else [loss]
+        return np.float64(math.fsum(item.value for item in losses))
+
+    def spike_grad_norm(self, optimizer: npfw.Optimizer) -> np.float64:
+        return _grad_norm([p.grad for p in optimizer.params])
+
+    def spike_check(self, state: dict[str, Any], x: Any) -> np.float32:
+        return _spike_check(state["rule"], state["window"], x)
+
+    def spike_finish(self, state: dict[str, Any], x: Any, spike: Any, overflow: Any) -> np.float32:
+        state["window"], only = _spike_finish(state["rule"], state["window"], x, spike, overflow)
+        return only
+
+    def read_spike_window(self, state: dict[str, Any]) -> list[float]:
+        return _window_values(state["window"])
+
+    def read_spike_run(self, state: dict[str, Any]) -> int:
+        return int(state["window"]["run"])
+
+    def write_spike_window(self, state: dict[str, Any], values: list[float], run: int = 0) -> None:
+        state["window"] = _write_window(state["window"], values, run)
+
 
 class NumpyFunctional:
     """The functional device form: a state dict of NumPy scalars in, a new one out."""
@@ -150,7 +282,7 @@ class NumpyFunctional:
     def unscale(self, tree: Mapping[str, Any], grads: list[np.ndarray]) -> tuple[list[np.ndarray], np.float32]:
         inverse = _inverse(float(tree["scale"]))
         unscaled = [(g * inverse).astype(np.float32) for g in grads]
-        return unscaled, np.float32(not all(np.isfinite(g).all() for g in unscaled))
+        return unscaled, _non_finite(unscaled)
 
     def update(self, tree: Mapping[str, Any], found_inf: Any) -> dict[str, Any]:
         state = self._config.next_state(self.read(tree), bool(found_inf > 0))
@@ -160,6 +292,54 @@ class NumpyFunctional:
 
     def select(self, found_inf: Any, if_skipped: Any, if_applied: Any) -> Any:
         return if_skipped if found_inf > 0 else if_applied
+
+    # -- FunctionalGuardingDevice ------------------------------------------------------------------------
+
+    def check(self, tree: Mapping[str, Any], grads: list[np.ndarray]) -> np.float32:
+        return _non_finite(grads)
+
+    def count_skip(self, tree: Mapping[str, Any], flag: Any) -> dict[str, Any]:
+        return {**tree, "skipped": tree["skipped"] + np.int64(_is_set(flag))}
+
+    # -- FunctionalRecordingDevice -----------------------------------------------------------------------
+
+    def ring_init(self, capacity: int) -> dict[str, Any]:
+        return _ring_init(capacity)
+
+    def ring_write(self, ring: Mapping[str, Any], base: int, flag: Any, spike: Any = None) -> dict[str, Any]:
+        return _ring_write(ring, base, flag, spike)
+
+    def ring_read(self, ring: Mapping[str, Any]) -> tuple[int, list[int]]:
+        return _ring_read(ring)
+
+    # -- FunctionalSpikeDevice ---------------------------------------------------------------------------
+
+    def window_init(self, rule: SpikeRule) -> dict[str, Any]:
+        return _window_init(rule)
+
+    def spike_statistic(self, loss: Any) -> np.float64:
+        losses = loss if isinstance(loss, (list, tuple)) else [loss]
+        return np.float64(math.fsum(float(item) for item in losses))
+
+    def spike_grad_norm(self, grads: list[np.ndarray]) -> np.float64:
+        return _grad_norm(grads)
+
+    def spike_check(self, rule: SpikeRule, window: Mapping[str, Any], x: Any) -> np.float32:
+        return _spike_check(rule, window, x)
+
+    def spike_finish(
+        self, rule: SpikeRule, window: Mapping[str, Any], x: Any, spike: Any, overflow: Any
+    ) -> tuple[dict[str, Any], np.float32]:
+        return _spike_finish(rule, window, x, spike, overflow)
+
+    def combine(self, first: Any, second: Any) -> np.float32:
+        return np.float32(max(first, second))
+
+    def read_window(self, window: Mapping[str, Any]) -> tuple[list[float], int]:
+        return _window_values(window), int(window["run"])
+
+    def write_window(self, window: Mapping[str, Any], values: list[float], run: int) -> dict[str, Any]:
+        return _write_window(window, values, run)
 
 
 class NumpyBackend:
@@ -274,7 +454,8 @@ class NumpyLoop:
 
 
 class _FunctionalView:
-    """What the cases read from a functional trainer's ``scaler``: the state dict of the current state."""
+    """What the cases read from a functional trainer's ``scaler``: the state dict, the records and the skip
+    count of the current state."""
 
     def __init__(self, trainer: NumpyFunctionalTrainer) -> None:
         self._trainer = trainer
@@ -282,9 +463,16 @@ class _FunctionalView:
     def state_dict(self) -> dict[str, Any]:
         return self._trainer.fn.state_dict(self._trainer.state)
 
+    def records(self) -> list[StepRecord]:
+        return self._trainer.fn.records(self._trainer.state)
+
+    def skipped_steps(self) -> Any:
+        return self._trainer.fn.skipped_steps(self._trainer.state)
+
 
 class NumpyFunctionalTrainer:
-    """SGD with momentum written as a pure function, driven through `polyamp.FunctionalLossScaler`."""
+    """SGD with momentum written as a pure function, driven through `polyamp.FunctionalLossScaler` (the guard,
+    records and spike rule included, as the scaler's options ask)."""
 
     def __init__(self, policy: Policy, scaler: Mapping[str, Any], seed: int) -> None:
         with polyamp.policy_scope(policy):
@@ -293,7 +481,7 @@ class NumpyFunctionalTrainer:
         self.arrays = [p.data for p in npfw.mlp(seed)]
         self.momentum = [np.zeros_like(a) for a in self.arrays]
         self.scaler = _FunctionalView(self)
-        self._found_inf: Any = None
+        self._skipped: Any = None
 
     def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
         value, grads = npfw.loss_and_grads(self.arrays, x, y)
@@ -302,13 +490,14 @@ class NumpyFunctionalTrainer:
         if overflow:
             grads[0].reshape(-1)[0] = np.inf
         grads, found_inf = self.fn.unscale(self.state, grads)
+        spike = self.fn.spike(self.state, loss=value, grads=grads)
         momentum = [(np.float32(0.9) * m + g).astype(np.float32) for m, g in zip(self.momentum, grads, strict=True)]
         arrays = [(a - np.float32(0.1) * m).astype(np.float32) for a, m in zip(self.arrays, momentum, strict=True)]
         self.arrays, self.momentum = self.fn.apply_if_finite(
-            found_inf, (arrays, momentum), (self.arrays, self.momentum)
+            found_inf, (arrays, momentum), (self.arrays, self.momentum), spike=spike
         )
-        self.state = self.fn.update(self.state, found_inf)
-        self._found_inf = found_inf
+        self.state = self.fn.update(self.state, found_inf, spike=spike)
+        self._skipped = self.fn.skipped(found_inf, spike)
         return value
 
     def params(self) -> list[np.ndarray]:
@@ -318,7 +507,7 @@ class NumpyFunctionalTrainer:
         return [m.copy() for m in self.momentum]
 
     def step_skipped(self) -> bool:
-        return bool(self._found_inf is not None and self._found_inf > 0)
+        return _is_set(self._skipped)
 
 
 class NumpyHarness:

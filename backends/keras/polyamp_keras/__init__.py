@@ -22,18 +22,23 @@ PyTorch).
 It imports Keras and nothing else: no TensorFlow, JAX or PyTorch beyond what Keras itself loads for its
 backend. Importing it registers its classes for Keras serialization (``polyamp>LossScaleOptimizer``,
 ``polyamp>OutputCast``, ``polyamp>DTypePolicy``, ``polyamp>PolicyOverridesMap``). ``polyamp_tensorflow``
-re-exports these names and adds the TensorFlow ``LossScaler``.
+re-exports these names and adds the TensorFlow ``LossScaler``. Importing it also lets models with their own
+``compile`` (keras_hub tasks) load a saved compile that holds polyamp's `LossScaleOptimizer`, which Keras
+alone skips for them (see ``polyamp_keras._compile``).
 """
 
 from __future__ import annotations
 
 from polyamp_keras._callbacks import LossScaleCallback
+from polyamp_keras._compile import restore_polyamp_compiles
 from polyamp_keras._follow import follow_polyamp_policy
 from polyamp_keras._models import FLOAT32_LAYERS, apply_policy, op_output_dtype
 from polyamp_keras._optimizer import LossScaleOptimizer
 from polyamp_keras._outputs import OutputCast, cast_outputs
 from polyamp_keras._policies import PolicyOverridesMap, PolyampDTypePolicy, to_keras_policy
 from polyamp_keras._watch import ForwardWatch, watch_forward
+
+restore_polyamp_compiles()
 
 __all__ = [
     "FLOAT32_LAYERS",

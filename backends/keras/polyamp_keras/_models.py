@@ -11,10 +11,12 @@ layer by layer, with the same arguments as the torch function:
   softmax or log-softmax) compute in float32, so they return float32 as torch's ops do; ``BatchNormalization``
   keeps the compute dtype, as torch's ``batch_norm`` does (it is on neither of CUDA's lists);
 * chosen layers (``keep_float32``) run in float32 and others under their own policy (``overrides``);
-* the model's floating outputs are cast to the policy's output dtype.
+* the model's floating outputs are cast to the policy's output dtype (Keras's own containers, see below).
 
-Layers get their policy through Keras's own per-layer ``dtype_policy``; the output cast is a layer added
-after the model, so the result saves and loads like any Keras model.
+Layers get their policy through Keras's own per-layer ``dtype_policy``. Keras's own containers (a
+``keras.Sequential`` or plain Functional model) are rebuilt with the output cast as a layer added after the
+model, so the result saves and loads like any Keras model; models of their own class (subclassed models,
+keras_hub tasks) are modified in place and returned, keeping their API, without the output cast.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def _children(layer: Any) -> list[Any]:
 
 def _unwrap(model: Any) -> Any:
     """The model inside an `apply_policy` (or ``cast_outputs``) result, else ``model`` itself."""
+    if not _rebuilds(model):
+        return model  # results are plain Sequential or Functional models
     if isinstance(model, keras.Sequential):
         layers = model.layers
         if len(layers) == 2 and isinstance(layers[0], keras.Model) and _is_output_cast(layers[1]):
@@ -123,10 +127,23 @@ def _set_policy(layer: Any, policy: DTypePolicy) -> None:
 
 
 def _reset_compiled_functions(model: Any) -> None:
-    # Keras caches its traced train/test/predict functions; they would keep the dtypes they were traced with.
-    for name in ("train_function", "test_function", "predict_function"):
+    # Keras caches its traced train/test/predict functions (keras_hub's CausalLM its generate function);
+    # they would keep the dtypes they were traced with.
+    for name in ("train_function", "test_function", "predict_function", "generate_function"):
         if getattr(model, name, None) is not None:
             setattr(model, name, None)
+
+
+def _rebuilds(model: Any) -> bool:
+    """Whether `apply_policy` returns a new model around ``model`` (True) or ``model`` itself (False).
+
+    Keras's own containers are rebuilt with an output cast: a model whose class is ``keras.Sequential``
+    or Keras's Functional class (``keras.Model(inputs, outputs)``), or an earlier `apply_policy` /
+    `cast_outputs` result. A model of any other class (a subclass of ``keras.Model``, ``keras.Sequential``
+    or a Functional model, such as every keras_hub task and backbone) has its own methods, ``compile``,
+    ``train_step`` or ``get_config``, which a wrapper would drop: it is modified in place and returned.
+    """
+    return type(model) in (keras.Sequential, Functional)
 
 
 def apply_policy(
@@ -151,11 +168,25 @@ def apply_policy(
 
     Input layers, layers computing in a non-floating dtype (lookups, hashing) and quantized layers keep
     their policy. The policies are set on ``model``'s own layers (``model`` computes that way from now on
-    too); the returned model shares those layers and weights and adds a cast of its floating outputs to
-    the policy's output dtype (float32 for the mixed policies). Keep using the returned model: it saves and
-    loads with ``model.save`` / ``keras.models.load_model`` and trains with ``compile`` / ``fit`` (its own
-    dtype policy is ``policy``, so ``compile`` adds Keras's loss scaling under ``"mixed_float16"``). Applying
-    again, to ``model`` or to the result, replaces the earlier application.
+    too), and ``model``'s own dtype policy becomes ``policy`` (so ``compile`` adds Keras's loss scaling
+    under ``"mixed_float16"`` unless given a loss-scale optimizer such as `LossScaleOptimizer`). What is
+    returned depends on ``model``'s class:
+
+    * Keras's own containers, a model whose class is ``keras.Sequential`` or Keras's Functional class
+      (``keras.Model(inputs, outputs)``), are rebuilt: the returned model shares their layers and weights
+      and adds a cast of the floating outputs to the policy's output dtype (float32 for the mixed
+      policies). Keep using the returned model; applying again, to ``model`` or to the result, replaces
+      the earlier application.
+    * A model of any other class (subclassed models, subclasses of ``keras.Sequential`` or of Functional
+      models, e.g. keras_hub's ``CausalLM``, ``TextClassifier`` and their backbones) is modified in place
+      and returned itself, so its own API stays: ``generate``, ``compile(loss="auto")``, a custom
+      ``train_step``. No output cast is added: its outputs come in the dtype its last layers compute in
+      (Keras losses cast them to their own dtype, float32 unless given); name the output layer in ``keep_float32``,
+      or call `cast_outputs` (a wrapper without that API), for float32 outputs.
+
+    Either result saves and loads with ``model.save`` / ``keras.models.load_model`` and trains with
+    ``compile`` / ``fit``. A model that creates its layers from its own config when loaded (keras_hub's
+    backbones do) comes back with the policy of that config for every layer: apply again after loading.
 
     Keras fixes a layer's policy until it is set again, so the policy is fixed when this runs: a later
     ``polyamp.set_policy`` reaches layers built afterwards, not this model. Call ``apply_policy`` again to
@@ -166,7 +197,7 @@ def apply_policy(
     creates later (in ``build`` or ``call``) are not reached: apply after building such models.
 
     Args:
-        model: A Keras model (Sequential, Functional or subclassed), built or not.
+        model: A Keras model (Sequential, Functional or subclassed, keras_hub tasks included), built or not.
         policy: The policy; None means the policy in effect now, i.e. what a layer built now gets:
             ``polyamp.get_policy()``, or Keras's own ``keras.config.set_dtype_policy(...)`` where that is
             the setting Keras follows (see `follow_polyamp_policy`).
@@ -178,9 +209,10 @@ def apply_policy(
             ``polyamp.get_policy_setting()``. ``keep_float32`` wins where both match.
 
     Returns:
-        A model computing like ``model`` (sharing its layers and weights) whose floating outputs are in the
-        policy's output dtype: a Functional model over ``model``'s inputs when ``model`` is Functional, else
-        ``keras.Sequential([model, OutputCast(...)])``.
+        For a ``keras.Sequential`` or plain Functional ``model``: a model computing like ``model`` (sharing
+        its layers and weights) whose floating outputs are in the policy's output dtype, a Functional model
+        over ``model``'s inputs when ``model`` is Functional, else ``keras.Sequential([model,
+        OutputCast(...)])``. For a model of any other class: ``model`` itself, modified in place.
 
     Raises:
         PolyampTypeError: ``model`` is not a Keras model, or ``keep_float32`` holds something else than
@@ -245,6 +277,8 @@ def apply_policy(
     for layer in (inner, *(layer for _, layer, _ in nodes)):
         if isinstance(layer, keras.Model):
             _reset_compiled_functions(layer)
+    if not _rebuilds(inner):
+        return inner  # its own class: modified in place, its API (methods, compile, train_step) kept
     return _with_output_cast(inner, root_policy)
 
 

@@ -11,6 +11,11 @@
 * `fsdp_mixed_precision` - a policy as FSDP2's ``MixedPrecisionPolicy``.
 * `watch_forward` - which module first produced an inf or NaN in a forward pass (forward hooks).
 
+Integrations, imported on demand (``import polyamp_torch`` imports none of their frameworks):
+``polyamp_torch.lightning.PolyampPrecision`` (a Lightning precision plugin),
+``polyamp_torch.accelerate.prepare_accelerator`` (polyamp's scaler in an Accelerate ``Accelerator``),
+``polyamp_torch.transformers.prepare_trainer`` / ``PolyampCallback`` (Hugging Face's ``Trainer``).
+
 Importing this module imports torch; without PyTorch installed it raises ``polyamp.BackendNotInstalledError``
 saying ``pip install 'polyamp[torch]'``.
 """

@@ -384,7 +384,9 @@ class TorchDevice:
         if len(flags) == 1:
             return flags[0]
         device = flags[0].device
-        return torch.stack([flag.to(device, non_blocking=True) for flag in flags]).sum()
+        # The largest, not the sum: torch's fused optimizers skip only when found_inf is exactly 1.0, so two set
+        # flags (an overflow on a loss spike) must combine to 1.0, not 2.0, which they would apply.
+        return torch.stack([flag.to(device, non_blocking=True) for flag in flags]).amax()
 
     def update(self, found_inf: torch.Tensor | None, new_scale: Any) -> None:
         state = self._state
