@@ -216,3 +216,7 @@ def main(folder: Path, output: Path, readme: Path | None = None) -> None:
     print(f"wrote {output}")
     if readme is not None and update_readme(readme, results):
         print(f"updated the summary in {readme}")
+        plot, page_asset = folder / "scale.png", readme.parent / "assets" / "scale.png"
+        if plot.is_file() and page_asset.parent.is_dir():  # the performance page shows the scale plot
+            page_asset.write_bytes(plot.read_bytes())
+            print(f"copied the plot to {page_asset}")

@@ -85,3 +85,7 @@ def test_the_readme_links_lead_to_files() -> None:
 
 def test_the_changelog_page_is_the_changelog() -> None:
     assert '--8<-- "CHANGELOG.md"' in (DOCS / "changelog.md").read_text()
+
+
+def test_the_plot_on_the_performance_page_is_the_benchmarks() -> None:
+    assert (DOCS / "assets" / "scale.png").read_bytes() == (ROOT / "benchmarks" / "results" / "scale.png").read_bytes()
