@@ -430,3 +430,36 @@ def test_scheduler_guard_validates_its_arguments() -> None:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
     with pytest.raises(PolyampTypeError, match=r"needs the polyamp\.LossScaler"):
         polyamp_torch.SchedulerGuard(torch.optim.lr_scheduler.StepLR(opt, 1), torch.amp.GradScaler("cpu"))
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["scaling", "guarding"])
+def test_a_skipped_first_step_of_a_fused_sgd_leaves_no_uninitialised_momentum(
+    enabled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's fused SGD makes a first step's momentum buffers with ``torch.empty_like`` and lets its kernel
+    fill them; when the kernel skips that step, they keep whatever memory they got, and the next step adds it
+    to the parameters. Here that memory is NaN (as ``empty_like`` may return): after a skipped first step the
+    run equals a fused SGD that never saw the skipped batch, bit for bit, instead of turning NaN."""
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(math.nan))
+
+    def run(skip_first: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+        scaler = polyamp_torch.TorchLossScaler(enabled=enabled, guard=True)
+        batches = [torch.randn(8, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+        for index, x in enumerate(batches if skip_first else batches[1:]):
+            opt.zero_grad()
+            scaler.scale(model(x).pow(2).mean()).backward()
+            if skip_first and index == 0:
+                model.weight.grad[0, 0] = math.inf
+            scaler.step(opt)
+            scaler.update()
+        if skip_first:
+            assert [r.skipped for r in scaler.records()] == [True, False, False, False]
+        return [p.detach().clone() for p in model.parameters()]
+
+    skipped, native = run(skip_first=True), run(skip_first=False)
+    assert all(torch.isfinite(p).all() for p in skipped)
+    assert all(torch.equal(a, b) for a, b in zip(skipped, native))

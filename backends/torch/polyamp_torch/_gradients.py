@@ -171,11 +171,45 @@ def _fused_step(optimizer: Any, grad_scale: Any, found_inf: torch.Tensor, args: 
     # polyamp flag is "set" when > 0: a sum of flags (the guard's check and the spike rule's decision, or
     # several devices' checks) can be 2.0, which would apply the step and count it back. Hand over 0.0 or 1.0.
     optimizer.found_inf = (found_inf > 0).to(found_inf.dtype)
+    fresh = _fresh_momentum_buffers(optimizer)
     try:
         return optimizer.step(*args, **kwargs)
     finally:
         del optimizer.grad_scale
         del optimizer.found_inf
+        if fresh:
+            _clear_skipped_momentum(optimizer, fresh, found_inf)
+
+
+def _fresh_momentum_buffers(optimizer: Any) -> list[Any]:
+    """The parameters of a fused SGD with momentum that get their momentum buffer in this step.
+
+    torch's fused SGD makes a first step's buffers with ``torch.empty_like`` and lets the kernel write them; a
+    step the kernel skips (``found_inf`` set) leaves them uninitialised, and the next step, no longer a first
+    one, adds the old memory's contents (often NaN) into the parameters. ``torch.amp.GradScaler`` hands its
+    flag over the same way (and a first step that overflows is common at the initial scale)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return []
+    fresh = []
+    for group in optimizer.param_groups:
+        if not group.get("momentum"):
+            continue
+        for param in group["params"]:
+            if param.grad is not None and optimizer.state.get(param, {}).get("momentum_buffer") is None:
+                fresh.append(param)
+    return fresh
+
+
+def _clear_skipped_momentum(optimizer: Any, params: list[Any], found_inf: torch.Tensor) -> None:
+    """Zero the momentum buffers a skipped first step left uninitialised (no host read: a select on the device).
+    The next applied step then computes ``momentum * 0 + grad``, the first step's ``grad`` exactly (without
+    dampening; with ``dampening`` it is ``(1 - dampening) * grad``, where a true first step takes ``grad``)."""
+    for param in params:
+        buffer = optimizer.state.get(param, {}).get("momentum_buffer")
+        if buffer is None:
+            continue
+        skipped = found_inf.to(buffer.device, non_blocking=True) > 0
+        buffer.copy_(torch.where(skipped, torch.zeros((), dtype=buffer.dtype, device=buffer.device), buffer))
 
 
 fused_step = torch.compiler.disable(_fused_step)  # type: ignore[no-untyped-call]
