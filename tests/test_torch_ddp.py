@@ -47,6 +47,7 @@ WORKER = textwrap.dedent(
     params = [p.detach().flatten().tolist() for p in model.parameters()]
     with open(out, "w") as f:
         json.dump({"scales": scales, "skipped": int(scaler.skipped_steps()), "params": params}, f)
+    dist.barrier()  # both ranks done before either tears its connections down (a gloo thread aborts otherwise)
     dist.destroy_process_group()
     """
 )
