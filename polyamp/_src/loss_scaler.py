@@ -272,7 +272,6 @@ class LossScaler(GradScalerSpelling, Pickled):
         self._capabilities: DeviceCapabilities | None = None
         self._compiling: Any = _not_compiling
         self._float16_probes = FLOAT16_PROBES
-        self._set_scale_read: float | None = None  # the value of update(new_scale=<tensor>), once read
         self._group_iterations = 0  # iterations ended or discarded, for the process group's reductions
         self._backend_name: str | None = None
         # The single-replica iteration is made up front: a first call traced by a compiler (torch.compile)
@@ -686,7 +685,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         """
         if self._device is None:
             if new_scale is not None:
-                value = self._checked_new_scale(new_scale)
+                value, _ = self._checked_new_scale(new_scale)
                 if not isinstance(value, float):
                     raise ScalerUsageError(
                         "update(new_scale=<tensor>) was called before the scaler saw any tensor; pass a float."
@@ -737,9 +736,8 @@ class LossScaler(GradScalerSpelling, Pickled):
             iteration.close()
             self._count_group_iteration()
             return
-        self._set_scale_read = None
-        value = None if new_scale is None else self._checked_new_scale(new_scale)
-        known = value if isinstance(value, float) else self._set_scale_read  # a tensor's value, when it was read
+        # the value for the device, and the scale as a float when the host knows it (a tensor read eagerly)
+        value, known = (None, None) if new_scale is None else self._checked_new_scale(new_scale)
         found_infs = iteration.found_infs()
         if value is None:
             iteration.check_update(method)
@@ -834,16 +832,16 @@ class LossScaler(GradScalerSpelling, Pickled):
             self._group_iterations += 1
             self._device.set_group_iteration(self._group_iterations)
 
-    def _checked_new_scale(self, new_scale: Any) -> Any:
+    def _checked_new_scale(self, new_scale: Any) -> tuple[Any, float | None]:
+        """``update(new_scale)``'s argument validated: (what the device sets, its value when the host knows it)."""
         if isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
             if registry.detect_backend(new_scale) != self._backend_name or self._backend_name is None:
                 raise type_error("update(new_scale)", "a float or a one-element tensor", new_scale)
             # A framework tensor: the device checks its shape and dtype and reads it (one host sync), and its
             # value is checked like a float's; a symbolic tensor in a compiled function is taken as is.
             number = self._device.read_new_scale(new_scale)
-            if number is not None:
-                self._set_scale_read = self._checked_new_scale(number)
-            return new_scale
+            known = None if number is None else self._checked_new_scale(number)[1]
+            return new_scale, known
         try:
             value = to_float32(float(new_scale))
         except OverflowError:
@@ -856,7 +854,7 @@ class LossScaler(GradScalerSpelling, Pickled):
                 f"update(new_scale={new_scale!r}) is outside [min_scale, max_scale] = "
                 f"[{config.floor_f32!r}, {config.max_scale!r}] (without a min_scale, the floor is 1.0)."
             )
-        return value
+        return value, value
 
     # -- what happened ------------------------------------------------------------------------------------
 
