@@ -14,7 +14,9 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
   `ImperativeProvenanceDevice` (which gradients were non-finite), `SpikeDevice` (`polyamp.SpikeRule`),
   `CompilingDevice` / `UncompiledDevice` (a compiler traces the step), `ReplicaDevice` (one step per replica),
   `ProcessGroupDevice` (flags reduced over a process group), `Float16HintDevice` / `Float16ProbeDevice`
-  (float16 computation outside polyamp's policy) and `OwnScalingDevice` (optimizers that scale by themselves).
+  (float16 computation outside polyamp's policy), `UnscaledLossWarningDevice` (the iteration rule warns
+  instead of raising, in loops of the framework's own) and `OwnScalingDevice` (optimizers that scale by
+  themselves).
   The core reads which ones a device implements once, at binding (`DeviceCapabilities`);
 * optionally a conformance harness (see `polyamp.conformance.Harness`) named in the spec;
 * optionally a tensor reader for `polyamp.check_hazards` named in the spec (``tensor_reader``), which checks
@@ -56,6 +58,7 @@ from polyamp._src.backend import (
     StepOutcome,
     TapeDevice,
     UncompiledDevice,
+    UnscaledLossWarningDevice,
 )
 from polyamp._src.binding import DeviceCapabilities
 from polyamp._src.checkpoints import (
@@ -176,6 +179,7 @@ __all__ = [
     "TensorSummary",
     "UncompiledDevice",
     "UnscaleStages",
+    "UnscaledLossWarningDevice",
     "WatchedCall",
     "backend_name_for",
     "backend_specs",

@@ -38,6 +38,7 @@ DEVICE_PROTOCOLS = (
     api.ProcessGroupDevice,
     api.Float16HintDevice,
     api.Float16ProbeDevice,
+    api.UnscaledLossWarningDevice,
     api.OwnScalingDevice,
 )
 

@@ -50,6 +50,7 @@ __all__ = [
     "StepOutcome",
     "TapeDevice",
     "UncompiledDevice",
+    "UnscaledLossWarningDevice",
 ]
 
 #: A backend's found-inf flag: a scalar tensor on its device, ``> 0`` when a gradient was inf or NaN.
@@ -75,7 +76,7 @@ class ScalerDevice(Protocol):
     """Operations every device form provides, whatever its loop style.
 
     Everything else a device may offer is an optional protocol of its own (`CompilingDevice`,
-    `UncompiledDevice`, `ReplicaDevice`, `ProcessGroupDevice`, `Float16HintDevice`, `Float16ProbeDevice`,
+    `UncompiledDevice`, `ReplicaDevice`, `ProcessGroupDevice`, `Float16HintDevice`, `Float16ProbeDevice`, `UnscaledLossWarningDevice`,
     `OwnScalingDevice`, `RecordingDevice`, `GuardingDevice`, `ProvenanceDevice`, `SpikeDevice`): the core reads
     which ones a device implements once, when a scaler binds to it (`polyamp.backend_api.DeviceCapabilities`),
     and never looks for a method by name afterwards.
@@ -335,6 +336,20 @@ class Float16ProbeDevice(Protocol):
     def float16_computed(self, loss: Any) -> bool:
         """Whether ``loss`` (or a list of losses) was computed in float16. Asked in the first eager iterations
         of such a scaler only; may walk the framework's graph, within a bound."""
+        ...
+
+
+@runtime_checkable
+class UnscaledLossWarningDevice(Protocol):
+    """Optional: loops of the framework's own apply gradients of losses the scaler never saw (Keras's
+    ``fit`` with a custom ``train_step`` that does not call ``scale_loss``, and Keras's own optimizer tests,
+    which hand a loss-scale optimizer gradients directly), so an error there would break working programs.
+    The iteration rule ("the loss was scaled in this iteration", `polyamp.backend_api.NOT_SCALED_RULE`) then
+    warns once per scaler, with this device's wording, instead of raising `polyamp.ScalerUsageError`; the
+    step goes on as the framework's own loss-scale optimizer would take it."""
+
+    def unscaled_loss_warning(self, method: str) -> str:
+        """The warning's text for ``method`` (e.g. ``"apply_gradients()"``), in the adapter's names."""
         ...
 
 

@@ -29,6 +29,7 @@ from polyamp._src.backend import (
     SpikeDevice,
     TapeDevice,
     UncompiledDevice,
+    UnscaledLossWarningDevice,
 )
 from polyamp._src.errors import PolyampTypeError, describe
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
@@ -60,6 +61,8 @@ class DeviceCapabilities:
         float16_computed: `Float16ProbeDevice.float16_computed`, or None.
         step_own_scaling: `OwnScalingDevice.step_own_scaling` (imperative only), or None.
         process_groups: `ProcessGroupDevice`: flags can be reduced over a process group.
+        unscaled_loss_warning: `UnscaledLossWarningDevice.unscaled_loss_warning`, or None (the iteration rule
+            raises).
     """
 
     style: LoopStyle
@@ -75,6 +78,7 @@ class DeviceCapabilities:
     float16_computed: Callable[[Any], bool] | None = None
     step_own_scaling: Callable[..., Any] | None = None
     process_groups: bool = False
+    unscaled_loss_warning: Callable[[str], str] | None = None
 
     @classmethod
     def of(cls, device: ScalerDevice, backend: str) -> DeviceCapabilities:
@@ -108,20 +112,31 @@ class DeviceCapabilities:
             float16_computed=device.float16_computed if isinstance(device, Float16ProbeDevice) else None,
             step_own_scaling=device.step_own_scaling if imperative and isinstance(device, OwnScalingDevice) else None,
             process_groups=isinstance(device, ProcessGroupDevice),
+            unscaled_loss_warning=(
+                device.unscaled_loss_warning if isinstance(device, UnscaledLossWarningDevice) else None
+            ),
         )
 
 
 def make_device(
-    backend: str, config: LossScaleConfig, state: LossScaleState, process_group: Any, *, spike: bool
+    backend: str,
+    config: LossScaleConfig,
+    state: LossScaleState,
+    process_group: Any,
+    *,
+    spike: bool,
+    device: ScalerDevice | None = None,
 ) -> tuple[ScalerDevice, DeviceCapabilities]:
-    """The device form of ``backend`` starting from ``state``, and its capabilities.
+    """The device form of ``backend`` starting from ``state`` (or ``device``, one made by an adapter from the
+    same config and state, e.g. over an optimizer's own variables), and its capabilities.
 
     Raises:
         UnknownBackendError / BackendNotInstalledError: no such backend, or its framework is missing.
         PolyampTypeError: the device form offers no loop style polyamp knows, cannot reduce over
             ``process_group``, or cannot apply a spike rule when ``spike`` is asked for.
     """
-    device = registry.get_backend(backend).make_device(config, state)
+    if device is None:
+        device = registry.get_backend(backend).make_device(config, state)
     capabilities = DeviceCapabilities.of(device, backend)
     if process_group is not None:
         if not capabilities.process_groups:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
@@ -33,7 +33,7 @@ from polyamp._src.errors import (
     describe,
     type_error,
 )
-from polyamp._src.functional import FunctionalLossScaler
+from polyamp._src.functional import FunctionalLossScaler, FunctionalMode
 from polyamp._src.global_policy import get_policy
 from polyamp._src.grad_scaler_api import GradScalerSpelling
 from polyamp._src.iteration import Iteration, Stage, no_gradients_error, not_scaled_error
@@ -274,6 +274,8 @@ class LossScaler(GradScalerSpelling, Pickled):
         self._float16_probes = FLOAT16_PROBES
         self._group_iterations = 0  # iterations ended or discarded, for the process group's reductions
         self._backend_name: str | None = None
+        self._warned_unscaled_loss = False
+        self._adapter_device = False
         # The single-replica iteration is made up front: a first call traced by a compiler (torch.compile)
         # then finds it instead of constructing it, which dynamo cannot trace (a graph break).
         self._iterations: dict[Any, Iteration] = {None: Iteration()}
@@ -287,8 +289,14 @@ class LossScaler(GradScalerSpelling, Pickled):
 
     # -- binding -----------------------------------------------------------------------------------------
 
-    def bind(self, backend: str) -> ScalerDevice:
+    def bind(self, backend: str, device: ScalerDevice | None = None) -> ScalerDevice:
         """Bind to ``backend`` now (a no-op if already bound to it) and return the device form.
+
+        Args:
+            backend: The backend's registered name.
+            device: A device form to bind instead of the one the backend makes: an adapter's, made from this
+                scaler's `config` and `get_state` (e.g. `polyamp_keras.KerasDevice` over an optimizer's own
+                variables). Its capabilities are read as for any device.
 
         Raises:
             BackendMismatchError: the scaler is bound to another backend.
@@ -296,16 +304,28 @@ class LossScaler(GradScalerSpelling, Pickled):
             PolyampTypeError: the backend's device form offers no loop style polyamp knows.
         """
         if self._device is not None:
-            if backend == self._backend_name:
+            if backend == self._backend_name and (device is None or device is self._device):
                 return self._device  # type: ignore[no-any-return]
+            if backend == self._backend_name:
+                raise BackendMismatchError(
+                    f"This LossScaler is already bound to a {backend} device form; bind(device=...) is for an "
+                    "unbound scaler."
+                )
             raise BackendMismatchError(
                 f"This LossScaler is bound to {self._backend_name}; it cannot bind to {backend!r} as well. "
                 "Create one LossScaler per framework (their state dicts are interchangeable)."
             )
+        given = device
         device, capabilities = make_device(
-            backend, self._config, self._host_state, self._process_group, spike=self._spikes.rule is not None
+            backend,
+            self._config,
+            self._host_state,
+            self._process_group,
+            spike=self._spikes.rule is not None,
+            device=device,
         )
         self._device, self._capabilities, self._backend_name = device, capabilities, backend
+        self._adapter_device = given is not None
         self._compiling = capabilities.compiling
         self._history.bind(device, capabilities)
         if capabilities.spike:
@@ -320,7 +340,8 @@ class LossScaler(GradScalerSpelling, Pickled):
     def _device_for(self, method: str, obj: object) -> Any:
         owner = registry.detect_backend(obj)
         if self._device is not None:
-            if owner is not None and owner != self._backend_name:
+            # An adapter's device checks what it is given itself (Keras on torch computes with torch tensors).
+            if owner is not None and owner != self._backend_name and not self._adapter_device:
                 raise registry.wrong_object_error(str(self._backend_name), method, obj, "this framework's objects")
             return self._device
         if owner is None:
@@ -417,9 +438,53 @@ class LossScaler(GradScalerSpelling, Pickled):
         return not self.enabled and self._device is not None and self._guards()
 
     def _require_scaled(self, method: str) -> None:
-        """The iteration rule: an iteration that scales unscales only gradients of a loss scaled in it."""
-        if not self._iteration.scaled:
+        """The iteration rule: an iteration that scales unscales only gradients of a loss scaled in it (a
+        `polyamp.backend_api.UnscaledLossWarningDevice` warns once instead)."""
+        if self._iteration.scaled:
+            return
+        warning = None if self._capabilities is None else self._capabilities.unscaled_loss_warning
+        if warning is None:
             raise not_scaled_error(f"LossScaler.{method}")
+        if not self._warned_unscaled_loss:
+            self._warned_unscaled_loss = True
+            warnings.warn(warning(method), UserWarning, stacklevel=4)
+
+    def functional_iteration(self, grads: Sequence[Any], method: str) -> tuple[FunctionalMode, bool]:
+        """One iteration whose device work is the functional form's (`FunctionalLossScaler` over state an
+        adapter holds, e.g. a jitted stateless step): the host-side decisions, made as `apply_gradients` makes
+        them, and the iteration ended.
+
+        Decides whether the iteration scales (or guards, or is off), applies the iteration rule and takes a
+        pending `unscale` stage of ``grads``; the caller runs the functional form in that mode, whose
+        ``update`` writes the iteration's record into the same ring this scaler's `records` reads.
+
+        Args:
+            grads: The gradients the step receives (to match a pending `unscale` stage).
+            method: The caller's name, for errors.
+
+        Returns:
+            The mode (``"scaling"``, ``"guarding"`` or ``"off"``) and whether ``grads`` are unscaled already.
+
+        Raises:
+            ScalerUsageError: as `apply_gradients` (a loss not scaled in this iteration, gradients that went
+                into `unscale`).
+        """
+        enabled = self._begin()
+        iteration = self._iteration
+        unscaled = False
+        mode: FunctionalMode
+        if enabled:
+            self._require_scaled(method)
+            stage = iteration.stages.check(grads, method)
+            if stage is not None:
+                iteration.stages.consume(stage)
+                unscaled = True
+            mode = "scaling"
+        else:
+            mode = "guarding" if iteration.guarding else "off"
+        iteration.close()
+        self._history.written_elsewhere()
+        return mode, unscaled
 
     @property
     def enabled(self) -> bool:
@@ -451,6 +516,18 @@ class LossScaler(GradScalerSpelling, Pickled):
     def spike(self) -> SpikeRule | None:
         """The `polyamp.SpikeRule` given as ``spike``, or None."""
         return self._spikes.rule
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The constructor options besides the settings (``enabled``, ``guard``, ``spike``, ``on_min_scale``,
+        ``history``) as given: with `config`'s settings, what makes an equal scaler (an adapter's
+        ``get_config``)."""
+        return self._options()
+
+    @property
+    def history(self) -> int:
+        """How many iterations are recorded on the device between reads, and kept by `records`."""
+        return self._history.recorder.capacity
 
     @property
     def config(self) -> LossScaleConfig:
@@ -806,6 +883,18 @@ class LossScaler(GradScalerSpelling, Pickled):
         """The record of the last iteration this scaler ended (see `records`), or None before the first."""
         records = self.records()
         return records[-1] if records else None
+
+    def restored_on_device(self) -> None:
+        """Say that the bound device's variables were restored by the framework itself (an optimizer's
+        weights loaded from a Keras file): the records go on from the restored ring, replayed from the
+        restored state. Read `records` before restoring: those records belong to the state replaced.
+
+        Raises:
+            ScalerUsageError: the scaler is not bound.
+        """
+        if self._device is None:
+            raise ScalerUsageError("restored_on_device() needs a bound scaler: nothing was restored on a device.")
+        self._history.restart(self._device.read_state())
 
     def discard_iteration(self) -> None:
         """Forget the current iteration without updating the scale: its stages, checks and pending unscaled

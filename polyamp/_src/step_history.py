@@ -189,6 +189,23 @@ class RecordHistory:
             if (host_skipped or self._pending >= max(1, self.recorder.capacity // 2)) and not self._compiling():
                 self._read_ring()
 
+    def restart(self, state: LossScaleState) -> None:
+        """The device's variables, the ring among them, were restored by the framework (an optimizer's weights
+        loaded from a file): the records go on from the ring's count there, replayed from ``state``."""
+        with self.lock:
+            count = 0 if self._ring is None else self._device.read_history(self._ring)[0]
+            self.recorder.restart(count, state)
+            self._pending = 0
+            self._written = count
+            self.reset_iteration()
+
+    def written_elsewhere(self) -> None:
+        """An iteration whose code the functional form wrote into the device's ring (not through `write`)."""
+        self.reset_iteration()
+        if self._ring is not None:
+            self._written += 1
+            self._pending += 1
+
     def _compiling(self) -> bool:
         return self._capabilities is not None and bool(self._capabilities.compiling())
 

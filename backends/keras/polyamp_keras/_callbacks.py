@@ -47,7 +47,7 @@ class LossScaleCallback(keras.callbacks.Callback):  # type: ignore[misc]
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._add(logs)
         optimizer = self._optimizer()
-        if optimizer.built and (batch + 1) % max(1, optimizer._recorder.capacity // 2) == 0:
+        if optimizer.built and (batch + 1) % max(1, optimizer.scaler.history // 2) == 0:
             optimizer.records()  # read often enough that the ring never overwrites an unread step
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:

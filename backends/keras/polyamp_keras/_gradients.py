@@ -22,6 +22,7 @@ __all__ = [
     "is_sparse",
     "non_finite_counts",
     "refuse_loss_scale_factor",
+    "sparse_values",
     "unscale",
 ]
 
@@ -29,8 +30,18 @@ ops = keras.ops
 
 
 def is_sparse(grad: Any) -> bool:
-    """True for a TensorFlow ``IndexedSlices`` gradient (embedding lookups): values at indices."""
-    return all(hasattr(grad, attr) for attr in ("values", "indices", "dense_shape"))
+    """True for a sparse gradient (embedding lookups): TensorFlow's ``IndexedSlices`` (values at indices) or a
+    JAX sparse array (``jax.experimental.sparse.BCOO``: data at indices)."""
+    if all(hasattr(grad, attr) for attr in ("values", "indices", "dense_shape")):
+        return True
+    return all(hasattr(grad, attr) for attr in ("data", "indices", "todense", "nse"))
+
+
+def sparse_values(grad: Any) -> Any:
+    """The values a gradient stores: a sparse gradient's entries (``values`` / ``data``), else the gradient."""
+    if not is_sparse(grad):
+        return grad
+    return grad.values if hasattr(grad, "dense_shape") else grad.data
 
 
 def unscale(grads: Sequence[Any], scale: Any, skip: Sequence[bool] | None = None) -> list[Any]:
@@ -42,9 +53,11 @@ def unscale(grads: Sequence[Any], scale: Any, skip: Sequence[bool] | None = None
     for index, grad in enumerate(grads):
         if grad is None or (skip is not None and skip[index]):
             result.append(grad)
-        elif is_sparse(grad):
+        elif is_sparse(grad) and hasattr(grad, "dense_shape"):
             values = ops.divide(grad.values, ops.cast(scale, grad.values.dtype))
             result.append(type(grad)(values, grad.indices, grad.dense_shape))
+        elif is_sparse(grad):  # JAX's BCOO: Keras's ops divide it as a sparse array
+            result.append(ops.divide(grad, ops.cast(scale, grad.dtype)))
         else:
             result.append(ops.divide(grad, scale))
     return result
@@ -73,7 +86,7 @@ def gradient_counts(grads: Sequence[Any]) -> Any:
     included. Keras's PyTorch segment sum adds in float32 (inexact past 2**24 elements), and that backend
     runs eagerly, so it counts gradient by gradient, as any backend does for a shape known only at run time.
     """
-    values = [None if grad is None else (grad.values if is_sparse(grad) else grad) for grad in grads]
+    values = [None if grad is None else sparse_values(grad) for grad in grads]
     known = [0 if v is None else _static_size(v) for v in values]
     if keras.backend.backend() not in ("jax", "tensorflow") or None in known:
         return _counts_each(values, known)
@@ -130,7 +143,7 @@ def all_finite(grads: Sequence[Any]) -> Any:
     for grad in grads:
         if grad is None:
             continue
-        values = grad.values if is_sparse(grad) else grad
+        values = sparse_values(grad)
         checks.append(ops.all(ops.isfinite(values)))
     if not checks:
         return ops.convert_to_tensor(True)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -13,8 +11,10 @@ import numpy as np
 
 from polyamp import (
     BackendMismatchError,
+    FunctionalLossScaler,
     InvalidConfigError,
     LossScaleConfig,
+    LossScaler,
     LossScaleState,
     PolyampTypeError,
     PolyampValueError,
@@ -23,13 +23,8 @@ from polyamp import (
     StateDictError,
 )
 from polyamp.backend_api import (
-    MODE_CODES,
     NOT_GIVEN,
     NOT_SCALED_RULE,
-    REBASE_BIT,
-    SPIKE_BIT,
-    Recorder,
-    UnscaleStages,
     bind_arguments,
     check_enabled,
     check_guard,
@@ -38,24 +33,12 @@ from polyamp.backend_api import (
     check_spike,
     describe,
     detect_backend,
-    non_finite_gradients,
-    parse_spike_run,
-    parse_spike_window,
-    parse_state_dict,
-    resolve_enabled,
-    ring_codes,
-    to_state_dict,
 )
-from polyamp_keras._gradients import (
-    all_finite,
-    all_replicas_finite,
-    gradient_counts,
-    refuse_loss_scale_factor,
-    unscale,
-)
+from polyamp_keras._device import KerasDevice
+from polyamp_keras._functional import KerasFunctional
+from polyamp_keras._gradients import gradient_counts, refuse_loss_scale_factor
 from polyamp_keras._keras import keras
-from polyamp_keras._rule import ScaleState, advance, counter_dtype, read_scalar
-from polyamp_keras._spikes import SpikeWindow
+from polyamp_keras._rule import read_scalar
 
 try:  # what Keras's own LossScaleOptimizer.build uses: variables are tracked through add_variable only
     from keras.src.utils.tracking import no_automatic_dependency_tracking
@@ -142,15 +125,38 @@ def _backend_of_tensors() -> str | None:
     return {"tensorflow": "tensorflow", "torch": "torch"}.get(keras.backend.backend())
 
 
-def _tracing(values: Iterable[Any]) -> bool:
-    """Whether the step is being compiled (so Python-side settings become constants of a graph)."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        tf = sys.modules.get("tensorflow")
-        return tf is not None and not tf.executing_eagerly()
-    if backend == "jax":
-        return any(type(value).__name__.endswith("Tracer") for value in values if value is not None)
-    return False
+def _listed(result: tuple[Any, Any]) -> tuple[list[Any], list[Any]]:
+    return list(result[0]), list(result[1])
+
+
+def _is_tracer(value: Any) -> bool:
+    """A JAX tracer: the step is being compiled (its settings become constants)."""
+    return type(value).__name__.endswith("Tracer")
+
+
+class _OptimizerDevice(KerasDevice):
+    """`polyamp_keras.KerasDevice` over a `LossScaleOptimizer`'s own variables (made by its ``add_variable``,
+    written by its ``assign``; the scale and growth tracker are Keras's ``dynamic_scale`` and
+    ``step_counter``), speaking the optimizer's names in its messages."""
+
+    def __init__(self, optimizer: Any, config: LossScaleConfig, state: LossScaleState) -> None:
+        super().__init__(
+            config,
+            state,
+            add_variable=optimizer.add_variable,
+            assign=optimizer.assign,
+            scale_variables=lambda: (optimizer.dynamic_scale, optimizer.step_counter),
+        )
+
+    def unscaled_loss_warning(self, method: str) -> str:
+        return (
+            f"LossScaleOptimizer.{'apply()' if method.startswith('apply') else method} was called before "
+            "scale_loss() in this iteration (a custom train_step without `loss = self.optimizer.scale_loss(loss)`, "
+            f"or get_scaled_loss in tf.keras 2 loops). {NOT_SCALED_RULE} This is said once per optimizer."
+        )
+
+    def traced_settings_error(self, old: LossScaleConfig, new: LossScaleConfig) -> ScalerUsageError:
+        return ScalerUsageError(_TRACED_SETTINGS.format(method="load_state_dict()", old=old, new=new))
 
 
 @keras.saving.register_keras_serializable(package="polyamp", name="LossScaleOptimizer")
@@ -225,9 +231,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
     ) -> None:
         guard = check_guard(guard)
         spike = _check_spike(spike)
-        recorder = Recorder(
-            check_history(history), check_on_min_scale(on_min_scale), spike.reason if spike else "loss_spike"
-        )
+        history = check_history(history)
+        on_min_scale = check_on_min_scale(on_min_scale)
         arguments = bind_arguments(
             "LossScaleOptimizer()", LossScaleConfig.setting_names()[:4], positional, _split_arguments(kwargs)
         )
@@ -252,138 +257,58 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             dynamic_growth_steps=config.growth_interval,
             name=name,
         )
-        self._polyamp_config = config
-        self._polyamp_enabled = enabled
-        self._polyamp_guard = guard
-        self._recorder = recorder
-        self._polyamp_initial_state = config.initial_state()
-        recorder.reanchor(self._polyamp_initial_state)
-        self._stages = UnscaleStages()
-        self._grads_are_unscaled = False
-        self._polyamp_traced = False
-        self._step_enabled: bool | None = None
-        self._scaled_since_apply = False
-        self._warned_unscaled_loss = False
-        self._warned_unguarded = False
-        self._spike_rule = spike
-        self._spike: SpikeWindow | None = None
-        self._spike_loss: Any = None  # a loss given to scale_loss before the variables existed
-        self._spike_pending: list[float] | None = None  # a window loaded before the variables existed
-        self._spike_pending_run = 0
-        self._spike_loss_given = False
-        self._spike_now: tuple[Any, Any] | None = None  # (statistic, gradients finite) of the step being built
+        # The core's scaler makes every decision; its device form is this optimizer's variables.
+        scaler = LossScaler(
+            enabled=enabled, guard=guard, on_min_scale=on_min_scale, history=history, spike=spike, **config.settings()
+        )
+        self._device = _OptimizerDevice(self, config, scaler.get_state())
+        scaler.bind("keras", self._device)
+        self._scaler = scaler
+        self._functional: dict[str, FunctionalLossScaler] = {}
 
     # -- settings and state ------------------------------------------------------------------------------
 
     @property
+    def scaler(self) -> LossScaler:
+        """The `polyamp.LossScaler` this optimizer runs (bound to its variables): every decision is its."""
+        return self._scaler
+
+    @property
     def spike(self) -> SpikeRule | None:
         """The `polyamp.SpikeRule` given as ``spike``, or None."""
-        return self._spike_rule
+        return self._scaler.spike
 
     @property
     def loss_scale_config(self) -> LossScaleConfig:
         """The validated polyamp settings (see `polyamp.LossScaleConfig`)."""
-        return self._polyamp_config
-
-    def _decide_enabled(self) -> bool:
-        if self._polyamp_enabled is not None:
-            return self._polyamp_enabled
-        keras_float16 = str(keras.config.dtype_policy().compute_dtype) == "float16"
-        return resolve_enabled(None, float16_in_use=keras_float16)
+        return self._scaler.config
 
     @property
     def enabled(self) -> bool:
         """Whether the loss is scaled: in the step in progress once it started, else if it started now."""
-        return self._step_enabled if self._step_enabled is not None else self._decide_enabled()
+        return self._scaler.enabled
 
     @property
     def enabled_setting(self) -> bool | None:
         """The ``enabled`` argument: True, False, or None (follow the policy)."""
-        return self._polyamp_enabled
-
-    def _begin(self) -> bool:
-        if self._step_enabled is None:
-            self._step_enabled = self._decide_enabled()
-        return self._step_enabled
+        return self._scaler.enabled_setting
 
     @no_automatic_dependency_tracking  # type: ignore[untyped-decorator]
     def build(self, var_list: list[Any]) -> None:
-        super().build(var_list)  # Keras's step_counter (our growth tracker) and dynamic_scale, the inner slots
-        state = self._polyamp_initial_state
-        self.step_counter.assign(state.growth_tracker)
-        self.hysteresis_left = self.add_variable(
-            shape=(),
-            dtype="int32",
-            initializer=keras.initializers.Constant(state.hysteresis_left),
-            aggregation="none",
-            name="hysteresis_left",
-        )
-        self.skipped_steps = self.add_variable(
-            shape=(),
-            dtype=counter_dtype(),
-            initializer=keras.initializers.Zeros(),
-            aggregation="none",
-            name="skipped_steps",
-        )
-        self.last_skipped = self.add_variable(
-            shape=(), dtype="bool", initializer=keras.initializers.Zeros(), aggregation="none", name="last_skipped"
-        )
-        self._scale_state = ScaleState(self.dynamic_scale, self.step_counter, self.hysteresis_left, self.skipped_steps)
-        # The step records: one code per apply (mode and skip, see polyamp.StepRecord) in a ring, and a count.
-        self.step_codes = self.add_variable(
-            shape=(self._recorder.capacity,),
-            dtype="int32",
-            initializer=keras.initializers.Zeros(),
-            aggregation="none",
-            name="step_codes",
-        )
-        self.recorded_steps = self.add_variable(
-            shape=(), dtype="int32", initializer=keras.initializers.Zeros(), aggregation="none", name="recorded_steps"
-        )
-        # The non-finite gradients of the last skipped step (counted in the branch that skips), and its index.
-        self._gradient_names = [str(getattr(v, "path", None) or v.name) for v in var_list]
-        self.non_finite_counts = self.add_variable(
-            shape=(max(1, len(var_list)), 4),
-            dtype="int32",
-            initializer=keras.initializers.Zeros(),
-            aggregation="none",
-            name="non_finite_counts",
-        )
-        self.non_finite_at = self.add_variable(
-            shape=(),
-            dtype="int32",
-            initializer=keras.initializers.Constant(-1),
-            aggregation="none",
-            name="non_finite_at",
-        )
-        self._checked_grads: list[Any] | None = None
-        if self._spike_rule is not None:
-            self._spike = SpikeWindow(self._spike_rule, self.add_variable)
-            if self._spike_pending is not None:
-                self._spike.write(self._spike_pending, self._spike_pending_run)
-                self._spike_pending = None
-
-    def _count_non_finite(self) -> None:
-        """In the branch that skips: each checked gradient's +inf/-inf/NaN counts, for the records."""
-        grads = self._checked_grads
-        if grads is None or len(grads) != len(self._gradient_names) or _several_replicas():
-            return
-        if grads:
-            self.non_finite_counts.assign(gradient_counts(grads))
-            self.non_finite_at.assign(ops.convert_to_tensor(self.recorded_steps))
-
-    def _record(self, mode: str, skipped: Any, spike: bool = False, rebased: Any = None) -> None:
-        """Write this apply's code into the ring (on the device; inside compiled steps too); ``spike``: the
-        step was skipped by the spike rule alone; ``rebased`` (a boolean scalar): its statistic re-based the
-        rule's window."""
-        capacity = self._recorder.capacity
-        index = ops.mod(ops.convert_to_tensor(self.recorded_steps), capacity)
-        code = MODE_CODES[mode] + (1 + SPIKE_BIT if spike else ops.cast(skipped, "int32"))
-        if rebased is not None:
-            code = code + ops.cast(rebased, "int32") * REBASE_BIT
-        ring = ops.convert_to_tensor(self.step_codes)
-        self.step_codes.assign(ops.where(ops.arange(capacity, dtype="int32") == index, code, ring))
-        self.recorded_steps.assign_add(ops.cast(1, "int32"))
+        super().build(var_list)  # Keras's step_counter (the growth tracker) and dynamic_scale, the inner slots
+        # The scaler's variables, made through add_variable so they are this optimizer's (saved with it): the
+        # hysteresis, the skip count, the last step's outcome, the step records' ring and its count, the
+        # skipped step's non-finite counts and its index, and a SpikeRule's window.
+        self._device.build(list(var_list))
+        state = self._device.scale_state
+        assert state is not None
+        self.hysteresis_left = state.hysteresis_left
+        self.skipped_steps = state.skipped_steps
+        self.last_skipped = self._device.record_variable
+        history = self._device.history_variables()
+        assert history is not None
+        self.step_codes, self.recorded_steps = history
+        self._functional = {}
 
     def records(self) -> list[Any]:
         """The most recent steps' records (at most ``history``), as `polyamp.LossScaler.records` gives them:
@@ -391,46 +316,22 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         logs skips through ``logging.getLogger("polyamp")`` and applies ``on_min_scale``;
         `polyamp_keras.LossScaleCallback` calls it during ``fit``. Call it eagerly (not inside a compiled step).
         """
-        if not self.built:
-            return list(self._recorder.records)
-        at = int(read_scalar(self.non_finite_at))
-        if at >= 0:
-            rows = ops.convert_to_numpy(self.non_finite_counts).tolist()
-            entries = [(name, *row) for name, row in zip(self._gradient_names, rows, strict=False)]
-            self._recorder.attach(at, non_finite_gradients(entries))
-            self.non_finite_at.assign(-1)
-        count = int(read_scalar(self.recorded_steps))
-        codes = ring_codes(count, ops.convert_to_numpy(self.step_codes).tolist())
-        self._recorder.consume(count, codes, self._polyamp_config, self._get_state)
-        return list(self._recorder.records)
-
-    def _guards(self) -> bool:
-        guard = self._polyamp_guard
-        return bool(self._polyamp_enabled is None if guard is None else guard)
+        return self._scaler.records()
 
     @property
     def loss_scale(self) -> Any:
         """The current loss scale (a float32 tensor; tf.keras 2's name). 1.0 when disabled."""
         if not self.enabled:
             return ops.convert_to_tensor(1.0)
-        return ops.convert_to_tensor(self.dynamic_scale if self.built else self.initial_scale)
+        return ops.convert_to_tensor(self._device.scale_value())
 
     def get_scale(self) -> float:
         """The current loss scale as a Python float (reads the variable)."""
         return float(read_scalar(self.loss_scale))
 
-    def _get_state(self) -> LossScaleState:
-        if not self.built:
-            return self._polyamp_initial_state
-        return self._scale_state.read()
-
     def state_dict(self) -> dict[str, Any]:
         """The loss-scaler state as `polyamp.LossScaler.state_dict` gives it (portable across backends)."""
-        window, run = None, 0
-        if self._spike_rule is not None:
-            window = self._spike.read() if self._spike is not None else list(self._spike_pending or [])
-            run = self._spike.read_run() if self._spike is not None else self._spike_pending_run
-        return to_state_dict(self._polyamp_config, self._get_state(), self._polyamp_enabled, window, run)
+        return self._scaler.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a polyamp (or torch GradScaler) loss-scaler state dict; validated first, all or nothing.
@@ -443,37 +344,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             ScalerUsageError: gradients unscaled by `get_unscaled_gradients` wait for their apply, or the
                 settings would change after a compiled step traced them.
         """
-        if self._polyamp_enabled is False and isinstance(state_dict, Mapping) and len(state_dict) == 0:
-            return  # torch.amp.GradScaler(enabled=False).state_dict(): nothing to restore, as GradScaler's own load
-        config, state = parse_state_dict(
-            state_dict, self._polyamp_config, loader_disabled=self._polyamp_enabled is False
-        )
-        window = parse_spike_window(state_dict, None if self._spike_rule is None else self._spike_rule.window)
-        run = parse_spike_run(state_dict)
-        if config != self._polyamp_config and self._polyamp_traced:
-            raise ScalerUsageError(
-                _TRACED_SETTINGS.format(method="load_state_dict()", new=config, old=self._polyamp_config)
-            )
-        if self._stages.pending:
-            raise ScalerUsageError(
-                "load_state_dict() was called in the middle of an iteration (after get_unscaled_gradients(), "
-                "before apply_gradients()). Load the state at the start of an iteration."
-            )
-        self._polyamp_config = config
-        self._polyamp_initial_state = state
+        self._scaler.load_state_dict(state_dict)
+        config = self._scaler.config
         self.dynamic_growth_steps = config.growth_interval
-        if self.built:
-            self.records()  # the records so far belong to the state being replaced
-            self._scale_state.write(state)
-        else:
-            self.initial_scale = state.scale
-        self._recorder.reanchor(state)
-        if window is not None:
-            if self._spike is not None:
-                self._spike.write(window, run)
-            else:
-                self._spike_pending = window  # written when the optimizer builds
-                self._spike_pending_run = run
+        if not self.built:
+            self.initial_scale = self._scaler.get_state().scale
+        self._functional = {}
 
     def load_own_variables(self, store: Any) -> None:
         """Load the variables from a Keras weights file (``model.load_weights``, ``keras.models.load_model``),
@@ -494,11 +370,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         if not self.built or len(store.keys()) != len(self.variables):
             super().load_own_variables(store)  # Keras warns and loads nothing
             return
-        state, recorded = self._saved_state(store)
+        self._saved_state(store)
         self.records()  # the records so far belong to the state being replaced
         super().load_own_variables(store)
-        self._polyamp_initial_state = state
-        self._recorder.restart(recorded, state)
+        self._scaler.restored_on_device()
 
     def _saved_state(self, store: Any) -> tuple[LossScaleState, int]:
         """The loss-scale state and the count of recorded steps a store holds, validated."""
@@ -529,7 +404,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         scale = values["dynamic_scale"]
         state = LossScaleState(scale, values["step_counter"], values["hysteresis_left"])
         try:
-            self._polyamp_config.check_state(state)
+            self._scaler.config.check_state(state)
         except (InvalidConfigError, PolyampTypeError) as exc:
             held = ", ".join(
                 f"{where[name]} = {values[name]!r}" for name in ("dynamic_scale", "step_counter", "hysteresis_left")
@@ -538,7 +413,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
                 scale_at,
                 f"its loss-scale state is impossible for this optimizer's settings: {exc} The file holds {held}. "
                 "A scale of 0 or a subnormal would write NaN into the weights at the first step; inf or NaN "
-                "would skip every step.",
+                "would skip every step for ever.",
             ) from exc
         return state, values["recorded_steps"]
 
@@ -548,7 +423,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             "optimizer was left unchanged. To fix the file: restore an earlier checkpoint; or rewrite the entry "
             "with h5py (in a model.keras archive, the model.weights.h5 inside it), e.g. "
             f"`with h5py.File('model.weights.h5', 'r+') as f: f['{scale_at}'][...] = "
-            f"{self._polyamp_config.init_scale!r}` for the scale; or load the layers alone with "
+            f"{self._scaler.config.init_scale!r}` for the scale; or load the layers alone with "
             "model.load_weights(path, skip_mismatch=True), which keeps this optimizer's fresh state."
         )
 
@@ -568,14 +443,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
                 f"Keras runs on {keras.backend.backend()}, but scale_loss() received a {owner} object: "
                 f"{describe(loss)}. Compute the loss with this Keras backend's tensors."
             )
-        enabled = self._begin()
-        if enabled or self._guards():
-            self._take_spike_loss(loss)
-        if not enabled:
-            return loss
-        self._stages.clear()
-        self._scaled_since_apply = True
-        return super().scale_loss(loss)
+        return self._scaler.scale(loss)
 
     def get_scaled_loss(self, loss: Any) -> Any:
         """tf.keras 2's name for `scale_loss`."""
@@ -587,284 +455,165 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         The next `apply_gradients` takes its gradients as unscaled: these, or clipped/transformed versions
         of them. Passing the scaled gradients given here instead raises `polyamp.ScalerUsageError`.
         """
-        grads = list(grads)
-        if not self._begin():
-            return grads
-        result = unscale(grads, self.dynamic_scale if self.built else self.initial_scale)
-        self._stages.record(grads, result, method="get_unscaled_gradients()")
-        return result
+        return self._scaler.unscale(list(grads))
 
     # -- applying ----------------------------------------------------------------------------------------
 
-    def _start_apply(self, grads: list[Any]) -> bool:
-        """The Python-side decisions of a step, made once per trace: enabled, unscale stage, misuse."""
-        enabled = self._begin()
-        self._step_enabled = None  # the step ends here; the next one decides anew
-        scaled = self._scaled_since_apply
-        self._scaled_since_apply = False
-        if not enabled:
-            self._stages.clear()
-            return False
-        refuse_loss_scale_factor(self.inner_optimizer, "a LossScaleOptimizer wraps it")
-        stage = self._stages.check(grads, "apply_gradients()")
-        self._grads_are_unscaled = stage is not None
-        if stage is not None:
-            self._stages.consume(stage)
-        self._stages.clear()
-        if stage is None and not scaled and not self._warned_unscaled_loss:
-            self._warned_unscaled_loss = True
-            warnings.warn(
-                "LossScaleOptimizer.apply() was called before scale_loss() in this iteration (a custom "
-                "train_step without `loss = self.optimizer.scale_loss(loss)`, or get_scaled_loss in tf.keras 2 "
-                f"loops). {NOT_SCALED_RULE} This is said once per optimizer.",
-                UserWarning,
-                stacklevel=4,
-            )
-        if _tracing(grads):
-            self._polyamp_traced = True
-        return True
-
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
         grads = list(grads)
-        several = _several_replicas()
-        if self._spike_rule is not None and several:
+        if self._scaler.spike is not None and _several_replicas():
             raise ScalerUsageError(
                 "LossScaleOptimizer(spike=...) decides on one replica's statistics, but this step runs under a "
                 "tf.distribute strategy with several replicas. Use polyamp.LossScaler(spike=...) in a "
                 "GradientTape loop there, or leave spike unset."
             )
-        self._spike_now = None
-        if not self._start_apply(grads):
-            if self._guards() and several and not self._warned_unguarded:
-                self._warned_unguarded = True
-                logging.getLogger("polyamp").warning(
-                    "polyamp: LossScaleOptimizer does not guard steps without scaling under a tf.distribute "
-                    "strategy with several replicas (its apply reduces across replicas, which cannot run inside the "
-                    "guard's cond): non-finite gradients are applied. Use polyamp.LossScaler(guard=True) with a "
-                    "GradientTape loop there, or scaling (enabled=True)."
-                )
-            if self._guards() and not several:
-                self._guarded_apply(grads, trainable_variables)
-            else:
-                self.inner_optimizer.apply(grads, trainable_variables)
-                if self.built:
-                    self._record("off", False)
-            return
-        super().apply(grads, trainable_variables)
-
-    def _guarded_apply(self, grads: list[Any], trainable_variables: Any) -> None:
-        """The guard, stateful: apply unless a gradient is non-finite (or the spike rule vetoes); the rule does
-        not run."""
-        variables = trainable_variables or self._trainable_variables
-        if not self.built:
-            self.build(list(variables))
-        self._checked_grads = grads
-        go = self._spike_decide(grads, True, all_finite(grads))
-
-        context = _merge_call_context()
-        if context is not None:  # a one-replica strategy (several replicas do not guard)
-            context.merge_call(self._guarded_cross_replica, args=(go, grads, trainable_variables))
-            return
-
-        def applied() -> None:
-            self.inner_optimizer.apply(grads, trainable_variables)
-            self._outcome("guarding", "applied")
-
-        ops.cond(go, applied, lambda: self._on_skip("guarding"))
-
-    def _guarded_cross_replica(self, distribution: Any, go: Any, grads: Any, trainable_variables: Any) -> None:
-        """The guard's ``cond`` in the cross-replica context: the inner optimizer's apply is a ``merge_call``,
-        which TensorFlow refuses inside a ``cond`` in a replica context (as Keras's own LossScaleOptimizer does
-        for its scaling step)."""
-
-        def applied() -> None:
-            distribution.extended.call_for_each_replica(
-                self.inner_optimizer.apply, args=(grads,), kwargs={"trainable_variables": trainable_variables}
-            )
-            self._outcome("guarding", "applied")
-
-        ops.cond(distribution.experimental_local_results(go)[0], applied, lambda: self._on_skip("guarding"))
-
-    # -- the step's outcome and the spike rule -----------------------------------------------------------
-
-    def _outcome(self, mode: str, kind: str) -> None:
-        """The optimizer's own state after a step of ``mode`` ("scaling" or "guarding") that was ``kind``:
-        "applied", skipped for non-finite gradients ("overflow") or by the spike rule ("spike")."""
-        skipped = kind != "applied"
-        self.last_skipped.assign(skipped)
-        if mode == "scaling":
-            advance(self._scale_state, kind == "overflow", self._polyamp_config)  # counts an overflow's skip
-        if skipped and not (mode == "scaling" and kind == "overflow"):
-            self.skipped_steps.assign_add(ops.cast(1, self.skipped_steps.dtype))
-        if kind == "overflow":
-            self._count_non_finite()
-        rebased = None
-        if kind == "applied" and self._spike is not None and self._spike_now is not None:
-            rebased = self._spike.push(self._spike_now[0])
-        if kind == "spike" and self._spike is not None:
-            self._spike.note_spike()
-        self._record(mode, skipped, spike=kind == "spike", rebased=rebased)
-
-    def _on_skip(self, mode: str) -> None:
-        """A skipped step's outcome: for non-finite gradients, or, with finite ones, by the spike rule."""
-        if self._spike_now is None:
-            self._outcome(mode, "overflow")
-            return
-        ops.cond(self._spike_now[1], lambda: self._outcome(mode, "spike"), lambda: self._outcome(mode, "overflow"))
-
-    def _take_spike_loss(self, loss: Any) -> None:
-        """``scale_loss``: the loss a ``SpikeRule("loss")`` decides on."""
-        if self._spike_rule is None or self._spike_rule.on != "loss":
-            return
-        self._spike_loss_given = True
-        if self._spike is None:  # not built yet: the first apply builds and takes it
-            self._spike_loss = loss
-            return
-        assert self._spike.loss is not None
-        self._spike.loss.assign(self._spike.loss_statistic(loss))
-
-    def _spike_decide(self, grads: list[Any], unscaled: bool, finite: Any) -> Any:
-        """``finite``, and not a spike: the decision to apply. Remembers the statistic and ``finite`` for the
-        branches (None without a spike rule)."""
-        window = self._spike
-        if window is None:
-            return finite
-        if window.loss is None:
-            x = window.grad_norm(grads, None if unscaled else self.dynamic_scale)
+        if trainable_variables is None:
+            variables = list(self._trainable_variables)
         else:
-            if not self._spike_loss_given:
-                raise ScalerUsageError(
-                    "A SpikeRule('loss') needs the iteration's loss: call optimizer.scale_loss(loss) (and take the "
-                    "gradients of its result) before every apply."
-                )
-            if self._spike_loss is not None:
-                window.loss.assign(window.loss_statistic(self._spike_loss))
-                self._spike_loss = None
-            x = ops.convert_to_tensor(window.loss)
-        self._spike_loss_given = False
-        self._spike_now = (x, finite)
-        return ops.logical_and(finite, ops.logical_not(window.is_spike(x)))
-
-    def check_finite(self, grads: Any) -> Any:
-        grads = list(grads)
-        checked = grads
-        if self._polyamp_config.checks_unscaled and not self._grads_are_unscaled:
-            # Below scale 1 an unscaled gradient can overflow where its scaled value did not.
-            checked = unscale(grads, self.dynamic_scale)
-        self._checked_grads = checked  # for the skip branch's counts
-        return self._spike_decide(grads, self._grads_are_unscaled, all_replicas_finite(all_finite(checked)))
-
-    def _unscaled(self, grads: Any, variables: Any) -> list[Any]:
-        if self._grads_are_unscaled:
-            return list(grads)
-        skip = [self._overwrite_variable_with_gradient(v) for v in variables]
-        return unscale(list(grads), self.dynamic_scale, skip)
-
-    def _stateful_handle_finite_grads(self, grads: Any, trainable_variables: Any) -> None:
-        variables = trainable_variables or self._trainable_variables
-        self.inner_optimizer.apply(self._unscaled(grads, variables), trainable_variables=trainable_variables)
-        self._outcome("scaling", "applied")
-
-    def _stateful_handle_non_finite_grads(self) -> None:
-        self._on_skip("scaling")
+            variables = list(trainable_variables)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
+        if self._scaler.enabled:
+            refuse_loss_scale_factor(self.inner_optimizer, "a LossScaleOptimizer wraps it")
+        self._scaler.apply_gradients(self.inner_optimizer, list(zip(grads, variables, strict=True)))
 
     def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
-        """The stateless step (JAX; what ``model.fit`` uses there): variables in, new values out, the skip
-        decided inside the compiled step with ``ops.cond``."""
+        """The stateless step (JAX; what ``model.fit`` uses there): variables in, new values out.
+
+        The scaler's host-side decisions are `polyamp.LossScaler.functional_iteration`'s, the device values
+        `polyamp.FunctionalLossScaler`'s over this optimizer's variables; a skipped step's parameters and
+        inner optimizer state are the old ones, selected inside the compiled step.
+        """
         if not self.built:
             raise PolyampValueError(
                 "To call `stateless_apply`, LossScaleOptimizer must be built (its variables created). Build it "
                 "with `optimizer.build(trainable_variables)`."
             )
         grads = list(grads)
-        optimizer_variables = list(optimizer_variables)
-        own = len(self._variables)
-        self._spike_now = None
-        if not self._start_apply(grads):
-            if self._guards():
-                return self._stateless_guarded(optimizer_variables, grads, trainable_variables)
-            new_trainable, new_inner = self.inner_optimizer.stateless_apply(
-                optimizer_variables[own:], grads, trainable_variables
+        # Values (a caller may hand the variables themselves, as Keras's own tests do).
+        optimizer_variables = [v.value if isinstance(v, keras.Variable) else v for v in optimizer_variables]
+        trainable = [v.value if isinstance(v, keras.Variable) else v for v in trainable_variables]
+        if any(_is_tracer(value) for value in [*grads, *trainable]):
+            self._device.note_traced()
+        mode, unscaled = self._scaler.functional_iteration(grads, "stateless_apply()")
+        if mode == "scaling":
+            refuse_loss_scale_factor(self.inner_optimizer, "a LossScaleOptimizer wraps it")
+        fn = self._functional_form(mode)
+        device = fn.device
+        assert isinstance(device, KerasFunctional)
+        own = self._variables
+        values = {id(variable): value for variable, value in zip(own, optimizer_variables, strict=False)}
+        inner_values = optimizer_variables[len(own) :]
+        state = self._functional_state(device, values)
+        if mode == "off":
+            new_trainable, new_inner = self.inner_optimizer.stateless_apply(inner_values, grads, trainable)
+            state = fn.update(state, None)
+            return list(new_trainable), self._own_values(device, state, values, None, grads) + list(new_inner)
+        if mode == "scaling" and not unscaled:
+            grads, found_inf = fn.unscale(state, grads)
+        else:
+            found_inf = device.check(state["scaler"], grads)
+        spike = fn.spike(state, grads=grads)
+        skipped = fn.skipped(found_inf, spike)
+        if keras.backend.backend() == "jax":
+            # The inner step runs as it would without polyamp (a cond around it compiles differently under jit
+            # and can change the last bit); a select keeps its values, or the old ones when the step is skipped.
+            new_trainable, new_inner = self.inner_optimizer.stateless_apply(inner_values, grads, trainable)
+            new_trainable, new_inner = fn.apply_if_finite(
+                found_inf, (list(new_trainable), list(new_inner)), (trainable, inner_values), spike=spike
             )
-            mapping = list(zip(self.variables, optimizer_variables, strict=True))
-            with keras.StatelessScope(state_mapping=mapping) as scope:
-                self._record("off", False)
-                mine = [scope.get_current_value(v) for v in self._variables]
-            return new_trainable, mine + list(new_inner)
-        mapping = list(zip(self.variables, optimizer_variables, strict=True))
-        with keras.StatelessScope(state_mapping=mapping):
-            go = self.check_finite(grads)
-        return ops.cond(
-            go,
-            lambda: self._stateless_finite(optimizer_variables, grads, trainable_variables),
-            lambda: self._stateless_non_finite(optimizer_variables, trainable_variables),
-        )
-
-    def _own_values(self, mapping: list[tuple[Any, Any]], mode: str, kind: str) -> list[Any]:
-        """This optimizer's own variables after `_outcome` (stateless: the new values)."""
-        with keras.StatelessScope(state_mapping=mapping) as scope:
-            self._outcome(mode, kind)
-            return [scope.get_current_value(v) for v in self._variables]
-
-    def _skipped_values(self, mapping: list[tuple[Any, Any]], mode: str) -> list[Any]:
-        """`_on_skip`, stateless: both outcomes computed, the spike's kept when the gradients were finite."""
-        overflow = self._own_values(mapping, mode, "overflow")
-        if self._spike_now is None:
-            return overflow
-        spike = self._own_values(mapping, mode, "spike")
-        return [ops.where(self._spike_now[1], a, b) for a, b in zip(spike, overflow, strict=True)]
-
-    def _stateless_guarded(self, optimizer_variables: list[Any], grads: list[Any], trainable_variables: Any) -> Any:
-        """The guard, stateless (JAX): apply unless a gradient is non-finite (or the spike rule vetoes); the
-        rule does not run."""
-        own = len(self._variables)
-        mapping = list(zip(self.variables, optimizer_variables, strict=True))
-        self._checked_grads = grads
-        with keras.StatelessScope(state_mapping=mapping):
-            go = self._spike_decide(grads, True, all_finite(grads))
-        # The inner step runs as it would without polyamp (a cond around it compiles differently under jit and
-        # can change the last bit); a select keeps its values, or the old ones when the step is skipped.
-        new_trainable, new_inner = self.inner_optimizer.stateless_apply(
-            optimizer_variables[own:], grads, trainable_variables
-        )
-        kept = ops.cond(
-            go,
-            lambda: self._own_values(mapping, "guarding", "applied"),
-            lambda: self._skipped_values(mapping, "guarding"),
-        )
-        trainable = [ops.where(go, n, o) for n, o in zip(new_trainable, trainable_variables, strict=True)]
-        inner = [ops.where(go, n, o) for n, o in zip(new_inner, optimizer_variables[own:], strict=True)]
-        return trainable, list(kept) + inner
-
-    def _stateless_finite(self, optimizer_variables: list[Any], grads: list[Any], trainable_variables: Any) -> Any:
-        mapping = list(zip(self.variables, optimizer_variables, strict=True))
-        with keras.StatelessScope(state_mapping=mapping):
-            unscaled = self._unscaled(grads, self._trainable_variables)  # with the step's scale, before its update
-            new_trainable, new_inner = self.inner_optimizer.stateless_apply(
-                self.inner_optimizer.variables, unscaled, trainable_variables
+        else:
+            # Elsewhere the inner step may write into the arrays it is given (Keras's torch optimizers update
+            # in place): it runs only when the step is applied.
+            new_trainable, new_inner = ops.cond(
+                ops.logical_not(ops.greater(skipped, 0)),
+                lambda: _listed(self.inner_optimizer.stateless_apply(inner_values, grads, trainable)),
+                lambda: (list(trainable), list(inner_values)),
             )
-        return new_trainable, self._own_values(mapping, "scaling", "applied") + list(new_inner)
+        state = fn.update(state, found_inf, spike=spike)
+        return list(new_trainable), self._own_values(device, state, values, skipped, grads, found_inf) + list(new_inner)
 
-    def _stateless_non_finite(self, optimizer_variables: list[Any], trainable_variables: Any) -> Any:
-        mapping = list(zip(self.variables, optimizer_variables, strict=True))
-        own = self._skipped_values(mapping, "scaling")
-        return list(trainable_variables), own + optimizer_variables[len(self._variables) :]
+    def _functional_form(self, mode: str) -> FunctionalLossScaler:
+        """The functional form of this optimizer's scaler for iterations of ``mode``, over its variables."""
+        fn = self._functional.get(mode)
+        if fn is None:
+            keep = [bool(getattr(v, "overwrite_with_gradient", False)) for v in self._trainable_variables]
+            device = self._device
+            fn = FunctionalLossScaler(
+                lambda config: KerasFunctional(device, config, keep),
+                self._scaler.config,
+                mode == "scaling",
+                setting=None if mode == "guarding" else self._scaler.enabled_setting,
+                guard=mode == "guarding",
+                history=self._scaler.history,
+                spike=self._scaler.spike,
+                backend="keras",
+            )
+            self._functional[mode] = fn
+        return fn
+
+    @staticmethod
+    def _functional_state(device: KerasFunctional, values: dict[int, Any]) -> dict[str, Any]:
+        """The functional state: the values these variables hold in the step."""
+        state = {"scaler": {key: values[id(v)] for key, v in device.scale_variables().items()}}
+        ring = device.ring_variables()
+        if ring is not None:
+            state["ring"] = {key: values[id(v)] for key, v in ring.items()}
+        window = device.window_variables()
+        if window is not None:
+            state["window"] = {key: values[id(v)] for key, v in window.items()}
+        return state
+
+    def _own_values(
+        self,
+        device: KerasFunctional,
+        state: dict[str, Any],
+        values: dict[int, Any],
+        skipped: Any,
+        grads: list[Any],
+        found_inf: Any = None,
+    ) -> list[Any]:
+        """This optimizer's own variables' new values: the functional state's, the last step's outcome, and a
+        skipped step's non-finite counts (computed only in the branch that skips)."""
+        new = dict(values)
+        for part, variables in (
+            ("scaler", device.scale_variables()),
+            ("ring", device.ring_variables()),
+            ("window", device.window_variables()),
+        ):
+            if variables is not None:
+                for key, variable in variables.items():
+                    new[id(variable)] = state[part][key]
+        record = self._device.record_variable
+        new[id(record)] = ops.convert_to_tensor(False) if skipped is None else ops.greater(skipped, 0)
+        slot = self._device.provenance_variables()
+        if found_inf is not None and slot is not None and len(grads) == len(self._trainable_variables):
+            counts, at = slot
+            old_counts, old_at = values[id(counts)], values[id(at)]
+            ring = device.ring_variables()
+            index = values[id(ring["count"])] if ring is not None else old_at
+            overflow = ops.greater(found_inf, 0)
+            new[id(counts)] = ops.cond(overflow, lambda: gradient_counts(grads), lambda: old_counts)
+            new[id(at)] = ops.where(overflow, ops.cast(index, "int32"), old_at)
+        return [new[id(variable)] for variable in self._variables]
 
     # -- serialisation -----------------------------------------------------------------------------------
 
     def get_config(self) -> dict[str, Any]:
-        config = self._polyamp_config
+        config = self._scaler.config
+        options = self._scaler.options
         keras_spellings = {keras_name: getattr(config, name) for keras_name, name in KERAS_NAMES.items()}
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             **config.settings(),
             **keras_spellings,
-            "enabled": self._polyamp_enabled,
-            "guard": self._polyamp_guard,
-            "on_min_scale": self._recorder.on_min_scale,
-            "history": self._recorder.capacity,
-            "spike": None if self._spike_rule is None else dataclasses.asdict(self._spike_rule),
+            "enabled": options["enabled"],
+            "guard": options["guard"],
+            "on_min_scale": options["on_min_scale"],
+            "history": options["history"],
+            "spike": None if options["spike"] is None else dataclasses.asdict(options["spike"]),
         }
 
     @classmethod
@@ -917,18 +666,6 @@ def _check_spike(spike: Any) -> SpikeRule | None:
             "value. Use SpikeRule('grad_norm', ...), which decides on the gradients the optimizer receives."
         )
     return rule
-
-
-def _merge_call_context() -> Any:
-    """The replica context of a ``tf.distribute`` strategy whose optimizer updates go through ``merge_call``
-    (MirroredStrategy, one replica included), or None (no strategy, another Keras backend, or a strategy
-    without ``merge_call``)."""
-    tf = sys.modules.get("tensorflow")
-    if tf is None or keras.backend.backend() != "tensorflow" or not tf.distribute.has_strategy():
-        return None
-    if tf.__internal__.distribute.strategy_supports_no_merge_call():
-        return None
-    return tf.distribute.get_replica_context()
 
 
 def _several_replicas() -> bool:

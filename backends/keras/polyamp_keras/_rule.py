@@ -21,7 +21,7 @@ from polyamp import LossScaleConfig, LossScaleState
 from polyamp.backend_api import to_float32
 from polyamp_keras._keras import keras
 
-__all__ = ["ScaleState", "advance", "advance_on_flag", "counter_dtype", "read_scalar"]
+__all__ = ["ScaleState", "advance", "advance_on_flag", "counter_dtype", "device_cond", "read_scalar"]
 
 ops = keras.ops
 
@@ -147,4 +147,13 @@ def advance_on_flag(state: ScaleState, found_inf: Any, config: LossScaleConfig) 
         advance(state, False, config)
         return ops.convert_to_tensor(False)
 
-    ops.cond(ops.greater(found_inf, 0.0), on_overflow, on_finite)
+    device_cond(ops.greater(found_inf, 0.0), on_overflow, on_finite)
+
+
+def device_cond(pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
+    """``ops.cond``, except on JAX with a concrete ``pred`` (an eager step): a Python branch there, since
+    ``jax.lax.cond`` traces both branches and a variable assigned in one would hold a leaked tracer. Under
+    ``jax.jit`` the stateless step computes values, not assignments (see `polyamp_keras.LossScaleOptimizer`)."""
+    if keras.backend.backend() == "jax" and not type(pred).__name__.endswith("Tracer"):
+        return true_fn() if bool(ops.convert_to_numpy(pred)) else false_fn()
+    return ops.cond(pred, true_fn, false_fn)

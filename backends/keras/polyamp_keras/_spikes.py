@@ -14,7 +14,7 @@ from typing import Any
 
 from polyamp import SpikeRule
 from polyamp.backend_api import ring_values
-from polyamp_keras._gradients import is_sparse
+from polyamp_keras._gradients import sparse_values
 from polyamp_keras._keras import keras
 from polyamp_keras._rule import counter_dtype
 
@@ -65,7 +65,7 @@ class SpikeWindow:
         for grad in grads:
             if grad is None:
                 continue
-            values = grad.values if is_sparse(grad) else grad
+            values = sparse_values(grad)
             squares.append(ops.sum(ops.square(ops.cast(values, self.dtype))))
         norm = ops.sqrt(ops.sum(ops.stack(squares))) if squares else ops.convert_to_tensor(0.0, self.dtype)
         return norm if scale is None else ops.divide(norm, ops.cast(scale, self.dtype))

@@ -1,11 +1,14 @@
-"""The Keras device building blocks of polyamp's loss scaling: state in Keras variables, step operations in
-``keras.ops``.
+"""The Keras device form of polyamp's loss scaling and its building blocks: state in Keras variables, step
+operations in ``keras.ops``.
 
 Everything here runs on every Keras backend (TensorFlow, JAX, PyTorch), eagerly and in compiled steps
 (``tf.function``, ``jax.jit`` inside Keras's ``StatelessScope``), with no Python branch on a tensor value. It
 is the public surface other backends build their Keras-based device forms on (``polyamp_tensorflow``'s
 device form is made of it) and what `polyamp_keras.LossScaleOptimizer` runs:
 
+* `KerasDevice` - the tape-style device form (`polyamp.backend_api.TapeDevice` with records, the guard, the
+  spike rule and provenance) that `polyamp.LossScaler` drives; `polyamp_keras.LossScaleOptimizer` binds its
+  scaler to one over its own variables, and ``polyamp_tensorflow``'s device form extends it;
 * `ScaleState` - the scale, growth tracker, hysteresis and skip count as variables; `advance` /
   `advance_on_flag` apply `polyamp.LossScaleConfig`'s rule to them (products formed in float64 and rounded
   to float32, as the reference and torch do, so trajectories agree bit for bit across backends);
@@ -18,6 +21,7 @@ device form is made of it) and what `polyamp_keras.LossScaleOptimizer` runs:
 
 from __future__ import annotations
 
+from polyamp_keras._device import KerasDevice
 from polyamp_keras._gradients import (
     all_finite,
     all_replicas_finite,
@@ -25,12 +29,14 @@ from polyamp_keras._gradients import (
     is_sparse,
     non_finite_counts,
     refuse_loss_scale_factor,
+    sparse_values,
     unscale,
 )
-from polyamp_keras._rule import ScaleState, advance, advance_on_flag, counter_dtype, read_scalar
+from polyamp_keras._rule import ScaleState, advance, advance_on_flag, counter_dtype, device_cond, read_scalar
 from polyamp_keras._spikes import SpikeWindow, statistic_dtype
 
 __all__ = [
+    "KerasDevice",
     "ScaleState",
     "SpikeWindow",
     "advance",
@@ -38,11 +44,13 @@ __all__ = [
     "all_finite",
     "all_replicas_finite",
     "counter_dtype",
+    "device_cond",
     "gradient_counts",
     "is_sparse",
     "non_finite_counts",
     "read_scalar",
     "refuse_loss_scale_factor",
+    "sparse_values",
     "statistic_dtype",
     "unscale",
 ]

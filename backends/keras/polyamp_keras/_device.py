@@ -1,0 +1,610 @@
+"""`KerasDevice`: the tape-style device form of a loss scaler over ``keras.ops`` and Keras variables.
+
+`polyamp.LossScaler` drives it (it implements `polyamp.backend_api.TapeDevice` and the optional protocols for
+records, the guard, the spike rule, provenance, replicas and compilation); it decides nothing itself. It runs
+on every Keras backend, eagerly and in compiled steps: the skip is a ``cond`` on the device flag (on JAX, a
+Python branch when the flag is a concrete value, since ``jax.lax.cond`` cannot assign variables), and the
+rule's update another.
+
+Two ways to hold the state:
+
+* standalone (``add_variable=None``): the device makes its variables when first used
+  (`polyamp_tensorflow`'s device form extends it and makes them with ``tf.init_scope``);
+* owned: an optimizer hands its ``add_variable`` and calls `build` from its own ``build``, so the variables are
+  the optimizer's (saved with it, written through its ``assign``); before that the host state stands in.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError, SpikeRule
+from polyamp.backend_api import REBASE_BIT, SPIKE_BIT, StepOutcome, describe, ring_codes, wrong_object_error
+from polyamp_keras._gradients import (
+    all_finite,
+    all_replicas_finite,
+    gradient_counts,
+    is_sparse,
+    refuse_loss_scale_factor,
+    sparse_values,
+    unscale,
+)
+from polyamp_keras._keras import keras
+from polyamp_keras._rule import ScaleState, advance_on_flag, counter_dtype, device_cond, read_scalar
+from polyamp_keras._spikes import SpikeWindow, statistic_dtype
+
+__all__ = ["KerasDevice"]
+
+ops = keras.ops
+
+#: Keras's ``Optimizer.add_variable(shape=, dtype=, initializer=, aggregation=, name=)``.
+AddVariable = Callable[..., Any]
+
+
+def _tensorflow() -> Any:
+    """TensorFlow when it is Keras's backend, else None."""
+    return sys.modules.get("tensorflow") if keras.backend.backend() == "tensorflow" else None
+
+
+def _standalone_variable(*, shape: Any, dtype: str, initializer: Any, aggregation: str, name: str) -> Any:
+    return keras.Variable(initializer(shape, dtype), dtype=dtype, trainable=False, name=name, aggregation=aggregation)
+
+
+class _Slot:
+    """A holder the core keeps (a history ring, a spike window), filled when the variables exist."""
+
+    __slots__ = ("pending", "value")
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.pending: Any = None  # what to write once the variables exist (a spike window loaded early)
+
+
+class KerasDevice:
+    """polyamp's loss-scaler state in Keras variables, and the device operations of a step, on every Keras
+    backend.
+
+    Args:
+        config: The scaler's settings.
+        state: The state to start from.
+        add_variable: None: the device makes its own variables when first used. Else an optimizer's
+            ``add_variable`` (Keras's signature): the variables are made by `build`, and are the optimizer's.
+        assign: How an owned variable is written (the optimizer's ``assign``); None: ``variable.assign``.
+        scale_variables: With ``add_variable``: a function giving the variables of the scale and growth
+            tracker to use (an optimizer that already has them, e.g. Keras's ``dynamic_scale`` and
+            ``step_counter``), called by `build`; None makes them.
+    """
+
+    def __init__(
+        self,
+        config: LossScaleConfig,
+        state: LossScaleState,
+        *,
+        add_variable: AddVariable | None = None,
+        assign: Callable[[Any, Any], Any] | None = None,
+        scale_variables: Callable[[], tuple[Any, Any]] | None = None,
+    ) -> None:
+        self._config = config
+        self._host_state = state
+        self._owned = add_variable is not None
+        self._add_variable: AddVariable = add_variable or self._make_standalone
+        self._assign = assign
+        self._scale_variables = scale_variables
+        self._variables: ScaleState | None = None
+        self._traced = False
+        self._history = _Slot()
+        self._windows: list[tuple[_Slot, SpikeRule]] = []
+        self._record: Any = None  # an owned device's one outcome variable
+        # Per list of variables applied: their names, the counts of the last skipped step, and its iteration.
+        self._provenance: dict[tuple[int, ...], tuple[list[Any], list[str], Any, Any]] = {}
+
+    # -- variables ---------------------------------------------------------------------------------------
+
+    def _make_standalone(self, *, shape: Any, dtype: str, initializer: Any, aggregation: str, name: str) -> Any:
+        """A variable of a standalone device (`polyamp_tensorflow` makes its own outside function graphs)."""
+        return _standalone_variable(
+            shape=shape, dtype=dtype, initializer=initializer, aggregation=aggregation, name=name
+        )
+
+    def _variable(self, name: str, dtype: str, value: Any, shape: Any = ()) -> Any:
+        return self._add_variable(
+            shape=shape,
+            dtype=dtype,
+            initializer=keras.initializers.Constant(value),
+            aggregation="none",
+            name=name,
+        )
+
+    def _write(self, variable: Any, value: Any) -> None:
+        if self._assign is not None:
+            self._assign(variable, value)
+        elif is_sparse(value):  # TensorFlow's IndexedSlices: a scatter, as Keras's optimizers write them
+            (variable.value if isinstance(variable, keras.Variable) else variable).scatter_update(value)
+        else:
+            variable.assign(value)
+
+    @property
+    def built(self) -> bool:
+        """Whether the variables exist."""
+        return self._variables is not None
+
+    def build(self, variables: Sequence[Any] = ()) -> None:
+        """Make the variables (an owned device: called from the optimizer's ``build``): the scale state, the
+        record ring, spike windows and, for ``variables`` (the optimizer's), the skipped step's counts."""
+        if self._variables is not None:
+            return
+        state = self._host_state
+        if self._scale_variables is not None:
+            scale, tracker = self._scale_variables()
+            self._write(scale, state.scale)
+            self._write(tracker, ops.cast(state.growth_tracker, tracker.dtype))
+        else:
+            scale = self._variable("loss_scale", "float32", state.scale)
+            tracker = self._variable("growth_tracker", "int32", state.growth_tracker)
+        self._variables = ScaleState(
+            scale,
+            tracker,
+            self._variable("hysteresis_left", "int32", state.hysteresis_left),
+            self._variable("skipped_steps", counter_dtype(), 0),
+        )
+        if self._owned:
+            self._record = self._add_variable(
+                shape=(), dtype="bool", initializer=keras.initializers.Zeros(), aggregation="none", name="last_skipped"
+            )
+        self._build_history()
+        if self._owned:
+            self._provenance_slot(list(variables))
+        for slot, rule in self._windows:
+            self._build_window(slot, rule)
+
+    def _state(self) -> ScaleState:
+        if self._compiling_now():
+            self._traced = True  # the settings are becoming constants of a graph
+        if self._variables is None:
+            if self._owned:
+                raise ScalerUsageError(
+                    "The loss scaler's variables belong to an optimizer that is not built yet: build it "
+                    "(optimizer.build(model.trainable_variables)) before the first step."
+                )
+            self.build()
+        assert self._variables is not None
+        return self._variables
+
+    def scale_value(self) -> Any:
+        """The scale: its variable, or before an owned device is built the state's value."""
+        if self._variables is None and self._owned:
+            return ops.convert_to_tensor(self._host_state.scale, dtype="float32")
+        return self._state().scale
+
+    @property
+    def record_variable(self) -> Any:
+        """An owned device's variable holding whether the last step was skipped (None before `build`)."""
+        return self._record
+
+    def provenance_variables(self) -> tuple[Any, Any] | None:
+        """An owned device's counts of the last skipped step's non-finite gradients and that step's index (None
+        before `build`)."""
+        if not self._provenance:
+            return None
+        slot = next(iter(self._provenance.values()))
+        return slot[2], slot[3]
+
+    def history_variables(self) -> tuple[Any, Any] | None:
+        """The record ring's variables (codes, count), or None before they exist / without records."""
+        return self._history.value  # type: ignore[no-any-return]
+
+    def spike_window(self) -> SpikeWindow | None:
+        """The spike rule's window (None without a rule or before it exists)."""
+        return self._windows[0][0].value if self._windows else None
+
+    @property
+    def scale_state(self) -> ScaleState | None:
+        """The scale's variables (None before they exist)."""
+        return self._variables
+
+    # -- state -------------------------------------------------------------------------------------------
+
+    def read_state(self) -> LossScaleState:
+        return self._host_state if self._variables is None else self._variables.read()
+
+    def write_state(self, config: LossScaleConfig, state: LossScaleState | None) -> None:
+        if self._traced and config != self._config:
+            raise self.traced_settings_error(self._config, config)
+        self._config = config
+        if state is None:
+            return
+        self._host_state = state
+        if self._variables is not None:
+            self._variables.write(state)
+
+    def traced_settings_error(self, old: LossScaleConfig, new: LossScaleConfig) -> ScalerUsageError:
+        """The error for new settings once a compiled step traced the old ones as constants."""
+        return ScalerUsageError(
+            f"The loss-scaling settings would change ({old} -> {new}), but a compiled step (tf.function, jax.jit, "
+            "model.fit) has already traced a step with this scaler: the settings are constants there, which would "
+            "go on using the old ones. Change settings before the first compiled step, or make a new scaler (the "
+            "scale and counters can be loaded at any time)."
+        )
+
+    @property
+    def traced(self) -> bool:
+        """Whether a compiled step traced the settings as constants."""
+        return self._traced
+
+    def note_traced(self) -> None:
+        """A compiled step (``jax.jit``) is tracing the settings as constants."""
+        self._traced = True
+
+    def float16_in_use(self, *, since_last_iteration: bool = False, loss: Any = None) -> bool:
+        """Whether Keras's own global dtype policy computes in float16 (e.g. set with
+        ``keras.mixed_precision.set_global_policy("mixed_float16")``)."""
+        return str(keras.config.dtype_policy().compute_dtype) == "float16"
+
+    # -- the step ----------------------------------------------------------------------------------------
+
+    def check_optimizer(self, method: str, optimizer: object) -> None:
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise wrong_object_error("keras", method, optimizer, "a Keras 3 optimizer (keras.optimizers.*)")
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ScalerUsageError(
+                f"{method}() received a LossScaleOptimizer, which scales by itself: the gradients would be "
+                "unscaled twice. Pass the plain optimizer, or use the LossScaleOptimizer without this scaler."
+            )
+        refuse_loss_scale_factor(optimizer, "a polyamp LossScaler does the scaling")
+
+    def scale(self, loss: Any) -> Any:
+        if isinstance(loss, (list, tuple)):
+            return type(loss)(self.scale(item) for item in loss)
+        if not hasattr(loss, "dtype"):  # a Python number
+            loss = ops.convert_to_tensor(loss, dtype="float32")
+        # Like Keras, scale in at least float32: 2**16 is beyond float16's range.
+        dtype = "float64" if keras.backend.standardize_dtype(loss.dtype) == "float64" else "float32"
+        return ops.multiply(ops.cast(loss, dtype), ops.cast(self.scale_value(), dtype))
+
+    def check_gradients(self, method: str, grads: Sequence[Any]) -> None:
+        for grad in grads:
+            if grad is not None and not (
+                ops.is_tensor(grad) or is_sparse(grad) or isinstance(grad, keras.Variable) or _tf_tensor(grad)
+            ):
+                raise wrong_object_error(
+                    "keras", method, grad, f"{keras.backend.backend()} tensors (None for variables without a gradient)"
+                )
+
+    def unscale(self, grads: Sequence[Any]) -> list[Any]:
+        return unscale(grads, self.scale_value())
+
+    def apply(
+        self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], *, unscaled: bool, veto: Any = None
+    ) -> StepOutcome:
+        """Unscale (unless ``unscaled``; variables overwritten with their gradient keep theirs), check, apply
+        unless non-finite or ``veto`` (the spike rule's flag) is set; the returned flag is the overflow alone
+        (what the loss-scale rule sees)."""
+        state = self._state()
+        variables = list(variables)
+        if not optimizer.built:  # variables cannot be created inside the cond below
+            optimizer.build(variables)
+        if unscaled:
+            unscaled_grads = list(grads)
+        else:
+            keep = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
+            unscaled_grads = unscale(grads, state.scale, keep)
+        finite = all_replicas_finite(all_finite(unscaled_grads))
+        go = finite if veto is None else ops.logical_and(finite, ops.logical_not(ops.greater(veto, 0)))
+        tf = _tensorflow()
+        context = None if tf is None or not tf.distribute.has_strategy() else tf.distribute.get_replica_context()
+        if context is not None:
+            # Any strategy, one replica included (MirroredStrategy() on a one-GPU machine): the optimizer's
+            # apply is a merge_call there too, which TensorFlow refuses inside a cond in a replica context.
+            _apply_across_replicas(tf, context, optimizer, go, unscaled_grads, variables)
+        else:
+
+            def apply() -> Any:
+                optimizer.apply(unscaled_grads, variables)
+                return ops.convert_to_tensor(True)
+
+            def skip() -> Any:
+                if veto is None:
+                    self._count_non_finite(unscaled_grads, variables)
+                else:  # a spike skips with finite gradients: count only when they are not
+                    device_cond(
+                        finite, lambda: ops.convert_to_tensor(False), lambda: self._counted(unscaled_grads, variables)
+                    )
+                return ops.convert_to_tensor(False)
+
+            device_cond(go, apply, skip)
+        return StepOutcome(optimizer.iterations, ops.cast(ops.logical_not(finite), "float32"), None)
+
+    def _provenance_slot(self, variables: Sequence[Any]) -> tuple[list[Any], list[str], Any, Any]:
+        key = tuple(id(v) for v in variables)
+        slot = self._provenance.get(key)
+        if slot is None:
+            names = [str(getattr(v, "path", None) or v.name) for v in variables]
+            slot = (
+                list(variables),  # held, so the ids in the key stay theirs
+                names,
+                self._variable("non_finite_counts", "int32", 0, shape=(max(1, len(names)), 4)),
+                self._variable("non_finite_at", "int32", -1),
+            )
+            self._provenance[key] = slot
+        return slot
+
+    def _count_non_finite(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
+        """In the branch that skips: each gradient's +inf/-inf/NaN counts, for the records (see
+        `polyamp.NonFiniteGradient`); finite steps never run it."""
+        if self._history.value is None or not grads:
+            return
+        key = tuple(id(v) for v in variables)
+        if self._owned and key not in self._provenance:
+            return  # an owned device counts the variables it was built for (no variables made in a step)
+        slot = self._provenance_slot(variables)
+        self._write(slot[2], gradient_counts(grads))
+        self._write(slot[3], ops.cast(ops.convert_to_tensor(self._history.value[1]), "int32"))
+
+    def _counted(self, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
+        self._count_non_finite(grads, variables)
+        return ops.convert_to_tensor(True)
+
+    # -- the spike rule ----------------------------------------------------------------------------------
+
+    def new_spike_state(self, rule: SpikeRule) -> _Slot:
+        """The rule's window (its variables made now, or by `build` on an owned device); the loss statistic is
+        the core's to hold."""
+        slot = _Slot()
+        self._windows.append((slot, rule))
+        if self._variables is not None or not self._owned:
+            self._build_window(slot, rule)
+        return slot
+
+    def _build_window(self, slot: _Slot, rule: SpikeRule) -> None:
+        if slot.value is not None:
+            return
+        slot.value = SpikeWindow(rule, self._add_variable, holds_loss=False)
+        if slot.pending is not None:
+            slot.value.write(*slot.pending)
+            slot.pending = None
+
+    def read_spike_window(self, state: _Slot) -> list[float]:
+        return (
+            list(state.pending[0])
+            if state.value is None and state.pending
+            else ([] if state.value is None else state.value.read())
+        )
+
+    def read_spike_run(self, state: _Slot) -> int:
+        if state.value is None:
+            return int(state.pending[1]) if state.pending else 0
+        return int(state.value.read_run())
+
+    def write_spike_window(self, state: _Slot, values: list[float], run: int = 0) -> None:
+        if state.value is None:
+            state.pending = (list(values), run)
+        else:
+            state.value.write(values, run)
+
+    def spike_statistic(self, loss: Any) -> Any:
+        values = loss if isinstance(loss, (list, tuple)) else [loss]
+        dtype = statistic_dtype()
+        return ops.sum(ops.stack([ops.sum(ops.cast(ops.stop_gradient(v), dtype)) for v in values]))
+
+    def spike_grad_norm(self, grads: Sequence[Any], *, unscaled: bool) -> Any:
+        dtype = statistic_dtype()
+        squares = [ops.sum(ops.square(ops.cast(sparse_values(g), dtype))) for g in grads if g is not None]
+        norm = ops.sqrt(ops.sum(ops.stack(squares))) if squares else ops.convert_to_tensor(0.0, dtype)
+        return norm if unscaled else ops.divide(norm, ops.cast(self.scale_value(), dtype))
+
+    def spike_check(self, state: _Slot, x: Any) -> Any:
+        return ops.cast(state.value.is_spike(x), "float32")
+
+    def spike_finish(self, state: _Slot, x: Any, spike: Any, overflow: Any) -> Any:
+        blocked = (
+            ops.greater(spike, 0)
+            if overflow is None
+            else ops.logical_or(ops.greater(spike, 0), ops.greater(overflow, 0))
+        )
+        only = (
+            ops.greater(spike, 0)
+            if overflow is None
+            else ops.logical_and(ops.greater(spike, 0), ops.logical_not(ops.greater(overflow, 0)))
+        )
+        rebased = state.value.push(x, applied=ops.logical_not(blocked), spiked=only)
+        return ops.subtract(ops.cast(only, "float32"), ops.cast(rebased, "float32"))  # -1: re-based (SpikeDevice)
+
+    # -- provenance, replicas ----------------------------------------------------------------------------
+
+    def read_provenance(self) -> list[tuple[int, list[tuple[str, int, int, int, int]]]]:
+        found = []
+        for _, names, counts, at in self._provenance.values():
+            index = int(read_scalar(at))
+            if index >= 0:
+                rows = ops.convert_to_numpy(counts).tolist()
+                found.append((index, [(n, *row) for n, row in zip(names, rows, strict=False)]))
+                self._write(at, ops.convert_to_tensor(-1, dtype="int32"))
+        return found
+
+    def replica(self) -> int | None:
+        """The replica of a ``tf.distribute`` strategy running this call (None outside one, with one, or on
+        another Keras backend)."""
+        tf = _tensorflow()
+        if tf is None:
+            return None
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return None
+        return int(tf.get_static_value(context.replica_id_in_sync_group))
+
+    def plain_apply(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
+        return optimizer.apply(list(grads), list(variables))
+
+    def combine(self, flags: Sequence[Any]) -> Any:
+        return flags[0] if len(flags) == 1 else ops.max(ops.stack(list(flags)))
+
+    # -- the update --------------------------------------------------------------------------------------
+
+    def read_new_scale(self, new_scale: Any) -> float | None:
+        if not ops.is_tensor(new_scale) and not isinstance(new_scale, keras.Variable) and not _tf_tensor(new_scale):
+            raise PolyampTypeError(
+                f"update(new_scale) takes a float or a one-element floating tensor. Received: {describe(new_scale)}."
+            )
+        size = int(np.prod(new_scale.shape)) if None not in tuple(new_scale.shape) else None
+        if size != 1 or "float" not in keras.backend.standardize_dtype(new_scale.dtype):
+            raise PolyampTypeError(
+                f"update(new_scale) takes a float or a one-element floating tensor. Received: {describe(new_scale)}."
+            )
+        if self._compiling_now() or _is_tracer(new_scale):
+            return None  # a symbolic value: known only when the step runs
+        return float(ops.convert_to_numpy(ops.reshape(new_scale, ())).item())
+
+    def update(self, found_inf: Any, new_scale: Any) -> None:
+        state = self._state()
+        if new_scale is None:
+            advance_on_flag(state, found_inf, self._config)
+            return
+        if isinstance(new_scale, float):
+            state.scale.assign(new_scale)
+        else:
+            state.scale.assign(self._checked_scale_tensor(ops.reshape(ops.cast(new_scale, "float32"), ())))
+        if found_inf is not None:
+            self.count_skip(found_inf)
+
+    def _checked_scale_tensor(self, value: Any) -> Any:
+        """A new scale the host could not read (symbolic), checked when the step runs where the framework can
+        (`polyamp_tensorflow` asserts in the graph)."""
+        return value
+
+    # -- records -----------------------------------------------------------------------------------------
+
+    def skipped(self, found_inf: Any) -> Any:
+        return ops.greater(found_inf, 0.0)
+
+    def read_flag(self, found_inf: Any) -> bool:
+        return bool(ops.convert_to_numpy(ops.greater(found_inf, 0.0)))
+
+    def finite_flag(self) -> Any:
+        return ops.convert_to_tensor(0.0, dtype="float32")
+
+    def new_record(self) -> Any:
+        if self._owned:
+            self._state()
+            return self._record
+        return self._variable("step_skipped", "float32", 0.0)
+
+    def write_record(self, record: Any, found_inf: Any) -> None:
+        if keras.backend.standardize_dtype(record.dtype) == "bool":
+            record.assign(ops.greater(found_inf, 0))
+        else:
+            record.assign(ops.cast(found_inf, "float32"))
+
+    def read_record(self, record: Any) -> Any:
+        return ops.cast(ops.convert_to_tensor(record), "float32")
+
+    def skipped_steps(self) -> Any:
+        if self._variables is None and self._owned:
+            return ops.convert_to_tensor(0, dtype=counter_dtype())
+        return ops.convert_to_tensor(self._state().skipped_steps)
+
+    def count_skip(self, found_inf: Any) -> None:
+        """Count a guarded iteration as skipped when ``found_inf`` is set; the rule does not run."""
+        skipped = self._state().skipped_steps
+        skipped.assign_add(ops.cast(ops.greater(found_inf, 0), skipped.dtype))
+
+    def compiling(self) -> bool:
+        """Whether a step is being compiled (records are read eagerly only)."""
+        return self._compiling_now()
+
+    def _compiling_now(self) -> bool:
+        tf = _tensorflow()
+        return tf is not None and not tf.executing_eagerly()
+
+    def new_history(self, capacity: int) -> _Slot:
+        # A ring of mode codes and the count of entries written, in variables: written inside graphs too.
+        self._history.pending = capacity
+        if self._variables is not None or not self._owned:
+            self._build_history()
+        return self._history
+
+    def _build_history(self) -> None:
+        slot = self._history
+        if slot.value is None and slot.pending is not None:
+            capacity = slot.pending
+            slot.value = (
+                self._variable("step_codes", "int32", 0, shape=(capacity,)),
+                self._variable("recorded_steps", "int32", 0),
+            )
+            slot.pending = None
+
+    def write_history(self, history: _Slot, base: int, found_inf: Any, spike: Any = None) -> None:
+        codes, count = history.value
+        overflow = ops.convert_to_tensor(False) if found_inf is None else ops.greater(found_inf, 0)
+        spiked = ops.convert_to_tensor(False) if spike is None else ops.greater(spike, 0)
+        code = ops.add(ops.convert_to_tensor(base, dtype="int32"), ops.cast(ops.logical_or(overflow, spiked), "int32"))
+        code = ops.add(code, ops.cast(ops.logical_and(spiked, ops.logical_not(overflow)), "int32") * SPIKE_BIT)
+        if spike is not None:
+            code = ops.add(code, ops.cast(ops.less(spike, 0), "int32") * REBASE_BIT)
+        write_ring_entry(codes, ops.convert_to_tensor(count), code, self._write)
+        count.assign_add(ops.convert_to_tensor(1, dtype=count.dtype))
+
+    def read_history(self, history: _Slot) -> tuple[int, list[int]]:
+        if history.value is None:
+            return 0, []
+        codes, count = history.value
+        total = int(read_scalar(count))
+        return total, ring_codes(total, ops.convert_to_numpy(codes).tolist())
+
+
+def write_ring_entry(
+    codes: Any, count: Any, code: Any, write: Callable[[Any, Any], Any], *, scatter: bool = True
+) -> None:
+    """Write ``code`` at ``count % capacity`` of the ring ``codes``: one element (a scatter, through
+    ``write``, an optimizer's ``assign``) where TensorFlow can (no distribution strategy, ``scatter``), else
+    the whole ring (a scatter is not defined on ``tf.distribute``'s mirrored variables, nor recorded by a
+    ``StatelessScope``; JAX arrays are written whole anyway)."""
+    capacity = int(codes.shape[0])
+    index = ops.mod(ops.cast(count, "int32"), capacity)
+    tf = _tensorflow()
+    if scatter and tf is not None and not tf.distribute.has_strategy():
+        write(codes, tf.IndexedSlices(tf.reshape(tf.cast(code, tf.int32), (1,)), tf.reshape(index, (1,)), (capacity,)))
+        return
+    ring = ops.convert_to_tensor(codes)
+    write(codes, ops.where(ops.equal(ops.arange(capacity, dtype="int32"), index), code, ring))
+
+
+def _apply_across_replicas(
+    tf: Any, context: Any, optimizer: Any, finite: Any, grads: list[Any], variables: list[Any]
+) -> None:
+    """Apply or skip under a ``tf.distribute`` strategy, every replica alike (``finite`` is already reduced).
+
+    The optimizer's apply sums the gradients across replicas (a ``merge_call`` in strategies that need one),
+    which TensorFlow does not allow inside a ``cond`` in a replica context; so the ``cond`` is taken in the
+    cross-replica context and applies in each replica from there, as Keras's own optimizers do. Strategies
+    that need no ``merge_call`` take the ``cond`` in each replica: all of them take the same branch.
+    """
+
+    def applied(optimizer: Any, grads: list[Any], variables: list[Any]) -> Any:
+        optimizer.apply(grads, variables)
+        return tf.constant(True)
+
+    if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        tf.cond(finite, lambda: applied(optimizer, grads, variables), lambda: tf.constant(False))
+        return
+
+    def cross_replica(distribution: Any, finite: Any, grads: list[Any]) -> Any:
+        def apply() -> Any:
+            distribution.extended.call_for_each_replica(applied, args=(optimizer, grads, variables))
+            return tf.constant(True)
+
+        return tf.cond(distribution.experimental_local_results(finite)[0], apply, lambda: tf.constant(False))
+
+    context.merge_call(cross_replica, args=(finite, grads))
+
+
+def _tf_tensor(value: Any) -> bool:
+    tf = _tensorflow()
+    return tf is not None and (tf.is_tensor(value) or isinstance(value, tf.Variable))
+
+
+def _is_tracer(value: Any) -> bool:
+    return type(value).__name__.endswith("Tracer")
