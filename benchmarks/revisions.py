@@ -10,7 +10,9 @@ the machine hits both revisions alike. Variants, from identical initial weights:
 * ``polyamp scaler``: the same region + ``polyamp.LossScaler(enabled=True)``, i.e. the loss-scaler code
   of the revision;
 * ``TensorFlow tape``: a ``tf.function`` GradientTape step with ``polyamp.LossScaler(enabled=True)``
-  (``scale`` / ``apply_gradients``), when TensorFlow is installed.
+  (``scale`` / ``apply_gradients``), when TensorFlow is installed;
+* ``Keras optimizer``: the same step through ``polyamp_keras.LossScaleOptimizer`` (``scale_loss`` /
+  ``apply``), when TensorFlow is installed.
 
 Reported, per variant: the median over rounds of (head time / base time); 1.00 is no change. The native
 variant runs the same code in both workers, so its ratio shows the noise between the two processes. Also each
@@ -97,6 +99,27 @@ if os.environ.get("BENCH_TF") == "1":
         tf_scaler.apply_gradients(tf_opt, zip(grads, variables))
 
     steps["TensorFlow tape"] = tf_step
+
+    import polyamp_keras
+    k_dense = [tf.keras.layers.Dense(width) for _ in range(depth)]
+    for layer in k_dense:
+        layer.build((None, width))
+    k_variables = [v for layer in k_dense for v in layer.trainable_variables]
+    k_opt = polyamp_keras.LossScaleOptimizer(tf.keras.optimizers.SGD(0.01))
+    k_opt.build(k_variables)
+
+    @tf.function
+    def keras_step():
+        with tf.GradientTape() as tape:
+            h = tx
+            for layer in k_dense:
+                h = tf.nn.gelu(layer(h))
+            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(ty, h, from_logits=True))
+            scaled = k_opt.scale_loss(loss)
+        grads = tape.gradient(scaled, k_variables)
+        k_opt.apply(grads, k_variables)
+
+    steps["Keras optimizer"] = keras_step
 for step in steps.values():
     for _ in range(20):
         step()

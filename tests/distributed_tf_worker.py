@@ -69,6 +69,9 @@ def custom_loop(kind: str, function: bool) -> dict[str, Any]:
         if kind == "optimizer":
             optimizer = polyamp_keras.LossScaleOptimizer(inner, **SETTINGS)
             scaler = None
+        elif kind == "guard":  # no scaling: the guard alone skips the non-finite steps
+            optimizer = polyamp_keras.LossScaleOptimizer(inner, **SETTINGS, enabled=False, guard=True)
+            scaler = None
         else:
             optimizer = inner
             scaler = polyamp.LossScaler(**SETTINGS, enabled=True)
@@ -105,9 +108,11 @@ def custom_loop(kind: str, function: bool) -> dict[str, Any]:
             own = [held.scale, held.growth_tracker, held.hysteresis_left]
         states.append([state["scale"], state["_growth_tracker"], state["hysteresis_left"]])
         identical.append(same_everywhere(own + watched) and replicated(own + watched))
-    reference = [
-        [s.scale, s.growth_tracker, s.hysteresis_left] for s in polyamp.LossScaleConfig(**SETTINGS).states(PATTERN)
-    ]
+    config = polyamp.LossScaleConfig(**SETTINGS)
+    reference = [[s.scale, s.growth_tracker, s.hysteresis_left] for s in config.states(PATTERN)]
+    if kind == "guard":  # the rule does not run
+        initial = config.initial_state()
+        reference = [[initial.scale, initial.growth_tracker, initial.hysteresis_left]] * len(PATTERN)
     return {
         "states": states,
         "reference": reference,
@@ -116,9 +121,7 @@ def custom_loop(kind: str, function: bool) -> dict[str, Any]:
         "finite": all(np.isfinite(c).all() for v in watched for c in components(v)),
         "iterations": int(inner.iterations.numpy()),
         "finite_steps": PATTERN.count("F"),
-        "records": None
-        if scaler is None
-        else [[r.iteration, r.reason, r.scale, r.next_scale] for r in scaler.records()],
+        "records": [[r.iteration, r.reason, r.scale, r.next_scale] for r in (scaler or optimizer).records()],
     }
 
 
@@ -222,7 +225,7 @@ def main() -> None:
     folder = sys.argv[1]
     results = {
         f"{kind}-{'function' if function else 'eager'}": custom_loop(kind, function)
-        for kind in ("optimizer", "scaler")
+        for kind in ("optimizer", "guard", "scaler")
         for function in (False, True)
     }
     results["fit"] = fit(folder)

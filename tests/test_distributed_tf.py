@@ -88,7 +88,7 @@ def _results(workers: dict[str, _Worker], name: str) -> dict[str, Any]:
 
 PATTERN = "FFOFFFOOF"  # as in the worker: O overflows on replica 1 only
 SETTINGS = dict(init_scale=1024.0, growth_interval=2, hysteresis=1)
-LOOPS = ["optimizer-eager", "optimizer-function", "scaler-eager", "scaler-function"]
+LOOPS = ["optimizer-eager", "optimizer-function", "guard-eager", "guard-function", "scaler-eager", "scaler-function"]
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -105,13 +105,20 @@ def test_scale_trajectory_equals_the_reference_and_is_the_same_on_every_replica(
     workers: dict[str, _Worker], loop: str
 ) -> None:
     result = _results(workers, "tf")[loop]
-    reference = polyamp.LossScaleConfig(**SETTINGS).states(PATTERN)
+    config = polyamp.LossScaleConfig(**SETTINGS)
+    if loop.startswith("guard"):  # not scaling: the rule does not run, the guard skips
+        reference = [config.initial_state()] * len(PATTERN)
+    else:
+        reference = config.states(PATTERN)
     assert result["states"] == [[s.scale, s.growth_tracker, s.hysteresis_left] for s in reference]
     assert result["reference"] == result["states"]
     # Scale, counter, hysteresis, weights and slots: one copy per replica, bitwise equal, after every step.
     assert result["identical"] == [True] * len(PATTERN)
-    if loop.startswith("scaler"):  # the tape scaler's records: one per iteration, not one per replica
-        states = [polyamp.LossScaleConfig(**SETTINGS).initial_state(), *reference]
+    # The records: one per iteration, not one per replica.
+    if loop.startswith("guard"):
+        assert result["records"] == [[i, "non_finite" if c == "O" else None, None, None] for i, c in enumerate(PATTERN)]
+    else:
+        states = [config.initial_state(), *reference]
         assert result["records"] == [
             [i, "overflow" if c == "O" else None, states[i].scale, states[i + 1].scale] for i, c in enumerate(PATTERN)
         ]

@@ -56,6 +56,7 @@ def test_it_passes_every_case_it_has_the_capabilities_for(npfw_backend: object) 
         "test_random_settings_follow_the_reference",
         "test_functional_form_follows_the_reference",
         "test_functional_form_guards_records_and_spikes",
+        "test_one_sequence_every_loop_style",
         "test_two_optimizers_skip_separately_and_update_once",
         "test_misuse_is_the_same_error_everywhere_and_leaves_no_trace",
         "test_skipped_step_changes_nothing",

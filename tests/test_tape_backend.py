@@ -81,6 +81,7 @@ def test_it_passes_every_case_it_has_the_capabilities_for(nptape_backend: Any) -
         "test_guard_skips_non_finite_steps_without_scaling",
         "test_records_replay_the_scale_of_every_step",
         "test_skipped_step_names_the_parameter_that_overflowed",
+        "test_one_sequence_every_loop_style",
     }
 
 

@@ -250,6 +250,92 @@ def test_functional_form_guards_records_and_spikes(harness: Any, mode: str) -> N
         )
 
 
+#: One sequence for every loop style: F finite, O a planted inf, N NaN inputs, S a spike (inputs times 40).
+ONE_SEQUENCE = "FFFFSFOFFNSSSFFOFF"
+
+
+def _one_sequence_expected(pattern: str, rule: SpikeRule) -> tuple[list[bool], list[bool], list[bool]]:
+    """(overflow, spike, re-based) per step of ``pattern`` under ``rule`` by construction: every S is 40
+    times the inputs of an F, far outside any window of F steps, so it is a spike once the window holds
+    ``min_values`` statistics, until ``max_consecutive`` spikes in a row make the next one re-base the window;
+    F steps never are (the rule is one-sided and they stay within the F steps' spread)."""
+    overflows, spikes, rebased = [], [], []
+    accepted, run = 0, 0  # statistics in the window; spikes since one was accepted
+    for char in pattern:
+        overflow = char in "ON"
+        at_limit = rule.rebases(run)
+        spike = char == "S" and accepted >= rule.min_values and not at_limit
+        rebase = not overflow and at_limit
+        overflows.append(overflow)
+        spikes.append(spike)
+        rebased.append(rebase)
+        if spike:
+            run += 1
+        elif not overflow:
+            accepted = 1 if rebase else accepted + 1
+            run = 0
+    return overflows, spikes, rebased
+
+
+@requires("trainer")
+def test_one_sequence_every_loop_style(harness: Any) -> None:
+    """One sequence of finite steps, planted infs, NaN batches and gradient-norm spikes, through the harness's
+    training loop (the torch and TensorFlow `polyamp.LossScaler`, Keras's ``LossScaleOptimizer`` stateful,
+    and stateless under ``jax.jit`` on JAX) and its functional form where it has one: the same skips, records
+    (reason, scale, next scale, re-base), skip count and state dict, the reference's, everywhere."""
+    rule = SpikeRule("grad_norm", window=4, warmup=3, threshold=6.0, max_consecutive=2)
+    settings: dict[str, Any] = {"growth_interval": 2, "hysteresis": 1}
+    scaler = {**settings, "enabled": True, "spike": rule}
+    loops = [("loop", harness.trainer(Policy("float32"), scaler=scaler))]
+    if callable(getattr(harness, "functional_trainer", None)):
+        loops.append(("functional", harness.functional_trainer(Policy("float32"), scaler=scaler)))
+    pattern = ONE_SEQUENCE
+    overflows, spikes, rebased = _one_sequence_expected(pattern, rule)
+    want_skips = [o or s for o, s in zip(overflows, spikes, strict=True)]
+    reference = LossScaleConfig(**settings)
+    states = [reference.initial_state(), *reference.states("".join("O" if o else "F" for o in overflows))]
+    want = [
+        (
+            i,
+            want_skips[i],
+            "overflow" if overflows[i] else "grad_spike" if spikes[i] else None,
+            "scaling",
+            states[i].scale,
+            states[i + 1].scale,
+            rebased[i],
+        )
+        for i in range(len(pattern))
+    ]
+    for name, trainer in loops:
+        where = f"{name} on {harness.backend}-{harness.device}"
+        skips = []
+        for index, ((x, y), char) in enumerate(zip(_batches(len(pattern)), pattern, strict=True)):
+            before = trainer.params()
+            inputs = x * 40.0 if char == "S" else x * float("nan") if char == "N" else x
+            trainer.step(inputs, y, overflow=char == "O")
+            skips.append(bool(trainer.step_skipped()))
+            if skips[-1]:
+                assert_equal_arrays(trainer.params(), before, f"parameters after skipped step {index} ({where})")
+        if skips != want_skips:
+            raise AssertionError(f"skipped per step: {skips}, expected {want_skips} ({where})")
+        got = [
+            (r.iteration, r.skipped, r.reason, r.mode, r.scale, r.next_scale, r.rebased)
+            for r in trainer.scaler.records()
+        ]
+        if got != want:
+            raise AssertionError(f"records ({where}): {got}, expected {want}")
+        saved = trainer.scaler.state_dict()
+        final = states[-1]
+        got_state = (saved["scale"], saved["_growth_tracker"], saved["spike_run"], len(saved["spike_window"]))
+        # The window after the sequence: the re-basing spike, then the F steps applied after it.
+        applied_after = sum(1 for i in range(pattern.rindex("S") + 1, len(pattern)) if not want_skips[i])
+        want_state = (final.scale, final.growth_tracker, 0, min(rule.window, 1 + applied_after))
+        if got_state != want_state:
+            raise AssertionError(
+                f"(scale, tracker, spike_run, window size) = {got_state}, expected {want_state} ({where})"
+            )
+
+
 @requires("trainer")
 def test_cross_backend_same_trajectory_and_resume(harness_pair: Any) -> None:
     """One pattern on two backends gives one trajectory; a state dict saved by one resumes on the other."""

@@ -6,8 +6,12 @@ PyTorch).
   is imported, so saved models with polyamp's classes load with ``keras.models.load_model`` once
   ``polyamp`` is imported. With Keras's own ``keras.config.set_dtype_policy``, the later of the two
   settings wins in each thread (the rule is in `follow_polyamp_policy`).
-* `LossScaleOptimizer` - Keras 3's loss-scale optimizer with polyamp's rule and safeguards: stateful on
-  TensorFlow and PyTorch, ``stateless_apply`` on JAX (what ``model.fit`` uses there).
+* `LossScaleOptimizer` - Keras 3's loss-scale optimizer with polyamp's rule and safeguards, on every Keras
+  backend, stateful (``apply``) and stateless (``stateless_apply``, what ``model.fit`` uses on JAX): an
+  adapter over the `polyamp.LossScaler` it runs (``optimizer.scaler``).
+* `KerasDevice` - the tape-style device form over ``keras.ops`` and Keras variables that the optimizer's
+  scaler runs on (`polyamp_keras.device` holds it and its building blocks, for other backends to build on);
+  `KerasFunctional` - its functional form, over the variables' values.
 * `LossScaleCallback` - loss scale and skipped steps in the training logs.
 * `cast_outputs` - model outputs in the policy's output dtype.
 * `to_keras_policy` - the Keras dtype policy for a ``polyamp.Policy``; `PolyampDTypePolicy` for the pairs
@@ -31,7 +35,9 @@ from __future__ import annotations
 
 from polyamp_keras._callbacks import LossScaleCallback
 from polyamp_keras._compile import restore_polyamp_compiles
+from polyamp_keras._device import KerasDevice
 from polyamp_keras._follow import follow_polyamp_policy
+from polyamp_keras._functional import KerasFunctional
 from polyamp_keras._models import FLOAT32_LAYERS, apply_policy, op_output_dtype
 from polyamp_keras._optimizer import LossScaleOptimizer
 from polyamp_keras._outputs import OutputCast, cast_outputs
@@ -43,6 +49,8 @@ restore_polyamp_compiles()
 __all__ = [
     "FLOAT32_LAYERS",
     "ForwardWatch",
+    "KerasDevice",
+    "KerasFunctional",
     "LossScaleCallback",
     "LossScaleOptimizer",
     "OutputCast",

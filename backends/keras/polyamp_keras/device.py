@@ -9,6 +9,8 @@ device form is made of it) and what `polyamp_keras.LossScaleOptimizer` runs:
 * `KerasDevice` - the tape-style device form (`polyamp.backend_api.TapeDevice` with records, the guard, the
   spike rule and provenance) that `polyamp.LossScaler` drives; `polyamp_keras.LossScaleOptimizer` binds its
   scaler to one over its own variables, and ``polyamp_tensorflow``'s device form extends it;
+* `KerasFunctional` - its functional form (`polyamp.backend_api.FunctionalDevice` with records, the guard and
+  the spike rule) over the values of a `KerasDevice`'s variables, for stateless steps;
 * `ScaleState` - the scale, growth tracker, hysteresis and skip count as variables; `advance` /
   `advance_on_flag` apply `polyamp.LossScaleConfig`'s rule to them (products formed in float64 and rounded
   to float32, as the reference and torch do, so trajectories agree bit for bit across backends);
@@ -22,6 +24,7 @@ device form is made of it) and what `polyamp_keras.LossScaleOptimizer` runs:
 from __future__ import annotations
 
 from polyamp_keras._device import KerasDevice
+from polyamp_keras._functional import KerasFunctional
 from polyamp_keras._gradients import (
     all_finite,
     all_replicas_finite,
@@ -37,6 +40,7 @@ from polyamp_keras._spikes import SpikeWindow, statistic_dtype
 
 __all__ = [
     "KerasDevice",
+    "KerasFunctional",
     "ScaleState",
     "SpikeWindow",
     "advance",
