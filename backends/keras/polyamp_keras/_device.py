@@ -34,7 +34,7 @@ from polyamp_keras._gradients import (
     unscale,
 )
 from polyamp_keras._keras import keras
-from polyamp_keras._rule import ScaleState, advance_on_flag, counter_dtype, device_cond, read_scalar
+from polyamp_keras._rule import ScaleState, advance, advance_on_flag, counter_dtype, device_cond, read_scalar
 from polyamp_keras._spikes import SpikeWindow, statistic_dtype
 
 __all__ = ["KerasDevice"]
@@ -99,6 +99,7 @@ class KerasDevice:
         self._history = _Slot()
         self._windows: list[tuple[_Slot, SpikeRule]] = []
         self._record: Any = None  # an owned device's one outcome variable
+        self._finite: Any = None  # the finite flag's eager constant (not on TensorFlow, whose graphs make their own)
         # Per list of variables applied: their names, the counts of the last skipped step, and its iteration.
         self._provenance: dict[tuple[int, ...], tuple[list[Any], list[str], Any, Any]] = {}
 
@@ -315,7 +316,16 @@ class KerasDevice:
                     )
                 return ops.convert_to_tensor(False)
 
-            device_cond(go, apply, skip)
+            taken = _host_value(go)
+            if taken is None:
+                device_cond(go, apply, skip)
+            else:
+                # An eager step on PyTorch or JAX branches in Python anyway (Keras's cond reads the flag there):
+                # the host knows the outcome, and the core then leaves out what only an overflow needs.
+                (apply if taken else skip)()
+                if taken and veto is None:
+                    return StepOutcome(optimizer.iterations, self.finite_flag(), False)
+                return StepOutcome(optimizer.iterations, ops.cast(ops.logical_not(finite), "float32"), not taken)
         return StepOutcome(optimizer.iterations, ops.cast(ops.logical_not(finite), "float32"), None)
 
     def _provenance_slot(self, variables: Sequence[Any]) -> tuple[list[Any], list[str], Any, Any]:
@@ -461,7 +471,10 @@ class KerasDevice:
     def update(self, found_inf: Any, new_scale: Any) -> None:
         state = self._state()
         if new_scale is None:
-            advance_on_flag(state, found_inf, self._config)
+            if found_inf is not None and found_inf is self._finite:  # known finite on the host: one half
+                advance(state, False, self._config)
+            else:
+                advance_on_flag(state, found_inf, self._config)
             return
         if isinstance(new_scale, float):
             state.scale.assign(new_scale)
@@ -484,7 +497,11 @@ class KerasDevice:
         return bool(ops.convert_to_numpy(ops.greater(found_inf, 0.0)))
 
     def finite_flag(self) -> Any:
-        return ops.convert_to_tensor(0.0, dtype="float32")
+        if _tensorflow() is not None:  # a constant of the graph being built (or eager)
+            return ops.convert_to_tensor(0.0, dtype="float32")
+        if self._finite is None:  # one eager constant, recognised by `update`
+            self._finite = ops.convert_to_tensor(0.0, dtype="float32")
+        return self._finite
 
     def new_record(self) -> Any:
         if self._owned:
@@ -538,11 +555,17 @@ class KerasDevice:
 
     def write_history(self, history: _Slot, base: int, found_inf: Any, spike: Any = None) -> None:
         codes, count = history.value
-        overflow = ops.convert_to_tensor(False) if found_inf is None else ops.greater(found_inf, 0)
-        spiked = ops.convert_to_tensor(False) if spike is None else ops.greater(spike, 0)
-        code = ops.add(ops.convert_to_tensor(base, dtype="int32"), ops.cast(ops.logical_or(overflow, spiked), "int32"))
-        code = ops.add(code, ops.cast(ops.logical_and(spiked, ops.logical_not(overflow)), "int32") * SPIKE_BIT)
-        if spike is not None:
+        if spike is None:  # (eager steps pay per operation: the common case in two)
+            code = ops.convert_to_tensor(base, dtype="int32")
+            if found_inf is not None:
+                code = ops.add(code, ops.cast(ops.greater(found_inf, 0), "int32"))
+        else:
+            overflow = ops.convert_to_tensor(False) if found_inf is None else ops.greater(found_inf, 0)
+            spiked = ops.greater(spike, 0)
+            code = ops.add(
+                ops.convert_to_tensor(base, dtype="int32"), ops.cast(ops.logical_or(overflow, spiked), "int32")
+            )
+            code = ops.add(code, ops.cast(ops.logical_and(spiked, ops.logical_not(overflow)), "int32") * SPIKE_BIT)
             code = ops.add(code, ops.cast(ops.less(spike, 0), "int32") * REBASE_BIT)
         write_ring_entry(codes, ops.convert_to_tensor(count), code, self._write)
         count.assign_add(ops.convert_to_tensor(1, dtype=count.dtype))
@@ -599,6 +622,15 @@ def _apply_across_replicas(
         return tf.cond(distribution.experimental_local_results(finite)[0], apply, lambda: tf.constant(False))
 
     context.merge_call(cross_replica, args=(finite, grads))
+
+
+def _host_value(flag: Any) -> bool | None:
+    """``flag``'s value where the step branches in Python on it anyway (PyTorch; JAX outside a trace), else
+    None (TensorFlow builds a ``cond``; a JAX tracer has no value)."""
+    backend = keras.backend.backend()
+    if backend == "torch" or (backend == "jax" and not _is_tracer(flag)):
+        return bool(ops.convert_to_numpy(flag))
+    return None
 
 
 def _tf_tensor(value: Any) -> bool:

@@ -29,12 +29,21 @@ __all__ = [
 ops = keras.ops
 
 
+#: Per type: whether its objects are sparse gradients (asked once per type: steps ask for every gradient).
+_SPARSE_TYPES: dict[type, bool] = {}
+
+
 def is_sparse(grad: Any) -> bool:
     """True for a sparse gradient (embedding lookups): TensorFlow's ``IndexedSlices`` (values at indices) or a
     JAX sparse array (``jax.experimental.sparse.BCOO``: data at indices)."""
-    if all(hasattr(grad, attr) for attr in ("values", "indices", "dense_shape")):
-        return True
-    return all(hasattr(grad, attr) for attr in ("data", "indices", "todense", "nse"))
+    kind = type(grad)
+    known = _SPARSE_TYPES.get(kind)
+    if known is None:
+        known = all(hasattr(grad, attr) for attr in ("values", "indices", "dense_shape")) or all(
+            hasattr(grad, attr) for attr in ("data", "indices", "todense", "nse")
+        )
+        _SPARSE_TYPES[kind] = known
+    return known
 
 
 def sparse_values(grad: Any) -> Any:

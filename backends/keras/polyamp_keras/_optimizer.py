@@ -516,16 +516,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             found_inf = device.check(state["scaler"], grads)
         spike = fn.spike(state, grads=grads)
         skipped = fn.skipped(found_inf, spike)
-        if keras.backend.backend() == "jax":
-            # The inner step runs as it would without polyamp (a cond around it compiles differently under jit
-            # and can change the last bit); a select keeps its values, or the old ones when the step is skipped.
+        if mode == "guarding" and keras.backend.backend() == "jax":
+            # Guarding, the inner step runs as it would without polyamp (a cond around it compiles differently
+            # under jit and can change the last bit): a select keeps its values, or the old ones when skipped.
             new_trainable, new_inner = self.inner_optimizer.stateless_apply(inner_values, grads, trainable)
             new_trainable, new_inner = fn.apply_if_finite(
                 found_inf, (list(new_trainable), list(new_inner)), (trainable, inner_values), spike=spike
             )
         else:
-            # Elsewhere the inner step may write into the arrays it is given (Keras's torch optimizers update
-            # in place): it runs only when the step is applied.
+            # The inner step runs only when the step is applied: a skipped step costs no update and no select
+            # over every parameter and slot, and an inner step that writes into the arrays it is given (Keras's
+            # torch optimizers update in place) leaves a skipped step's arrays alone.
             new_trainable, new_inner = ops.cond(
                 ops.logical_not(ops.greater(skipped, 0)),
                 lambda: _listed(self.inner_optimizer.stateless_apply(inner_values, grads, trainable)),
