@@ -97,3 +97,15 @@ def test_quickstart() -> None:
             assert final is not None and float(final.group(2)) < float(final.group(1)), out
     if all(importlib.util.find_spec(m) for m in ("torch", "tensorflow")):
         assert "same loss-scale state in both frameworks: True" in out
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_jax_optax(policy: str) -> None:
+    pytest.importorskip("jax")
+    pytest.importorskip("optax")
+    out = run("jax_optax.py", "--policy", policy, "--steps", "30", "--overflow-at", "4,11")
+    mode = "scaling" if policy == "mixed_float16" else "guarding"
+    assert f"loss scaler {mode}" in out, out
+    assert "skipped steps [4, 11]" in out, out
+    first, last = (float(v) for v in re.search(r"loss ([0-9.]+) -> ([0-9.]+)", out).groups())  # type: ignore[union-attr]
+    assert last < first

@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 FRAMEWORKS = ("torch", "tensorflow", "keras", "jax", "tf_keras")
 
 
-@pytest.mark.parametrize("folder", ["backends", "backends/torch", "backends/tensorflow", "backends/keras", "tests"])
+@pytest.mark.parametrize(
+    "folder", ["backends", "backends/torch", "backends/tensorflow", "backends/keras", "backends/jax", "tests"]
+)
 def test_folder_has_no_init_py(folder: str) -> None:
     # backends/torch/__init__.py would make `import torch` find polyamp's folder instead of PyTorch.
     assert not (ROOT / folder / "__init__.py").exists(), f"{folder}/__init__.py must not exist"
@@ -29,6 +31,7 @@ def test_folder_has_no_init_py(folder: str) -> None:
         "backends/torch/polyamp_torch",
         "backends/tensorflow/polyamp_tensorflow",
         "backends/keras/polyamp_keras",
+        "backends/jax/polyamp_jax",
     ],
 )
 def test_packages_exist_with_py_typed(package: str) -> None:
@@ -90,13 +93,24 @@ def test_keras_package_source_imports_keras_only() -> None:
     assert _framework_imports("backends/keras/polyamp_keras", forbidden) == []
 
 
+def test_jax_package_source_imports_jax_and_optax_only() -> None:
+    # A JAX user installs jax and optax: polyamp_jax loads no other framework and no other backend package.
+    forbidden = (*(fw for fw in FRAMEWORKS if fw != "jax"), "polyamp_tensorflow", "polyamp_torch", "polyamp_keras")
+    assert _framework_imports("backends/jax/polyamp_jax", forbidden) == []
+
+
 def test_backends_use_only_the_public_backend_api() -> None:
     """A backend is written against ``polyamp`` and ``polyamp.backend_api``; ``polyamp._src`` is the core's own."""
     offenders = [f"{where} imports {n}" for where, n in _imports("backends") if "polyamp._src" in n]
     assert offenders == []
 
 
-BACKEND_PACKAGES = {"torch": "polyamp_torch", "tensorflow": "polyamp_tensorflow", "keras": "polyamp_keras"}
+BACKEND_PACKAGES = {
+    "torch": "polyamp_torch",
+    "tensorflow": "polyamp_tensorflow",
+    "keras": "polyamp_keras",
+    "jax": "polyamp_jax",
+}
 
 
 def test_no_backend_imports_another_backends_private_modules() -> None:

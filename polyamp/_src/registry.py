@@ -172,6 +172,13 @@ _FIRST_PARTY: Final = (
         tensor_reader="polyamp_keras._tensors:read_tensors",
         checkpoint_suffixes=(".keras", ".weights.h5"),
     ),
+    BackendSpec(
+        name="jax",
+        target="polyamp_jax._backend:JaxBackend",
+        frameworks=("jax", "jaxlib"),
+        install_hint="pip install 'polyamp[jax]'",
+        harness="polyamp_jax.testing:JaxHarness",
+    ),
 )
 
 _lock = threading.RLock()

@@ -122,7 +122,7 @@ def _keras_settings(settings: dict[str, Any], keras_names: dict[str, Any]) -> di
 
 def _backend_of_tensors() -> str | None:
     """The polyamp backend whose tensors Keras computes with (None for JAX, which polyamp does not own)."""
-    return {"tensorflow": "tensorflow", "torch": "torch"}.get(keras.backend.backend())
+    return {"tensorflow": "tensorflow", "torch": "torch", "jax": "jax"}.get(keras.backend.backend())
 
 
 def _listed(result: tuple[Any, Any]) -> tuple[list[Any], list[Any]]:

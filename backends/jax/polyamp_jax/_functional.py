@@ -1,0 +1,263 @@
+"""`JaxFunctional`: polyamp's functional device form over JAX arrays.
+
+`polyamp.FunctionalLossScaler` gives it polyamp's semantics; it computes, with ``jax.numpy`` only and no
+Python branch on an array's value, so every function runs under ``jax.jit``, ``jax.lax.scan``, ``vmap`` and
+``shard_map`` and returns new arrays. Gradients are any pytree (None leaves stay None).
+
+The loss-scale rule follows `polyamp.LossScaleConfig.next_state` bit for bit: each growth or backoff product of
+the float32 scale is the correctly rounded product with the float64 factor (a float32 product where the
+factor is a float32 value, as the common factors 2 and 0.5 are; else formed in float64 under
+``jax.enable_x64`` for that product alone), so a run resumes across torch, TensorFlow, Keras and JAX with the
+same scales. Gradients are unscaled by multiplying with the float32 reciprocal of the scale, as jmp and
+torch's kernels do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from polyamp import LossScaleConfig, LossScaleState, SpikeRule
+from polyamp.backend_api import REBASE_BIT, SPIKE_BIT, ring_codes, ring_values, to_float32
+
+__all__ = ["JaxFunctional", "all_finite", "statistic_dtype"]
+
+
+def _x64() -> bool:
+    """Whether JAX computes in 64 bits (``jax_enable_x64``)."""
+    return bool(getattr(jax.config, "jax_enable_x64", False))
+
+
+def statistic_dtype() -> Any:
+    """float64 where JAX computes it (``jax_enable_x64``), else float32: the spike rule's statistics."""
+    return jnp.float64 if _x64() else jnp.float32
+
+
+def _counter_dtype() -> Any:
+    return jnp.int64 if _x64() else jnp.int32
+
+
+def all_finite(tree: Any) -> Any:
+    """A boolean scalar: no floating leaf of ``tree`` holds inf or NaN."""
+    checks = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(tree) if _floating(leaf)]
+    if not checks:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack(checks))
+
+
+def _floating(leaf: Any) -> bool:
+    return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
+def _times(scale: Any, factor: float) -> Any:
+    """The float32 ``scale`` times the Python float ``factor``, correctly rounded to float32."""
+    if to_float32(factor) == factor:  # the float32 product of two float32 values is the rounded exact product
+        return scale * jnp.float32(factor)
+    with jax.enable_x64(True):  # only where JAX has float64: the factor as float64, the product rounded once
+        return (scale.astype(jnp.float64) * jnp.float64(factor)).astype(jnp.float32)
+
+
+def _set(flag: Any) -> Any:
+    return jnp.asarray(flag) > 0
+
+
+class JaxFunctional:
+    """`polyamp.backend_api.FunctionalDevice` over JAX arrays, with records (`FunctionalRecordingDevice`), the
+    guard (`FunctionalGuardingDevice`) and the spike rule (`FunctionalSpikeDevice`).
+
+    Trees are dicts of arrays: the scaler ``{"scale", "growth_tracker", "hysteresis_left", "skipped"}``, the
+    record ring ``{"codes", "count"}`` and the spike window ``{"values", "count", "run"}``.
+    """
+
+    def __init__(self, config: LossScaleConfig) -> None:
+        self._config = config
+
+    # -- FunctionalDevice --------------------------------------------------------------------------------
+
+    def init(self, state: LossScaleState) -> dict[str, Any]:
+        return {
+            "scale": jnp.asarray(state.scale, jnp.float32),
+            "growth_tracker": jnp.asarray(state.growth_tracker, jnp.int32),
+            "hysteresis_left": jnp.asarray(state.hysteresis_left, jnp.int32),
+            "skipped": jnp.zeros((), _counter_dtype()),
+        }
+
+    def read(self, tree: Mapping[str, Any]) -> LossScaleState:
+        return LossScaleState(
+            float(np.asarray(tree["scale"])),
+            int(np.asarray(tree["growth_tracker"])),
+            int(np.asarray(tree["hysteresis_left"])),
+        )
+
+    def skipped_count(self, tree: Mapping[str, Any]) -> Any:
+        return tree["skipped"]
+
+    def scale(self, tree: Mapping[str, Any], loss: Any) -> Any:
+        def one(value: Any) -> Any:
+            value = jnp.asarray(value)
+            # Like torch and Keras, in at least float32: 2**16 is beyond float16's range.
+            dtype = jnp.float64 if value.dtype == jnp.float64 else jnp.float32
+            return value.astype(dtype) * tree["scale"].astype(dtype)
+
+        if isinstance(loss, (list, tuple)):
+            return type(loss)(one(item) for item in loss)
+        return one(loss)
+
+    def unscale(self, tree: Mapping[str, Any], grads: Any) -> tuple[Any, Any]:
+        inverse = (jnp.float32(1.0) / tree["scale"]).astype(jnp.float32)
+
+        def one(grad: Any) -> Any:
+            return grad * inverse.astype(grad.dtype) if _floating(grad) else grad
+
+        unscaled = jax.tree_util.tree_map(one, grads)
+        return unscaled, self.check(tree, unscaled)
+
+    def update(self, tree: Mapping[str, Any], found_inf: Any) -> dict[str, Any]:
+        config = self._config
+        overflow = _set(found_inf)
+        scale, tracker, hysteresis = tree["scale"], tree["growth_tracker"], tree["hysteresis_left"]
+        skipped = tree["skipped"] + overflow.astype(tree["skipped"].dtype)
+        if not config.dynamic:
+            return {**tree, "skipped": skipped}
+        # an overflow: back off once the hysteresis is used up, reset the tracker
+        left = hysteresis - 1
+        backed = jnp.maximum(_times(scale, config.backoff_factor), jnp.float32(config.floor_f32))
+        back_off = left <= 0
+        scale_after_overflow = jnp.where(back_off, backed, scale)
+        hysteresis_after_overflow = jnp.where(back_off, jnp.int32(config.hysteresis), left)
+        # a finite step: grow every growth_interval steps (never to inf), reset the hysteresis when growing
+        next_tracker = tracker + 1
+        grow = next_tracker >= config.growth_interval
+        grown = _times(scale, config.growth_factor)
+        if config.max_scale_f32 is not None:
+            grown = jnp.minimum(grown, jnp.float32(config.max_scale_f32))
+        scale_after_finite = jnp.where(grow & jnp.isfinite(grown), grown, scale)
+        tracker_after_finite = jnp.where(grow, jnp.int32(0), next_tracker)
+        hysteresis_after_finite = jnp.where(grow, jnp.int32(config.hysteresis), hysteresis)
+        return {
+            "scale": jnp.where(overflow, scale_after_overflow, scale_after_finite),
+            "growth_tracker": jnp.where(overflow, jnp.int32(0), tracker_after_finite).astype(jnp.int32),
+            "hysteresis_left": jnp.where(overflow, hysteresis_after_overflow, hysteresis_after_finite).astype(
+                jnp.int32
+            ),
+            "skipped": skipped,
+        }
+
+    def select(self, found_inf: Any, if_skipped: Any, if_applied: Any) -> Any:
+        skip = _set(found_inf)
+        return jax.tree_util.tree_map(lambda a, b: jnp.where(skip, a, b), if_skipped, if_applied)
+
+    # -- FunctionalGuardingDevice ------------------------------------------------------------------------
+
+    def check(self, tree: Mapping[str, Any], grads: Any) -> Any:
+        return jnp.logical_not(all_finite(grads)).astype(jnp.float32)
+
+    def count_skip(self, tree: Mapping[str, Any], flag: Any) -> dict[str, Any]:
+        return {**tree, "skipped": tree["skipped"] + _set(flag).astype(tree["skipped"].dtype)}
+
+    # -- FunctionalRecordingDevice -----------------------------------------------------------------------
+
+    def ring_init(self, capacity: int) -> dict[str, Any]:
+        return {"codes": jnp.zeros((capacity,), jnp.int32), "count": jnp.zeros((), jnp.int32)}
+
+    def ring_write(self, ring: Mapping[str, Any], base: int, flag: Any, spike: Any = None) -> dict[str, Any]:
+        overflow = jnp.asarray(False) if flag is None else _set(flag)
+        code = jnp.int32(base)
+        if spike is None:
+            code = code + overflow.astype(jnp.int32)
+        else:
+            spiked = _set(spike)
+            code = code + (overflow | spiked).astype(jnp.int32)
+            code = code + (spiked & ~overflow).astype(jnp.int32) * SPIKE_BIT
+            code = code + (jnp.asarray(spike) < 0).astype(jnp.int32) * REBASE_BIT
+        codes, count = ring["codes"], ring["count"]
+        return {"codes": codes.at[count % codes.shape[0]].set(code), "count": count + 1}
+
+    def ring_read(self, ring: Mapping[str, Any]) -> tuple[int, list[int]]:
+        count = int(np.asarray(ring["count"]))
+        return count, ring_codes(count, np.asarray(ring["codes"]).tolist())
+
+    # -- FunctionalSpikeDevice ---------------------------------------------------------------------------
+
+    def window_init(self, rule: SpikeRule) -> dict[str, Any]:
+        return {
+            "values": jnp.zeros((rule.window,), statistic_dtype()),
+            "count": jnp.zeros((), _counter_dtype()),
+            "run": jnp.zeros((), _counter_dtype()),
+        }
+
+    def spike_statistic(self, loss: Any) -> Any:
+        dtype = statistic_dtype()
+        leaves = list(loss) if isinstance(loss, (list, tuple)) else [loss]
+        return sum((jnp.sum(jax.lax.stop_gradient(jnp.asarray(v)).astype(dtype)) for v in leaves), jnp.zeros((), dtype))
+
+    def spike_grad_norm(self, grads: Any) -> Any:
+        dtype = statistic_dtype()
+        squares = [jnp.sum(jnp.square(g.astype(dtype))) for g in jax.tree_util.tree_leaves(grads) if _floating(g)]
+        if not squares:
+            return jnp.zeros((), dtype)
+        return jnp.sqrt(jnp.sum(jnp.stack(squares)))
+
+    def spike_check(self, rule: SpikeRule, window: Mapping[str, Any], x: Any) -> Any:
+        values, count, run = window["values"], window["count"], window["run"]
+        dtype = values.dtype
+        n = jnp.minimum(count, rule.window)
+        mask = jnp.arange(rule.window) < n
+        denominator = jnp.maximum(n, 1).astype(dtype)
+        zero = jnp.zeros_like(values)
+        mu = jnp.sum(jnp.where(mask, values, zero)) / denominator
+        sigma = jnp.sqrt(jnp.sum(jnp.where(mask, jnp.square(values - mu), zero)) / denominator)
+        x = jnp.asarray(x, dtype)
+        deviation = x - mu
+        if rule.two_sided:
+            deviation = jnp.abs(deviation)
+        spike = (n >= rule.min_values) & (sigma > 0) & (deviation > rule.threshold * sigma) & jnp.isfinite(x)
+        spike = spike & jnp.isfinite(mu) & jnp.isfinite(sigma)
+        if rule.consecutive_limit is not None:  # a run at the bound: a level shift, accepted
+            spike = spike & (run < rule.consecutive_limit)
+        return spike.astype(jnp.float32)
+
+    def spike_finish(
+        self, rule: SpikeRule, window: Mapping[str, Any], x: Any, spike: Any, overflow: Any
+    ) -> tuple[dict[str, Any], Any]:
+        values, count, run = window["values"], window["count"], window["run"]
+        spiked = _set(spike)
+        overflowed = jnp.asarray(False) if overflow is None else _set(overflow)
+        only = spiked & ~overflowed
+        x = jnp.asarray(x, values.dtype)
+        accept = ~spiked & ~overflowed & jnp.isfinite(x)
+        if rule.consecutive_limit is None:
+            rebase = jnp.asarray(False)
+        else:
+            rebase = accept & (run >= rule.consecutive_limit)
+        count = jnp.where(rebase, jnp.zeros_like(count), count)
+        at = (jnp.arange(rule.window) == count % rule.window) & accept
+        new = {
+            "values": jnp.where(at, x, values),
+            "count": count + accept.astype(count.dtype),
+            "run": jnp.where(accept, jnp.zeros_like(run), run + only.astype(run.dtype)),
+        }
+        return new, only.astype(jnp.float32) - rebase.astype(jnp.float32)
+
+    def combine(self, first: Any, second: Any) -> Any:
+        return jnp.maximum(first, second)
+
+    def read_window(self, window: Mapping[str, Any]) -> tuple[list[float], int]:
+        count = int(np.asarray(window["count"]))
+        values = ring_values(count, np.asarray(window["values"]).tolist())
+        return [float(v) for v in values], int(np.asarray(window["run"]))
+
+    def write_window(self, window: Mapping[str, Any], values: list[float], run: int) -> dict[str, Any]:
+        size = int(window["values"].shape[0])
+        kept = list(values)[-size:]
+        padded = np.zeros((size,), dtype=np.dtype(window["values"].dtype))
+        padded[: len(kept)] = kept
+        return {
+            "values": jnp.asarray(padded),
+            "count": jnp.asarray(len(kept), window["count"].dtype),
+            "run": jnp.asarray(run, window["run"].dtype),
+        }

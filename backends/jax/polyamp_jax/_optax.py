@@ -1,0 +1,170 @@
+"""`loss_scaled`: polyamp's loss scaling as an optax transformation.
+
+It wraps any optax transformation. Its state holds polyamp's functional state (the scale, counters, the
+step-record ring and, with a `polyamp.SpikeRule`, the spike window) beside the inner state, as arrays, so the
+whole step stays in one ``jax.jit`` with no host read. The semantics are `polyamp.FunctionalLossScaler`'s, the
+same as `polyamp.LossScaler`'s on every backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from polyamp import FunctionalLossScaler, LossScaler, PolyampTypeError, SpikeRule, StepRecord
+from polyamp.backend_api import describe
+
+__all__ = ["LossScaledState", "load_state_dict", "loss_scaled", "records", "scale_loss", "scaler_of", "state_dict"]
+
+
+@jax.tree_util.register_pytree_node_class
+class LossScaledState:
+    """The state of `loss_scaled`: ``scaler`` (polyamp's functional state: a dict of arrays), ``inner`` (the
+    wrapped transformation's state), and, as static data, the `polyamp.FunctionalLossScaler` that reads them."""
+
+    def __init__(self, scaler: Any, inner: Any, fn: FunctionalLossScaler) -> None:
+        self.scaler = scaler
+        self.inner = inner
+        self.fn = fn
+
+    def tree_flatten(self) -> tuple[tuple[Any, Any], FunctionalLossScaler]:
+        return (self.scaler, self.inner), self.fn
+
+    @classmethod
+    def tree_unflatten(cls, fn: FunctionalLossScaler, children: tuple[Any, Any]) -> LossScaledState:
+        return cls(children[0], children[1], fn)
+
+    def __repr__(self) -> str:
+        return f"LossScaledState(mode={self.fn.mode!r}, scaler={self.scaler!r}, inner={self.inner!r})"
+
+
+def loss_scaled(
+    inner: optax.GradientTransformation,
+    *positional: Any,
+    enabled: bool | None = None,
+    guard: bool | None = None,
+    spike: SpikeRule | None = None,
+    history: int = 256,
+    on_min_scale: str = "warn",
+    **settings: Any,
+) -> optax.GradientTransformationExtraArgs:
+    """``inner`` with polyamp's dynamic loss scaling: the gradients it receives (of a loss scaled with
+    `scale_loss`) are unscaled and checked; a step with an inf or NaN gradient (or a spike) is skipped, the
+    updates are zeros and ``inner``'s state stays as it was, bitwise; the scale follows polyamp's rule.
+
+    Args:
+        inner: Any optax transformation (``optax.adamw(1e-3)``, a chain, ...).
+        *positional, **settings: polyamp's loss-scaling settings (see `polyamp.LossScaleConfig`), as for
+            `polyamp.LossScaler`.
+        enabled: As `polyamp.LossScaler`'s, decided when the transformation is made: None (default) scales
+            under a float16 policy (``polyamp.set_policy("mixed_float16")``) and guards under bfloat16 and
+            float32 ones.
+        guard: As `polyamp.LossScaler`'s: check and skip without scaling.
+        spike: A `polyamp.SpikeRule`. ``on="grad_norm"`` decides on the unscaled gradients; ``on="loss"``
+            needs the step's unscaled loss as ``tx.update(grads, state, params, loss=loss)``.
+        history: How many step records the state's ring holds (read them with `records`).
+        on_min_scale: As `polyamp.LossScaler`'s.
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs``; its state is a `LossScaledState`.
+
+    Raises:
+        InvalidConfigError / PolyampTypeError: a setting is invalid, or ``inner`` is not an optax
+            transformation.
+
+    Example::
+
+        tx = polyamp_jax.loss_scaled(optax.adam(1e-3))
+        opt_state = tx.init(params)
+
+        @jax.jit
+        def step(params, opt_state, x, y):
+            def scaled_loss(p):
+                return polyamp_jax.scale_loss(opt_state, loss_fn(p, x, y))
+            grads = jax.grad(scaled_loss)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+    """
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        raise PolyampTypeError(
+            f"loss_scaled() wraps an optax transformation (such as optax.adam(1e-3)). Received: {describe(inner)}."
+        )
+    scaler = LossScaler(
+        *positional, enabled=enabled, guard=guard, spike=spike, history=history, on_min_scale=on_min_scale, **settings
+    )
+    fn = scaler.functional(backend="jax")
+    wrapped = optax.with_extra_args_support(inner)
+
+    def init(params: Any) -> LossScaledState:
+        return LossScaledState(fn.init(), wrapped.init(params), fn)
+
+    def update(updates: Any, state: LossScaledState, params: Any = None, **extra: Any) -> tuple[Any, LossScaledState]:
+        loss = extra.pop("loss", None)
+        scaler_state = state.scaler
+        if fn.mode == "off":
+            new_updates, new_inner = wrapped.update(updates, state.inner, params, **extra)
+            return new_updates, LossScaledState(fn.update(scaler_state, None), new_inner, fn)
+        grads, found_inf = fn.unscale(scaler_state, updates)
+        decision = fn.spike(scaler_state, loss=loss, grads=grads)
+        new_updates, new_inner = wrapped.update(grads, state.inner, params, **extra)
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, new_updates)
+        new_updates, new_inner = fn.apply_if_finite(
+            found_inf, (new_updates, new_inner), (zeros, state.inner), spike=decision
+        )
+        return new_updates, LossScaledState(fn.update(scaler_state, found_inf, spike=decision), new_inner, fn)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _find(opt_state: Any, method: str) -> LossScaledState:
+    """The `LossScaledState` in ``opt_state`` (itself, or inside a chain's tuple of states)."""
+    found = [
+        node
+        for node in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda n: isinstance(n, LossScaledState))
+        if isinstance(node, LossScaledState)
+    ]
+    if len(found) != 1:
+        raise PolyampTypeError(
+            f"polyamp_jax.{method} takes an optimizer state holding one loss_scaled() state (tx.init(params) of a "
+            f"polyamp_jax.loss_scaled transformation, alone or in a chain). Found {len(found)} in "
+            f"{describe(opt_state)}."
+        )
+    return found[0]
+
+
+def scaler_of(opt_state: Any) -> FunctionalLossScaler:
+    """The `polyamp.FunctionalLossScaler` of the `loss_scaled` state in ``opt_state``."""
+    return _find(opt_state, "scaler_of()").fn
+
+
+def scale_loss(opt_state: Any, loss: Any) -> Any:
+    """``loss`` times the current scale of the `loss_scaled` state in ``opt_state`` (``loss`` itself when not
+    scaling). Differentiate this, and give the gradients to the transformation's ``update``."""
+    state = _find(opt_state, "scale_loss()")
+    return state.fn.scale(state.scaler, loss)
+
+
+def records(opt_state: Any) -> list[StepRecord]:
+    """The most recent steps' records (one host read), as `polyamp.LossScaler.records` gives them."""
+    state = _find(opt_state, "records()")
+    return state.fn.records(state.scaler)
+
+
+def state_dict(opt_state: Any) -> dict[str, Any]:
+    """The loss-scaler state dict, interchangeable with `polyamp.LossScaler.state_dict`'s on every backend."""
+    state = _find(opt_state, "state_dict()")
+    return state.fn.state_dict(state.scaler)
+
+
+def load_state_dict(opt_state: Any, saved: Any) -> Any:
+    """``opt_state`` with its loss-scaler state restored from a state dict (of any backend's scaler)."""
+    state = _find(opt_state, "load_state_dict()")
+    restored = LossScaledState(state.fn.load_state_dict(saved), state.inner, state.fn)
+    return jax.tree_util.tree_map(
+        lambda node: restored if node is state else node,
+        opt_state,
+        is_leaf=lambda n: isinstance(n, LossScaledState),
+    )

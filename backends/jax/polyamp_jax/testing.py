@@ -1,0 +1,210 @@
+"""polyamp's conformance harness for JAX (see `polyamp.conformance`): the tiny classifier as a pytree of arrays,
+trained by a jitted step through `polyamp_jax.loss_scaled` (optax), or through the functional scaler in a
+hand-written step (``functional_trainer``).
+
+The model computes in the policy's compute dtype (parameters and inputs cast with `polyamp_jax.cast_to_compute`)
+and gives its logits in the output dtype; the loss is computed in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import polyamp
+from polyamp import LossScaler, Policy, StepRecord
+from polyamp.conformance import HarnessUnavailable
+from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param
+from polyamp_jax._optax import LossScaledState, loss_scaled, scale_loss
+
+__all__ = ["JaxHarness"]
+
+
+def _mlp(seed: int, policy: Policy) -> dict[str, Any]:
+    """8 inputs, 16 hidden ReLU units, 4 classes; Glorot-uniform weights, zero biases."""
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+
+    def glorot(key: Any, shape: tuple[int, int]) -> Any:
+        limit = np.sqrt(6.0 / sum(shape))
+        return jax.random.uniform(key, shape, jnp.float32, -limit, limit)
+
+    params = {"w1": glorot(k1, (8, 16)), "b1": jnp.zeros(16), "w2": glorot(k2, (16, 4)), "b2": jnp.zeros(4)}
+    return cast_to_param(params, policy)
+
+
+def _loss(params: Any, x: Any, y: Any, policy: Policy) -> Any:
+    p, h = cast_to_compute(params, policy), cast_to_compute(x, policy)
+    h = jax.nn.relu(h @ p["w1"] + p["b1"])
+    logits = cast_to_output(h @ p["w2"] + p["b2"], policy).astype(jnp.float32)
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+
+def _plant_inf(grads: Any) -> Any:
+    return {**grads, "w1": grads["w1"].at[0, 0].set(jnp.inf)}
+
+
+def _leaves(tree: Any) -> list[np.ndarray]:
+    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree)]
+
+
+class _View:
+    """What the cases read from a trainer's ``scaler``: the state dict, the records and the skip count."""
+
+    def __init__(self, read: Any) -> None:
+        self._read = read  # () -> (FunctionalLossScaler, its state)
+
+    def state_dict(self) -> dict[str, Any]:
+        fn, state = self._read()
+        return fn.state_dict(state)  # type: ignore[no-any-return]
+
+    def records(self) -> list[StepRecord]:
+        fn, state = self._read()
+        return fn.records(state)  # type: ignore[no-any-return]
+
+    def skipped_steps(self) -> Any:
+        fn, state = self._read()
+        return fn.skipped_steps(state)
+
+
+class _OptaxTrainer:
+    """The classifier trained by one jitted step through ``loss_scaled(optax.sgd/adam)`` (or the bare optax
+    transformation without a scaler)."""
+
+    def __init__(
+        self, policy: Policy, scaler: Mapping[str, Any] | None, optimizer: str, clip: float | None, seed: int
+    ) -> None:
+        self.policy = policy
+        self.weights = _mlp(seed, policy)
+        if optimizer == "sgd":
+            inner = optax.sgd(0.1, momentum=0.9)
+        elif optimizer == "adam":
+            inner = optax.adam(0.01)
+        else:
+            raise ValueError(f"unknown optimizer {optimizer!r}; the harness knows 'sgd' and 'adam'")
+        if clip is not None:  # after unscaling: loss_scaled hands the chain unscaled gradients
+            inner = optax.chain(optax.clip_by_global_norm(clip), inner)
+        with polyamp.policy_scope(policy):
+            self.tx = inner if scaler is None else loss_scaled(inner, **scaler)
+        self.opt_state = self.tx.init(self.weights)
+        self.scaler = None if scaler is None else _View(lambda: (self.opt_state.fn, self.opt_state.scaler))
+        self._step = jax.jit(self._pure_step, static_argnames=("overflow",))
+        self._skipped_before: int | None = None
+
+    def _pure_step(self, params: Any, opt_state: Any, x: Any, y: Any, *, overflow: bool) -> Any:
+        scaled = isinstance(opt_state, LossScaledState)
+
+        def objective(p: Any) -> tuple[Any, Any]:
+            loss = _loss(p, x, y, self.policy)
+            return (scale_loss(opt_state, loss) if scaled else loss), loss
+
+        (_, loss), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        if overflow:
+            grads = _plant_inf(grads)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
+        if self.scaler is not None:
+            self._skipped_before = int(self.scaler.skipped_steps())
+        self.weights, self.opt_state, loss = self._step(
+            self.weights, self.opt_state, jnp.asarray(x), jnp.asarray(y), overflow=overflow
+        )
+        return float(loss)
+
+    def params(self) -> list[np.ndarray]:
+        return [leaf.astype(np.float32) for leaf in _leaves(self.weights)]
+
+    def optimizer_state(self) -> list[np.ndarray]:
+        inner = self.opt_state.inner if isinstance(self.opt_state, LossScaledState) else self.opt_state
+        return _leaves(inner)
+
+    def step_skipped(self) -> bool:
+        if self.scaler is None or self._skipped_before is None:
+            return False
+        return int(self.scaler.skipped_steps()) > self._skipped_before
+
+
+class _FunctionalTrainer:
+    """SGD with momentum written by hand as one jitted function, driven through the functional scaler
+    (``polyamp.LossScaler(...).functional(backend="jax")``, the guard, records and spike rule included)."""
+
+    def __init__(self, policy: Policy, scaler: Mapping[str, Any], seed: int) -> None:
+        self.policy = policy
+        with polyamp.policy_scope(policy):
+            self.fn = LossScaler(**scaler).functional(backend="jax")
+        self.state = self.fn.init()
+        self.weights = _mlp(seed, policy)
+        self.momentum = jax.tree_util.tree_map(jnp.zeros_like, self.weights)
+        self.scaler = _View(lambda: (self.fn, self.state))
+        self._skipped: Any = None
+        self._step = jax.jit(self._pure_step, static_argnames=("overflow",))
+
+    def _pure_step(self, weights: Any, momentum: Any, state: Any, x: Any, y: Any, *, overflow: bool) -> Any:
+        fn = self.fn
+
+        def objective(p: Any) -> tuple[Any, Any]:
+            loss = _loss(p, x, y, self.policy)
+            return fn.scale(state, loss), loss
+
+        (_, loss), grads = jax.value_and_grad(objective, has_aux=True)(weights)
+        if overflow:
+            grads = _plant_inf(grads)
+        grads, found_inf = fn.unscale(state, grads)
+        spike = fn.spike(state, loss=loss, grads=grads)
+        new_momentum = jax.tree_util.tree_map(lambda m, g: 0.9 * m + g, momentum, grads)
+        new_weights = jax.tree_util.tree_map(lambda w, m: w - 0.1 * m, weights, new_momentum)
+        weights, momentum = fn.apply_if_finite(found_inf, (new_weights, new_momentum), (weights, momentum), spike=spike)
+        return weights, momentum, fn.update(state, found_inf, spike=spike), fn.skipped(found_inf, spike), loss
+
+    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
+        self.weights, self.momentum, self.state, self._skipped, loss = self._step(
+            self.weights, self.momentum, self.state, jnp.asarray(x), jnp.asarray(y), overflow=overflow
+        )
+        return float(loss)
+
+    def params(self) -> list[np.ndarray]:
+        return [leaf.astype(np.float32) for leaf in _leaves(self.weights)]
+
+    def optimizer_state(self) -> list[np.ndarray]:
+        return _leaves(self.momentum)
+
+    def step_skipped(self) -> bool:
+        return self._skipped is not None and bool(np.asarray(self._skipped) > 0)
+
+
+class JaxHarness:
+    """JAX on its default CPU or GPU device."""
+
+    backend = "jax"
+    devices = ("cpu", "cuda")
+    capabilities = frozenset({"low_precision"})
+    divergences: Mapping[str, str] = {}
+
+    def __init__(self, device: str) -> None:
+        platforms = {d.platform for d in jax.devices()}
+        if device == "cuda" and "gpu" not in platforms:
+            raise HarnessUnavailable("JAX sees no GPU")
+        if device == "cpu" and "gpu" in platforms:
+            raise HarnessUnavailable("JAX computes on the GPU in this process; run cpu targets without one")
+        if device not in ("cpu", "cuda"):
+            raise HarnessUnavailable(f"the jax harness runs on cpu and cuda devices, not {device!r}")
+        self.device = device
+
+    def trainer(
+        self,
+        policy: Policy,
+        *,
+        scaler: Mapping[str, Any] | None = None,
+        optimizer: str = "sgd",
+        clip: float | None = None,
+        seed: int = 0,
+    ) -> _OptaxTrainer:
+        return _OptaxTrainer(policy, scaler, optimizer, clip, seed)
+
+    def functional_trainer(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> _FunctionalTrainer:
+        return _FunctionalTrainer(policy, scaler, seed)

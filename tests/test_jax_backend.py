@@ -1,0 +1,220 @@
+"""polyamp_jax: the functional scaler over JAX arrays, the optax transformation and jmp-style casting.
+
+The conformance cases run on the ``jax`` harness through tests/test_conformance.py; these tests check what is
+JAX's own: the transformation against a hand-written jmp step bit for bit, jit/scan composition, state dicts
+across backends, casting like jmp, the registry and the errors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+
+import jax.numpy as jnp  # noqa: E402
+import polyamp_jax  # noqa: E402
+
+import polyamp  # noqa: E402
+from polyamp import LossScaleConfig, LossScaler, PolyampTypeError, SpikeRule  # noqa: E402
+from polyamp.conformance.cases import TRAJECTORY_VECTORS  # noqa: E402
+
+
+def _params() -> dict[str, jax.Array]:
+    key1, key2 = jax.random.split(jax.random.PRNGKey(0))
+    return {"w": jax.random.normal(key1, (4, 3)), "b": jax.random.normal(key2, (3,))}
+
+
+def _loss(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    return jnp.mean(jnp.square(jnp.tanh(x @ params["w"] + params["b"])))
+
+
+def _batches(n: int) -> list[jax.Array]:
+    rng = np.random.default_rng(1)
+    return [jnp.asarray(rng.normal(size=(5, 4)).astype("float32")) for _ in range(n)]
+
+
+def _float_leaves(tree: object) -> list[np.ndarray]:
+    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+
+
+@pytest.mark.parametrize("name", [v[0] for v in TRAJECTORY_VECTORS])
+def test_functional_scaler_under_jit_follows_the_reference(name: str) -> None:
+    _, settings, _, pattern = next(v for v in TRAJECTORY_VECTORS if v[0] == name)
+    fn = LossScaler(**settings, enabled=True).functional(backend="jax")
+
+    @jax.jit
+    def step(state: object, bad: jax.Array) -> object:
+        grads = {"g": jnp.where(bad, jnp.inf, jnp.ones(3))}
+        _, found_inf = fn.unscale(state, grads)
+        return fn.update(state, found_inf)
+
+    state = fn.init()
+    got = []
+    for char in pattern:
+        state = step(state, jnp.asarray(char == "O"))
+        host = fn.read(state)
+        got.append((host.scale, host.growth_tracker, host.hysteresis_left))
+    want = [(s.scale, s.growth_tracker, s.hysteresis_left) for s in LossScaleConfig(**settings).states(pattern)]
+    assert got == want
+    assert int(fn.skipped_steps(state)) == pattern.count("O")
+
+
+def test_the_functional_scaler_runs_inside_lax_scan() -> None:
+    fn = LossScaler(growth_interval=2, enabled=True).functional(backend="jax")
+    pattern = "FFOFFFOO"
+
+    def body(state: object, bad: jax.Array) -> tuple[object, jax.Array]:
+        _, found_inf = fn.unscale(state, [jnp.where(bad, jnp.nan, 1.0)])
+        return fn.update(state, found_inf), found_inf
+
+    state, flags = jax.lax.scan(body, fn.init(), jnp.asarray([c == "O" for c in pattern]))
+    assert [bool(f) for f in np.asarray(flags)] == [c == "O" for c in pattern]
+    assert fn.read(state).scale == LossScaleConfig(growth_interval=2).trajectory(pattern)[-1]
+    assert [r.skipped for r in fn.records(state)] == [c == "O" for c in pattern]
+
+
+def _jmp_style_step(inner: optax.GradientTransformation):  # type: ignore[no-untyped-def]
+    """The hand-written step polyamp's transformation replaces: scale, unscale by the float32 reciprocal,
+    check, apply the inner update or keep everything (jmp's select_tree), adjust the scale."""
+    import jmp
+
+    @jax.jit
+    def step(params, inner_state, loss_scale, x, bad):  # type: ignore[no-untyped-def]
+        grads = jax.grad(lambda p: loss_scale.scale(_loss(p, x)))(params)
+        grads = jax.tree_util.tree_map(lambda g: jnp.where(bad, jnp.inf, g) if g.dtype == jnp.float32 else g, grads)
+        grads = loss_scale.unscale(grads)
+        finite = jmp.all_finite(grads)
+        updates, new_inner = inner.update(grads, inner_state, params)
+        new_params = optax.apply_updates(params, updates)
+        params = jmp.select_tree(finite, new_params, params)
+        inner_state = jmp.select_tree(finite, new_inner, inner_state)
+        return params, inner_state, loss_scale.adjust(finite)
+
+    return step
+
+
+@pytest.mark.parametrize("make_inner", [lambda: optax.sgd(0.1, momentum=0.9), lambda: optax.adamw(1e-2)])
+def test_the_transformation_equals_a_hand_written_jmp_step_bit_for_bit(make_inner) -> None:  # type: ignore[no-untyped-def]
+    jmp = pytest.importorskip("jmp")
+    pattern = "FFOFFFOOFFFFOF"
+    inner = make_inner()
+    tx = polyamp_jax.loss_scaled(make_inner(), enabled=True, growth_interval=3)
+
+    @jax.jit
+    def step(params, opt_state, x, bad):  # type: ignore[no-untyped-def]
+        grads = jax.grad(lambda p: polyamp_jax.scale_loss(opt_state, _loss(p, x)))(params)
+        grads = jax.tree_util.tree_map(lambda g: jnp.where(bad, jnp.inf, g) if g.dtype == jnp.float32 else g, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    ours, opt_state = _params(), None
+    opt_state = tx.init(ours)
+    theirs, inner_state = _params(), inner.init(_params())
+    loss_scale = jmp.DynamicLossScale(jnp.float32(2.0**16), period=3)
+    reference = _jmp_style_step(inner)
+    for x, char in zip(_batches(len(pattern)), pattern, strict=True):
+        before = _float_leaves(ours)
+        ours, opt_state = step(ours, opt_state, x, jnp.asarray(char == "O"))
+        theirs, inner_state, loss_scale = reference(theirs, inner_state, loss_scale, x, jnp.asarray(char == "O"))
+        if char == "O":  # a skipped step: parameters and the inner state bitwise as they were
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(_float_leaves(ours), before, strict=True))
+        assert [a.tobytes() for a in _float_leaves(ours)] == [a.tobytes() for a in _float_leaves(theirs)]
+        assert float(polyamp_jax.state_dict(opt_state)["scale"]) == float(loss_scale.loss_scale)
+    assert [a.tobytes() for a in _float_leaves(opt_state.inner)] == [a.tobytes() for a in _float_leaves(inner_state)]
+    records = polyamp_jax.records(opt_state)
+    assert [(r.skipped, r.reason) for r in records] == [(c == "O", "overflow" if c == "O" else None) for c in pattern]
+    assert int(np.asarray(opt_state.scaler["scaler"]["skipped"])) == pattern.count("O")
+
+
+def test_the_transformation_guards_under_bfloat16_and_follows_the_policy() -> None:
+    with polyamp.policy_scope("mixed_bfloat16"):
+        tx = polyamp_jax.loss_scaled(optax.sgd(0.1))
+    params = _params()
+    state = tx.init(params)
+    assert polyamp_jax.scaler_of(state).mode == "guarding"
+    loss = jnp.asarray(2.5)
+    assert polyamp_jax.scale_loss(state, loss) is loss  # not scaling
+    bad = jax.tree_util.tree_map(lambda p: jnp.full_like(p, jnp.nan) if p.dtype == jnp.float32 else p, params)
+    updates, state = tx.update(bad, state, params)
+    assert all(not np.any(leaf) for leaf in _float_leaves(updates))
+    assert [(r.skipped, r.reason, r.mode) for r in polyamp_jax.records(state)] == [(True, "non_finite", "guarding")]
+    with polyamp.policy_scope("mixed_float16"):
+        assert polyamp_jax.scaler_of(polyamp_jax.loss_scaled(optax.sgd(0.1)).init(params)).mode == "scaling"
+
+
+def test_a_spike_rule_on_the_loss_takes_the_loss_as_an_extra_argument() -> None:
+    rule = SpikeRule("loss", window=4, warmup=3, threshold=3.0)
+    tx = polyamp_jax.loss_scaled(optax.sgd(0.01), enabled=True, spike=rule)
+    params = _params()
+    state = tx.init(params)
+    grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    losses = [1.0, 1.1, 0.9, 1.05, 50.0, 1.0]
+    skipped = []
+    for loss in losses:
+        scale = polyamp_jax.state_dict(state)["scale"]
+        scaled = jax.tree_util.tree_map(lambda g, s=scale: g * s, grads)
+        _, state = tx.update(scaled, state, params, loss=jnp.asarray(loss))
+        skipped.append(polyamp_jax.records(state)[-1].skipped)
+    assert skipped == rule.decide(losses, [False] * len(losses))
+    assert polyamp_jax.records(state)[4].reason == "loss_spike"
+    with pytest.raises(polyamp.ScalerUsageError, match="needs loss="):
+        tx.update(grads, state, params)
+
+
+def test_state_dicts_resume_across_backends() -> None:
+    """A state saved by the reference scaler (any backend's) resumes in the transformation with the same
+    next scales, and the transformation's state dict loads back."""
+    settings = {"growth_interval": 2, "hysteresis": 2, "min_scale": 64.0}
+    source = LossScaler(**settings, enabled=True)
+    source.load_state_dict({**source.state_dict(), "scale": 1024.0, "_growth_tracker": 1, "hysteresis_left": 1})
+    saved = source.state_dict()
+    tx = polyamp_jax.loss_scaled(optax.sgd(0.1), **settings, enabled=True)
+    params = _params()
+    state = polyamp_jax.load_state_dict(tx.init(params), saved)
+    assert polyamp_jax.state_dict(state) == saved
+    pattern = "FOFFOO"
+    for char in pattern:
+        value = math.inf if char == "O" else 1.0
+        grads = jax.tree_util.tree_map(lambda p, v=value: jnp.full_like(p, v), params)
+        _, state = tx.update(grads, state, params)
+    start = LossScaleConfig(**settings)
+    from polyamp import LossScaleState
+
+    want = start.states(pattern, LossScaleState(1024.0, 1, 1))[-1]
+    got = polyamp_jax.state_dict(state)
+    assert (got["scale"], got["_growth_tracker"], got["hysteresis_left"]) == (
+        want.scale,
+        want.growth_tracker,
+        want.hysteresis_left,
+    )
+
+
+def test_casting_follows_jmp_and_the_policy_in_effect() -> None:
+    jmp = pytest.importorskip("jmp")
+    tree = {"f": jnp.ones(2), "h": jnp.ones(2, jnp.float16), "i": jnp.ones(2, jnp.int32), "n": np.ones(2), "s": "x"}
+    for spec in ("params=float32,compute=float16,output=float32", "params=float32,compute=bfloat16,output=bfloat16"):
+        ours, theirs = polyamp.Policy(spec), jmp.get_policy(spec)
+        for method in ("cast_to_compute", "cast_to_param", "cast_to_output"):
+            got = getattr(polyamp_jax, method)(tree, ours)
+            want = getattr(theirs, method)(tree)
+            assert jax.tree_util.tree_map(lambda a: getattr(a, "dtype", a), got) == jax.tree_util.tree_map(
+                lambda a: getattr(a, "dtype", a), want
+            ), (spec, method)
+    with polyamp.policy_scope("mixed_float16"):
+        assert polyamp_jax.cast_to_compute(tree)["f"].dtype == jnp.float16
+        assert polyamp_jax.cast_to_output(tree)["h"].dtype == jnp.float32
+
+
+def test_a_loss_scaler_handed_jax_arrays_says_how_to_scale_in_jax() -> None:
+    assert polyamp.backend_api.detect_backend(jnp.ones(1)) == "jax"
+    scaler = LossScaler(enabled=True)
+    with pytest.raises(PolyampTypeError, match=r"polyamp_jax\.loss_scaled"):
+        scaler.scale(jnp.ones(()))
+    with pytest.raises(PolyampTypeError, match="optax transformation"):
+        polyamp_jax.loss_scaled(object())  # type: ignore[arg-type]
+    with pytest.raises(PolyampTypeError, match="holding one loss_scaled"):
+        polyamp_jax.records(optax.sgd(0.1).init(_params()))
