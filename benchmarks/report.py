@@ -15,6 +15,7 @@ ORDER = (
     "torch-cpu",
     "keras",
     "keras-backends",
+    "jax",
     "scale",
     "guard",
     "compiled",
@@ -126,6 +127,10 @@ SUMMARY: dict[str, tuple[str, list[tuple[int, str, str]]]] = {
     "keras-backends": (
         "`model.fit` on Keras's JAX and PyTorch backends vs Keras's `LossScaleOptimizer`",
         [(0, "polyamp time ratio", "polyamp `LossScaleOptimizer`")],
+    ),
+    "jax": (
+        "jitted JAX step: `polyamp_jax.loss_scaled` vs a hand-written jmp-style step (target <= 1.02x)",
+        [(0, "polyamp", "polyamp (`cast_to_compute` + `loss_scaled`)")],
     ),
     "scale": (
         "Eager CPU step as the model grows (4.5e3 to 1e8 parameters; 4 to 256 parameter tensors)",

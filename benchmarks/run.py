@@ -5,6 +5,7 @@ CPU targets (run here, results in benchmarks/RESULTS.md):
     python benchmarks/run.py torch-cpu     # eager step time, polyamp vs torch.autocast + GradScaler
     python benchmarks/run.py keras         # GradientTape step (tf.function, XLA) and model.fit steps/s
     python benchmarks/run.py keras-backends  # model.fit steps/s on Keras's JAX and PyTorch backends
+    python benchmarks/run.py jax           # jitted JAX step: polyamp_jax vs a jmp-style step and float32 optax
     python benchmarks/run.py scale         # per-step overhead as the model grows, plus a PNG plot
     python benchmarks/run.py guard         # the bfloat16 guard's and the step records' cost
     python benchmarks/run.py compiled      # the whole step under torch.compile: compiles, then step time
@@ -39,7 +40,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/run.py` from anywhere: `benc
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-CPU_TARGETS = ("torch-cpu", "keras", "keras-backends", "scale", "guard", "compiled")
+CPU_TARGETS = ("torch-cpu", "keras", "keras-backends", "jax", "scale", "guard", "compiled")
 GPU_TARGETS = ("gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16")
 GPU_HELP = {
     "gpu-syncs": "host-device syncs per step, polyamp vs GradScaler, per optimizer",
@@ -90,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p = target("keras-backends", "model.fit on Keras's JAX and PyTorch backends, polyamp vs Keras's LSO")
     p.add_argument("--rounds", type=int, default=11)
+    p = target("jax", "jitted JAX step: polyamp_jax vs a hand-written jmp-style step and float32 optax")
+    p.add_argument("--rounds", type=int, default=21)
     p = target("guard", "the bfloat16 guard and the step records, vs plain torch and GradScaler")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--rounds", type=int, default=41)
@@ -141,7 +144,7 @@ def _run_cpu(args: argparse.Namespace) -> int:
         command = [sys.executable, str(Path(__file__).resolve()), name, "--out", args.out]
         if args.quick:
             command.append("--quick")
-        keras_target = name.startswith("keras")
+        keras_target = name.startswith("keras") or name == "jax"
         if args.threads and not keras_target:
             command += ["--threads", str(args.threads)]
         if args.clock != "wall" and not keras_target:  # one-thread TensorFlow is not representative
@@ -184,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import keras_backends
 
         _common_write(keras_backends.run(args), args)
+    elif args.target == "jax":
+        from benchmarks import jax_step
+
+        _common_write(jax_step.run(args), args)
     elif args.target == "guard":
         from benchmarks import guard
 

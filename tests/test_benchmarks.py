@@ -52,6 +52,7 @@ def load(path: Path) -> dict[str, Any]:
         ("compiled", "torch"),
         ("keras", "tensorflow"),
         ("keras-backends", "keras"),
+        ("jax", "jmp"),
         ("gpu-recipe", "torch"),
         ("gpu-compiled", "torch"),
         ("gpu-bf16", "torch"),
@@ -92,6 +93,7 @@ def test_report_renders_full_results_and_marks_the_rest_not_yet_measured(
     for target in (
         "keras",
         "keras-backends",
+        "jax",
         "scale",
         "guard",
         "compiled",

@@ -218,3 +218,71 @@ def test_a_loss_scaler_handed_jax_arrays_says_how_to_scale_in_jax() -> None:
         polyamp_jax.loss_scaled(object())  # type: ignore[arg-type]
     with pytest.raises(PolyampTypeError, match="holding one loss_scaled"):
         polyamp_jax.records(optax.sgd(0.1).init(_params()))
+
+
+def test_a_steady_state_step_makes_no_host_transfer() -> None:
+    """The jitted step with the transformation (scaling, a spike rule and records on) reads nothing to the
+    host and sends nothing from it: JAX's transfer guard refuses any implicit transfer."""
+    tx = polyamp_jax.loss_scaled(optax.adam(1e-3), enabled=True, spike=SpikeRule("grad_norm", window=4))
+    params = _params()
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x):  # type: ignore[no-untyped-def]
+        grads = jax.grad(lambda p: polyamp_jax.scale_loss(opt_state, _loss(p, x)))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    batches = [jax.device_put(x) for x in _batches(6)]
+    params, opt_state = step(params, opt_state, batches[0])  # compiled here
+    with jax.transfer_guard("disallow"):
+        for x in batches[1:]:
+            params, opt_state = step(params, opt_state, x)
+    assert len(polyamp_jax.records(opt_state)) == 6
+
+
+def _manual_mixed(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    """The same computation cast by hand: the dense layer in float16, log-softmax and mean in float32."""
+    h = jax.nn.relu(x.astype(jnp.float16) @ params["w"].astype(jnp.float16) + params["b"].astype(jnp.float16))
+    h = h.astype(jnp.float32)
+    return jnp.mean(jax.nn.log_softmax(h - jax.lax.stop_gradient(h.max(-1, keepdims=True))))
+
+
+def _net(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    h = jax.nn.relu(x @ params["w"] + params["b"])
+    return jnp.mean(jax.nn.log_softmax(h - jax.lax.stop_gradient(h.max(-1, keepdims=True))))
+
+
+def test_autocast_runs_by_op_class_under_jit_and_grad() -> None:
+    params, x = _params(), _batches(1)[0]
+    region = polyamp_jax.autocast(_net, policy="mixed_float16", cast_outputs=False)
+    assert jax.eval_shape(region, params, x).dtype == jnp.float32  # a mean of a log-softmax: float32
+    jaxpr = str(jax.make_jaxpr(region)(params, x))
+    assert "f16[5,3] = dot_general" in jaxpr and "f32[5,3] = exp" in jaxpr
+    got = jax.jit(jax.grad(polyamp_jax.autocast(_net, policy="mixed_float16")))(params, x)
+    want = jax.grad(_manual_mixed)(params, x)
+    for name in params:
+        assert got[name].dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=2e-3, atol=1e-5)
+    plain = polyamp_jax.autocast(_net, policy="float32")  # float32: fn as it is
+    assert float(plain(params, x)) == float(_net(params, x))
+    with polyamp.policy_scope("mixed_bfloat16"):  # None: the policy in effect when called
+        assert "bf16[5,3] = dot_general" in str(jax.make_jaxpr(polyamp_jax.autocast(_net))(params, x))
+
+
+def test_autocast_keeps_explicit_casts_control_flow_and_captured_arrays() -> None:
+    params, x = _params(), _batches(1)[0]
+    captured = jnp.ones(3)
+
+    def fn(p: dict[str, jax.Array], xb: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        h = xb @ p["w"]
+        kept = h.astype(jnp.float32) * 2  # an explicit cast: float32
+        looped = jax.lax.fori_loop(0, 3, lambda i, v: v * 1.5, h)  # control flow: as traced, compute dtype
+        return kept, looped, h + captured  # the captured float32 array promotes
+
+    kept, looped, promoted = jax.eval_shape(
+        polyamp_jax.autocast(fn, policy="mixed_float16", cast_outputs=False), params, x
+    )
+    assert (kept.dtype, looped.dtype, promoted.dtype) == (jnp.float32, jnp.float16, jnp.float32)
+    outputs = polyamp_jax.autocast(fn, policy="params=float32,compute=float16,output=bfloat16")(params, x)
+    assert {o.dtype for o in outputs} == {jnp.dtype(jnp.bfloat16)}

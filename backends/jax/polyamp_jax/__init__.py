@@ -1,5 +1,9 @@
 """polyamp's JAX package: polyamp's policies and loss scaling for JAX programs (optax, hand-written steps).
 
+* `autocast` - a function computing by op class under the policy, as torch's autocast and polyamp's Keras
+  models do: matrix products and convolutions in the compute dtype, softmax, log-softmax, losses, sums,
+  means, variances, norms' statistics, exp and log in float32 (by interpreting its jaxpr while it is traced:
+  nothing per step under ``jax.jit``).
 * `cast_to_compute`, `cast_to_param`, `cast_to_output` - a pytree's floating leaves in the policy's dtypes
   (the policy in effect, `polyamp.get_policy`, or one given), jmp-style: integer, boolean and non-array
   leaves are left alone.
@@ -15,6 +19,7 @@ scalers'.
 
 from __future__ import annotations
 
+from polyamp_jax._autocast import COMPUTE_PRIMITIVES, FLOAT32_PRIMITIVES, autocast
 from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree
 from polyamp_jax._functional import JaxFunctional, all_finite
 from polyamp_jax._optax import (
@@ -28,9 +33,12 @@ from polyamp_jax._optax import (
 )
 
 __all__ = [
+    "COMPUTE_PRIMITIVES",
+    "FLOAT32_PRIMITIVES",
     "JaxFunctional",
     "LossScaledState",
     "all_finite",
+    "autocast",
     "cast_to_compute",
     "cast_to_output",
     "cast_to_param",

@@ -2,8 +2,8 @@
 trained by a jitted step through `polyamp_jax.loss_scaled` (optax), or through the functional scaler in a
 hand-written step (``functional_trainer``).
 
-The model computes in the policy's compute dtype (parameters and inputs cast with `polyamp_jax.cast_to_compute`)
-and gives its logits in the output dtype; the loss is computed in float32.
+The model runs under `polyamp_jax.autocast` (op classes, the policy's compute dtype) and gives its logits in
+the output dtype; the op classes are checked on single ops under it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import optax
 import polyamp
 from polyamp import LossScaler, Policy, StepRecord
 from polyamp.conformance import HarnessUnavailable
-from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param
+from polyamp_jax._autocast import autocast
+from polyamp_jax._casting import cast_to_param
 from polyamp_jax._optax import LossScaledState, loss_scaled, scale_loss
 
 __all__ = ["JaxHarness"]
@@ -37,11 +38,40 @@ def _mlp(seed: int, policy: Policy) -> dict[str, Any]:
     return cast_to_param(params, policy)
 
 
+def _forward(params: Any, x: Any) -> Any:
+    h = jax.nn.relu(x @ params["w1"] + params["b1"])
+    return h @ params["w2"] + params["b2"]
+
+
 def _loss(params: Any, x: Any, y: Any, policy: Policy) -> Any:
-    p, h = cast_to_compute(params, policy), cast_to_compute(x, policy)
-    h = jax.nn.relu(h @ p["w1"] + p["b1"])
-    logits = cast_to_output(h @ p["w2"] + p["b2"], policy).astype(jnp.float32)
+    """Cross-entropy of the model's logits, which `polyamp_jax.autocast` computes by op class under
+    ``policy`` and gives in its output dtype."""
+    logits = autocast(_forward, policy=policy)(params, x).astype(jnp.float32)
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+
+def _op(op: str, x: Any, w: Any, b: Any, k: Any) -> Any:
+    """One op class on a hidden layer's output (see `polyamp.conformance.OPS`)."""
+    if op == "matmul":
+        return x @ w
+    if op == "dense":
+        return x @ w + b
+    if op == "conv":
+        image = x.reshape(1, x.shape[0], x.shape[1], 1)
+        return jax.lax.conv_general_dilated(image, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    hidden = x @ w + b
+    if op == "softmax":
+        return jax.nn.softmax(hidden)
+    if op == "log_softmax":
+        return jax.nn.log_softmax(hidden)
+    if op == "cross_entropy":
+        return optax.softmax_cross_entropy_with_integer_labels(hidden, jnp.zeros(hidden.shape[0], jnp.int32))
+    if op == "layer_norm":
+        mean = hidden.mean(-1, keepdims=True)
+        return (hidden - mean) * jax.lax.rsqrt(hidden.var(-1, keepdims=True) + 1e-5)
+    if op == "sum":
+        return jnp.sum(hidden)
+    raise ValueError(f"unknown op class {op!r}")
 
 
 def _plant_inf(grads: Any) -> Any:
@@ -55,8 +85,13 @@ def _leaves(tree: Any) -> list[np.ndarray]:
 class _View:
     """What the cases read from a trainer's ``scaler``: the state dict, the records and the skip count."""
 
-    def __init__(self, read: Any) -> None:
+    def __init__(self, read: Any, write: Any) -> None:
         self._read = read  # () -> (FunctionalLossScaler, its state)
+        self._write = write  # new state -> None
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        fn, _ = self._read()
+        self._write(fn.load_state_dict(saved))
 
     def state_dict(self) -> dict[str, Any]:
         fn, state = self._read()
@@ -91,9 +126,16 @@ class _OptaxTrainer:
         with polyamp.policy_scope(policy):
             self.tx = inner if scaler is None else loss_scaled(inner, **scaler)
         self.opt_state = self.tx.init(self.weights)
-        self.scaler = None if scaler is None else _View(lambda: (self.opt_state.fn, self.opt_state.scaler))
+        self.scaler = (
+            None
+            if scaler is None
+            else _View(lambda: (self.opt_state.fn, self.opt_state.scaler), self._load_scaler_state)
+        )
         self._step = jax.jit(self._pure_step, static_argnames=("overflow",))
         self._skipped_before: int | None = None
+
+    def _load_scaler_state(self, state: Any) -> None:
+        self.opt_state = LossScaledState(state, self.opt_state.inner, self.opt_state.fn)
 
     def _pure_step(self, params: Any, opt_state: Any, x: Any, y: Any, *, overflow: bool) -> Any:
         scaled = isinstance(opt_state, LossScaledState)
@@ -140,7 +182,7 @@ class _FunctionalTrainer:
         self.state = self.fn.init()
         self.weights = _mlp(seed, policy)
         self.momentum = jax.tree_util.tree_map(jnp.zeros_like, self.weights)
-        self.scaler = _View(lambda: (self.fn, self.state))
+        self.scaler = _View(lambda: (self.fn, self.state), lambda state: setattr(self, "state", state))
         self._skipped: Any = None
         self._step = jax.jit(self._pure_step, static_argnames=("overflow",))
 
@@ -194,6 +236,18 @@ class JaxHarness:
         if device not in ("cpu", "cuda"):
             raise HarnessUnavailable(f"the jax harness runs on cpu and cuda devices, not {device!r}")
         self.device = device
+
+    def op_dtype(self, op: str, policy: Policy) -> str:
+        rng = np.random.default_rng(0)
+        x, w = (jnp.asarray(rng.normal(size=shape).astype("float32")) for shape in ((4, 8), (8, 8)))
+        b, k = jnp.ones(8), jnp.asarray(rng.normal(size=(3, 3, 1, 2)).astype("float32"))
+        region = autocast(lambda *arrays: _op(op, *arrays), policy=policy, cast_outputs=False)
+        return str(jax.eval_shape(region, x, w, b, k).dtype)
+
+    def model_dtypes(self, policy: Policy) -> tuple[list[str], str]:
+        params = _mlp(0, policy)
+        output = autocast(_forward, policy=policy)(params, jnp.ones((2, 8)))
+        return [str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(params)], str(output.dtype)
 
     def trainer(
         self,
