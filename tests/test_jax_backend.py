@@ -286,3 +286,29 @@ def test_autocast_keeps_explicit_casts_control_flow_and_captured_arrays() -> Non
     assert (kept.dtype, looped.dtype, promoted.dtype) == (jnp.float32, jnp.float16, jnp.float32)
     outputs = polyamp_jax.autocast(fn, policy="params=float32,compute=float16,output=bfloat16")(params, x)
     assert {o.dtype for o in outputs} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_replicas_skip_together_over_a_named_axis() -> None:
+    """Two replicas (a vmap with an axis name, as pmap/shard_map give one) with different gradients: when one
+    overflows, both skip and keep one scale; without the axis name each decides on its own."""
+    params = _params()
+
+    def run(axis_name: str | None) -> tuple[np.ndarray, list[float]]:
+        tx = polyamp_jax.loss_scaled(optax.sgd(0.1), enabled=True, axis_name=axis_name)
+        state = tx.init(params)
+        stacked = jax.tree_util.tree_map(lambda leaf: jnp.stack([leaf, leaf]), (params, state))
+
+        def step(p, s, bad):  # type: ignore[no-untyped-def]
+            grads = jax.tree_util.tree_map(lambda leaf: jnp.where(bad, jnp.inf, jnp.ones_like(leaf)), p)
+            updates, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s
+
+        replicated = jax.jit(jax.vmap(step, axis_name="replicas"))
+        new_params, new_state = replicated(*stacked, jnp.asarray([False, True]))  # replica 1 overflows
+        moved = np.asarray(jnp.any(new_params["w"] != stacked[0]["w"], axis=(1, 2)))
+        return moved, [float(s) for s in np.asarray(new_state.scaler["scaler"]["scale"])]
+
+    moved, scales = run("replicas")
+    assert moved.tolist() == [False, False] and scales == [32768.0, 32768.0]
+    moved, scales = run(None)
+    assert moved.tolist() == [True, False] and scales == [65536.0, 32768.0]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
@@ -1092,7 +1092,9 @@ class LossScaler(GradScalerSpelling, Pickled):
 
     # -- the functional form ------------------------------------------------------------------------------
 
-    def functional(self, backend: str | None = None) -> FunctionalLossScaler:
+    def functional(
+        self, backend: str | None = None, *, make_device: Callable[[LossScaleConfig], Any] | None = None
+    ) -> FunctionalLossScaler:
         """This scaler's settings as pure functions of a state, for jitted steps (see `FunctionalLossScaler`).
 
         Whether the functions scale is decided now (``enabled``, or the policy in effect); the guard, the
@@ -1102,6 +1104,9 @@ class LossScaler(GradScalerSpelling, Pickled):
 
         Args:
             backend: The backend whose ``make_functional`` to use; None uses the bound backend.
+            make_device: ``make(config)`` giving the functional device form to use instead of the backend's
+                (an adapter's, e.g. one that reduces the found-inf flag over a named axis); ``backend`` then
+                only names it in messages.
 
         Raises:
             PolyampTypeError: no backend given and none bound, the backend has no functional form, or its
@@ -1110,12 +1115,14 @@ class LossScaler(GradScalerSpelling, Pickled):
         name = backend or self._backend_name
         if name is None:
             raise PolyampTypeError("functional() needs a backend: bind the scaler first or pass backend='...'.")
-        backend_object = registry.get_backend(name)
-        if not isinstance(backend_object, FunctionalBackend):
-            raise PolyampTypeError(f"The {name!r} backend offers no functional (stateless) form.")
+        if make_device is None:
+            backend_object = registry.get_backend(name)
+            if not isinstance(backend_object, FunctionalBackend):
+                raise PolyampTypeError(f"The {name!r} backend offers no functional (stateless) form.")
+            make_device = backend_object.make_functional
         recorder = self._history.recorder
         return FunctionalLossScaler(
-            backend_object.make_functional,
+            make_device,
             self._config,
             self.enabled,
             setting=self._enabled_setting,

@@ -71,10 +71,16 @@ class JaxFunctional:
 
     Trees are dicts of arrays: the scaler ``{"scale", "growth_tracker", "hysteresis_left", "skipped"}``, the
     record ring ``{"codes", "count"}`` and the spike window ``{"values", "count", "run"}``.
+
+    Args:
+        config: The settings of the rule.
+        axis_name: None, or the named axis of ``pmap``/``shard_map``/``vmap`` whose replicas hold different
+            gradients: the found-inf flag is reduced over it with one ``pmax``, so all replicas skip together.
     """
 
-    def __init__(self, config: LossScaleConfig) -> None:
+    def __init__(self, config: LossScaleConfig, axis_name: Any = None) -> None:
         self._config = config
+        self._axis_name = axis_name
 
     # -- FunctionalDevice --------------------------------------------------------------------------------
 
@@ -154,7 +160,10 @@ class JaxFunctional:
     # -- FunctionalGuardingDevice ------------------------------------------------------------------------
 
     def check(self, tree: Mapping[str, Any], grads: Any) -> Any:
-        return jnp.logical_not(all_finite(grads)).astype(jnp.float32)
+        flag = jnp.logical_not(all_finite(grads)).astype(jnp.float32)
+        if self._axis_name is not None:  # every replica skips when one saw a non-finite gradient
+            flag = jax.lax.pmax(flag, self._axis_name)  # type: ignore[no-untyped-call]
+        return flag
 
     def count_skip(self, tree: Mapping[str, Any], flag: Any) -> dict[str, Any]:
         return {**tree, "skipped": tree["skipped"] + _set(flag).astype(tree["skipped"].dtype)}

@@ -16,6 +16,7 @@ import optax
 
 from polyamp import FunctionalLossScaler, LossScaler, PolyampTypeError, SpikeRule, StepRecord
 from polyamp.backend_api import describe
+from polyamp_jax._functional import JaxFunctional
 
 __all__ = ["LossScaledState", "load_state_dict", "loss_scaled", "records", "scale_loss", "scaler_of", "state_dict"]
 
@@ -49,6 +50,7 @@ def loss_scaled(
     spike: SpikeRule | None = None,
     history: int = 256,
     on_min_scale: str = "warn",
+    axis_name: Any = None,
     **settings: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """``inner`` with polyamp's dynamic loss scaling: the gradients it receives (of a loss scaled with
@@ -67,6 +69,10 @@ def loss_scaled(
             needs the step's unscaled loss as ``tx.update(grads, state, params, loss=loss)``.
         history: How many step records the state's ring holds (read them with `records`).
         on_min_scale: As `polyamp.LossScaler`'s.
+        axis_name: None, or the named axis (``pmap``, ``shard_map``, ``vmap``) over which replicas hold different
+            gradients (optimizer sharding, unsynchronised replicas): the found-inf flag is reduced over it with
+            one ``pmax``, so every replica skips a step one of them overflowed. Data-parallel steps that
+            average the gradients first (``lax.pmean``) need none.
 
     Returns:
         An ``optax.GradientTransformationExtraArgs``; its state is a `LossScaledState`.
@@ -95,7 +101,7 @@ def loss_scaled(
     scaler = LossScaler(
         *positional, enabled=enabled, guard=guard, spike=spike, history=history, on_min_scale=on_min_scale, **settings
     )
-    fn = scaler.functional(backend="jax")
+    fn = scaler.functional(backend="jax", make_device=lambda config: JaxFunctional(config, axis_name))
     wrapped = optax.with_extra_args_support(inner)
 
     def init(params: Any) -> LossScaledState:
