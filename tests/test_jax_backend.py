@@ -312,3 +312,44 @@ def test_replicas_skip_together_over_a_named_axis() -> None:
     assert moved.tolist() == [False, False] and scales == [32768.0, 32768.0]
     moved, scales = run(None)
     assert moved.tolist() == [True, False] and scales == [65536.0, 32768.0]
+
+
+def test_flax_nnx_optimizer_takes_the_transformation() -> None:
+    """Flax NNX: ``nnx.Optimizer(model, loss_scaled(...))``, the loss scaled with the optimizer's state inside
+    ``nnx.jit``; the overflowing step is skipped (parameters unchanged, recorded) and the others train."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class MLP(nnx.Module):  # type: ignore[misc]
+        def __init__(self, rngs: object) -> None:
+            self.l1 = nnx.Linear(8, 16, rngs=rngs)
+            self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.l2(jax.nn.relu(self.l1(x)))
+
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, polyamp_jax.loss_scaled(optax.adam(1e-2), enabled=True), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y, bad):  # type: ignore[no-untyped-def]
+        def loss_fn(model):  # type: ignore[no-untyped-def]
+            loss = optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+            return polyamp_jax.scale_loss(optimizer.opt_state, loss), loss
+
+        (_, loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        grads = jax.tree_util.tree_map(lambda g: jnp.where(bad, jnp.inf, g), grads)
+        optimizer.update(model, grads)
+        return loss
+
+    rng = np.random.default_rng(0)
+    x, y = jnp.asarray(rng.normal(size=(32, 8)).astype("float32")), jnp.asarray(rng.integers(0, 4, 32))
+    losses, kernels = [], []
+    for index in range(6):
+        kernels.append(np.asarray(model.l1.kernel.value))
+        losses.append(float(step(model, optimizer, x, y, jnp.asarray(index == 3))))
+    assert kernels[4].tobytes() == kernels[3].tobytes()  # the skipped step left the weights bitwise as they were
+    assert kernels[3].tobytes() != kernels[2].tobytes()
+    assert losses[4] == losses[3] and losses[5] < losses[4] and losses[3] < losses[0]  # step 3 changed nothing
+    records = polyamp_jax.records(optimizer.opt_state)
+    assert [(r.skipped, r.reason) for r in records] == [(i == 3, "overflow" if i == 3 else None) for i in range(6)]
+    assert polyamp_jax.state_dict(optimizer.opt_state)["scale"] == 32768.0
