@@ -78,48 +78,36 @@ steps = {
 }
 if os.environ.get("BENCH_TF") == "1":
     import tensorflow as tf
+    import polyamp_keras
     tf.keras.utils.set_random_seed(0)
-    dense = [tf.keras.layers.Dense(width) for _ in range(depth)]
-    for layer in dense:
-        layer.build((None, width))
-    variables = [v for layer in dense for v in layer.trainable_variables]
-    tf_opt = tf.keras.optimizers.SGD(0.01)
-    tf_scaler = polyamp.LossScaler(enabled=True)
     tx, ty = tf.random.normal((32, width)), tf.random.uniform((32,), 0, width, dtype=tf.int32)
 
-    @tf.function
-    def tf_step():
-        with tf.GradientTape() as tape:
-            h = tx
-            for layer in dense:
-                h = tf.nn.gelu(layer(h))
-            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(ty, h, from_logits=True))
-            scaled = tf_scaler.scale(loss)
-        grads = tape.gradient(scaled, variables)
-        tf_scaler.apply_gradients(tf_opt, zip(grads, variables))
+    def tf_step_with(scale, apply):
+        # The same tf.function GradientTape step on a dense stack of its own; scale/apply name the loop's API.
+        dense = [tf.keras.layers.Dense(width) for _ in range(depth)]
+        for layer in dense:
+            layer.build((None, width))
+        variables = [v for layer in dense for v in layer.trainable_variables]
 
-    steps["TensorFlow tape"] = tf_step
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                h = tx
+                for layer in dense:
+                    h = tf.nn.gelu(layer(h))
+                loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(ty, h, from_logits=True))
+                scaled = scale(loss)
+            apply(tape.gradient(scaled, variables), variables)
 
-    import polyamp_keras
-    k_dense = [tf.keras.layers.Dense(width) for _ in range(depth)]
-    for layer in k_dense:
-        layer.build((None, width))
-    k_variables = [v for layer in k_dense for v in layer.trainable_variables]
+        return step, variables
+
+    tf_opt, tf_scaler = tf.keras.optimizers.SGD(0.01), polyamp.LossScaler(enabled=True)
+    steps["TensorFlow tape"], _ = tf_step_with(
+        tf_scaler.scale, lambda grads, variables: tf_scaler.apply_gradients(tf_opt, zip(grads, variables))
+    )
     k_opt = polyamp_keras.LossScaleOptimizer(tf.keras.optimizers.SGD(0.01))
+    steps["Keras optimizer"], k_variables = tf_step_with(k_opt.scale_loss, k_opt.apply)
     k_opt.build(k_variables)
-
-    @tf.function
-    def keras_step():
-        with tf.GradientTape() as tape:
-            h = tx
-            for layer in k_dense:
-                h = tf.nn.gelu(layer(h))
-            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(ty, h, from_logits=True))
-            scaled = k_opt.scale_loss(loss)
-        grads = tape.gradient(scaled, k_variables)
-        k_opt.apply(grads, k_variables)
-
-    steps["Keras optimizer"] = keras_step
 for step in steps.values():
     for _ in range(20):
         step()

@@ -30,12 +30,11 @@ from polyamp_keras._gradients import (
     gradient_counts,
     is_sparse,
     refuse_loss_scale_factor,
-    sparse_values,
     unscale,
 )
 from polyamp_keras._keras import keras
 from polyamp_keras._rule import ScaleState, advance, advance_on_flag, counter_dtype, device_cond, read_scalar
-from polyamp_keras._spikes import SpikeWindow, statistic_dtype
+from polyamp_keras._spikes import SpikeWindow, grad_norm, loss_statistic
 
 __all__ = ["KerasDevice"]
 
@@ -372,7 +371,7 @@ class KerasDevice:
     def _build_window(self, slot: _Slot, rule: SpikeRule) -> None:
         if slot.value is not None:
             return
-        slot.value = SpikeWindow(rule, self._add_variable, holds_loss=False)
+        slot.value = SpikeWindow(rule, self._add_variable)
         if slot.pending is not None:
             slot.value.write(*slot.pending)
             slot.pending = None
@@ -396,32 +395,16 @@ class KerasDevice:
             state.value.write(values, run)
 
     def spike_statistic(self, loss: Any) -> Any:
-        values = loss if isinstance(loss, (list, tuple)) else [loss]
-        dtype = statistic_dtype()
-        return ops.sum(ops.stack([ops.sum(ops.cast(ops.stop_gradient(v), dtype)) for v in values]))
+        return loss_statistic(loss)
 
     def spike_grad_norm(self, grads: Sequence[Any], *, unscaled: bool) -> Any:
-        dtype = statistic_dtype()
-        squares = [ops.sum(ops.square(ops.cast(sparse_values(g), dtype))) for g in grads if g is not None]
-        norm = ops.sqrt(ops.sum(ops.stack(squares))) if squares else ops.convert_to_tensor(0.0, dtype)
-        return norm if unscaled else ops.divide(norm, ops.cast(self.scale_value(), dtype))
+        return grad_norm(grads, None if unscaled else self.scale_value())
 
     def spike_check(self, state: _Slot, x: Any) -> Any:
         return ops.cast(state.value.is_spike(x), "float32")
 
     def spike_finish(self, state: _Slot, x: Any, spike: Any, overflow: Any) -> Any:
-        blocked = (
-            ops.greater(spike, 0)
-            if overflow is None
-            else ops.logical_or(ops.greater(spike, 0), ops.greater(overflow, 0))
-        )
-        only = (
-            ops.greater(spike, 0)
-            if overflow is None
-            else ops.logical_and(ops.greater(spike, 0), ops.logical_not(ops.greater(overflow, 0)))
-        )
-        rebased = state.value.push(x, applied=ops.logical_not(blocked), spiked=only)
-        return ops.subtract(ops.cast(only, "float32"), ops.cast(rebased, "float32"))  # -1: re-based (SpikeDevice)
+        return finish_window(state.value, x, spike, overflow)
 
     # -- provenance, replicas ----------------------------------------------------------------------------
 
@@ -464,7 +447,7 @@ class KerasDevice:
             raise PolyampTypeError(
                 f"update(new_scale) takes a float or a one-element floating tensor. Received: {describe(new_scale)}."
             )
-        if self._compiling_now() or _is_tracer(new_scale):
+        if self._compiling_now() or is_tracer(new_scale):
             return None  # a symbolic value: known only when the step runs
         return float(ops.convert_to_numpy(ops.reshape(new_scale, ())).item())
 
@@ -555,19 +538,7 @@ class KerasDevice:
 
     def write_history(self, history: _Slot, base: int, found_inf: Any, spike: Any = None) -> None:
         codes, count = history.value
-        if spike is None:  # (eager steps pay per operation: the common case in two)
-            code = ops.convert_to_tensor(base, dtype="int32")
-            if found_inf is not None:
-                code = ops.add(code, ops.cast(ops.greater(found_inf, 0), "int32"))
-        else:
-            overflow = ops.convert_to_tensor(False) if found_inf is None else ops.greater(found_inf, 0)
-            spiked = ops.greater(spike, 0)
-            code = ops.add(
-                ops.convert_to_tensor(base, dtype="int32"), ops.cast(ops.logical_or(overflow, spiked), "int32")
-            )
-            code = ops.add(code, ops.cast(ops.logical_and(spiked, ops.logical_not(overflow)), "int32") * SPIKE_BIT)
-            code = ops.add(code, ops.cast(ops.less(spike, 0), "int32") * REBASE_BIT)
-        write_ring_entry(codes, ops.convert_to_tensor(count), code, self._write)
+        write_ring_entry(codes, ops.convert_to_tensor(count), record_code(base, found_inf, spike), self._write)
         count.assign_add(ops.convert_to_tensor(1, dtype=count.dtype))
 
     def read_history(self, history: _Slot) -> tuple[int, list[int]]:
@@ -576,6 +547,33 @@ class KerasDevice:
         codes, count = history.value
         total = int(read_scalar(count))
         return total, ring_codes(total, ops.convert_to_numpy(codes).tolist())
+
+
+def record_code(base: int, flag: Any, spike: Any = None) -> Any:
+    """An iteration's record code (`polyamp.backend_api.RecordingDevice.write_history`'s): ``base`` (from
+    ``MODE_CODES``), plus 1 when ``flag`` is set, plus ``SPIKE_BIT`` + 1 for a skip by the spike rule alone
+    (``spike`` > 0), plus ``REBASE_BIT`` when ``spike`` < 0 (a re-based window)."""
+    code = ops.convert_to_tensor(base, dtype="int32")
+    if spike is None:  # (eager steps pay per operation: the common case in two)
+        return code if flag is None else ops.add(code, ops.cast(ops.greater(flag, 0), "int32"))
+    overflow = ops.convert_to_tensor(False) if flag is None else ops.greater(flag, 0)
+    spiked = ops.greater(spike, 0)
+    code = ops.add(code, ops.cast(ops.logical_or(overflow, spiked), "int32"))
+    code = ops.add(code, ops.cast(ops.logical_and(spiked, ops.logical_not(overflow)), "int32") * SPIKE_BIT)
+    return ops.add(code, ops.cast(ops.less(spike, 0), "int32") * REBASE_BIT)
+
+
+def finish_window(window: SpikeWindow, x: Any, spike: Any, overflow: Any) -> Any:
+    """End an iteration for the spike rule (`polyamp.backend_api.SpikeDevice.spike_finish`): the statistic
+    enters ``window`` when the step was applied; returns 1 for a skip by the rule alone, -1 for a re-base."""
+    spiked = ops.greater(spike, 0)
+    blocked, only = spiked, spiked
+    if overflow is not None:
+        overflowed = ops.greater(overflow, 0)
+        blocked = ops.logical_or(spiked, overflowed)
+        only = ops.logical_and(spiked, ops.logical_not(overflowed))
+    rebased = window.push(x, applied=ops.logical_not(blocked), spiked=only)
+    return ops.subtract(ops.cast(only, "float32"), ops.cast(rebased, "float32"))
 
 
 def write_ring_entry(
@@ -628,7 +626,7 @@ def _host_value(flag: Any) -> bool | None:
     """``flag``'s value where the step branches in Python on it anyway (PyTorch; JAX outside a trace), else
     None (TensorFlow builds a ``cond``; a JAX tracer has no value)."""
     backend = keras.backend.backend()
-    if backend == "torch" or (backend == "jax" and not _is_tracer(flag)):
+    if backend == "torch" or (backend == "jax" and not is_tracer(flag)):
         return bool(ops.convert_to_numpy(flag))
     return None
 
@@ -638,5 +636,6 @@ def _tf_tensor(value: Any) -> bool:
     return tf is not None and (tf.is_tensor(value) or isinstance(value, tf.Variable))
 
 
-def _is_tracer(value: Any) -> bool:
+def is_tracer(value: Any) -> bool:
+    """A JAX tracer: a value of a step being compiled (``jax.jit``), with no value on the host."""
     return type(value).__name__.endswith("Tracer")

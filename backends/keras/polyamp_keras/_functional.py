@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from polyamp import LossScaleConfig, LossScaleState, SpikeRule
-from polyamp.backend_api import REBASE_BIT, SPIKE_BIT, ring_codes, ring_values
-from polyamp_keras._device import KerasDevice
+from polyamp.backend_api import ring_codes, ring_values
+from polyamp_keras._device import KerasDevice, finish_window, record_code
 from polyamp_keras._gradients import all_finite, unscale
 from polyamp_keras._keras import keras
 from polyamp_keras._rule import ScaleState, advance
@@ -145,12 +145,7 @@ class KerasFunctional:
         return {"codes": ops.zeros((capacity,), dtype="int32"), "count": ops.zeros((), dtype="int32")}
 
     def ring_write(self, ring: Mapping[str, Any], base: int, flag: Any, spike: Any = None) -> dict[str, Any]:
-        overflow = ops.convert_to_tensor(False) if flag is None else ops.greater(flag, 0)
-        spiked = ops.convert_to_tensor(False) if spike is None else ops.greater(spike, 0)
-        code = ops.add(ops.convert_to_tensor(base, dtype="int32"), ops.cast(ops.logical_or(overflow, spiked), "int32"))
-        code = ops.add(code, ops.cast(ops.logical_and(spiked, ops.logical_not(overflow)), "int32") * SPIKE_BIT)
-        if spike is not None:
-            code = ops.add(code, ops.cast(ops.less(spike, 0), "int32") * REBASE_BIT)
+        code = record_code(base, flag, spike)
         capacity = int(ring["codes"].shape[0])
         index = ops.mod(ops.cast(ring["count"], "int32"), capacity)
         codes = ops.where(ops.equal(ops.arange(capacity, dtype="int32"), index), code, ring["codes"])
@@ -188,15 +183,7 @@ class KerasFunctional:
         assert spikes is not None
         variables = self.window_variables()
         assert variables is not None
-        blocked = ops.greater(spike, 0)
-        only = blocked
-        if overflow is not None:
-            blocked = ops.logical_or(blocked, ops.greater(overflow, 0))
-            only = ops.logical_and(only, ops.logical_not(ops.greater(overflow, 0)))
-        values, rebased = _run(
-            self._pairs(variables, window), lambda: spikes.push(x, applied=ops.logical_not(blocked), spiked=only)
-        )
-        flag = ops.subtract(ops.cast(only, "float32"), ops.cast(rebased, "float32"))
+        values, flag = _run(self._pairs(variables, window), lambda: finish_window(spikes, x, spike, overflow))
         return self._tree(variables, values), flag
 
     def combine(self, first: Any, second: Any) -> Any:

@@ -34,7 +34,7 @@ from polyamp.backend_api import (
     describe,
     detect_backend,
 )
-from polyamp_keras._device import KerasDevice
+from polyamp_keras._device import KerasDevice, is_tracer
 from polyamp_keras._functional import KerasFunctional
 from polyamp_keras._gradients import gradient_counts, refuse_loss_scale_factor
 from polyamp_keras._keras import keras
@@ -127,11 +127,6 @@ def _backend_of_tensors() -> str | None:
 
 def _listed(result: tuple[Any, Any]) -> tuple[list[Any], list[Any]]:
     return list(result[0]), list(result[1])
-
-
-def _is_tracer(value: Any) -> bool:
-    """A JAX tracer: the step is being compiled (its settings become constants)."""
-    return type(value).__name__.endswith("Tracer")
 
 
 class _OptimizerDevice(KerasDevice):
@@ -494,7 +489,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         # Values (a caller may hand the variables themselves, as Keras's own tests do).
         optimizer_variables = [v.value if isinstance(v, keras.Variable) else v for v in optimizer_variables]
         trainable = [v.value if isinstance(v, keras.Variable) else v for v in trainable_variables]
-        if any(_is_tracer(value) for value in [*grads, *trainable]):
+        if any(is_tracer(value) for value in [*grads, *trainable]):
             self._device.note_traced()
         mode, unscaled = self._scaler.functional_iteration(grads, "stateless_apply()")
         if mode == "scaling":

@@ -18,7 +18,7 @@ from polyamp_keras._gradients import sparse_values
 from polyamp_keras._keras import keras
 from polyamp_keras._rule import counter_dtype
 
-__all__ = ["SpikeWindow", "statistic_dtype"]
+__all__ = ["SpikeWindow", "grad_norm", "loss_statistic", "statistic_dtype"]
 
 ops = keras.ops
 
@@ -30,12 +30,28 @@ def statistic_dtype() -> str:
     return "float64"
 
 
+def loss_statistic(loss: Any) -> Any:
+    """The loss (a list of losses: their sum) as a scalar of `statistic_dtype`, without gradient."""
+    dtype = statistic_dtype()
+    values = loss if isinstance(loss, (list, tuple)) else [loss]
+    return ops.sum(ops.stack([ops.sum(ops.cast(ops.stop_gradient(v), dtype)) for v in values]))
+
+
+def grad_norm(grads: Sequence[Any], scale: Any = None) -> Any:
+    """The global L2 norm of the gradients (a sparse gradient's stored values) in `statistic_dtype`, divided by
+    ``scale`` (None: they are unscaled already)."""
+    dtype = statistic_dtype()
+    squares = [ops.sum(ops.square(ops.cast(sparse_values(g), dtype))) for g in grads if g is not None]
+    norm = ops.sqrt(ops.sum(ops.stack(squares))) if squares else ops.convert_to_tensor(0.0, dtype)
+    return norm if scale is None else ops.divide(norm, ops.cast(scale, dtype))
+
+
 class SpikeWindow:
     """The rule's window (a ring of the last ``rule.window`` accepted statistics, their count and ``run``, the
-    spikes since one was accepted) and, for ``on="loss"`` with ``holds_loss``, the iteration's loss, as
-    variables made by ``add_variable`` (Keras's ``Optimizer.add_variable`` signature)."""
+    spikes since one was accepted) as variables made by ``add_variable`` (Keras's ``Optimizer.add_variable``
+    signature)."""
 
-    def __init__(self, rule: SpikeRule, add_variable: Callable[..., Any], *, holds_loss: bool = True) -> None:
+    def __init__(self, rule: SpikeRule, add_variable: Callable[..., Any]) -> None:
         self.rule = rule
         self.dtype = statistic_dtype()
         zeros = keras.initializers.Zeros()
@@ -48,27 +64,6 @@ class SpikeWindow:
         self.run = add_variable(
             shape=(), dtype=counter_dtype(), initializer=zeros, aggregation="none", name="spike_run"
         )
-        self.loss = None
-        if rule.on == "loss" and holds_loss:
-            self.loss = add_variable(
-                shape=(), dtype=self.dtype, initializer=zeros, aggregation="none", name="spike_loss"
-            )
-
-    def loss_statistic(self, loss: Any) -> Any:
-        """The loss (a list of losses: their sum) as a scalar of the window's dtype, without gradient."""
-        values = loss if isinstance(loss, (list, tuple)) else [loss]
-        return ops.sum(ops.stack([ops.sum(ops.cast(ops.stop_gradient(v), self.dtype)) for v in values]))
-
-    def grad_norm(self, grads: Sequence[Any], scale: Any) -> Any:
-        """The global L2 norm of the gradients divided by ``scale`` (None: they are unscaled already)."""
-        squares = []
-        for grad in grads:
-            if grad is None:
-                continue
-            values = sparse_values(grad)
-            squares.append(ops.sum(ops.square(ops.cast(values, self.dtype))))
-        norm = ops.sqrt(ops.sum(ops.stack(squares))) if squares else ops.convert_to_tensor(0.0, self.dtype)
-        return norm if scale is None else ops.divide(norm, ops.cast(scale, self.dtype))
 
     def is_spike(self, x: Any) -> Any:
         """The rule's decision for ``x`` (a boolean scalar), against the window's values."""
@@ -120,10 +115,6 @@ class SpikeWindow:
         bump = run if spiked is None else ops.add(run, ops.cast(spiked, run.dtype))
         self.run.assign(ops.where(accept, ops.zeros_like(run), bump))
         return rebase
-
-    def note_spike(self) -> None:
-        """A skip by the rule alone (in the branch that skips): ``run`` grows by 1."""
-        self.run.assign_add(ops.cast(1, self.run.dtype))
 
     def read(self) -> list[float]:
         """The window's values, oldest first (one host read)."""
