@@ -18,7 +18,8 @@ device form is made of it) and what `polyamp_keras.LossScaleOptimizer` runs:
   `gradient_counts` (each gradient's +inf/-inf/NaN counts, for `polyamp.NonFiniteGradient`), `is_sparse`
   (TensorFlow's ``IndexedSlices``), `refuse_loss_scale_factor` (Keras's own loss scaling on an optimizer that
   polyamp scales);
-* `SpikeWindow` - `polyamp.SpikeRule`'s window and decision on variables.
+* `SpikeWindow` - `polyamp.SpikeRule`'s window and decision on variables; `loss_statistic` and `grad_norm`,
+  the statistics it decides on.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from polyamp_keras._gradients import (
     unscale,
 )
 from polyamp_keras._rule import ScaleState, advance, advance_on_flag, counter_dtype, device_cond, read_scalar
-from polyamp_keras._spikes import SpikeWindow, statistic_dtype
+from polyamp_keras._spikes import SpikeWindow, grad_norm, loss_statistic, statistic_dtype
 
 __all__ = [
     "KerasDevice",
@@ -49,8 +50,10 @@ __all__ = [
     "all_replicas_finite",
     "counter_dtype",
     "device_cond",
+    "grad_norm",
     "gradient_counts",
     "is_sparse",
+    "loss_statistic",
     "non_finite_counts",
     "read_scalar",
     "refuse_loss_scale_factor",
