@@ -7,9 +7,12 @@
 # machine's torch is never touched and no package index is needed. Writes into OUT_DIR:
 #   environment.json      python, torch, CUDA and GPU as torch sees them
 #   conformance.txt/.json `python -m polyamp.conformance --backend torch --device cuda` (output, exit code)
+#   jax-conformance.txt/.json     the same for polyamp_jax on JAX's GPU backend, where jax and optax import
 #   keras-<backend>-conformance.txt/.json   the same for Keras on its torch and JAX backends, where keras
 #                         (and jax) can be imported; a missing framework is recorded as "skipped"
 #   gpu-*.json            one file per CUDA target of benchmarks/run.py
+#   jax-cuda.json         the jitted JAX step (benchmarks/run.py jax) on JAX's GPU backend
+#   gpu-conformance.json  the conformance runs' counts, for benchmarks/RESULTS.md
 #   summary.json          every step's exit code
 # Every step runs even if an earlier one fails; the script exits non-zero if any did.
 set -uo pipefail
@@ -20,7 +23,7 @@ if [ $# -ne 1 ]; then
 fi
 cd "$(dirname "$0")/.."
 OUT=$(mkdir -p "$1" && cd "$1" && pwd)
-export PYTHONPATH="$PWD:$PWD/backends/torch:$PWD/backends/tensorflow:$PWD/backends/keras${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$PWD/backends/torch:$PWD/backends/tensorflow:$PWD/backends/keras:$PWD/backends/jax${PYTHONPATH:+:$PYTHONPATH}"
 export TF_CPP_MIN_LOG_LEVEL=3
 PYTHON=${PYTHON:-python}
 
@@ -43,7 +46,7 @@ conformance() {  # conformance NAME COMMAND...: run the suite; keep its output a
     # A run whose cases were all skipped (no CUDA device seen) exits 0 but checked nothing: recorded as such.
     local name=$1 code
     shift
-    "$@" >"$OUT/$name.txt" 2>&1
+    timeout "${STEP_TIMEOUT:-1200}" "$@" >"$OUT/$name.txt" 2>&1
     code=$?
     "$PYTHON" - "$OUT/$name.txt" "$code" "${KERAS_BACKEND:-}" "${@:2}" >"$OUT/$name.json" <<'EOF'
 import json, re, sys
@@ -64,11 +67,17 @@ EOF
 }
 
 conformance conformance "$PYTHON" -m polyamp.conformance --backend torch --device cuda --verbose
+if "$PYTHON" -c "import jax, optax; assert jax.default_backend() == 'gpu'" >/dev/null 2>&1; then
+    conformance jax-conformance "$PYTHON" -m polyamp.conformance --backend jax --device cuda --verbose
+else
+    echo "jax-conformance: skipped (jax or optax cannot be imported, or JAX sees no GPU)"
+    CODES[jax-conformance]='"skipped"'
+fi
 KERAS_STEPS=()
 for backend in torch jax; do
     name=keras-$backend-conformance
     KERAS_STEPS+=("$name")
-    if ! "$PYTHON" -c "import keras, $backend" >/dev/null 2>&1; then
+    if ! KERAS_BACKEND=$backend "$PYTHON" -c "import keras, $backend" >/dev/null 2>&1; then
         echo "$name: skipped (keras or $backend cannot be imported)"
         CODES[$name]='"skipped"'
         continue
@@ -76,17 +85,36 @@ for backend in torch jax; do
     KERAS_BACKEND=$backend conformance "$name" "$PYTHON" -m polyamp.conformance --backend keras --device "$backend-cuda" --verbose
 done
 
-for target in gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16; do
-    "$PYTHON" benchmarks/run.py "$target" --out "$OUT" 2>&1 | tee "$OUT/$target.log"
+TARGETS=(gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16)
+if [ "${CODES[jax-conformance]}" != '"skipped"' ] && "$PYTHON" -c "import jmp" >/dev/null 2>&1; then
+    TARGETS+=(jax)
+else
+    echo "jax: skipped (JAX on GPU, optax and jmp are needed)"
+    CODES[jax]='"skipped"'
+fi
+for target in "${TARGETS[@]}"; do
+    timeout "${STEP_TIMEOUT:-1200}" "$PYTHON" benchmarks/run.py "$target" --out "$OUT" 2>&1 | tee "$OUT/$target.log"
     CODES[$target]=${PIPESTATUS[0]}
     echo "$target: exit ${CODES[$target]}"
 done
+
+# The conformance counts as one result (gpu-conformance.json) for benchmarks/RESULTS.md.
+"$PYTHON" - "$OUT" <<'EOF2'
+import sys
+from pathlib import Path
+
+from benchmarks import _common, report
+
+payload = report.conformance_result(Path(sys.argv[1]))
+if payload is not None:
+    _common.write(Path(sys.argv[1]), payload)
+EOF2
 
 status=0
 {
     echo "{"
     first=1
-    for name in conformance "${KERAS_STEPS[@]}" gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16; do
+    for name in conformance jax-conformance "${KERAS_STEPS[@]}" gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16 jax; do
         [ $first -eq 1 ] || echo ","
         first=0
         printf '  "%s": %s' "$name" "${CODES[$name]}"

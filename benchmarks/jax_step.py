@@ -132,7 +132,8 @@ def run(args: Any) -> dict[str, Any]:
     from benchmarks import _common
 
     rounds, per_round = (2, 3) if args.quick else (args.rounds, 50)
-    shapes = [(64, 4, 64)] if args.quick else [(256, 4, 64), (1024, 4, 256)]
+    on_gpu = jax.default_backend() == "gpu"
+    shapes = [(64, 4, 64)] if args.quick else [(256, 4, 64), (1024, 4, 256)] + ([(4096, 3, 512)] if on_gpu else [])
     rows, raw = [], []
     for width, depth, batch in shapes:
         times = _time(rounds, per_round, width, depth, batch)
@@ -149,10 +150,13 @@ def run(args: Any) -> dict[str, Any]:
         raw.append({"model": model, "summary": summary, "times_ms": times})
         print(model, {k: round(v["ratio"], 3) for k, v in summary.items()}, flush=True)
     return _common.result(
-        "jax",
-        "JAX training step: polyamp_jax vs a hand-written jmp-style step and float32 optax",
+        "jax-cuda" if on_gpu else "jax",
+        "JAX training step: polyamp_jax vs a hand-written jmp-style step and float32 optax"
+        + (" (CUDA)" if on_gpu else ""),
         quick=args.quick,
-        env=_common.environment("cpu", threads=None),
+        env=_common.environment(
+            "cuda" if on_gpu else "cpu", threads=None, accelerator=str(jax.devices()[0].device_kind) if on_gpu else None
+        ),
         tables=[
             {
                 "caption": "jitted step, mixed_float16 (jmp-style, polyamp) or float32, inner Adam: median ms of the "
@@ -163,7 +167,8 @@ def run(args: Any) -> dict[str, Any]:
         ],
         notes=[
             f"{rounds} interleaved rounds of {per_round} steps each; ratio: median over rounds of (variant / "
-            "jmp-style in the same round). Wall time, XLA's CPU backend.",
+            "jmp-style in the same round). Wall time, XLA's "
+            + ("GPU backend, each round ended with block_until_ready." if on_gpu else "CPU backend."),
             f"jax {jax.__version__}, optax {optax.__version__}.",
         ],
         raw=raw,

@@ -26,6 +26,16 @@ import polyamp
 from polyamp._src import global_policy, import_hooks, registry
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The conformance plugin comes with an installed polyamp (its ``pytest11`` entry point); a source tree
+    on ``PYTHONPATH`` has no entry point, so it is registered here."""
+    from polyamp.conformance import pytest_plugin
+
+    manager = config.pluginmanager
+    if not manager.is_registered(pytest_plugin) and not manager.has_plugin("polyamp"):
+        manager.register(pytest_plugin, "polyamp")
+
+
 @pytest.fixture(autouse=True)
 def isolated_polyamp_state() -> Iterator[None]:
     """Every test starts from the float32 policy and the first-party registry, and leaves them so."""

@@ -134,10 +134,14 @@ def test_the_gpu_suite_records_every_step_and_fails_without_cuda(tmp_path: Path,
     gpu = ("gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16")
     assert json.loads((tmp_path / "summary.json").read_text()) == {
         "conformance": "nothing ran",
+        "jax-conformance": "skipped",  # JAX without a GPU backend (or not installed): the JAX steps are left out
         "keras-torch-conformance": keras_on("torch"),
         "keras-jax-conformance": keras_on("jax"),
         **dict.fromkeys(gpu, 1),
+        "jax": "skipped",
     }
+    counts = json.loads((tmp_path / "gpu-conformance.json").read_text())["tables"][0]["rows"]
+    assert counts[0][:2] == ["torch on cuda", "0"] and int(counts[0][2]) > 0  # every case skipped: none passed
     conformance = json.loads((tmp_path / "conformance.json").read_text())
     assert conformance["command"] == "python -m polyamp.conformance --backend torch --device cuda --verbose"
     assert (conformance["exit_code"], conformance["passed"]) == (0, 0)

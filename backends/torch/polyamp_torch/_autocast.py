@@ -109,18 +109,32 @@ def _device_type(device_type: object) -> str | None:
             "`device_type`", "None, a device type string such as 'cuda' or 'cpu', or a torch.device", device_type
         )
     name = device_type.partition(":")[0]
-    checker = getattr(torch.amp, "is_autocast_available", None)
-    try:
-        available = checker is None or checker(name)
-    except RuntimeError:  # not even a device type torch knows
-        available = False
-    if not available:
+    if not _autocast_available(name):
         raise PolyampValueError(
             f"torch.autocast does not support device_type={device_type!r}. Use 'cuda' or 'cpu' (or another "
             "device type your torch build supports), or leave device_type=None for the machine's accelerator "
             "and the CPU."
         )
     return name
+
+
+#: Device types torch.autocast supports, asked once per name: the question is a C++ builtin that some torch
+#: releases' dynamo cannot trace (a graph break in every compiled region), and its answer never changes.
+_autocast_support: dict[str, bool] = {}
+
+
+def _autocast_available(name: str) -> bool:
+    known = _autocast_support.get(name)
+    if known is None:
+        if _is_compiling():
+            return True  # asked while tracing a name never seen eagerly: torch.autocast checks it on entry
+        checker = getattr(torch.amp, "is_autocast_available", None)
+        try:
+            known = checker is None or bool(checker(name))
+        except RuntimeError:  # not even a device type torch knows
+            known = False
+        _autocast_support[name] = known
+    return known
 
 
 def _is_compiling() -> bool:
@@ -324,3 +338,10 @@ class PolicyRegion(contextlib.ContextDecorator):
         return (
             f"polyamp_torch.PolicyRegion(policy={policy}, device_type={self._device_type!r}, enabled={self._enabled})"
         )
+
+
+# Asked once now, eagerly, for the device types regions name most, so that a region first made inside
+# torch.compile's trace finds the answer without calling into torch.
+for _name in ("cpu", "cuda"):
+    _autocast_available(_name)
+del _name

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -159,6 +160,8 @@ def enter_region(active: bool) -> bool:
     """
     if active and not _installed:
         _install()
+    if active and not _kernels_skipped_by_dynamo[0] and "torch._dynamo" in sys.modules:
+        _skip_kernels_in_dynamo()
     previous = _STATE.active
     _STATE.active = active
     return previous
@@ -381,6 +384,28 @@ def _planned() -> Iterator[tuple[str, Callable[..., Any]]]:
             yield name, _fp32_kernel(op)
 
 
+#: Whether dynamo was told to leave the kernels' frames alone (`_skip_kernels_in_dynamo`).
+_kernels_skipped_by_dynamo = [False]
+#: The code objects of the kernels and of what they call, once installed.
+_kernel_codes: set[Any] = set()
+
+
+def _skip_kernels_in_dynamo() -> None:
+    """Tells dynamo never to compile the kernels' frames. The dispatcher calls them, eagerly, also while a
+    compiled function runs the part after a graph break, and dynamo would otherwise try to compile them as
+    frames of their own: a graph break per kernel, and on some torch releases an error (their dynamo cannot
+    trace the dispatch-key calls in them). Done once dynamo is imported (checked on region entry), so a
+    program that never compiles never imports it."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    skip_code = getattr(eval_frame, "skip_code", None)
+    if skip_code is None:
+        return
+    with _install_lock:
+        for code in _kernel_codes:
+            skip_code(code)
+        _kernels_skipped_by_dynamo[0] = True
+
+
 def _install() -> None:
     global _installed, _library, _registered
     with _install_lock:
@@ -391,6 +416,8 @@ def _install() -> None:
         for name, kernel in _planned():
             library.impl(name, kernel, "AutocastCPU", with_keyset=True)  # type: ignore[no-untyped-call]
             names.append(name)
+            _kernel_codes.add(kernel.__code__)
+        _kernel_codes.update(f.__code__ for f in (_applies, _run_without_autocast, _to_float32, _eligible))
         _patch_checkpoint()
         _library, _registered, _installed = library, tuple(names), True
 
@@ -517,6 +544,8 @@ def _define_compile_ops() -> bool:
         # Trace time: this context's stack.
         if active and not _installed:
             _install()
+        if active and not _kernels_skipped_by_dynamo[0]:
+            _skip_kernels_in_dynamo()
         context = _tracing_context()
         if context is not None:
             _TRACED.setdefault(context, []).append(active)
