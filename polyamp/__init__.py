@@ -35,6 +35,7 @@ from polyamp._src.global_policy import (
 )
 from polyamp._src.hazards import Hazard, check_hazards, find_hazards
 from polyamp._src.loss_scaler import LossScaler
+from polyamp._src.op_classes import OP_CLASSES, OpClass, op_class
 from polyamp._src.overrides import OverridesLike, PolicyOverrides
 from polyamp._src.policy import DTYPE_NAMES, POLICY_NAMES, Policy, PolicyLike
 from polyamp._src.provenance import NonFiniteGradient
@@ -47,6 +48,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DTYPE_NAMES",
+    "OP_CLASSES",
     "POLICY_NAMES",
     "SKIP_REASONS",
     "Backend",
@@ -66,6 +68,7 @@ __all__ = [
     "LossScaler",
     "NonFiniteGradient",
     "NonFiniteOutput",
+    "OpClass",
     "OverridesLike",
     "Policy",
     "PolicyLike",
@@ -89,6 +92,7 @@ __all__ = [
     "get_policy",
     "get_policy_overrides",
     "get_policy_setting",
+    "op_class",
     "policy_scope",
     "recommended_policy",
     "register_backend",

@@ -22,6 +22,8 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
 * optionally a tensor reader for `polyamp.check_hazards` named in the spec (``tensor_reader``), which checks
   a file before reading it (`read_safetensors_header`, `check_zip_archive`, `check_declared_bytes` against
   ``max_bytes``, default `DEFAULT_MAX_BYTES`) and computes max |w| over blocks of `chunk_indices`;
+* op classes from the core's table (`polyamp.OP_CLASSES`, `polyamp.op_class`; `COMPUTE_OPS` and `FLOAT32_OPS`
+  here): a backend maps its own ops to the table's names and takes their class, never a list of its own;
 * optionally a forward watch: the framework's layer calls fed to a `ForwardPass` (which checks each tensor once
   and assembles the `WatchedCall` records), which `forward_report` turns into a `polyamp.ForwardReport` (the
   decision of which layer produced a non-finite output is the core's).
@@ -86,6 +88,7 @@ from polyamp._src.functional import FunctionalLossScaler
 from polyamp._src.hazards import TensorSummary
 from polyamp._src.iteration import NOT_SCALED_RULE, UnscaleStages, no_gradients_error, not_scaled_error
 from polyamp._src.loss_scaler import bind_arguments
+from polyamp._src.op_classes import COMPUTE_OPS, FLOAT32_OPS
 from polyamp._src.provenance import layer_of, non_finite_gradients
 from polyamp._src.records import (
     MODE_CODES,
@@ -130,8 +133,10 @@ from polyamp._src.state_dict import (
 
 __all__ = [
     "CHUNK_BYTES",
+    "COMPUTE_OPS",
     "DEFAULT_MAX_BYTES",
     "ENTRY_POINT_GROUP",
+    "FLOAT32_OPS",
     "FORMAT_VERSION",
     "INT32_MAX",
     "LOGGER_NAME",

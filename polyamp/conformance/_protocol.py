@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
+from polyamp._src.op_classes import OpClass, op_class
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -12,10 +14,10 @@ if TYPE_CHECKING:
 
 __all__ = ["CAPABILITIES", "OPS", "Harness", "HarnessUnavailable", "Loop", "Trainer", "capabilities_of"]
 
-#: Op classes whose output dtype the cases check. The first three run in the compute dtype; the others in
-#: float32 (as CUDA's autocast lists have them).
+#: Ops whose output dtype the cases check, by their names in polyamp's op-class table (`polyamp.OP_CLASSES`).
 OPS = ("matmul", "dense", "conv", "softmax", "log_softmax", "cross_entropy", "layer_norm", "sum")
-COMPUTE_OPS = frozenset({"matmul", "dense", "conv"})
+#: Those the table runs in the compute dtype; the others run in float32.
+COMPUTE_OPS = frozenset(op for op in OPS if op_class(op, strict=True) is OpClass.COMPUTE)
 
 
 #: What a harness may offer, and what each capability means. Harness methods named here count as offered

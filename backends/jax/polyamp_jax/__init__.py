@@ -19,7 +19,7 @@ scalers'.
 
 from __future__ import annotations
 
-from polyamp_jax._autocast import COMPUTE_PRIMITIVES, FLOAT32_PRIMITIVES, autocast
+from polyamp_jax._autocast import COMPUTE_PRIMITIVES, FLOAT32_PRIMITIVES, PRIMITIVE_OPS, autocast
 from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree
 from polyamp_jax._functional import JaxFunctional, all_finite
 from polyamp_jax._optax import (
@@ -35,6 +35,7 @@ from polyamp_jax._optax import (
 __all__ = [
     "COMPUTE_PRIMITIVES",
     "FLOAT32_PRIMITIVES",
+    "PRIMITIVE_OPS",
     "JaxFunctional",
     "LossScaledState",
     "all_finite",

@@ -5,11 +5,13 @@ in the compute dtype (as jmp's ``cast_to_compute`` would give them; arrays ``fn`
 and each primitive then runs by class, the classes torch's autocast and polyamp's Keras models use:
 
 * matrix products and convolutions (``dot_general``, ``conv_general_dilated``) in the compute dtype;
-* what loses precision or range there in float32: exponentials and logarithms (``exp``, ``exp2``, ``log``,
-  ``log1p``, ``expm1``, ``logistic``), sums and products over axes (``reduce_sum``, ``reduce_prod``,
-  ``cumsum``, ``cumprod``, ``cumlogsumexp``), ``rsqrt``, ``pow`` and the special functions torch keeps in
-  float32 (``lgamma``, ``digamma``, ``erf_inv``, ``tan``, ``acos``, ``asin``, ``cosh``, ``sinh``); so softmax,
-  log-softmax, cross-entropy, means, variances and the statistics of layer and RMS norms are float32;
+* in float32, the ops polyamp's op-class table (`polyamp.OP_CLASSES`, CUDA autocast's lists) runs in float32,
+  through the primitives standing for them (`PRIMITIVE_OPS`): exponentials and logarithms (``exp``, ``log``,
+  ``log1p``, ``expm1``), sums and products over axes (``reduce_sum``, ``reduce_prod``, ``cumsum``,
+  ``cumprod``, ``cumlogsumexp``), ``rsqrt``, ``pow`` and the special functions CUDA keeps in float32
+  (``erf_inv``, ``tan``, ``acos``, ``asin``, ``cosh``, ``sinh``); so softmax, log-softmax, cross-entropy,
+  means, variances and the statistics of layer and RMS norms are float32, while ``logistic`` (sigmoid),
+  ``exp2``, ``lgamma`` and ``digamma`` follow their operands, as they do under torch's autocast;
 * everything else in the widest floating dtype among its operands (JAX's own promotion; a weakly typed
   constant, such as a Python scalar, takes its partner's dtype), so a value that became float32 stays float32
   until the next matrix product.
@@ -25,7 +27,8 @@ and are differentiated as written, without the custom rule).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -33,38 +36,43 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
-from polyamp import Policy, get_policy
+from polyamp import OpClass, Policy, get_policy, op_class
 
-__all__ = ["COMPUTE_PRIMITIVES", "FLOAT32_PRIMITIVES", "autocast"]
+__all__ = ["COMPUTE_PRIMITIVES", "FLOAT32_PRIMITIVES", "PRIMITIVE_OPS", "autocast"]
 
-#: Primitives that run in the policy's compute dtype.
-COMPUTE_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
-#: Primitives that run in float32 whatever the compute dtype.
-FLOAT32_PRIMITIVES = frozenset(
+#: Each JAX primitive that stands for an op of polyamp's op-class table (`polyamp.OP_CLASSES`), by the
+#: table's name. The table decides the class; a primitive not named here computes in the widest dtype of its
+#: operands. JAX's ``x ** n`` with a Python integer ``n`` is ``integer_pow``, a chain of multiplications,
+#: and is not ``pow``.
+PRIMITIVE_OPS: Mapping[str, str] = MappingProxyType(
     {
-        "exp",
-        "exp2",
-        "log",
-        "log1p",
-        "expm1",
-        "logistic",
-        "reduce_sum",
-        "reduce_prod",
-        "cumsum",
-        "cumprod",
-        "cumlogsumexp",
-        "rsqrt",
-        "pow",
-        "lgamma",
-        "digamma",
-        "erf_inv",
-        "tan",
-        "acos",
-        "asin",
-        "cosh",
-        "sinh",
+        "dot_general": "matmul",
+        "ragged_dot": "matmul",
+        "ragged_dot_general": "matmul",
+        "conv_general_dilated": "conv",
+        "exp": "exp",
+        "log": "log",
+        "log1p": "log1p",
+        "expm1": "expm1",
+        "reduce_sum": "sum",
+        "reduce_prod": "prod",
+        "cumsum": "cumsum",
+        "cumprod": "cumprod",
+        "cumlogsumexp": "logsumexp",
+        "rsqrt": "rsqrt",
+        "pow": "pow",
+        "erf_inv": "erfinv",
+        "tan": "tan",
+        "acos": "acos",
+        "asin": "asin",
+        "cosh": "cosh",
+        "sinh": "sinh",
     }
 )
+#: Primitives that run in the policy's compute dtype.
+COMPUTE_PRIMITIVES = frozenset(p for p, op in PRIMITIVE_OPS.items() if op_class(op, strict=True) is OpClass.COMPUTE)
+#: Primitives that run in float32 whatever the compute dtype.
+FLOAT32_PRIMITIVES = frozenset(p for p, op in PRIMITIVE_OPS.items() if op_class(op, strict=True) is OpClass.FLOAT32)
 #: Call-like primitives whose body is interpreted by class; the closed jaxpr is under one of these params.
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _CALL_PRIMITIVES = frozenset(

@@ -38,7 +38,7 @@ from polyamp_keras._compile import restore_polyamp_compiles
 from polyamp_keras._device import KerasDevice
 from polyamp_keras._follow import follow_polyamp_policy
 from polyamp_keras._functional import KerasFunctional
-from polyamp_keras._models import FLOAT32_LAYERS, apply_policy, op_output_dtype
+from polyamp_keras._models import FLOAT32_LAYERS, LAYER_OPS, apply_policy, op_output_dtype
 from polyamp_keras._optimizer import LossScaleOptimizer
 from polyamp_keras._outputs import OutputCast, cast_outputs
 from polyamp_keras._policies import PolicyOverridesMap, PolyampDTypePolicy, to_keras_policy
@@ -48,6 +48,7 @@ restore_polyamp_compiles()
 
 __all__ = [
     "FLOAT32_LAYERS",
+    "LAYER_OPS",
     "ForwardWatch",
     "KerasDevice",
     "KerasFunctional",

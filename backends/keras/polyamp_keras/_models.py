@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from keras.dtype_policies import DTypePolicy, DTypePolicyMap
@@ -32,23 +33,57 @@ from keras.dtype_policies import DTypePolicy, DTypePolicyMap
 from keras.src.models import Functional
 
 import polyamp
-from polyamp import OverridesLike, Policy, PolicyLike, PolicyOverrides, PolyampTypeError, PolyampValueError
+from polyamp import (
+    OpClass,
+    OverridesLike,
+    Policy,
+    PolicyLike,
+    PolicyOverrides,
+    PolyampTypeError,
+    PolyampValueError,
+    op_class,
+)
 from polyamp.backend_api import describe
 from polyamp_keras._keras import keras
 from polyamp_keras._outputs import OutputCast
 from polyamp_keras._policies import to_keras_policy
 
-__all__ = ["FLOAT32_LAYERS", "apply_policy", "op_output_dtype"]
+__all__ = ["FLOAT32_LAYERS", "LAYER_OPS", "apply_policy", "op_output_dtype"]
 
-#: Keras layers that compute in float32 under every policy once `apply_policy` has run: the layers for the
-#: ops torch's CUDA autocast runs in float32 (softmax, layer_norm, group_norm, rms_norm, and the norm that
-#: ``F.normalize`` divides by). ``RMSNormalization`` where this Keras has it.
+#: Keras layers and activations that stand for an op of polyamp's op-class table (`polyamp.OP_CLASSES`), by
+#: the table's name. ``UnitNormalization`` divides by the norm, as ``F.normalize`` does.
+LAYER_OPS: Mapping[str, str] = MappingProxyType(
+    {
+        "Softmax": "softmax",
+        "LayerNormalization": "layer_norm",
+        "GroupNormalization": "group_norm",
+        "RMSNormalization": "rms_norm",
+        "UnitNormalization": "norm",
+        "Dense": "dense",
+        "EinsumDense": "matmul",
+        "Conv1D": "conv",
+        "Conv2D": "conv",
+        "Conv3D": "conv",
+        "Conv1DTranspose": "conv_transpose",
+        "Conv2DTranspose": "conv_transpose",
+        "Conv3DTranspose": "conv_transpose",
+        "MultiHeadAttention": "attention",
+    }
+)
+_ACTIVATION_OPS = {"softmax": "softmax", "log_softmax": "log_softmax"}
+
+#: Keras layers that compute in float32 under every policy once `apply_policy` has run: those standing for the
+#: table's float32 ops (``RMSNormalization`` where this Keras has it).
 FLOAT32_LAYERS: tuple[type, ...] = tuple(
     getattr(keras.layers, name)
-    for name in ("Softmax", "LayerNormalization", "GroupNormalization", "RMSNormalization", "UnitNormalization")
-    if hasattr(keras.layers, name)
+    for name, op in LAYER_OPS.items()
+    if op_class(op, strict=True) is OpClass.FLOAT32 and hasattr(keras.layers, name)
 )
-_FLOAT32_ACTIVATIONS = (keras.activations.softmax, keras.activations.log_softmax)
+_FLOAT32_ACTIVATIONS = tuple(
+    getattr(keras.activations, name)
+    for name, op in _ACTIVATION_OPS.items()
+    if op_class(op, strict=True) is OpClass.FLOAT32
+)
 _FLOAT32 = Policy("float32")
 
 

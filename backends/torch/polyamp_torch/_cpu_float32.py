@@ -51,6 +51,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from polyamp import OpClass, op_class
+from polyamp.backend_api import FLOAT32_OPS
 from polyamp_torch._framework import torch
 
 __all__ = [
@@ -62,21 +64,9 @@ __all__ = [
     "registered_ops",
 ]
 
-#: CUDA autocast's float32 ops (torch's ``AT_FORALL_FP32``, ``AT_FORALL_FP32_SET_OPT_DTYPE`` and
-#: ``AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE`` lists), by the names of their Python entry points.
-FLOAT32_OP_NAMES = frozenset(
-    {
-        "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal",
-        "rsqrt", "sinh", "tan", "pow", "__pow__", "__rpow__", "float_power", "softplus",
-        "layer_norm", "group_norm", "rms_norm", "norm", "frobenius_norm", "nuclear_norm", "cosine_similarity",
-        "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d", "hinge_embedding_loss",
-        "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
-        "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
-        "binary_cross_entropy_with_logits", "cross_entropy", "dist", "pdist", "cdist", "renorm", "logsumexp",
-        "prod", "softmax", "log_softmax", "cumprod", "cumsum", "vector_norm", "matrix_norm", "sum",
-        "interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "matrix_sqrth",
-    }
-)  # fmt: skip
+#: The ops polyamp runs in float32 (the op-class table's `polyamp.OpClass.FLOAT32` ops, which are CUDA
+#: autocast's float32 lists), with the other names torch's Python API reaches them by.
+FLOAT32_OP_NAMES = FLOAT32_OPS | {"__pow__", "__rpow__", "upsample_nearest", "upsample_bilinear"}
 
 # CUDA autocast's float32 policies, by aten overload (torch's autocast_mode.h, and ops autocast_mode.cpp
 # registers one by one: linalg_matrix_sqrth, torch >= 2.14). Overloads a torch version lacks, or that its
@@ -361,12 +351,34 @@ def _overload(qualified: str) -> torch._ops.OpOverload | None:
     return getattr(packet, overload or "default", None)
 
 
+#: aten op names whose name in the op-class table differs (beyond a leading underscore and the overload).
+_TABLE_NAMES = {
+    "native_layer_norm": "layer_norm",
+    "nll_loss2d": "nll_loss",
+    "linalg_vector_norm": "vector_norm",
+    "linalg_matrix_norm": "matrix_norm",
+    "linalg_matrix_sqrth": "matrix_sqrth",
+}
+
+
+def table_name(overload: str) -> str:
+    """The op-class table's name (`polyamp.OP_CLASSES`) for an aten overload such as ``"softmax.int"``."""
+    base = overload.partition(".")[0].lstrip("_")
+    if base.startswith("upsample_"):
+        return "upsample"
+    return _TABLE_NAMES.get(base, base)
+
+
 def _planned() -> Iterator[tuple[str, Callable[..., Any]]]:
-    """(overload, kernel) for each op this torch runs in float32 under CUDA autocast and not under CPU's."""
+    """(overload, kernel) for each op the op-class table runs in float32 that this torch's CUDA autocast
+    registers and its CPU autocast does not run in float32 already. The lists above give each overload's cast
+    policy (torch's mechanics); the table decides which ops are float32."""
     policies: list[tuple[str, str | None]] = [(name, None) for name in (*_FP32, *_FP32_SET_OPT_DTYPE)]
     policies += list(_FP32_APPEND_DTYPE.items())
     set_opt_dtype = set(_FP32_SET_OPT_DTYPE)
     for name, target_name in policies:
+        if op_class(table_name(name)) is not OpClass.FLOAT32:
+            continue
         qualified = "aten::" + name
         op = _overload(name)
         if op is None or not torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "AutocastCUDA"):
