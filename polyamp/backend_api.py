@@ -7,7 +7,8 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
 * a `Backend` object whose ``make_device(config, state)`` returns a device form implementing
   `ImperativeDevice` (PyTorch-style loops) or `TapeDevice` (TensorFlow-style loops); a backend with jitted,
   stateless steps is also a `FunctionalBackend` (``make_functional(config)`` returning a `FunctionalDevice`,
-  which may also implement `FunctionalRecordingDevice`, `FunctionalGuardingDevice` and `FunctionalSpikeDevice`:
+  which may also implement `FunctionalRecordingDevice`, `FunctionalGuardingDevice`, `FunctionalSpikeDevice` and
+  `FunctionalProvenanceDevice`:
   the records' ring, the guard and the spike window as trees of arrays in the functional state);
 * optional protocols a device form may also implement, each one capability: `RecordingDevice` (step records
   on the device), `GuardingDevice` / `ImperativeGuardingDevice` (the guard), `ProvenanceDevice` /
@@ -43,6 +44,7 @@ from polyamp._src.backend import (
     FunctionalBackend,
     FunctionalDevice,
     FunctionalGuardingDevice,
+    FunctionalProvenanceDevice,
     FunctionalRecordingDevice,
     FunctionalSpikeDevice,
     GradientCounts,
@@ -159,6 +161,7 @@ __all__ = [
     "FunctionalDevice",
     "FunctionalGuardingDevice",
     "FunctionalLossScaler",
+    "FunctionalProvenanceDevice",
     "FunctionalRecordingDevice",
     "FunctionalSpikeDevice",
     "GradientCounts",

@@ -8,6 +8,7 @@ across backends, casting like jmp, the registry and the errors.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -345,7 +346,7 @@ def test_flax_nnx_optimizer_takes_the_transformation() -> None:
     x, y = jnp.asarray(rng.normal(size=(32, 8)).astype("float32")), jnp.asarray(rng.integers(0, 4, 32))
     losses, kernels = [], []
     for index in range(6):
-        kernels.append(np.asarray(model.l1.kernel.value))
+        kernels.append(np.asarray(model.l1.kernel[...]))
         losses.append(float(step(model, optimizer, x, y, jnp.asarray(index == 3))))
     assert kernels[4].tobytes() == kernels[3].tobytes()  # the skipped step left the weights bitwise as they were
     assert kernels[3].tobytes() != kernels[2].tobytes()
@@ -353,3 +354,54 @@ def test_flax_nnx_optimizer_takes_the_transformation() -> None:
     records = polyamp_jax.records(optimizer.opt_state)
     assert [(r.skipped, r.reason) for r in records] == [(i == 3, "overflow" if i == 3 else None) for i in range(6)]
     assert polyamp_jax.state_dict(optimizer.opt_state)["scale"] == 32768.0
+
+
+def test_records_name_the_gradients_of_a_skipped_step_in_the_functional_form() -> None:
+    """init(grads=...) counts, in the jitted step and only when it skips, which gradients held inf/NaN; the
+    record of that step names them by their place in the tree, once."""
+    fn = polyamp.LossScaler(enabled=True).functional(backend="jax")
+    params = {"params": {"Dense_0": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}, "scale": jnp.ones(())}}
+    state = fn.init(grads=params)
+
+    @jax.jit
+    def step(state: Any, grads: Any) -> Any:
+        grads, found_inf = fn.unscale(state, grads)
+        return fn.update(state, found_inf, grads=grads)
+
+    finite = jax.tree_util.tree_map(jnp.ones_like, params)
+    bad = {**finite, "params": {**finite["params"], "Dense_0": {**finite["params"]["Dense_0"]}}}
+    kernel = jnp.ones((2, 3)).at[0, 0].set(jnp.inf).at[1, 2].set(-jnp.inf).at[0, 1].set(jnp.nan)
+    bad["params"]["Dense_0"]["kernel"] = kernel
+    for grads in (finite, bad, finite):
+        state = step(state, grads)
+    records = fn.records(state)
+    assert [(r.iteration, r.skipped, r.reason) for r in records] == [
+        (0, False, None),
+        (1, True, "overflow"),
+        (2, False, None),
+    ]
+    assert [(g.name, g.layer, g.inf, g.neg_inf, g.nan, g.size) for g in records[1].gradients] == [
+        ("params/Dense_0/kernel", "params/Dense_0", 1, 1, 1, 6)
+    ]
+    assert records[0].gradients == records[2].gradients == ()
+    assert fn.records(state)[1].gradients == records[1].gradients  # attached once, not again on a later read
+    # A state loaded from a state dict keeps counting for the same gradients; its records start anew.
+    loaded = fn.load_state_dict(fn.state_dict(state), like=state)
+    loaded = step(loaded, bad)
+    assert [g.name for g in fn.records(loaded)[0].gradients] == ["params/Dense_0/kernel"]
+    with pytest.raises(polyamp.ScalerUsageError, match=r"update\(\) needs grads=: this state counts"):
+        fn.update(state, jnp.asarray(0.0))
+    with pytest.raises(polyamp.PolyampTypeError, match=r"received 1 gradients, but the state counts 3"):
+        fn.update(state, jnp.asarray(0.0), grads=[jnp.ones(3)])
+
+
+def test_loss_scaled_records_name_the_overflowing_parameter() -> None:
+    params = {"dense": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}}
+    with polyamp.policy_scope("mixed_float16"):
+        tx = polyamp_jax.loss_scaled(optax.sgd(0.1))
+    opt_state = tx.init(params)
+    grads = {"dense": {"kernel": jnp.full((3, 2), jnp.inf), "bias": jnp.ones(2)}}
+    _, opt_state = jax.jit(tx.update)(grads, opt_state, params)
+    (record,) = polyamp_jax.records(opt_state)
+    assert record.skipped and [(g.name, g.inf, g.size) for g in record.gradients] == [("dense/kernel", 6, 6)]
+    assert record.layers == ("dense",)

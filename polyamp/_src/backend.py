@@ -502,6 +502,33 @@ class FunctionalGuardingDevice(Protocol):
 
 
 @runtime_checkable
+class FunctionalProvenanceDevice(Protocol):
+    """Optional, functional devices: which gradients held inf/NaN in the most recent step skipped for them, as
+    a tree of arrays carried in the state (the functional form of `ProvenanceDevice`). The counts are computed
+    only in the branch that skips; a step that is applied pays one counter increment."""
+
+    def provenance_init(self, grads: Any) -> Any:
+        """A tree for gradients shaped like ``grads`` (any nesting; the parameters do): per gradient, zero
+        counts of (+inf, -inf, NaN, size), the gradient's name (from its place in ``grads``), the iteration of
+        the last counted skip (-1: none) and a count of iterations (0)."""
+        ...
+
+    def provenance_write(self, provenance: Any, grads: Any, flag: Flag | None) -> Any:
+        """``provenance`` after one iteration: when ``flag`` is set (> 0), ``grads``' counts and this
+        iteration's index (the count of iterations before it); the count of iterations advanced."""
+        ...
+
+    def provenance_read(self, provenance: Any) -> tuple[int, list[GradientCounts]]:
+        """(the iteration of the last counted skip, -1 for none; per gradient (name, +inf, -inf, NaN, size)):
+        one host read."""
+        ...
+
+    def provenance_reset(self, provenance: Any) -> Any:
+        """A fresh tree for the same gradients as ``provenance`` (counts zero, no skip, no iteration)."""
+        ...
+
+
+@runtime_checkable
 class FunctionalSpikeDevice(Protocol):
     """Optional, functional devices: `polyamp.SpikeRule` decided on the device, its window a tree of arrays
     carried in the state (the functional form of `SpikeDevice`). The rule (a frozen, hashable value) is passed

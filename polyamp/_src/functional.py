@@ -9,7 +9,9 @@ rule of `polyamp.LossScaleConfig`; the backend's `polyamp.backend_api.Functional
 The state is a dict of the device's trees of arrays (nothing else, so a jitted function can take and return
 it, and ``jax.lax.cond`` can carry it): ``"scaler"`` (scale, counters, the skip count), and, where the
 device offers them, ``"ring"`` (the step records' codes, `polyamp.backend_api.FunctionalRecordingDevice`)
-and ``"window"`` (the `polyamp.SpikeRule`'s window, `polyamp.backend_api.FunctionalSpikeDevice`). Everything
+``"window"`` (the `polyamp.SpikeRule`'s window, `polyamp.backend_api.FunctionalSpikeDevice`) and, when `init`
+was given the gradients' shape, ``"provenance"`` (which gradients held inf/NaN in the last skipped step,
+`polyamp.backend_api.FunctionalProvenanceDevice`). Everything
 that is decided rather than computed (the iteration's mode: scaling, guarding or off; a record's code; a
 spike skip counted as a skip) is decided here, once, when `polyamp.LossScaler.functional` is called.
 """
@@ -23,10 +25,12 @@ from polyamp._src.backend import (
     Flag,
     FunctionalDevice,
     FunctionalGuardingDevice,
+    FunctionalProvenanceDevice,
     FunctionalRecordingDevice,
     FunctionalSpikeDevice,
 )
 from polyamp._src.errors import InvalidConfigError, PolyampTypeError, ScalerUsageError, describe
+from polyamp._src.provenance import non_finite_gradients
 from polyamp._src.records import DEFAULT_HISTORY, MODE_CODES, Recorder, StepRecord
 from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
 from polyamp._src.spikes import SpikeRule
@@ -42,7 +46,7 @@ __all__ = ["FunctionalLossScaler"]
 
 #: What an iteration of a functional scaler does: scale, check without scaling, or neither.
 FunctionalMode = Literal["scaling", "guarding", "off"]
-_STATE_KEYS: Final = ("scaler", "ring", "window")
+_STATE_KEYS: Final = ("scaler", "ring", "window", "provenance")
 
 
 class FunctionalLossScaler:
@@ -136,6 +140,7 @@ class FunctionalLossScaler:
         self._backend = backend
         self._mode: FunctionalMode = "off"
         self._recording = False
+        self._attached = -1  # the iteration whose provenance the records hold
         self._read_capabilities()
         self._recorder = self._new_recorder(config.initial_state())
 
@@ -195,7 +200,7 @@ class FunctionalLossScaler:
 
     # -- the state ---------------------------------------------------------------------------------------
 
-    def init(self, state: LossScaleState | None = None) -> dict[str, Any]:
+    def init(self, state: LossScaleState | None = None, *, grads: Any = None) -> dict[str, Any]:
         """A fresh state: the config's initial state (or ``state``, validated as `load_state_dict` validates a
         state dict's), a zero skip count, an empty record ring (where the device keeps records) and an empty
         spike window (with a `polyamp.SpikeRule`).
@@ -204,12 +209,17 @@ class FunctionalLossScaler:
 
         Args:
             state: None, or a `polyamp.LossScaleState` this config can be in (e.g. ``fn.read(old_state)``).
+            grads: None, or a tree shaped like the gradients (the parameters): the state then also counts which
+                gradients held inf/NaN in a skipped step (on the device, only when it skips), and the record of
+                the most recent such step names them (`polyamp.StepRecord.gradients`); `update` then takes
+                the unscaled gradients as ``grads=``.
 
         Returns:
             The state: a dict of the backend's arrays, to pass to the other functions.
 
         Raises:
-            PolyampTypeError: (a ``TypeError``) ``state`` is not a `polyamp.LossScaleState` of numbers.
+            PolyampTypeError: (a ``TypeError``) ``state`` is not a `polyamp.LossScaleState` of numbers, or
+                ``grads`` was given to a backend whose functional form cannot count non-finite gradients.
             InvalidConfigError: (a ``ValueError``) ``state`` is impossible under this config: a scale that is
                 NaN, infinite, zero, negative, subnormal or outside ``[min_scale, max_scale]`` (without
                 ``min_scale``, the floor is 1.0), or a counter outside its range.
@@ -235,7 +245,19 @@ class FunctionalLossScaler:
         if self._rule is not None:
             spikes = cast(FunctionalSpikeDevice, self._device)
             tree["window"] = spikes.window_init(self._rule)
+        if grads is not None:
+            tree["provenance"] = self._provenance_device("init(grads=...)").provenance_init(grads)
+        self._attached = -1
         return tree
+
+    def _provenance_device(self, method: str) -> FunctionalProvenanceDevice:
+        if not isinstance(self._device, FunctionalProvenanceDevice):
+            raise PolyampTypeError(
+                f"FunctionalLossScaler.{method}: the {self._backend!r} backend's functional form cannot count "
+                "non-finite gradients (it does not implement polyamp.backend_api.FunctionalProvenanceDevice). "
+                "Call it without grads=."
+            )
+        return self._device
 
     def _scaler(self, state: Any, method: str) -> Any:
         """The device's scale-and-counters tree of ``state``.
@@ -246,7 +268,8 @@ class FunctionalLossScaler:
         if not isinstance(state, Mapping) or "scaler" not in state or set(state) - set(_STATE_KEYS):
             raise PolyampTypeError(
                 f"FunctionalLossScaler.{method} takes the state init() (or update(), load_state_dict()) returned: a "
-                f"dict with the keys 'scaler', and 'ring' / 'window' where kept. Received: {describe(state)}."
+                f"dict with the keys 'scaler', and 'ring' / 'window' / 'provenance' where kept. Received: "
+                f"{describe(state)}."
             )
         return state["scaler"]
 
@@ -327,7 +350,9 @@ class FunctionalLossScaler:
             return applied
         return self._device.select(flag, current, applied)
 
-    def update(self, state: Any, found_inf: Flag | None, spike: Mapping[str, Any] | None = None) -> Any:
+    def update(
+        self, state: Any, found_inf: Flag | None, spike: Mapping[str, Any] | None = None, *, grads: Any = None
+    ) -> Any:
         """The state after the iteration, as `polyamp.LossScaler.update` leaves its own.
 
         Scaling, the loss-scale rule advances with ``found_inf`` (and counts a skip when it is set); guarding,
@@ -340,14 +365,28 @@ class FunctionalLossScaler:
             state: The iteration's state.
             found_inf: The flag `unscale` returned (None when the functions neither scale nor guard).
             spike: What `spike` returned for this iteration (None without a rule).
+            grads: The gradients `unscale` returned, for a state made with ``init(grads=...)`` (which counts
+                the non-finite ones of a skipped step); None otherwise.
 
         Raises:
-            ScalerUsageError: scaling or guarding without a flag, or a rule's iteration without its decision.
+            ScalerUsageError: scaling or guarding without a flag, or a rule's iteration without its decision,
+                or a state that counts non-finite gradients updated without ``grads``.
             PolyampTypeError: a decision for a scaler without a rule.
         """
         tree = self._scaler(state, "update()")
         new = dict(state)
         mode = self._mode
+        if "provenance" in state:
+            if grads is None and mode != "off":
+                raise ScalerUsageError(
+                    "FunctionalLossScaler.update() needs grads=: this state counts which gradients held inf/NaN "
+                    "(init(grads=...)). Pass the gradients unscale() returned, e.g. fn.update(state, found_inf, "
+                    "grads=grads)."
+                )
+            counting = self._provenance_device("update()")
+            new["provenance"] = counting.provenance_write(
+                state["provenance"], grads, None if mode == "off" else found_inf
+            )
         if mode == "off":
             if self._recording:
                 recording = cast(FunctionalRecordingDevice, self._device)
@@ -416,6 +455,15 @@ class FunctionalLossScaler:
         self._scaler(state, "records()")
         if not self._recording:
             return []
+        if "provenance" in state:  # the last skip's counts, attached once to its record
+            at, entries = self._provenance_device("records()").provenance_read(state["provenance"])
+            if at > self._attached:
+                self._attached = at
+                gradients = non_finite_gradients(entries)
+                if self._recorder.find(at) is None:
+                    self._recorder.attach(at, gradients)
+                else:
+                    self._recorder.amend(at, gradients)
         device = cast(FunctionalRecordingDevice, self._device)
         count, codes = device.ring_read(state["ring"])
         self._recorder.consume(count, codes, self._config, lambda: self.read(state))
@@ -432,18 +480,27 @@ class FunctionalLossScaler:
             window, run = device.read_window(state["window"])
         return to_state_dict(self._config, host, self._setting, window, run)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> Any:
+    def load_state_dict(self, state_dict: Mapping[str, Any], *, like: Any = None) -> Any:
         """A state from a `polyamp.LossScaler` (or torch GradScaler) state dict, its spike window and run
         included; its settings are adopted (re-trace jitted steps that captured the old ones). The records start
         anew, as after `init`. A scaler made with ``enabled=False`` takes ``{}`` (a disabled GradScaler's dict)
         as nothing to restore: a fresh state.
 
+        Args:
+            state_dict: The state dict.
+            like: None, or a state of this scaler whose form the new one keeps: one that counts non-finite
+                gradients (``init(grads=...)``) gives a new state that counts them for the same gradients.
+
         Raises:
             StateDictError: the dict is malformed (nothing changes).
         """
         disabled = self._setting is False
+        counting = isinstance(like, Mapping) and "provenance" in like
         if disabled and is_disabled_torch_state(state_dict):
-            return self.init()
+            fresh = self.init()
+            if counting:
+                fresh["provenance"] = self._provenance_device("load_state_dict()").provenance_reset(like["provenance"])
+            return fresh
         config, host = parse_state_dict(state_dict, self._config, loader_disabled=disabled)
         rule = self._rule
         window = parse_spike_window(state_dict, None if rule is None else rule.window)
@@ -456,4 +513,6 @@ class FunctionalLossScaler:
         if window is not None and rule is not None:
             device = cast(FunctionalSpikeDevice, self._device)
             state["window"] = device.write_window(state["window"], window, run)
+        if counting:
+            state["provenance"] = self._provenance_device("load_state_dict()").provenance_reset(like["provenance"])
         return state

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from polyamp import LossScaleConfig, LossScaleState, SpikeRule
+from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, SpikeRule
 from polyamp.backend_api import REBASE_BIT, SPIKE_BIT, ring_codes, ring_values, to_float32
 
 __all__ = ["JaxFunctional", "all_finite", "statistic_dtype"]
@@ -65,9 +65,68 @@ def _set(flag: Any) -> Any:
     return jnp.asarray(flag) > 0
 
 
+@jax.tree_util.register_pytree_node_class
+class _Names:
+    """The gradients' names, carried through ``jax.jit`` as static data of the state (no arrays)."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+
+    def tree_flatten(self) -> tuple[tuple[()], tuple[str, ...]]:
+        return (), self.names
+
+    @classmethod
+    def tree_unflatten(cls, names: tuple[str, ...], children: Any) -> _Names:
+        return cls(names)
+
+    def __repr__(self) -> str:
+        return f"_Names({len(self.names)})"
+
+
+def _path_name(path: Any) -> str:
+    """A gradient's name from its place in the tree: the keys joined by ``/`` (``params/Dense_0/kernel``)."""
+    parts = []
+    for key in path:
+        for attribute in ("key", "name", "idx"):
+            if hasattr(key, attribute):
+                parts.append(str(getattr(key, attribute)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def _counts(leaves: list[Any]) -> Any:
+    """Per leaf, (+inf, -inf, NaN, size) as int32 (None and non-floating leaves: no non-finite values)."""
+    rows = []
+    for leaf in leaves:
+        if leaf is None:
+            rows.append(jnp.zeros(4, jnp.int32))
+            continue
+        size = jnp.asarray(int(np.prod(jnp.shape(leaf))), jnp.int32)
+        if not _floating(leaf):
+            rows.append(jnp.stack([jnp.int32(0), jnp.int32(0), jnp.int32(0), size]))
+            continue
+        value = jnp.asarray(leaf)
+        rows.append(
+            jnp.stack(
+                [
+                    jnp.sum(value == jnp.inf, dtype=jnp.int32),
+                    jnp.sum(value == -jnp.inf, dtype=jnp.int32),
+                    jnp.sum(jnp.isnan(value), dtype=jnp.int32),
+                    size,
+                ]
+            )
+        )
+    if not rows:
+        return jnp.zeros((0, 4), jnp.int32)
+    return jnp.stack(rows)
+
+
 class JaxFunctional:
     """`polyamp.backend_api.FunctionalDevice` over JAX arrays, with records (`FunctionalRecordingDevice`), the
-    guard (`FunctionalGuardingDevice`) and the spike rule (`FunctionalSpikeDevice`).
+    guard (`FunctionalGuardingDevice`), the spike rule (`FunctionalSpikeDevice`) and the counts of non-finite
+    gradients of a skipped step (`FunctionalProvenanceDevice`).
 
     Trees are dicts of arrays: the scaler ``{"scale", "growth_tracker", "hysteresis_left", "skipped"}``, the
     record ring ``{"codes", "count"}`` and the spike window ``{"values", "count", "run"}``.
@@ -189,6 +248,49 @@ class JaxFunctional:
     def ring_read(self, ring: Mapping[str, Any]) -> tuple[int, list[int]]:
         count = int(np.asarray(ring["count"]))
         return count, ring_codes(count, np.asarray(ring["codes"]).tolist())
+
+    # -- which gradients held inf/NaN (FunctionalProvenanceDevice) -----------------------------------------
+
+    def provenance_init(self, grads: Any) -> dict[str, Any]:
+        paths = jax.tree_util.tree_flatten_with_path(grads, is_leaf=lambda leaf: leaf is None)[0]
+        names = tuple(_path_name(path) or f"leaf{index}" for index, (path, _) in enumerate(paths))
+        return {
+            "counts": jnp.zeros((len(names), 4), jnp.int32),
+            "at": jnp.asarray(-1, jnp.int32),
+            "seen": jnp.asarray(0, jnp.int32),
+            "names": _Names(names),
+        }
+
+    def provenance_write(self, provenance: Mapping[str, Any], grads: Any, flag: Any) -> dict[str, Any]:
+        new = dict(provenance)
+        new["seen"] = provenance["seen"] + 1
+        if flag is None:
+            return new
+        leaves = jax.tree_util.tree_leaves(grads, is_leaf=lambda leaf: leaf is None)
+        names = provenance["names"].names
+        if len(leaves) != len(names):
+            raise PolyampTypeError(
+                f"FunctionalLossScaler.update(grads=...) received {len(leaves)} gradients, but the state counts "
+                f"{len(names)} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): pass the gradients "
+                "of the tree init(grads=...) was given."
+            )
+        skipped = _set(flag)
+        new["counts"] = jax.lax.cond(skipped, lambda: _counts(leaves), lambda: provenance["counts"])
+        new["at"] = jnp.where(skipped, provenance["seen"], provenance["at"])
+        return new
+
+    def provenance_read(self, provenance: Mapping[str, Any]) -> tuple[int, list[tuple[str, int, int, int, int]]]:
+        at, counts = jax.device_get((provenance["at"], provenance["counts"]))
+        rows = np.asarray(counts).tolist()
+        return int(at), [(name, *row) for name, row in zip(provenance["names"].names, rows, strict=True)]
+
+    def provenance_reset(self, provenance: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "counts": jnp.zeros_like(provenance["counts"]),
+            "at": jnp.asarray(-1, jnp.int32),
+            "seen": jnp.asarray(0, jnp.int32),
+            "names": provenance["names"],
+        }
 
     # -- FunctionalSpikeDevice ---------------------------------------------------------------------------
 

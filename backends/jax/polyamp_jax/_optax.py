@@ -105,14 +105,15 @@ def loss_scaled(
     wrapped = optax.with_extra_args_support(inner)
 
     def init(params: Any) -> LossScaledState:
-        return LossScaledState(fn.init(), wrapped.init(params), fn)
+        # The state counts which gradients held inf/NaN in a skipped step (named by their place in params).
+        return LossScaledState(fn.init(grads=params), wrapped.init(params), fn)
 
     def update(updates: Any, state: LossScaledState, params: Any = None, **extra: Any) -> tuple[Any, LossScaledState]:
         loss = extra.pop("loss", None)
         scaler_state = state.scaler
         if fn.mode == "off":
             new_updates, new_inner = wrapped.update(updates, state.inner, params, **extra)
-            return new_updates, LossScaledState(fn.update(scaler_state, None), new_inner, fn)
+            return new_updates, LossScaledState(fn.update(scaler_state, None, grads=updates), new_inner, fn)
         grads, found_inf = fn.unscale(scaler_state, updates)
         decision = fn.spike(scaler_state, loss=loss, grads=grads)
         new_updates, new_inner = wrapped.update(grads, state.inner, params, **extra)
@@ -120,7 +121,8 @@ def loss_scaled(
         new_updates, new_inner = fn.apply_if_finite(
             found_inf, (new_updates, new_inner), (zeros, state.inner), spike=decision
         )
-        return new_updates, LossScaledState(fn.update(scaler_state, found_inf, spike=decision), new_inner, fn)
+        new_scaler = fn.update(scaler_state, found_inf, spike=decision, grads=grads)
+        return new_updates, LossScaledState(new_scaler, new_inner, fn)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -154,7 +156,9 @@ def scale_loss(opt_state: Any, loss: Any) -> Any:
 
 
 def records(opt_state: Any) -> list[StepRecord]:
-    """The most recent steps' records (one host read), as `polyamp.LossScaler.records` gives them."""
+    """The most recent steps' records (one host read), as `polyamp.LossScaler.records` gives them: the record of
+    the most recent step skipped for inf/NaN gradients names them (``gradients``: their place in the parameters,
+    e.g. ``"params/Dense_0/kernel"``, and how many +inf, -inf and NaN each held)."""
     state = _find(opt_state, "records()")
     return state.fn.records(state.scaler)
 
@@ -168,7 +172,7 @@ def state_dict(opt_state: Any) -> dict[str, Any]:
 def load_state_dict(opt_state: Any, saved: Any) -> Any:
     """``opt_state`` with its loss-scaler state restored from a state dict (of any backend's scaler)."""
     state = _find(opt_state, "load_state_dict()")
-    restored = LossScaledState(state.fn.load_state_dict(saved), state.inner, state.fn)
+    restored = LossScaledState(state.fn.load_state_dict(saved, like=state.scaler), state.inner, state.fn)
     return jax.tree_util.tree_map(
         lambda node: restored if node is state else node,
         opt_state,
