@@ -78,10 +78,10 @@ def test_the_functional_scaler_runs_inside_lax_scan() -> None:
     assert [r.skipped for r in fn.records(state)] == [c == "O" for c in pattern]
 
 
-def _jmp_style_step(inner: optax.GradientTransformation):  # type: ignore[no-untyped-def]
+def _jmp_style_step(inner: optax.GradientTransformation, jmp):  # type: ignore[no-untyped-def]
     """The hand-written step polyamp's transformation replaces: scale, unscale by the float32 reciprocal,
-    check, apply the inner update or keep everything (jmp's select_tree), adjust the scale."""
-    import jmp
+    check, apply the inner update or keep everything (jmp's select_tree), adjust the scale; with ``jmp`` or
+    with polyamp_jax.jmp_compat in its place."""
 
     @jax.jit
     def step(params, inner_state, loss_scale, x, bad):  # type: ignore[no-untyped-def]
@@ -98,9 +98,10 @@ def _jmp_style_step(inner: optax.GradientTransformation):  # type: ignore[no-unt
     return step
 
 
+@pytest.mark.parametrize("library", ["jmp", "jmp_compat"])
 @pytest.mark.parametrize("make_inner", [lambda: optax.sgd(0.1, momentum=0.9), lambda: optax.adamw(1e-2)])
-def test_the_transformation_equals_a_hand_written_jmp_step_bit_for_bit(make_inner) -> None:  # type: ignore[no-untyped-def]
-    jmp = pytest.importorskip("jmp")
+def test_the_transformation_equals_a_hand_written_jmp_step_bit_for_bit(make_inner, library: str) -> None:  # type: ignore[no-untyped-def]
+    jmp = polyamp_jax.jmp_compat if library == "jmp_compat" else pytest.importorskip("jmp")
     pattern = "FFOFFFOOFFFFOF"
     inner = make_inner()
     tx = polyamp_jax.loss_scaled(make_inner(), enabled=True, growth_interval=3)
@@ -116,7 +117,7 @@ def test_the_transformation_equals_a_hand_written_jmp_step_bit_for_bit(make_inne
     opt_state = tx.init(ours)
     theirs, inner_state = _params(), inner.init(_params())
     loss_scale = jmp.DynamicLossScale(jnp.float32(2.0**16), period=3)
-    reference = _jmp_style_step(inner)
+    reference = _jmp_style_step(inner, jmp)
     for x, char in zip(_batches(len(pattern)), pattern, strict=True):
         before = _float_leaves(ours)
         ours, opt_state = step(ours, opt_state, x, jnp.asarray(char == "O"))
@@ -208,6 +209,185 @@ def test_casting_follows_jmp_and_the_policy_in_effect() -> None:
     with polyamp.policy_scope("mixed_float16"):
         assert polyamp_jax.cast_to_compute(tree)["f"].dtype == jnp.float16
         assert polyamp_jax.cast_to_output(tree)["h"].dtype == jnp.float32
+
+
+# -- polyamp_jax.jmp_compat (jmp's own tests run against it in tests/test_upstream_jax.py) ------------------
+
+jc = polyamp_jax.jmp_compat
+
+
+@pytest.mark.parametrize(
+    ("name", "dtypes"),
+    [
+        ("c=f16", ("float32", "float16", "float16")),  # compute follows params, output follows compute
+        ("p=f16,c=bf16", ("float16", "bfloat16", "bfloat16")),
+        ("c=bf16,o=full", ("float32", "bfloat16", "float32")),
+        ("params=float32,compute=float16,output=float32", ("float32", "float16", "float32")),
+        ("p=bf16", ("bfloat16", "bfloat16", "bfloat16")),
+        ("half", ("float16", "float16", "float16")),  # a bare dtype is all three (half: float16 off TPU)
+        ("f32", ("float32", "float32", "float32")),
+        ("bfloat16", ("bfloat16", "bfloat16", "bfloat16")),
+        ("mixed_bfloat16", ("float32", "bfloat16", "float32")),  # polyamp's names read as polyamp reads them
+    ],
+)
+def test_jmp_compat_get_policy_reads_jmps_grammar(name: str, dtypes: tuple[str, str, str]) -> None:
+    policy = jc.get_policy(name)
+    got = (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+    assert got == tuple(getattr(jnp, d) for d in dtypes)
+    assert all(isinstance(d, type) and d.__module__ == "jax.numpy" for d in got)  # JAX's scalar types, as jmp's
+    assert policy.policy == polyamp.Policy(param=dtypes[0], compute=dtypes[1], output=dtypes[2])
+    assert str(policy) == "p={},c={},o={}".format(
+        *({"float32": "full", "float16": "f16", "bfloat16": "bf16"}[d] for d in dtypes)
+    )
+    assert polyamp.Policy(str(policy)) == policy.policy  # jmp's text reads back in polyamp's grammar
+    if name != "mixed_bfloat16":
+        jmp = pytest.importorskip("jmp")
+        theirs = jmp.get_policy(name)
+        assert got == (theirs.param_dtype, theirs.compute_dtype, theirs.output_dtype)
+        assert str(policy) == str(theirs)
+
+
+def test_jmp_compat_policy_casts_floating_leaves_only() -> None:
+    policy = jc.Policy(np.float32, "f16", jnp.bfloat16)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (jnp.float32, jnp.float16, jnp.bfloat16)
+    tree = {"f": jnp.ones(2), "n": np.ones(2, np.float32), "i": jnp.ones(2, jnp.int32), "s": "x"}
+    compute = policy.cast_to_compute(tree)
+    assert (compute["f"].dtype, compute["n"].dtype, compute["i"].dtype, compute["s"]) == (
+        jnp.float16,
+        np.float16,
+        jnp.int32,
+        "x",
+    )
+    assert isinstance(compute["n"], np.ndarray)
+    assert policy.cast_to_output(tree)["f"].dtype == jnp.bfloat16
+    assert policy.cast_to_param({"h": jnp.ones(2, jnp.float16)})["h"].dtype == jnp.float32
+    assert policy.with_output_dtype(jnp.float16) == jc.Policy(jnp.float32, jnp.float16, jnp.float16)
+    assert jc.cast_to_full({"h": jnp.ones(1, jnp.float16)})["h"].dtype == jnp.float32
+    assert jc.cast_to_half({"f": jnp.ones(1)})["f"].dtype == jc.half_dtype() == jnp.float16  # CPU
+
+
+def test_jmp_compat_policy_errors_say_what_is_allowed() -> None:
+    with pytest.raises(polyamp.InvalidPolicyError, match=r"Unknown dtype 'f64' in policy 'c=f64'.*no other dtype"):
+        jc.get_policy("c=f64")
+    with pytest.raises(polyamp.InvalidPolicyError, match=r"Unknown key 'x' in policy 'x=f16'.*p\|params"):
+        jc.get_policy("x=f16")
+    with pytest.raises(PolyampTypeError, match=r"get_policy\(\) takes a policy string.*Received: 16 \(of type int\)"):
+        jc.get_policy(16)  # type: ignore[arg-type]
+    with pytest.raises(polyamp.InvalidPolicyError, match=r"`compute_dtype` must be float32, float16 or bfloat16"):
+        jc.Policy(jnp.float32, jnp.float64, jnp.float32)
+    with pytest.raises(PolyampTypeError, match=r"`output_dtype` must be a dtype.*Received: None"):
+        jc.Policy(jnp.float32, jnp.float16, None)
+
+
+def _adjusted(loss_scale: object, pattern: str) -> list[tuple[float, int]]:
+    got = []
+    for char in pattern:
+        loss_scale = loss_scale.adjust(jnp.bool_(char == "F"))  # type: ignore[attr-defined]
+        got.append((float(loss_scale.loss_scale), int(loss_scale.counter)))  # type: ignore[attr-defined]
+    return got
+
+
+@pytest.mark.parametrize("factor", [2, 3])
+def test_jmp_compat_dynamic_loss_scale_follows_polyamps_rule_and_equals_jmp(factor: int) -> None:
+    pattern = "FFFOFFFFFFOOOOOOOFFF"
+    ours = jc.DynamicLossScale(jnp.float32(64), period=3, factor=factor, min_loss_scale=2.0)
+    config = LossScaleConfig(
+        init_scale=64, growth_interval=3, growth_factor=factor, backoff_factor=1 / factor, min_scale=2.0
+    )
+    want = [(s.scale, s.growth_tracker) for s in config.states(pattern)]
+    assert _adjusted(ours, pattern) == want
+    jmp = pytest.importorskip("jmp")
+    theirs = jmp.DynamicLossScale(jnp.float32(64), period=3, factor=factor, min_loss_scale=jnp.float32(2))
+    assert _adjusted(theirs, pattern) == want
+
+
+def test_jmp_compat_dynamic_loss_scale_rounds_a_factor_as_polyamp_does() -> None:
+    """A factor float32 cannot hold (1.1): polyamp multiplies by the float64 factor (or its reciprocal) and rounds
+    once; jmp rounds the factor to float32 first. The documented last-bit difference."""
+    scale = float(np.float32(667903.1))
+    ours = jc.DynamicLossScale(jnp.float32(scale), factor=1.1).adjust(jnp.bool_(False))
+    config = LossScaleConfig(init_scale=scale, growth_factor=1.1, backoff_factor=1 / 1.1, min_scale=1.0)
+    assert (
+        float(ours.loss_scale) == config.next_state(config.initial_state(), True).scale == float(np.float32(607184.7))
+    )
+    jmp = pytest.importorskip("jmp")
+    theirs = jmp.DynamicLossScale(jnp.float32(scale), factor=1.1).adjust(jnp.bool_(False))
+    assert float(theirs.loss_scale) == float(np.float32(607184.6))
+
+
+def test_jmp_compat_dynamic_loss_scale_is_a_pytree_of_scale_and_counter() -> None:
+    loss_scale = jc.DynamicLossScale(2.0**15, period=5, factor=2, min_loss_scale=0.5)
+    assert loss_scale.loss_scale.dtype == jnp.float32 and loss_scale.counter.dtype == jnp.int32
+    leaves = jax.tree_util.tree_leaves(loss_scale)
+    assert [(float(v), v.dtype) for v in leaves] == [(2.0**15, jnp.float32), (0, jnp.int32)]
+
+    @jax.jit
+    def step(loss_scale: jc.DynamicLossScale, finite: jax.Array) -> jc.DynamicLossScale:
+        return loss_scale.adjust(finite)
+
+    for _ in range(5):
+        loss_scale = step(loss_scale, jnp.bool_(True))
+    assert (float(loss_scale.loss_scale), int(loss_scale.counter)) == (2.0**16, 0)
+    for _ in range(20):
+        loss_scale = step(loss_scale, jnp.bool_(False))
+    assert float(loss_scale.loss_scale) == 0.5  # min_loss_scale kept through jit (jmp's returns to 1 there)
+    assert (loss_scale.period, loss_scale.factor, float(loss_scale.min_loss_scale)) == (5, 2, 0.5)
+    grads = loss_scale.unscale({"g": jnp.ones(2, jnp.float16), "i": jnp.ones(2, jnp.int32)})
+    assert (grads["g"].dtype, grads["g"].tolist(), grads["i"].tolist()) == (jnp.float16, [2.0, 2.0], [1, 1])
+    scaled = loss_scale.scale(jnp.float16(3))
+    assert (scaled.dtype, float(scaled)) == (jnp.float32, 1.5)  # in float32, as polyamp scales every loss
+
+
+def test_jmp_compat_static_and_no_op_loss_scales() -> None:
+    static = jc.StaticLossScale(4)
+    assert jax.tree_util.tree_leaves(static) == [] and static.loss_scale == 4.0
+    assert jax.jit(lambda s, x: s.scale(x))(static, jnp.float32(1.5)).tolist() == 6.0
+    unscaled = static.unscale({"a": jnp.float32(6), "b": jnp.float16(2)})
+    assert (unscaled["a"].tolist(), unscaled["b"].tolist(), unscaled["b"].dtype) == (1.5, 0.5, jnp.float16)
+    assert static.adjust(jnp.bool_(False)) is static
+    no_op = jc.NoOpLossScale()
+    tree = {"a": jnp.ones(2)}
+    assert no_op.scale(tree) is tree and no_op.unscale(tree) is tree and no_op.loss_scale == 1
+    assert jax.tree_util.tree_leaves(no_op) == [] and no_op.adjust(jnp.bool_(False)) is no_op
+
+
+def test_jmp_compat_all_finite_and_select_tree() -> None:
+    assert bool(jc.all_finite({"a": jnp.ones(2), "i": jnp.ones(2, jnp.int32)})) is True
+    assert bool(jc.all_finite({"a": jnp.ones(2), "b": float("nan")})) is False  # a Python number is checked too
+    assert bool(jc.all_finite(None)) is True
+    a, b = {"x": jnp.float32(1), "y": None}, {"x": jnp.float32(2), "y": None}
+    assert jc.select_tree(jnp.bool_(True), a, b)["x"].tolist() == 1.0
+    assert jc.select_tree(False, a, b)["x"].tolist() == 2.0
+    assert jax.jit(jc.select_tree)(jnp.bool_(False), a, b)["x"].tolist() == 2.0
+
+
+def test_jmp_compat_loss_scale_errors_say_what_is_allowed() -> None:
+    with pytest.raises(PolyampTypeError, match=r"`loss_scale` must be a floating-point scalar.*dtype int32, shape"):
+        jc.DynamicLossScale(jnp.asarray(1, jnp.int32))
+    with pytest.raises(polyamp.InvalidConfigError, match=r"`loss_scale` must be a finite positive number.*-1\.0"):
+        jc.DynamicLossScale(-1.0)
+    with pytest.raises(PolyampTypeError, match=r"`counter` must be an int or a 0-d integer array.*dtype float32"):
+        jc.DynamicLossScale(1.0, counter=jnp.float32(0))
+    with pytest.raises(PolyampTypeError, match=r"`period` must be an int >= 1.*Received: 5\.0 \(of type float\)"):
+        jc.DynamicLossScale(1.0, period=5.0)  # type: ignore[arg-type]
+    with pytest.raises(
+        polyamp.InvalidConfigError, match=r"`growth_factor` must be.*Received: growth_factor=1\.0.*factor"
+    ):
+        jc.DynamicLossScale(1.0, factor=1)
+    with pytest.raises(
+        polyamp.InvalidConfigError, match=r"`min_scale` must be.*min_scale=0\.0.*min_scale its min_loss"
+    ):
+        jc.DynamicLossScale(1.0, min_loss_scale=0.0)
+    with pytest.raises(PolyampTypeError, match=r"`min_loss_scale` is a setting of the rule"):
+        jax.jit(lambda m: jc.DynamicLossScale(1.0, min_loss_scale=m).loss_scale)(jnp.float32(1))
+    with pytest.raises(polyamp.InvalidConfigError, match=r"StaticLossScale\(0\.0\).*`init_scale` must be"):
+        jc.StaticLossScale(0)
+    with pytest.raises(PolyampTypeError, match=r"StaticLossScale holds its scale as a setting"):
+        jax.jit(lambda s: jc.StaticLossScale(s).loss_scale)(jnp.float32(2))
+    with pytest.raises(PolyampTypeError, match=r"adjust\(grads_finite\) takes a boolean scalar.*shape \(2,\)"):
+        jc.DynamicLossScale(1.0).adjust(jnp.array([True, False]))
+    with pytest.raises(PolyampTypeError, match=r"select_tree\(pred, a, b\) takes a boolean scalar.*dtype float32"):
+        jc.select_tree(jnp.float32(1), None, None)
 
 
 def test_a_loss_scaler_handed_jax_arrays_says_how_to_scale_in_jax() -> None:

@@ -12,6 +12,8 @@
   loss with it, `records` / `state_dict` / `load_state_dict` read and restore it.
 * ``polyamp.LossScaler(...).functional(backend="jax")`` - the functional scaler over JAX arrays for
   hand-written steps (`JaxFunctional` is its device form).
+* `jmp_compat` - jmp's public API (``Policy``, ``get_policy``, ``DynamicLossScale``, ``all_finite``,
+  ``select_tree``, ...) over polyamp's policy and loss scaler: ``from polyamp_jax import jmp_compat as jmp``.
 
 It imports JAX and optax only. The state dicts are interchangeable with polyamp's torch, TensorFlow and Keras
 scalers'.
@@ -19,6 +21,7 @@ scalers'.
 
 from __future__ import annotations
 
+from polyamp_jax import jmp_compat
 from polyamp_jax._autocast import COMPUTE_PRIMITIVES, FLOAT32_PRIMITIVES, PRIMITIVE_OPS, autocast
 from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree
 from polyamp_jax._functional import JaxFunctional, all_finite
@@ -44,6 +47,7 @@ __all__ = [
     "cast_to_output",
     "cast_to_param",
     "cast_tree",
+    "jmp_compat",
     "load_state_dict",
     "loss_scaled",
     "records",
