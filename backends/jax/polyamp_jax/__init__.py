@@ -12,6 +12,8 @@
 * `loss_scaled` - polyamp's loss scaling as an optax transformation: the scale, the skip of non-finite (or
   spiking) steps, the guard, step records and the spike window in its state, in-graph; `scale_loss` scales a
   loss with it, `records` / `state_dict` / `load_state_dict` read and restore it.
+* `DynamicScale` - a drop-in for Flax's ``flax.training.dynamic_scale.DynamicScale`` (a ``TrainState`` field)
+  whose scale follows polyamp's rule, with records and state dicts.
 * ``polyamp.LossScaler(...).functional(backend="jax")`` - the functional scaler over JAX arrays for
   hand-written steps (`JaxFunctional` is its device form).
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from polyamp_jax._autocast import COMPUTE_PRIMITIVES, FLOAT32_PRIMITIVES, autocast
 from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree, module_dtypes
+from polyamp_jax._dynamic_scale import DynamicScale, DynamicScaleResult
 from polyamp_jax._functional import JaxFunctional, all_finite
 from polyamp_jax._optax import (
     LossScaledState,
@@ -37,6 +40,8 @@ from polyamp_jax._optax import (
 __all__ = [
     "COMPUTE_PRIMITIVES",
     "FLOAT32_PRIMITIVES",
+    "DynamicScale",
+    "DynamicScaleResult",
     "JaxFunctional",
     "LossScaledState",
     "all_finite",
