@@ -371,6 +371,24 @@ def test_dynamic_scale_averages_over_a_named_axis_like_flaxs() -> None:
     np.testing.assert_array_equal(grads, [[4.0, 6.0], [4.0, 6.0]])  # the mean of 2p over the replicas
 
 
+def test_dynamic_scale_runs_under_pmap_and_its_records_read_from_one_replica() -> None:
+    n = jax.local_device_count()
+    replicated = jax.tree_util.tree_map(lambda leaf: jnp.stack([leaf] * n), polyamp_jax.DynamicScale(growth_interval=0))
+
+    @functools.partial(jax.pmap, axis_name="batch")
+    def step(ds, p):  # type: ignore[no-untyped-def]
+        return ds.value_and_grad(lambda q: jnp.sum(q * q), axis_name="batch")(p)
+
+    out = step(replicated, jnp.ones((n, 2)))
+    assert [bool(f) for f in out.finite] == [True] * n and [float(s) for s in out.dynamic_scale.scale] == [131072.0] * n
+    out = step(out.dynamic_scale, jnp.full((n, 2), jnp.inf))
+    first = jax.tree_util.tree_map(lambda leaf: leaf[0], out.dynamic_scale)
+    assert [(r.skipped, r.scale, r.next_scale) for r in polyamp_jax.records(first)] == [
+        (False, 65536.0, 131072.0),
+        (True, 131072.0, 65536.0),
+    ]
+
+
 def test_dynamic_scale_state_dicts_are_torchs_format() -> None:
     """polyamp_jax.state_dict of a DynamicScale loads into torch's GradScaler and polyamp's LossScaler, which
     then follow the same scales; a torch GradScaler's dict loads into a DynamicScale (Flax's growth_interval is

@@ -14,7 +14,7 @@ settings translated into polyamp's once, when the object is made:
   float32's subnormals and zero) keeps polyamp's lowest floor, float32's smallest normal number 2**-126.
 * Flax caps a growing scale at float32's largest value; here ``max_scale`` is 2**126, the largest power of two
   whose float32 reciprocal is a normal number. polyamp unscales by multiplying with that reciprocal, and XLA
-  flushes a subnormal one to zero, which would turn every gradient into zero; Flax divides, so its scale can
+  (on CPU) flushes a subnormal one to zero, which would turn every gradient into zero; Flax divides, so its scale can
   go on to float32's largest value. The two differ only there.
 
 The gradients come back in float32, as Flax gives them. polyamp unscales them by multiplying with the float32
