@@ -3,27 +3,32 @@
 * `autocast` - a function computing by op class under the policy, as torch's autocast and polyamp's Keras
   models do: matrix products and convolutions in the compute dtype, softmax, log-softmax, losses, sums,
   means, variances, norms' statistics, exp and log in float32 (by interpreting its jaxpr while it is traced:
-  nothing per step under ``jax.jit``).
+  nothing per step under ``jax.jit``). It takes models too: an Equinox module (``autocast(model)``), a Flax
+  Linen module's ``apply`` (``autocast(model.apply)``: parameters in the compute dtype, batch statistics and
+  other collections as stored).
 * `cast_to_compute`, `cast_to_param`, `cast_to_output` - a pytree's floating leaves in the policy's dtypes
   (the policy in effect, `polyamp.get_policy`, or one given), jmp-style: integer, boolean and non-array
-  leaves are left alone.
+  leaves are left alone. `module_dtypes` gives Flax layers the policy (``dtype``, ``param_dtype``).
 * `loss_scaled` - polyamp's loss scaling as an optax transformation: the scale, the skip of non-finite (or
   spiking) steps, the guard, step records and the spike window in its state, in-graph; `scale_loss` scales a
   loss with it, `records` / `state_dict` / `load_state_dict` read and restore it.
+* `DynamicScale` - a drop-in for Flax's ``flax.training.dynamic_scale.DynamicScale`` (a ``TrainState`` field)
+  whose scale follows polyamp's rule, with records and state dicts.
 * ``polyamp.LossScaler(...).functional(backend="jax")`` - the functional scaler over JAX arrays for
   hand-written steps (`JaxFunctional` is its device form).
 * `jmp_compat` - jmp's public API (``Policy``, ``get_policy``, ``DynamicLossScale``, ``all_finite``,
   ``select_tree``, ...) over polyamp's policy and loss scaler: ``from polyamp_jax import jmp_compat as jmp``.
 
-It imports JAX and optax only. The state dicts are interchangeable with polyamp's torch, TensorFlow and Keras
-scalers'.
+It imports JAX and optax only: Flax and Equinox objects are recognised when a program passes them, never
+imported. The state dicts are interchangeable with polyamp's torch, TensorFlow and Keras scalers'.
 """
 
 from __future__ import annotations
 
 from polyamp_jax import jmp_compat
 from polyamp_jax._autocast import COMPUTE_PRIMITIVES, FLOAT32_PRIMITIVES, PRIMITIVE_OPS, autocast
-from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree
+from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree, module_dtypes
+from polyamp_jax._dynamic_scale import DynamicScale, DynamicScaleResult
 from polyamp_jax._functional import JaxFunctional, all_finite
 from polyamp_jax._optax import (
     LossScaledState,
@@ -39,6 +44,8 @@ __all__ = [
     "COMPUTE_PRIMITIVES",
     "FLOAT32_PRIMITIVES",
     "PRIMITIVE_OPS",
+    "DynamicScale",
+    "DynamicScaleResult",
     "JaxFunctional",
     "LossScaledState",
     "all_finite",
@@ -50,6 +57,7 @@ __all__ = [
     "jmp_compat",
     "load_state_dict",
     "loss_scaled",
+    "module_dtypes",
     "records",
     "scale_loss",
     "scaler_of",

@@ -22,11 +22,19 @@ written in ``fn`` (``x.astype(jnp.float32)``) are kept. Control flow (``lax.cond
 ``scan``) runs as ``fn`` wrote it, on operands cast back to the dtypes it was traced with; calls of jitted
 functions and of functions with custom derivatives are interpreted too (their primal operations run by class
 and are differentiated as written, without the custom rule).
+
+Models are arguments like any other: ``fn`` may itself be a pytree holding arrays (an Equinox module, or a bound
+method of one), whose arrays then enter as arguments do. A Flax Linen module's bound ``apply``
+(``autocast(model.apply)``) takes its variables as Linen stores them: the ``"params"`` collection enters in the
+compute dtype, the other collections (``batch_stats``, caches) keep their dtype, and the collections
+``mutable=`` returns leave in the dtype they entered with (new ones, such as ``capture_intermediates``'s, in the
+dtype they were computed in), so running statistics are never rounded to the compute dtype.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -180,6 +188,66 @@ def _is_array(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
+def _holds_arrays(tree: Any) -> bool:
+    """Whether ``tree`` is a pytree (not a leaf) with an array among its leaves: an Equinox module."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return not (len(leaves) == 1 and leaves[0] is tree) and any(_is_array(leaf) for leaf in leaves)
+
+
+def _as_arguments(fn: Callable[..., Any]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """``fn`` as a function of its own arrays and the arguments: ``(call, leading)``, where ``call(*leading,
+    *args, **kwargs)`` is ``fn(*args, **kwargs)`` and ``leading`` holds the pytree whose arrays are ``fn``'s
+    (``fn`` itself, or the object ``fn`` is a bound method of), if any."""
+    if _holds_arrays(fn):
+        return (lambda module, *args, **kwargs: module(*args, **kwargs)), (fn,)
+    owner, function = getattr(fn, "__self__", None), getattr(fn, "__func__", None)
+    if owner is not None and function is not None and _holds_arrays(owner):
+        return function, (owner,)
+    return fn, ()
+
+
+def _is_linen_apply(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is a Flax Linen module's bound ``apply`` (flax is never imported here: a Linen module
+    exists only once ``flax.linen`` is)."""
+    linen = sys.modules.get("flax.linen")
+    owner = getattr(fn, "__self__", None)
+    return linen is not None and isinstance(owner, linen.Module) and getattr(fn, "__name__", None) == "apply"
+
+
+def _key(entry: Any) -> Any:
+    for name in ("key", "idx", "name"):
+        if hasattr(entry, name):
+            return getattr(entry, name)
+    return entry
+
+
+def _linen_collections(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[tuple[Any, ...], Any]:
+    """The dtype of each floating leaf of a Linen ``apply``'s variables, by (collection, ...path)."""
+    variables = args[0] if args else kwargs.get("variables")
+    found = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]:
+        if hasattr(leaf, "dtype") and _floating(leaf.dtype):
+            found[tuple(_key(entry) for entry in path)] = jnp.dtype(leaf.dtype)
+    return found
+
+
+def _linen_entry(path: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The (collection, ...path) of an argument leaf of a Linen ``apply``, when it is one of the variables
+    (the first positional argument, or ``variables=``); else None."""
+    keys = tuple(_key(entry) for entry in path)
+    if len(keys) > 2 and keys[:2] == (0, 0):
+        return keys[2:]
+    if len(keys) > 2 and keys[:2] == (1, "variables"):
+        return keys[2:]
+    return None
+
+
+def _linen_returns_state(kwargs: dict[str, Any]) -> bool:
+    """Whether a Linen ``apply`` returns ``(output, collections)``: as Linen decides it, when ``mutable`` is not
+    False or intermediates are captured."""
+    return kwargs.get("mutable", False) is not False or bool(kwargs.get("capture_intermediates", False))
+
+
 def autocast(
     fn: Callable[..., Any] | None = None, *, policy: Policy | str | None = None, cast_outputs: bool = True
 ) -> Any:
@@ -190,16 +258,23 @@ def autocast(
     Under a float32 policy ``fn`` runs as it is. Array arguments (any pytree of them) are traced; other
     arguments are taken as constants of the trace. With ``cast_outputs=False`` the outputs leave in the
     dtype their last operation gave them (a region inside a larger function).
+
+    ``fn`` may be a model: an Equinox module (or its bound method), whose arrays enter in the compute dtype as
+    arguments do (``autocast(model)(x)``); a Flax Linen module's ``apply`` (``autocast(model.apply)(variables,
+    x, mutable=["batch_stats"])``), whose ``"params"`` enter in the compute dtype while the other collections
+    keep their dtype, in and out.
     """
     if fn is None:
         return functools.partial(autocast, policy=policy, cast_outputs=cast_outputs)
+    call, leading = _as_arguments(fn)
+    linen = _is_linen_apply(fn)
 
-    @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         chosen = _policy(policy)
         if chosen.compute_dtype == "float32":
             return fn(*args, **kwargs)
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        pairs, tree = jax.tree_util.tree_flatten_with_path(((*leading, *args), kwargs))
+        leaves = [leaf for _, leaf in pairs]
         dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
 
         def flat_fn(*arrays: Any) -> Any:
@@ -207,17 +282,44 @@ def autocast(
             for i, array in zip(dynamic, arrays, strict=True):
                 merged[i] = array
             call_args, call_kwargs = jax.tree_util.tree_unflatten(tree, merged)
-            return fn(*call_args, **call_kwargs)
+            return call(*call_args, **call_kwargs)
 
         compute = jnp.dtype(chosen.compute_dtype)
+
         # fn is traced on its arguments in the compute dtype, so the constants it derives from their dtypes are
         # in the compute dtype too; arrays it captures keep theirs (JAX promotes where they meet)
-        entered = [_cast(jnp.asarray(leaves[i]), compute) for i in dynamic]
+        def enter(i: int) -> Any:
+            entry = _linen_entry(pairs[i][0]) if linen else None
+            if entry is not None and entry[0] != "params":  # batch_stats, caches: as stored
+                return jnp.asarray(leaves[i])
+            return _cast(jnp.asarray(leaves[i]), compute)
+
+        entered = [enter(i) for i in dynamic]
         closed, shapes = jax.make_jaxpr(flat_fn, return_shape=True)(*entered)
         outputs = _Interpreter(compute).run(closed.jaxpr, list(closed.consts), entered)
+        structure = jax.tree_util.tree_structure(shapes)
         if cast_outputs:
             output = jnp.dtype(chosen.output_dtype)
-            outputs = [_cast(value, output) for value in outputs]
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), outputs)
+            if linen and _linen_returns_state(kwargs):
+                # (output, collections): the output in the output dtype, each collection leaf in the dtype it
+                # entered with, and a new one (intermediates) as it was computed
+                stored = _linen_collections(args, kwargs)
+                paths = [
+                    tuple(_key(entry) for entry in path) for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]
+                ]
+                outputs = [
+                    _cast(value, output)
+                    if path[:1] == (0,)
+                    else _cast(value, stored[path[1:]])
+                    if path[1:] in stored
+                    else value
+                    for value, path in zip(outputs, paths, strict=True)
+                ]
+            else:
+                outputs = [_cast(value, output) for value in outputs]
+        return jax.tree_util.tree_unflatten(structure, outputs)
 
-    return wrapped
+    if leading and leading[0] is fn:  # a module: its fields are not the wrapper's attributes
+        wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapped
+    return functools.wraps(fn)(wrapped)

@@ -10,7 +10,7 @@ import numpy as np
 
 from polyamp import Policy, get_policy
 
-__all__ = ["cast_to_compute", "cast_to_output", "cast_to_param", "cast_tree"]
+__all__ = ["cast_to_compute", "cast_to_output", "cast_to_param", "cast_tree", "module_dtypes"]
 
 T = TypeVar("T")
 
@@ -50,3 +50,13 @@ def cast_to_param(tree: T, policy: Policy | str | None = None) -> T:
 def cast_to_output(tree: T, policy: Policy | str | None = None) -> T:
     """Floating leaves of ``tree`` in the policy's output dtype."""
     return cast_tree(tree, _policy(policy).output_dtype)
+
+
+def module_dtypes(policy: Policy | str | None = None) -> dict[str, Any]:
+    """The policy as the dtype arguments of Flax's layers (Linen and NNX): ``{"dtype": compute,
+    "param_dtype": param}``, e.g. ``nn.Dense(64, **polyamp_jax.module_dtypes())``: parameters kept in the
+    parameter dtype, each layer computing in the compute dtype (and the normalisations' statistics in float32,
+    as Flax computes them). Functions outside layers (softmax, losses) run as written; `autocast` gives them
+    their op classes too."""
+    chosen = _policy(policy)
+    return {"dtype": jnp.dtype(chosen.compute_dtype), "param_dtype": jnp.dtype(chosen.param_dtype)}

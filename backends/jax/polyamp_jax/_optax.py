@@ -16,6 +16,7 @@ import optax
 
 from polyamp import FunctionalLossScaler, LossScaler, PolyampTypeError, SpikeRule, StepRecord
 from polyamp.backend_api import describe
+from polyamp_jax._dynamic_scale import DynamicScale
 from polyamp_jax._functional import JaxFunctional
 
 __all__ = ["LossScaledState", "load_state_dict", "loss_scaled", "records", "scale_loss", "scaler_of", "state_dict"]
@@ -127,54 +128,76 @@ def loss_scaled(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _find(opt_state: Any, method: str) -> LossScaledState:
-    """The `LossScaledState` in ``opt_state`` (itself, or inside a chain's tuple of states)."""
+def _find(tree: Any, method: str) -> LossScaledState | DynamicScale:
+    """The `LossScaledState` or `DynamicScale` in ``tree`` (itself, inside a chain's tuple of states, a Flax
+    ``TrainState``, ...)."""
+    kinds = (LossScaledState, DynamicScale)
     found = [
         node
-        for node in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda n: isinstance(n, LossScaledState))
-        if isinstance(node, LossScaledState)
+        for node in jax.tree_util.tree_leaves(tree, is_leaf=lambda n: isinstance(n, kinds))
+        if isinstance(node, kinds)
     ]
     if len(found) != 1:
         raise PolyampTypeError(
-            f"polyamp_jax.{method} takes an optimizer state holding one loss_scaled() state (tx.init(params) of a "
-            f"polyamp_jax.loss_scaled transformation, alone or in a chain). Found {len(found)} in "
-            f"{describe(opt_state)}."
+            f"polyamp_jax.{method} takes a state holding one loss_scaled() state (tx.init(params) of a "
+            "polyamp_jax.loss_scaled transformation, alone or in a chain) or one polyamp_jax.DynamicScale (alone or "
+            f"in a Flax TrainState). Found {len(found)} in {describe(tree)}."
         )
     return found[0]
 
 
+def _view(tree: Any, method: str) -> tuple[FunctionalLossScaler, Any]:
+    """The functional scaler and functional state of the one polyamp state in ``tree``."""
+    node = _find(tree, method)
+    if isinstance(node, DynamicScale):
+        return node.scaler, node._functional_state()
+    return node.fn, node.scaler
+
+
 def scaler_of(opt_state: Any) -> FunctionalLossScaler:
-    """The `polyamp.FunctionalLossScaler` of the `loss_scaled` state in ``opt_state``."""
-    return _find(opt_state, "scaler_of()").fn
+    """The `polyamp.FunctionalLossScaler` of the `loss_scaled` state (or the `DynamicScale`) in ``opt_state``."""
+    return _view(opt_state, "scaler_of()")[0]
 
 
 def scale_loss(opt_state: Any, loss: Any) -> Any:
     """``loss`` times the current scale of the `loss_scaled` state in ``opt_state`` (``loss`` itself when not
     scaling). Differentiate this, and give the gradients to the transformation's ``update``."""
-    state = _find(opt_state, "scale_loss()")
-    return state.fn.scale(state.scaler, loss)
+    fn, state = _view(opt_state, "scale_loss()")
+    return fn.scale(state, loss)
 
 
 def records(opt_state: Any) -> list[StepRecord]:
-    """The most recent steps' records (one host read), as `polyamp.LossScaler.records` gives them: the record of
-    the most recent step skipped for inf/NaN gradients names them (``gradients``: their place in the parameters,
-    e.g. ``"params/Dense_0/kernel"``, and how many +inf, -inf and NaN each held)."""
-    state = _find(opt_state, "records()")
-    return state.fn.records(state.scaler)
+    """The most recent steps' records (one host read), as `polyamp.LossScaler.records` gives them, of the
+    `loss_scaled` state or the `DynamicScale` in ``opt_state`` (e.g. a Flax ``TrainState``): the record of the
+    most recent step skipped for inf/NaN gradients names them (``gradients``: their place in the parameters,
+    e.g. ``"params/Dense_0/kernel"``, and how many +inf, -inf and NaN each held) where the state counts them."""
+    fn, state = _view(opt_state, "records()")
+    return fn.records(state)
 
 
 def state_dict(opt_state: Any) -> dict[str, Any]:
-    """The loss-scaler state dict, interchangeable with `polyamp.LossScaler.state_dict`'s on every backend."""
-    state = _find(opt_state, "state_dict()")
-    return state.fn.state_dict(state.scaler)
+    """The loss-scaler state dict of the `loss_scaled` state or the `DynamicScale` in ``opt_state``,
+    interchangeable with `polyamp.LossScaler.state_dict`'s on every backend (and torch's ``GradScaler``'s)."""
+    fn, state = _view(opt_state, "state_dict()")
+    return fn.state_dict(state)
 
 
 def load_state_dict(opt_state: Any, saved: Any) -> Any:
-    """``opt_state`` with its loss-scaler state restored from a state dict (of any backend's scaler)."""
-    state = _find(opt_state, "load_state_dict()")
-    restored = LossScaledState(state.fn.load_state_dict(saved, like=state.scaler), state.inner, state.fn)
+    """``opt_state`` with its loss-scaler state (a `loss_scaled` state or a `DynamicScale`) restored from a state
+    dict of any backend's scaler.
+
+    Raises:
+        StateDictError: the dict is malformed (nothing changes).
+        InvalidConfigError: a `DynamicScale` cannot follow the dict's settings (hysteresis, a fixed scale).
+    """
+    node = _find(opt_state, "load_state_dict()")
+    restored: LossScaledState | DynamicScale
+    if isinstance(node, DynamicScale):
+        restored = node._loaded(saved)
+    else:
+        restored = LossScaledState(node.fn.load_state_dict(saved, like=node.scaler), node.inner, node.fn)
     return jax.tree_util.tree_map(
-        lambda node: restored if node is state else node,
+        lambda n: restored if n is node else n,
         opt_state,
-        is_leaf=lambda n: isinstance(n, LossScaledState),
+        is_leaf=lambda n: isinstance(n, (LossScaledState, DynamicScale)),
     )
