@@ -109,3 +109,15 @@ def test_jax_optax(policy: str) -> None:
     assert "skipped steps [4, 11]" in out, out
     first, last = (float(v) for v in re.search(r"loss ([0-9.]+) -> ([0-9.]+)", out).groups())  # type: ignore[union-attr]
     assert last < first
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_jax_flax(policy: str) -> None:
+    pytest.importorskip("optax")
+    pytest.importorskip("flax")
+    out = run("jax_flax.py", "--policy", policy, "--steps", "30", "--overflow-at", "4,11")
+    mode = "scaling" if policy == "mixed_float16" else "guarding"
+    assert f"loss scaler {mode}" in out, out
+    assert "skipped steps [4, 11]; non-finite gradients in ['params/Dense_0/kernel']" in out, out
+    first, last = (float(v) for v in re.search(r"loss ([0-9.]+) -> ([0-9.]+)", out).groups())  # type: ignore[union-attr]
+    assert last < first
