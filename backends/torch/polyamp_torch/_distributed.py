@@ -44,7 +44,9 @@ def fsdp_mixed_precision(
     * ``reduce_dtype`` = the policy's param dtype unless given (gradients are reduce-scattered in float32
       under the mixed policies, as DDP reduces float32 gradients; pass ``"float16"`` / ``"bfloat16"`` to
       halve the communication);
-    * ``output_dtype`` = the policy's output dtype.
+    * ``output_dtype`` = the policy's output dtype. FSDP2 casts the output of every module given it, so give
+      the blocks ``dataclasses.replace(mp, output_dtype=None)`` and the root ``mp``: a float32 block output
+      would meet the root's own float16 parameters (a head) in a matmul torch refuses.
 
     Args:
         policy: A policy or its name; None means the policy in effect (`polyamp_torch.policy_in_effect`).
@@ -62,7 +64,7 @@ def fsdp_mixed_precision(
 
         mp = polyamp_torch.fsdp_mixed_precision("mixed_float16")
         for block in model.blocks:
-            fully_shard(block, mp_policy=mp)
+            fully_shard(block, mp_policy=dataclasses.replace(mp, output_dtype=None))
         fully_shard(model, mp_policy=mp)
     """
     resolved = policy_in_effect() if policy is None else Policy(policy)
