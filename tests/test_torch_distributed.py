@@ -225,6 +225,11 @@ def test_fsdp_mixed_precision_maps_the_policy() -> None:
     )
     with polyamp.policy_scope("mixed_bfloat16"):
         assert polyamp_torch.fsdp_mixed_precision().param_dtype == torch.bfloat16
+    # The blocks inside the root keep their outputs in the compute dtype; only the root casts the model's output.
+    block = polyamp_torch.fsdp_mixed_precision("mixed_float16", root=False)
+    assert block == MixedPrecisionPolicy(torch.float16, torch.float32, None, True)
+    with pytest.raises(polyamp.PolyampTypeError, match=r"root=\.\.\.\) takes True .* Received: 'blocks'"):
+        polyamp_torch.fsdp_mixed_precision("mixed_float16", root="blocks")  # type: ignore[arg-type]
     with pytest.raises(polyamp.PolyampTypeError, match=r"reduce_dtype=\.\.\.\) takes None, 'float32'.*torch.int8"):
         polyamp_torch.fsdp_mixed_precision("mixed_float16", reduce_dtype=torch.int8)
     with pytest.raises(polyamp.InvalidPolicyError):

@@ -33,7 +33,7 @@ def _torch_dtype(value: Any, what: str) -> torch.dtype:
 
 
 def fsdp_mixed_precision(
-    policy: PolicyLike | None = None, *, reduce_dtype: Any = None, cast_forward_inputs: bool = True
+    policy: PolicyLike | None = None, *, root: bool = True, reduce_dtype: Any = None, cast_forward_inputs: bool = True
 ) -> Any:
     """FSDP2's ``MixedPrecisionPolicy`` for a polyamp policy, so the policy is stated once.
 
@@ -44,12 +44,14 @@ def fsdp_mixed_precision(
     * ``reduce_dtype`` = the policy's param dtype unless given (gradients are reduce-scattered in float32
       under the mixed policies, as DDP reduces float32 gradients; pass ``"float16"`` / ``"bfloat16"`` to
       halve the communication);
-    * ``output_dtype`` = the policy's output dtype. FSDP2 casts the output of every module given it, so give
-      the blocks ``dataclasses.replace(mp, output_dtype=None)`` and the root ``mp``: a float32 block output
-      would meet the root's own float16 parameters (a head) in a matmul torch refuses.
+    * ``output_dtype`` = the policy's output dtype for the root (``root=True``), None for the blocks
+      (``root=False``). FSDP2 casts the output of every module given one, and a float32 block output would meet
+      the root's own float16 parameters (a final norm, a head) in a matmul torch refuses.
 
     Args:
         policy: A policy or its name; None means the policy in effect (`polyamp_torch.policy_in_effect`).
+        root: True for the module whose output is the model's (it leaves in the policy's output dtype); False for
+            the blocks sharded inside it (their outputs stay in the compute dtype).
         reduce_dtype: None, a dtype name ("float32", "float16", "bfloat16") or the torch.dtype.
         cast_forward_inputs: As FSDP2's (cast floating forward inputs to ``param_dtype``).
 
@@ -57,18 +59,23 @@ def fsdp_mixed_precision(
         ``torch.distributed.fsdp.MixedPrecisionPolicy``; pass it as ``fully_shard(module, mp_policy=...)``.
 
     Raises:
-        PolyampTypeError: ``reduce_dtype`` is not one of those; InvalidPolicyError: ``policy`` is not a policy.
+        PolyampTypeError: ``reduce_dtype`` is not one of those, or ``root`` / ``cast_forward_inputs`` is not a bool;
+            InvalidPolicyError: ``policy`` is not a policy.
         BackendNotInstalledError: this torch build has no ``torch.distributed``.
 
     Example::
 
-        mp = polyamp_torch.fsdp_mixed_precision("mixed_float16")
         for block in model.blocks:
-            fully_shard(block, mp_policy=dataclasses.replace(mp, output_dtype=None))
-        fully_shard(model, mp_policy=mp)
+            fully_shard(block, mp_policy=polyamp_torch.fsdp_mixed_precision("mixed_float16", root=False))
+        fully_shard(model, mp_policy=polyamp_torch.fsdp_mixed_precision("mixed_float16"))
     """
     resolved = policy_in_effect() if policy is None else Policy(policy)
     reduce = TORCH_DTYPES[resolved.param_dtype] if reduce_dtype is None else _torch_dtype(reduce_dtype, "reduce_dtype")
+    if not isinstance(root, bool):
+        raise PolyampTypeError(
+            f"fsdp_mixed_precision(root=...) takes True (the root module) or False (the blocks inside it). Received: "
+            f"{describe(root)}."
+        )
     if not isinstance(cast_forward_inputs, bool):
         raise PolyampTypeError(
             f"fsdp_mixed_precision(cast_forward_inputs=...) takes True or False. Received: {describe(cast_forward_inputs)}."
@@ -83,7 +90,7 @@ def fsdp_mixed_precision(
     return MixedPrecisionPolicy(
         param_dtype=TORCH_DTYPES[resolved.compute_dtype],
         reduce_dtype=reduce,
-        output_dtype=TORCH_DTYPES[resolved.output_dtype],
+        output_dtype=TORCH_DTYPES[resolved.output_dtype] if root else None,
         cast_forward_inputs=cast_forward_inputs,
     )
 
