@@ -19,6 +19,10 @@ scalers'.
 
 from __future__ import annotations
 
+import jax
+import optax
+
+from polyamp.backend_api import warn_if_untested
 from polyamp_jax._autocast import COMPUTE_PRIMITIVES, FLOAT32_PRIMITIVES, PRIMITIVE_OPS, autocast
 from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree
 from polyamp_jax._functional import JaxFunctional, all_finite
@@ -31,6 +35,8 @@ from polyamp_jax._optax import (
     scaler_of,
     state_dict,
 )
+
+warn_if_untested("polyamp_jax", {"jax": jax.__version__, "optax": optax.__version__})
 
 __all__ = [
     "COMPUTE_PRIMITIVES",
