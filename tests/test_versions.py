@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -11,6 +12,7 @@ import sys
 import tomllib
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -155,3 +157,31 @@ def test_backends_within_range_do_not_warn() -> None:
     code += "".join(f"import {package}\n" for package in installed)
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT / "tests", env=env, timeout=600)
+
+
+def _matrix_script() -> Any:
+    loader = importlib.machinery.SourceFileLoader("polyamp_ci_matrix", str(ROOT / ".ci" / "matrix"))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_the_oldest_job_pins_the_core_table() -> None:
+    matrix = _matrix_script()
+    assert matrix.declared_minimums() == versions.MINIMUM_VERSIONS
+    assert matrix.oldest_python() == versions.MINIMUM_PYTHON
+
+
+def test_the_versions_page_shows_the_recorded_results() -> None:
+    matrix = _matrix_script()
+    page = (ROOT / "docs" / "versions.md").read_text(encoding="utf-8")
+    assert matrix.render_report(ROOT / ".ci" / "results") in page, "run .ci/matrix --report"
+
+
+def test_the_versions_page_states_each_declared_bound() -> None:
+    page = (ROOT / "docs" / "versions.md").read_text(encoding="utf-8")
+    for name, version in versions.MINIMUM_VERSIONS.items():
+        assert f"| {name} (`[" in page and f"`>={version}`" in page, name
+    assert f"`>={versions.MINIMUM_PYTHON}`" in page
