@@ -71,7 +71,7 @@ def environment(device: str = "cpu", threads: int | None = None, accelerator: st
         "jax": _version("jax"),
         "numpy": _version("numpy"),
         "commit": _git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
 

@@ -43,11 +43,13 @@ from polyamp._src.records import SKIP_REASONS, ScaleCollapseError, SkipReason, S
 from polyamp._src.registry import BackendSpec, backend_specs, get_backend, register_backend
 from polyamp._src.scaling import LossScaleConfig, LossScaleSettings, LossScaleState
 from polyamp._src.spikes import SpikeRule
+from polyamp._src.versions import MINIMUM_VERSIONS, UntestedVersionWarning
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DTYPE_NAMES",
+    "MINIMUM_VERSIONS",
     "OP_CLASSES",
     "POLICY_NAMES",
     "SKIP_REASONS",
@@ -84,6 +86,7 @@ __all__ = [
     "StateDictError",
     "StepRecord",
     "UnknownBackendError",
+    "UntestedVersionWarning",
     "add_policy_listener",
     "backend_specs",
     "check_hazards",

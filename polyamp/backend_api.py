@@ -27,7 +27,9 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
   here): a backend maps its own ops to the table's names and takes their class, never a list of its own;
 * optionally a forward watch: the framework's layer calls fed to a `ForwardPass` (which checks each tensor once
   and assembles the `WatchedCall` records), which `forward_report` turns into a `polyamp.ForwardReport` (the
-  decision of which layer produced a non-finite output is the core's).
+  decision of which layer produced a non-finite output is the core's);
+* `warn_if_untested`, called when the backend's package is imported with the framework versions it uses: one
+  `polyamp.UntestedVersionWarning` for a framework older than `polyamp.MINIMUM_VERSIONS` says so.
 
 `polyamp.LossScaler` owns the semantics (stages, misuse errors, skip records, the enabled rule, state
 dicts); the device form only performs device operations. The helpers below give backends the same
@@ -132,6 +134,7 @@ from polyamp._src.state_dict import (
     parse_state_dict,
     to_state_dict,
 )
+from polyamp._src.versions import warn_if_untested
 
 __all__ = [
     "CHUNK_BYTES",
@@ -223,5 +226,6 @@ __all__ = [
     "to_float32",
     "to_state_dict",
     "type_error",
+    "warn_if_untested",
     "wrong_object_error",
 ]

@@ -26,7 +26,7 @@ from polyamp._src.errors import PolyampTypeError, PolyampValueError, describe
 __all__ = ["COMPUTE_OPS", "FLOAT32_OPS", "OP_CLASSES", "OpClass", "op_class"]
 
 
-class OpClass(str, enum.Enum):
+class OpClass(str, enum.Enum):  # noqa: UP042 - str() stays 'OpClass.COMPUTE', as before StrEnum
     """How a region computes an operation under a float16 or bfloat16 policy."""
 
     #: In the policy's compute dtype: matrix products, convolutions, attention (autocast's lower-precision list).

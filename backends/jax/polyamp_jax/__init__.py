@@ -25,6 +25,10 @@ imported. The state dicts are interchangeable with polyamp's torch, TensorFlow a
 
 from __future__ import annotations
 
+import jax
+import optax
+
+from polyamp.backend_api import warn_if_untested
 from polyamp_jax import jmp_compat
 from polyamp_jax._autocast import COMPUTE_PRIMITIVES, FLOAT32_PRIMITIVES, PRIMITIVE_OPS, autocast
 from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree, module_dtypes
@@ -39,6 +43,8 @@ from polyamp_jax._optax import (
     scaler_of,
     state_dict,
 )
+
+warn_if_untested("polyamp_jax", {"jax": jax.__version__, "optax": optax.__version__})
 
 __all__ = [
     "COMPUTE_PRIMITIVES",

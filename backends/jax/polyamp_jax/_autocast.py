@@ -132,8 +132,7 @@ class _Interpreter:
             if not eqn.primitive.multiple_results:
                 outputs = [outputs]
             for var, value in zip(eqn.outvars, outputs, strict=True):
-                if not isinstance(var, jcore.DropVar):
-                    env[var] = value
+                env[var] = value  # a dropped output (DropVar) too: never read, and no version-specific class
         return [read(var) for var in jaxpr.outvars]
 
     def equation(self, eqn: Any, values: list[Any]) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from polyamp import BackendNotInstalledError
+from polyamp.backend_api import warn_if_untested
 
 _HINT = "Install it with: pip install 'polyamp[keras]' (or 'polyamp[tensorflow]' for Keras on TensorFlow)"
 
@@ -15,5 +16,7 @@ except ModuleNotFoundError as exc:
 
 if int(keras.__version__.partition(".")[0]) < 3:
     raise BackendNotInstalledError(f"polyamp_keras needs Keras 3; found keras {keras.__version__}. {_HINT}")
+
+warn_if_untested("polyamp_keras", {"keras": keras.__version__})
 
 __all__ = ["keras"]

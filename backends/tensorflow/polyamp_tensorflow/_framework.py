@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from polyamp import BackendNotInstalledError
+from polyamp.backend_api import warn_if_untested
 
 _HINT = "Install it with: pip install 'polyamp[tensorflow]'"
 
@@ -24,6 +25,9 @@ if int(keras.__version__.partition(".")[0]) < 3:
     raise BackendNotInstalledError(
         f"polyamp_tensorflow needs Keras 3 (TensorFlow >= 2.16); found keras {keras.__version__}. {_HINT}"
     )
+
+# Keras's own version is polyamp_keras's to check (polyamp_tensorflow imports it).
+warn_if_untested("polyamp_tensorflow", {"tensorflow": tf.__version__})
 
 
 def _leave_polyamp_to_python() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from polyamp import BackendNotInstalledError
+from polyamp.backend_api import warn_if_untested
 
 try:
     import torch
@@ -12,6 +13,8 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subproce
     raise BackendNotInstalledError(
         "polyamp_torch needs PyTorch, which is not installed. Install it with: pip install 'polyamp[torch]'"
     ) from exc
+
+warn_if_untested("polyamp_torch", {"torch": str(torch.__version__)})
 
 #: polyamp dtype names to torch dtypes.
 TORCH_DTYPES: dict[str, torch.dtype] = {
