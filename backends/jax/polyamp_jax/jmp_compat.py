@@ -343,6 +343,23 @@ def _predicate(value: Any, call: str) -> Any:
     return value
 
 
+class _Scaling:
+    """`scale` and `unscale` of the loss scales that scale, through the functional scaler ``_rule`` gives."""
+
+    def _rule(self) -> tuple[FunctionalLossScaler, dict[str, Any]]:
+        raise NotImplementedError
+
+    def scale(self, tree: T) -> T:
+        """Every leaf of ``tree`` times the scale (in at least float32)."""
+        fn, state = self._rule()
+        return jax.tree_util.tree_map(lambda leaf: fn.scale(state, leaf), tree)  # type: ignore[no-any-return]
+
+    def unscale(self, tree: T) -> T:
+        """Every floating-point leaf of ``tree`` times the float32 reciprocal of the scale."""
+        fn, state = self._rule()
+        return fn.unscale(state, tree)[0]  # type: ignore[no-any-return]
+
+
 @dataclasses.dataclass(frozen=True)
 class NoOpLossScale:
     """jmp's ``NoOpLossScale``: polyamp's loss scaler with scaling off; `scale` and `unscale` return their
@@ -370,7 +387,7 @@ class NoOpLossScale:
 
 
 @dataclasses.dataclass(frozen=True)
-class StaticLossScale:
+class StaticLossScale(_Scaling):
     """jmp's ``StaticLossScale``: polyamp's loss scaler at a fixed scale (``dynamic=False``). The scale is a
     setting, not an array: an empty pytree.
 
@@ -402,15 +419,8 @@ class StaticLossScale:
         _static_rule(number)  # the settings are checked once, here
         object.__setattr__(self, "loss_scale", number)
 
-    def scale(self, tree: T) -> T:
-        """Every leaf of ``tree`` times the scale (in at least float32)."""
-        fn, state = _static_rule(self.loss_scale)
-        return jax.tree_util.tree_map(lambda leaf: fn.scale(state, leaf), tree)  # type: ignore[no-any-return]
-
-    def unscale(self, tree: T) -> T:
-        """Every floating-point leaf of ``tree`` times the float32 reciprocal of the scale."""
-        fn, state = _static_rule(self.loss_scale)
-        return fn.unscale(state, tree)[0]  # type: ignore[no-any-return]
+    def _rule(self) -> tuple[FunctionalLossScaler, dict[str, Any]]:
+        return _static_rule(self.loss_scale)
 
     def adjust(self, grads_finite: Any) -> StaticLossScale:
         """This loss scale (it never changes)."""
@@ -420,7 +430,7 @@ class StaticLossScale:
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
-class DynamicLossScale:
+class DynamicLossScale(_Scaling):
     """jmp's ``DynamicLossScale``: polyamp's dynamic loss-scale rule on a scale and counter carried as arrays.
 
     A pytree whose leaves are ``loss_scale`` and ``counter``; ``period``, ``factor`` and ``min_loss_scale`` are
@@ -467,16 +477,6 @@ class DynamicLossScale:
     def _rule(self) -> tuple[FunctionalLossScaler, dict[str, Any]]:
         fn, state = _dynamic_settings(self.period, self.factor, float(self.min_loss_scale))
         return fn, _with_scale(state, self.loss_scale, self.counter)
-
-    def scale(self, tree: T) -> T:
-        """Every leaf of ``tree`` times the scale (in at least float32)."""
-        fn, state = self._rule()
-        return jax.tree_util.tree_map(lambda leaf: fn.scale(state, leaf), tree)  # type: ignore[no-any-return]
-
-    def unscale(self, tree: T) -> T:
-        """Every floating-point leaf of ``tree`` times the float32 reciprocal of the scale."""
-        fn, state = self._rule()
-        return fn.unscale(state, tree)[0]  # type: ignore[no-any-return]
 
     def adjust(self, grads_finite: Any) -> DynamicLossScale:
         """The next loss scale, given whether this step's gradients were all finite (a boolean scalar).
