@@ -31,12 +31,10 @@ makes one that fails for another reason fail it too.
 
 from __future__ import annotations
 
-import ast
 import builtins
 import os
-import re
+import sys
 import types
-import unittest
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -47,8 +45,10 @@ jax = pytest.importorskip("jax")
 jmp = pytest.importorskip("jmp")
 pytest.importorskip("absl.testing.parameterized")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/upstream_support.py
 import polyamp_jax  # noqa: E402
 from polyamp_jax import jmp_compat  # noqa: E402
+from upstream_support import Upstream, UpstreamUnavailable, load_test_class, source_tree  # noqa: E402
 
 from polyamp import InvalidConfigError, PolyampTypeError  # noqa: E402
 
@@ -177,10 +177,6 @@ POLYAMP_EXPECTED: dict[str, pytest.MarkDecorator] = {
 # -- reading the upstream tests -------------------------------------------------------------------------------
 
 
-class UpstreamUnavailable(Exception):
-    """Why an upstream test file cannot be run here."""
-
-
 def _jmp_root() -> Path:
     return Path(jmp.__file__).resolve().parent.parent
 
@@ -196,21 +192,7 @@ def _flax_root() -> Path:
             f"{FLAX_SOURCE_VARIABLE} is not set (Flax's wheels ship no tests): point it at a Flax source tree at "
             f"the installed version, {flax.__version__}, to run Flax's DynamicScale tests"
         )
-    root = Path(value)
-    version_file = root / "flax" / "version.py"
-    if not version_file.is_file():
-        raise UpstreamUnavailable(f"{FLAX_SOURCE_VARIABLE}={value} is not a Flax source tree (no {version_file})")
-    found = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", version_file.read_text(encoding="utf-8"))
-    if found is None or found.group(1) != flax.__version__:
-        raise UpstreamUnavailable(
-            f"{FLAX_SOURCE_VARIABLE}={value} is Flax {found.group(1) if found else '?'}, the installed Flax is "
-            f"{flax.__version__}"
-        )
-    return root
-
-
-#: What absl's parameterized appends to a test method's name: nothing, "_<testcase_name>" or "<index>".
-_ABSL_SUFFIX = re.compile(r"(_.+|[0-9]+)?")
+    return source_tree(FLAX_SOURCE_VARIABLE, value, "Flax", "flax/version.py", flax.__version__)
 
 
 def _importer(replaced: Mapping[str, Mapping[str, Any]], forbidden: tuple[str, ...]) -> Callable[..., Any]:
@@ -237,38 +219,9 @@ def _importer(replaced: Mapping[str, Mapping[str, Any]], forbidden: tuple[str, .
     return hooked
 
 
-class Upstream(NamedTuple):
-    test_class: type  # the unittest class as written, with absl's parameters expanded
-    namespace: dict[str, Any]  # its module's globals
-    path: Path
-    tests: dict[str, dict[str, str]]  # upstream method -> {variant ("" if none): instantiated method}
-
-
 def _load(path: Path, suite: Suite, replaced: Mapping[str, Mapping[str, Any]] | None) -> Upstream:
-    if not path.is_file():
-        raise UpstreamUnavailable(f"{path} is missing")
-    module = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    classes = [n for n in module.body if isinstance(n, ast.ClassDef) and n.name == suite.upstream_class]
-    if not classes:
-        raise UpstreamUnavailable(f"{path} has no class {suite.upstream_class}")
-    written = [n.name for n in classes[0].body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
-    # Kept out of this module's globals: pytest would collect the unittest class on its own.
-    namespace: dict[str, Any] = {"__name__": f"upstream.{path.stem}", "__file__": str(path)}
-    if replaced is not None:
-        namespace["__builtins__"] = {**vars(builtins), "__import__": _importer(replaced, suite.forbidden)}
-    exec(compile(module, str(path), "exec"), namespace)
-    test_class = namespace[suite.upstream_class]
-    tests: dict[str, dict[str, str]] = {name: {} for name in written}
-    for method in unittest.TestLoader().getTestCaseNames(test_class):
-        # The longest written name it starts with, followed by absl's suffix.
-        owner = max(
-            (n for n in written if method.startswith(n) and _ABSL_SUFFIX.fullmatch(method[len(n) :])),
-            key=len,
-            default=None,
-        )
-        if owner is not None:
-            tests[owner][method[len(owner) :].lstrip("_")] = method
-    return Upstream(test_class, namespace, path, tests)
+    hooked = None if replaced is None else {**vars(builtins), "__import__": _importer(replaced, suite.forbidden)}
+    return load_test_class(path, suite.upstream_class, f"upstream.{path.stem}", "", hooked)
 
 
 def _load_runs(suite: Suite) -> dict[str, Upstream]:

@@ -42,14 +42,11 @@ Their source is compiled unchanged; Keras's test helpers come from the installed
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import os
-import re
 import subprocess
 import sys
 import types
-import unittest
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -57,6 +54,9 @@ from typing import Any, NamedTuple
 import pytest
 
 keras = pytest.importorskip("keras")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/upstream_support.py
+from upstream_support import Upstream, UpstreamUnavailable, load_test_class, source_tree  # noqa: E402
 
 import polyamp  # noqa: E402
 import polyamp_keras  # noqa: E402
@@ -303,10 +303,6 @@ POLYAMP_EXPECTED: dict[str, Expected | tuple[Expected, ...]] = {
 # -- reading the upstream tests -------------------------------------------------------------------------------
 
 
-class UpstreamUnavailable(Exception):
-    """Why the upstream tests cannot be run here."""
-
-
 def _installed_tests() -> Path | None:
     """The directory holding the installed ``keras`` package, when it ships the test files (Keras's wheels do)."""
     root = Path(keras.__file__).resolve().parent.parent
@@ -325,57 +321,13 @@ def _source_root() -> Path:
             f"{SOURCE_VARIABLE} is not set and the installed Keras ships no tests: point it at a Keras source tree "
             f"at tag v{keras.__version__} to run Keras's optimizer and DTypePolicyMap tests"
         )
-    root = Path(value)
-    version_file = root / "keras" / "src" / "version.py"
-    if not version_file.is_file():
-        raise UpstreamUnavailable(f"{SOURCE_VARIABLE}={value} is not a Keras source tree (no {version_file})")
-    found = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", version_file.read_text(encoding="utf-8"))
-    if found is None or found.group(1) != keras.__version__:
-        raise UpstreamUnavailable(
-            f"{SOURCE_VARIABLE}={value} is Keras {found.group(1) if found else '?'}, the installed Keras is "
-            f"{keras.__version__}: check out tag v{keras.__version__}"
-        )
-    return root
-
-
-#: What absl's parameterized appends to a test method's name: nothing, "_<testcase_name>" or "<index>".
-_ABSL_SUFFIX = re.compile(r"(_.+|[0-9]+)?")
-
-
-class Upstream(NamedTuple):
-    test_class: type  # the unittest class as Keras wrote it, with absl's named parameters expanded
-    namespace: dict[str, Any]  # its module's globals, where the tests find the class under test
-    path: Path
-    tests: dict[str, dict[str, str]]  # upstream method -> {variant ("" if none): instantiated method}
+    hint = f": check out tag v{keras.__version__}"
+    return source_tree(SOURCE_VARIABLE, value, "Keras", "keras/src/version.py", keras.__version__, hint)
 
 
 def _load(root: Path, suite: Suite) -> Upstream:
     path = root / suite.path
-    if not path.is_file():
-        raise UpstreamUnavailable(f"{path} is missing from the Keras source tree")
-    text = path.read_text(encoding="utf-8")
-    module = ast.parse(text, filename=str(path))
-    classes = [n for n in module.body if isinstance(n, ast.ClassDef) and n.name == suite.upstream_class]
-    if not classes:
-        raise UpstreamUnavailable(f"{path} has no class {suite.upstream_class}")
-    written = [n.name for n in classes[0].body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
-
-    # Kept out of this module's globals: pytest would collect the unittest class on its own.
-    namespace: dict[str, Any] = {"__name__": f"keras_upstream.{path.stem}", "__file__": str(path)}
-    exec(compile(module, str(path), "exec"), namespace)
-    test_class = namespace[suite.upstream_class]
-    tests: dict[str, dict[str, str]] = {name: {} for name in written}
-    for method in unittest.TestLoader().getTestCaseNames(test_class):
-        # The longest written name it starts with (test_finite_step vs test_finite_step_with_overwrite), followed
-        # by absl's suffix: "_<testcase_name>" (named_parameters) or "<index>" (parameters).
-        owner = max(
-            (n for n in written if method.startswith(n) and _ABSL_SUFFIX.fullmatch(method[len(n) :])),
-            key=len,
-            default=None,
-        )
-        if owner is not None:
-            tests[owner][method[len(owner) :].lstrip("_")] = method
-    return Upstream(test_class, namespace, path, tests)
+    return load_test_class(path, suite.upstream_class, f"keras_upstream.{path.stem}", " from the Keras source tree")
 
 
 try:
