@@ -119,6 +119,11 @@ class TorchDevice:
         self._process_group: Any = None
         self._group_iteration = 0  # this rank's iteration count, carried by each reduction over the group
         self._group_mismatch: torch.Tensor | None = None  # set once a reduction paired different iterations
+        # The last collective's work object, kept referenced from Python until the next one. Otherwise a gloo
+        # worker thread can drop the last reference to it, and so to the reduced tensor, whose Python object it
+        # then has to release under the GIL; a worker that gets there while the interpreter exits (a script
+        # ending right after its last step) aborts the process ("terminate called without an active exception").
+        self._group_work: Any = None
 
     def set_group_iteration(self, index: int) -> None:
         """The iteration count the following reductions carry (see `_check_and_unscale`)."""
@@ -329,7 +334,14 @@ class TorchDevice:
                 [local.reshape(()).to(torch.float64), torch.tensor(iteration, dtype=torch.float64, device=local.device)]
             )
             packed = torch.cat([packed, -packed[1:]])
-            torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self._process_group)
+            if torch.compiler.is_compiling():
+                torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self._process_group)
+            else:
+                work = torch.distributed.all_reduce(
+                    packed, op=torch.distributed.ReduceOp.MAX, group=self._process_group, async_op=True
+                )
+                work.wait()  # what the synchronous form does (a stream wait on CUDA, no host sync)
+                self._group_work = work
             mismatch = (packed[1] + packed[2]) != 0
             local.copy_(torch.maximum(packed[0], mismatch.to(torch.float64)).to(local.dtype).reshape(local.shape))
             known = self._group_mismatch
