@@ -37,12 +37,13 @@ from polyamp._src.hazards import Hazard, check_hazards, find_hazards
 from polyamp._src.loss_scaler import LossScaler
 from polyamp._src.op_classes import OP_CLASSES, OpClass, op_class
 from polyamp._src.overrides import OverridesLike, PolicyOverrides
-from polyamp._src.policy import DTYPE_NAMES, POLICY_NAMES, Policy, PolicyLike
+from polyamp._src.policy import DTYPE_NAMES, POLICY_NAMES, PRESET_NAMES, ROUNDINGS, Policy, PolicyLike
 from polyamp._src.provenance import NonFiniteGradient
 from polyamp._src.records import SKIP_REASONS, ScaleCollapseError, SkipReason, StepRecord
 from polyamp._src.registry import BackendSpec, backend_specs, get_backend, register_backend
 from polyamp._src.scaling import LossScaleConfig, LossScaleSettings, LossScaleState
 from polyamp._src.spikes import SpikeRule
+from polyamp._src.training_state import StateBytes, TrainingStateWarning, state_bytes, state_bytes_table
 from polyamp._src.versions import MINIMUM_VERSIONS, UntestedVersionWarning
 
 __version__ = "0.1.0"
@@ -52,6 +53,8 @@ __all__ = [
     "MINIMUM_VERSIONS",
     "OP_CLASSES",
     "POLICY_NAMES",
+    "PRESET_NAMES",
+    "ROUNDINGS",
     "SKIP_REASONS",
     "Backend",
     "BackendConflictError",
@@ -83,8 +86,10 @@ __all__ = [
     "ScalerUsageError",
     "SkipReason",
     "SpikeRule",
+    "StateBytes",
     "StateDictError",
     "StepRecord",
+    "TrainingStateWarning",
     "UnknownBackendError",
     "UntestedVersionWarning",
     "add_policy_listener",
@@ -100,4 +105,6 @@ __all__ = [
     "recommended_policy",
     "register_backend",
     "set_policy",
+    "state_bytes",
+    "state_bytes_table",
 ]

@@ -134,6 +134,16 @@ from polyamp._src.state_dict import (
     parse_state_dict,
     to_state_dict,
 )
+from polyamp._src.training_state import (
+    ITEMSIZE,
+    KAHAN_KEY,
+    MASTER_KEY,
+    conversion_note,
+    round_to,
+    stochastic_round_bfloat16,
+    unplanned_hazard_message,
+    write_update,
+)
 from polyamp._src.versions import warn_if_untested
 
 __all__ = [
@@ -144,7 +154,10 @@ __all__ = [
     "FLOAT32_OPS",
     "FORMAT_VERSION",
     "INT32_MAX",
+    "ITEMSIZE",
+    "KAHAN_KEY",
     "LOGGER_NAME",
+    "MASTER_KEY",
     "MAX_CONFIG_BYTES",
     "MODE_CODES",
     "NOT_GIVEN",
@@ -204,6 +217,7 @@ __all__ = [
     "check_watch_every",
     "check_zip_archive",
     "chunk_indices",
+    "conversion_note",
     "describe",
     "detect_backend",
     "forward_report",
@@ -223,9 +237,13 @@ __all__ = [
     "resolve_enabled",
     "ring_codes",
     "ring_values",
+    "round_to",
+    "stochastic_round_bfloat16",
     "to_float32",
     "to_state_dict",
     "type_error",
+    "unplanned_hazard_message",
     "warn_if_untested",
+    "write_update",
     "wrong_object_error",
 ]

@@ -7,7 +7,15 @@ from typing import Final, TypeAlias
 
 from polyamp._src.errors import InvalidPolicyError, PolyampTypeError, describe
 
-__all__ = ["DTYPE_NAMES", "POLICY_NAMES", "Policy", "PolicyLike", "canonical_dtype"]
+__all__ = [
+    "DTYPE_NAMES",
+    "POLICY_NAMES",
+    "PRESET_NAMES",
+    "ROUNDINGS",
+    "Policy",
+    "PolicyLike",
+    "canonical_dtype",
+]
 
 #: The canonical dtype names a policy can hold.
 DTYPE_NAMES: Final = ("float32", "float16", "bfloat16")
@@ -35,6 +43,22 @@ _NAME_OF: Final = {dtypes: name for name, dtypes in _NAMED.items()}
 #: The Keras policy names polyamp understands.
 POLICY_NAMES: Final = tuple(_NAMED)
 
+#: How an update is written into weights less precise than float32 (see `Policy`).
+ROUNDINGS: Final = ("nearest", "stochastic", "kahan")
+
+# The training-state presets: (param, compute, output) and (master, state, rounding).
+_PRESETS: Final = {
+    "bfloat16_float32_master": (("bfloat16", "bfloat16", "float32"), ("float32", "float32", "nearest")),
+    "bfloat16_kahan": (("bfloat16", "bfloat16", "float32"), ("bfloat16", "bfloat16", "kahan")),
+    "bfloat16_stochastic": (("bfloat16", "bfloat16", "float32"), ("bfloat16", "bfloat16", "stochastic")),
+}
+_PRESET_OF: Final = {value: name for name, value in _PRESETS.items()}
+
+#: The named training-state plans (besides `POLICY_NAMES`, whose master copy is their parameter dtype).
+PRESET_NAMES: Final = tuple(_PRESETS)
+
+_PRECISION: Final = {"float32": 2, "bfloat16": 1, "float16": 1}
+
 _SPEC_KEYS: Final = {
     "params": "param",
     "param": "param",
@@ -43,6 +67,12 @@ _SPEC_KEYS: Final = {
     "c": "compute",
     "output": "output",
     "o": "output",
+    "master": "master",
+    "m": "master",
+    "state": "state",
+    "s": "state",
+    "rounding": "rounding",
+    "r": "rounding",
 }
 
 #: The name that resolves to the recommended policy for this machine (see `Policy`).
@@ -51,9 +81,11 @@ AUTO: Final = "auto"
 _GRAMMAR: Final = (
     "Valid names: 'float32', 'mixed_float16', 'mixed_bfloat16', 'float16', 'bfloat16', or 'auto' (the policy "
     "`python -m polyamp doctor` recommends for this machine). "
-    "Or a spec of comma-separated key=dtype pairs with keys params|p, compute|c, output|o and dtypes "
-    "float32|f32|full, float16|f16, bfloat16|bf16 (unspecified keys default to float32), "
-    "e.g. 'params=float32,compute=bfloat16,output=float32'."
+    "Or a training-state preset: 'bfloat16_float32_master', 'bfloat16_kahan', 'bfloat16_stochastic'. "
+    "Or a spec of comma-separated key=value pairs with keys params|p, compute|c, output|o, master|m, state|s "
+    "(dtypes float32|f32|full, float16|f16, bfloat16|bf16) and rounding|r (nearest, stochastic, kahan); "
+    "params, compute and output default to float32, master to params, state to master, rounding to nearest; "
+    "e.g. 'params=float32,compute=bfloat16,output=float32' or 'params=bf16,compute=bf16,rounding=kahan'."
 )
 
 
@@ -115,19 +147,22 @@ def _did_you_mean(text: str) -> str:
         return f" Did you mean {familiar!r} ({dtypes[0]} parameters, {dtypes[1]} compute, {dtypes[2]} outputs)?" + (
             " For float16 parameters too, 'float16'." if familiar == "mixed_float16" else ""
         )
-    hint = difflib.get_close_matches(text, (*POLICY_NAMES, AUTO), n=1)
+    hint = difflib.get_close_matches(text, (*POLICY_NAMES, *PRESET_NAMES, AUTO), n=1)
     return f" Did you mean {hint[0]!r}?" if hint else ""
 
 
-def _parse_spec(spec: str) -> tuple[str, str, str]:
+def _parse_spec(spec: str) -> tuple[tuple[str, str, str], tuple[str | None, str | None, str | None]]:
     text = spec.strip().lower()
     named = _NAMED.get(text)
     if named is not None:
-        return named
+        return named, (None, None, None)
+    preset = _PRESETS.get(text)
+    if preset is not None:
+        return preset
     if text == AUTO:
         from polyamp._src.doctor import recommended_policy  # probes devices: only when "auto" is asked for
 
-        return _NAMED[recommended_policy().policy]
+        return _NAMED[recommended_policy().policy], (None, None, None)
     if "=" not in text:
         raise InvalidPolicyError(f"Unknown policy {spec!r}.{_did_you_mean(text)} {_GRAMMAR}")
     chosen: dict[str, str] = {}
@@ -136,22 +171,67 @@ def _parse_spec(spec: str) -> tuple[str, str, str]:
         field = _SPEC_KEYS.get(key)
         if not sep or field is None:
             raise InvalidPolicyError(
-                f"Cannot parse {part.strip()!r} in policy spec {spec!r}: expected key=dtype with a key "
-                f"among params|p, compute|c, output|o. {_GRAMMAR}"
+                f"Cannot parse {part.strip()!r} in policy spec {spec!r}: expected key=value with a key "
+                f"among params|p, compute|c, output|o, master|m, state|s, rounding|r. {_GRAMMAR}"
             )
         if field in chosen:
             raise InvalidPolicyError(
-                f"Policy spec {spec!r} sets the {field} dtype twice; give each key at most once. {_GRAMMAR}"
+                f"Policy spec {spec!r} sets the {field} {'mode' if field == 'rounding' else 'dtype'} twice; give "
+                f"each key at most once. {_GRAMMAR}"
             )
+        if field == "rounding":
+            if value not in ROUNDINGS:
+                raise InvalidPolicyError(
+                    f"Unknown rounding {value!r} in policy spec {spec!r}: expected one of {', '.join(ROUNDINGS)}. "
+                    f"{_GRAMMAR}"
+                )
+            chosen[field] = value
+            continue
         dtype = _DTYPE_ALIASES.get(value)
         if dtype is None:
             raise InvalidPolicyError(f"Unknown dtype {value!r} for {key!r} in policy spec {spec!r}. {_GRAMMAR}")
         chosen[field] = dtype
     return (
-        chosen.get("param", "float32"),
-        chosen.get("compute", "float32"),
-        chosen.get("output", "float32"),
+        (chosen.get("param", "float32"), chosen.get("compute", "float32"), chosen.get("output", "float32")),
+        (chosen.get("master"), chosen.get("state"), chosen.get("rounding")),
     )
+
+
+def _resolve_plan(
+    param: str, master: str | None, state: str | None, rounding: str | None, *, given: object
+) -> tuple[str, str, str]:
+    """Fill the plan's defaults (master: the parameter dtype, state: the master dtype, rounding: nearest) and
+    refuse the combinations that cannot be meant."""
+    explicit_state = state
+    master = param if master is None else master
+    state = master if state is None else state
+    rounding = "nearest" if rounding is None else rounding
+    where = f"Received: {given}."
+    if master != param and _PRECISION[master] <= _PRECISION[param]:
+        raise InvalidPolicyError(
+            f"The master copy must be at least as precise as the parameters: master={master} with params={param} "
+            f"would round every update twice. Use master=float32 (a float32 copy the optimizer updates) or leave "
+            f"master out (the parameters themselves are updated). {where}"
+        )
+    if explicit_state == "float16":  # (the "float16" policy's state follows its parameters, as in every framework)
+        raise InvalidPolicyError(
+            "Optimizer state cannot be float16: a second moment holds squared gradients, which leave float16's "
+            f"range (above 65504, below 6e-8). Use state=bfloat16 (same 2 bytes, float32's range) or state=float32. "
+            f"{where}"
+        )
+    if rounding != "nearest" and master == "float32":
+        raise InvalidPolicyError(
+            f"rounding={rounding} applies to weights updated in {param if param != 'float32' else 'bfloat16'}; "
+            f"here the optimizer updates a float32 {'master copy' if param != 'float32' else 'parameter'}, which "
+            "holds every update as it is. Leave rounding out, or drop master=float32 and keep the weights in "
+            f"bfloat16 (e.g. 'bfloat16_{rounding}'). {where}"
+        )
+    if rounding == "stochastic" and master != "bfloat16":
+        raise InvalidPolicyError(
+            f"rounding=stochastic is defined for bfloat16 weights (the low 16 bits of the float32 update are "
+            f"rounded at random); these are {master}. Use rounding=kahan for float16 weights. {where}"
+        )
+    return master, state, rounding
 
 
 class Policy:
@@ -185,9 +265,30 @@ class Policy:
             ``"auto"``. It is not in `POLICY_NAMES`, which lists the concrete names.
         param, compute, output: Keyword form instead of ``spec``; each a dtype name, alias or framework
             dtype object (``torch.bfloat16``, ``tf.float16``); unspecified ones are float32.
+        master, state, rounding: The training state (keywords, or the spec keys ``master|m``, ``state|s``,
+            ``rounding|r``), followed by `polyamp_torch.PrecisionOptimizer`, `polyamp_keras.PrecisionOptimizer`
+            and `polyamp_jax.precision`:
+
+            - ``master``: the dtype of the copy the optimizer updates. Default: the parameter dtype (the
+              parameters are updated themselves). ``float32`` with bfloat16/float16 parameters keeps a float32
+              master copy, written back to the parameters (rounded to nearest) after every step.
+            - ``state``: the dtype of the optimizer's moments and other floating slots. Default: the master dtype.
+              float32 or bfloat16 when given (float16 cannot hold a second moment's range).
+            - ``rounding``: how an update formed in float32 is written into bfloat16/float16 weights:
+              ``"nearest"`` (default; small updates round away), ``"stochastic"`` (bfloat16 only: rounded up or
+              down at random with the probabilities that make it exact on average) or ``"kahan"`` (a
+              compensation buffer in the parameter dtype carries what rounding lost into the next step).
+              Only for weights updated in bfloat16/float16 (not with a float32 master).
+
+            The presets: ``"bfloat16_float32_master"`` (bfloat16 weights and compute, a float32 master and
+            float32 state), ``"bfloat16_kahan"`` and ``"bfloat16_stochastic"`` (bfloat16 weights, compute and
+            state, updated with that rounding); all three output float32. The mixed policies keep float32
+            parameters, which are their own master copy.
 
     Raises:
-        InvalidPolicyError: (a ``ValueError``) the name, spec or a dtype is not understood.
+        InvalidPolicyError: (a ``ValueError``) the name, spec or a dtype is not understood, or the training
+            state cannot be meant (a master less precise than the parameters, float16 state, stochastic or
+            Kahan rounding of a float32 master, stochastic rounding of float16 weights).
         PolyampTypeError: (a ``TypeError``) ``spec`` is neither a string nor a `Policy`, or both a spec
             and keywords were given.
 
@@ -204,10 +305,16 @@ class Policy:
         'params=float32,compute=bfloat16,output=bfloat16'
         >>> polyamp.Policy("mixed_float16").needs_loss_scaling
         True
+        >>> kahan = polyamp.Policy("params=bfloat16,compute=bfloat16,output=float32,state=bfloat16,rounding=kahan")
+        >>> kahan.name, kahan.master_dtype, kahan.state_dtype, kahan.rounding
+        ('bfloat16_kahan', 'bfloat16', 'bfloat16', 'kahan')
+        >>> polyamp.Policy("bfloat16", state="float32").name
+        'params=bfloat16,compute=bfloat16,output=bfloat16,state=float32'
     """
 
-    __slots__ = ("_dtypes",)
+    __slots__ = ("_dtypes", "_plan")
     _dtypes: tuple[str, str, str]
+    _plan: tuple[str, str, str]
 
     def __init__(
         self,
@@ -216,6 +323,9 @@ class Policy:
         param: object = None,
         compute: object = None,
         output: object = None,
+        master: object = None,
+        state: object = None,
+        rounding: str | None = None,
     ) -> None:
         keywords = (param, compute, output)
         if spec is not None and any(k is not None for k in keywords):
@@ -224,10 +334,12 @@ class Policy:
                 f"Received: spec={spec!r} with keywords. Use Policy({spec!r}).replace(...) to start from a "
                 "spec and change one dtype."
             )
+        plan: tuple[str | None, str | None, str | None] = (None, None, None)
         if isinstance(spec, Policy):
             dtypes = spec._dtypes
+            plan = spec._given_plan()
         elif isinstance(spec, str):
-            dtypes = _parse_spec(spec)
+            dtypes, plan = _parse_spec(spec)
         elif spec is None:
             dtypes = tuple(  # type: ignore[assignment]
                 "float32" if value is None else canonical_dtype(value, what=name)
@@ -237,7 +349,38 @@ class Policy:
             dtypes = _from_framework_policy(spec)
         else:
             raise _not_a_policy(spec)
+        if rounding is not None and (not isinstance(rounding, str) or rounding.strip().lower() not in ROUNDINGS):
+            raise InvalidPolicyError(
+                f"`rounding` must be one of {', '.join(map(repr, ROUNDINGS))}. Received: {describe(rounding)}."
+            )
+        given = (
+            plan[0] if master is None else canonical_dtype(master, what="master"),
+            plan[1] if state is None else canonical_dtype(state, what="state"),
+            plan[2] if rounding is None else rounding.strip().lower(),
+        )
+        described = spec if isinstance(spec, str) else None
+        resolved = _resolve_plan(
+            dtypes[0],
+            *given,
+            given=repr(described)
+            if described is not None and (master, state, rounding) == (None, None, None)
+            else ", ".join(
+                f"{key}={value}"
+                for key, value in zip(("params", "master", "state", "rounding"), (dtypes[0], *given), strict=True)
+                if value is not None
+            ),
+        )
         object.__setattr__(self, "_dtypes", dtypes)
+        object.__setattr__(self, "_plan", resolved)
+
+    def _given_plan(self) -> tuple[str | None, str | None, str | None]:
+        # The plan with its defaults left out, so that replace(param=...) moves a default master along.
+        master, state, rounding = self._plan
+        return (
+            None if master == self._dtypes[0] else master,
+            None if state == master else state,
+            None if rounding == "nearest" else rounding,
+        )
 
     @property
     def param_dtype(self) -> str:
@@ -255,13 +398,47 @@ class Policy:
         return self._dtypes[2]
 
     @property
+    def master_dtype(self) -> str:
+        """The dtype of the copy the optimizer updates: the parameter dtype unless a master copy is kept."""
+        return self._plan[0]
+
+    @property
+    def state_dtype(self) -> str:
+        """The dtype of the optimizer's moments and other floating slots."""
+        return self._plan[1]
+
+    @property
+    def rounding(self) -> str:
+        """How an update is written into bfloat16/float16 weights: "nearest", "stochastic" or "kahan"."""
+        return self._plan[2]
+
+    @property
+    def keeps_master(self) -> bool:
+        """True when the optimizer updates a master copy more precise than the parameters."""
+        return self._plan[0] != self._dtypes[0]
+
+    @property
+    def has_training_state_plan(self) -> bool:
+        """True when master, state or rounding differ from their defaults (an optimizer must follow them)."""
+        return self._given_plan() != (None, None, None)
+
+    @property
     def name(self) -> str:
-        """The Keras name when one matches, else the canonical spec string."""
+        """The Keras name or preset name when one matches, else the canonical spec string (the plan's keys
+        only where they differ from their defaults)."""
+        preset = _PRESET_OF.get((self._dtypes, self._plan))
+        if preset is not None:
+            return preset
+        extras = self._given_plan()
         named = _NAME_OF.get(self._dtypes)
-        if named is not None:
+        if named is not None and extras == (None, None, None):
             return named
         param, compute, output = self._dtypes
-        return f"params={param},compute={compute},output={output}"
+        text = f"params={param},compute={compute},output={output}"
+        for key, value in zip(("master", "state", "rounding"), extras, strict=True):
+            if value is not None:
+                text += f",{key}={value}"
+        return text
 
     @property
     def needs_loss_scaling(self) -> bool:
@@ -273,17 +450,33 @@ class Policy:
         """True when computation runs in a different dtype than the parameters are stored in."""
         return self._dtypes[0] != self._dtypes[1]
 
-    def replace(self, *, param: object = None, compute: object = None, output: object = None) -> Policy:
-        """Return a new policy with the given dtypes changed and the others kept.
+    def replace(
+        self,
+        *,
+        param: object = None,
+        compute: object = None,
+        output: object = None,
+        master: object = None,
+        state: object = None,
+        rounding: str | None = None,
+    ) -> Policy:
+        """Return a new policy with the given fields changed and the others kept (a master, state or rounding
+        left at its default follows the new parameter dtype).
 
         >>> Policy("mixed_float16").replace(output="float16").name
         'params=float32,compute=float16,output=float16'
+        >>> Policy("bfloat16").replace(output="float32", rounding="kahan").name
+        'bfloat16_kahan'
         """
         current = self._dtypes
+        given = self._given_plan()
         return Policy(
             param=current[0] if param is None else param,
             compute=current[1] if compute is None else compute,
             output=current[2] if output is None else output,
+            master=given[0] if master is None else master,
+            state=given[1] if state is None else state,
+            rounding=given[2] if rounding is None else rounding,
         )
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -294,11 +487,11 @@ class Policy:
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Policy):
-            return self._dtypes == other._dtypes
+            return self._dtypes == other._dtypes and self._plan == other._plan
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(("polyamp.Policy", self._dtypes))
+        return hash(("polyamp.Policy", self._dtypes, self._plan))
 
     def __repr__(self) -> str:
         return f"Policy({self.name!r})"

@@ -34,6 +34,9 @@ CAPABILITIES: Final = {
     "low_precision": "computes in float16/bfloat16 when the policy says so (declared)",
     "guard": "the trainer's scaler guards steps without scaling and keeps records() naming the non-finite "
     "gradients, and the trainer names the parameter step(overflow=True) plants into (`planted`) (declared)",
+    "precision": "trainer() follows a policy's training-state plan (master, state, rounding) through the backend's "
+    "precision optimizer, its optimizer_state() includes the master copies and compensation buffers, and "
+    "params() are the stored (bfloat16) weights as float32 (declared)",
 }
 
 

@@ -1,0 +1,200 @@
+"""The training state a policy describes: master copy, optimizer-state dtype and update rounding.
+
+The rules every backend's precision optimizer follows, stated once, with a pure-Python reference for each:
+
+- **The update is formed in float32.** For each parameter the optimizer runs on float32 working copies of the
+  weight (the master copy when one is kept, else the stored weight), its gradient and its floating slots;
+  the slots are then stored back in the state dtype, rounded to nearest.
+- **It is written with the plan's rounding** (`write_update`): to nearest; stochastically (bfloat16 only: a
+  uniformly random 16-bit integer is added to the float32 bit pattern, whose low 16 bits are then dropped,
+  which rounds up with probability equal to the distance from the lower neighbour, so the expected stored
+  value is the float32 value); or with Kahan compensation, where a buffer in the weight dtype carries what
+  the last write lost: ``y = c + (target - w)``, ``w' = round(w + y)``, ``c' = round(y - (w' - w))``, each
+  operation one float32 operation (no fused multiply-add), so every backend writes the same bits.
+- **A float32 master copy** is updated instead of the weight and written back to nearest after each step.
+- **A skipped step writes nothing**: weights, master copy, slots and compensation buffers keep their bits.
+- **Checkpoints** store each state tensor in the dtype of the plan it was saved under; loading it under
+  another plan converts it with one note through ``logging.getLogger("polyamp")`` (`conversion_note`).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Iterable
+from typing import Final, NamedTuple
+
+from polyamp._src.errors import InvalidConfigError, describe
+from polyamp._src.policy import _PRESETS, Policy, PolicyLike
+
+__all__ = [
+    "ITEMSIZE",
+    "KAHAN_KEY",
+    "MASTER_KEY",
+    "StateBytes",
+    "TrainingStateWarning",
+    "conversion_note",
+    "round_to",
+    "state_bytes",
+    "state_bytes_table",
+    "stochastic_round_bfloat16",
+    "unplanned_hazard_message",
+    "write_update",
+]
+
+#: Bytes per element of each dtype a policy can hold.
+ITEMSIZE: Final = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+#: The names under which precision optimizers keep their own per-parameter state, next to the optimizer's slots.
+MASTER_KEY: Final = "polyamp_master"
+KAHAN_KEY: Final = "polyamp_compensation"
+
+
+class TrainingStateWarning(UserWarning):
+    """Weights in bfloat16/float16 are updated without a master copy or a rounding plan: small updates round away."""
+
+
+def _f32(value: float) -> float:
+    return float(struct.unpack("<f", struct.pack("<f", value))[0])
+
+
+def _bits(value: float) -> int:
+    return int(struct.unpack("<I", struct.pack("<f", value))[0])
+
+
+def _from_bits(bits: int) -> float:
+    return float(struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0])
+
+
+def round_to(value: float, dtype: str) -> float:
+    """``value`` (a float32 value) rounded to nearest (ties to even) in ``dtype``, as a Python float."""
+    value = _f32(value)
+    if dtype == "float32" or math.isnan(value) or math.isinf(value):
+        return value
+    if dtype == "bfloat16":
+        bits = _bits(value)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return _from_bits(rounded)
+    if dtype == "float16":
+        try:
+            return float(struct.unpack("<e", struct.pack("<e", value))[0])
+        except OverflowError:  # beyond float16's range (rounding to nearest)
+            return math.copysign(math.inf, value)
+    raise InvalidConfigError(f"round_to: dtype must be float32, bfloat16 or float16. Received: {describe(dtype)}.")
+
+
+def stochastic_round_bfloat16(value: float, random16: int) -> float:
+    """``value`` (float32) rounded to bfloat16 stochastically with the 16 random bits ``random16`` (0..65535)."""
+    value = _f32(value)
+    if math.isnan(value) or math.isinf(value):
+        return value
+    return _from_bits((_bits(value) + (random16 & 0xFFFF)) & 0xFFFF0000)
+
+
+def write_update(
+    weight: float,
+    target: float,
+    *,
+    dtype: str,
+    rounding: str,
+    compensation: float = 0.0,
+    random16: int = 0,
+) -> tuple[float, float]:
+    """The reference write of one element: ``(new weight, new compensation)``.
+
+    Args:
+        weight: The stored weight (a value of ``dtype``).
+        target: The float32 value the optimizer computed for it from the float32 working copy.
+        dtype: The weight dtype.
+        rounding: ``"nearest"``, ``"stochastic"`` (``random16`` are the random bits) or ``"kahan"``
+            (``compensation`` is the buffer's value, in ``dtype``).
+    """
+    if rounding == "nearest":
+        return round_to(target, dtype), compensation
+    if rounding == "stochastic":
+        return stochastic_round_bfloat16(target, random16), compensation
+    delta = _f32(_f32(target) - weight)
+    y = _f32(compensation + delta)
+    new = round_to(_f32(weight + y), dtype)
+    return new, round_to(_f32(y - _f32(new - weight)), dtype)
+
+
+class StateBytes(NamedTuple):
+    """Bytes per parameter of the training state under one plan (weights, gradients, master copy, optimizer
+    slots, Kahan compensation)."""
+
+    weights: int
+    gradients: int
+    master: int
+    state: int
+    compensation: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.master + self.state + self.compensation
+
+
+def state_bytes(policy: PolicyLike, *, slots: int = 2) -> StateBytes:
+    """Bytes per parameter of the training state ``policy`` plans for an optimizer with ``slots`` floating
+    slots per parameter (AdamW: 2, SGD with momentum: 1); gradients are in the parameter dtype.
+
+    >>> [state_bytes(name).total for name in ("mixed_bfloat16", "bfloat16_kahan", "bfloat16_stochastic")]
+    [16, 10, 8]
+    """
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 0:
+        raise InvalidConfigError(f"`slots` must be an int >= 0 (AdamW: 2). Received: {describe(slots)}.")
+    plan = Policy(policy)
+    param = ITEMSIZE[plan.param_dtype]
+    return StateBytes(
+        weights=param,
+        gradients=param,
+        master=ITEMSIZE[plan.master_dtype] if plan.keeps_master else 0,
+        state=slots * ITEMSIZE[plan.state_dtype],
+        compensation=param if plan.rounding == "kahan" else 0,
+    )
+
+
+#: The plans the doctor compares: the float32 default, the mixed policies and the training-state presets.
+TABLE_POLICIES: Final = ("float32", "mixed_bfloat16", "bfloat16", *_PRESETS)
+
+
+def state_bytes_table(
+    parameters: int | None = None, *, slots: int = 2, policies: Iterable[PolicyLike] = TABLE_POLICIES
+) -> list[dict[str, object]]:
+    """One row per policy: its name, `StateBytes` fields, ``per_parameter`` and (given ``parameters``) ``total``."""
+    rows: list[dict[str, object]] = []
+    for policy in policies:
+        plan = Policy(policy)
+        counted = state_bytes(plan, slots=slots)
+        row: dict[str, object] = {"policy": plan.name, **counted._asdict(), "per_parameter": counted.total}
+        if parameters is not None:
+            row["total"] = counted.total * parameters
+        rows.append(row)
+    return rows
+
+
+def unplanned_hazard_message(optimizer: str, dtypes: Iterable[str], policy: Policy) -> str | None:
+    """The one warning for an optimizer stepping bfloat16/float16 weights with no master copy and nearest
+    rounding (the plan of the pure "bfloat16"/"float16" policies); None when there is nothing to say."""
+    low = sorted({d for d in dtypes if d in ("bfloat16", "float16")})
+    if not low or policy.keeps_master or policy.rounding != "nearest":
+        return None
+    kinds = " and ".join(low)
+    return (
+        f"{optimizer} updates {kinds} weights directly, rounding each update to nearest: an update smaller than "
+        f"half a unit in the last place (for bfloat16 about 0.4% of the weight) is lost, so training stalls "
+        f"as the learning rate decays. Keep a float32 master copy (policy 'bfloat16_float32_master', 16 bytes "
+        f"per parameter with AdamW) or write the updates with compensation ('bfloat16_kahan', 10 bytes) or "
+        f"stochastic rounding ('bfloat16_stochastic', 8 bytes), through polyamp_torch.PrecisionOptimizer, "
+        f"polyamp_keras.PrecisionOptimizer or polyamp_jax.precision. This is said once per optimizer."
+    )
+
+
+def conversion_note(what: str, saved: str, planned: str) -> str:
+    """The note logged when a checkpoint's state tensor is converted to the plan's dtype on load."""
+    lossy = ITEMSIZE.get(planned, 4) < ITEMSIZE.get(saved, 4)
+    return (
+        f"{what} was saved in {saved} and is loaded as {planned}, the dtype the current plan keeps it in"
+        + (" (rounded to nearest)" if lossy else " (exactly)")
+        + ". Load under the plan it was saved with to keep it as it was."
+    )
