@@ -112,6 +112,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-step-seconds", type=float, default=20.0, help="stop growing past this step time")
     p.add_argument("--plot", default=None, help="PNG path (default: <out>/scale.png; full runs only)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="as for torch-cpu")
+    p = target("training-state", "memory, final loss and step time of each training-state plan (AdamW, a small GPT)")
+    p.add_argument(
+        "--backend",
+        default="all",
+        help="torch, jax, keras-tensorflow, keras-jax, keras-torch, comma-separated, or all (the default)",
+    )
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 3000; --quick: 20)")
+    p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
     p = target("revisions", "the same step on two revisions, each imported in its own worker process")
     p.add_argument("--range", action="append", help="BASE..HEAD (repeatable; default HEAD~1..HEAD)")
     p.add_argument("--widths", default="64,512")
@@ -203,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import scale
 
         _common_write(scale.run(args), args)
+    elif args.target == "training-state":
+        from benchmarks import training_state
+
+        _common_write(training_state.run(args), args)
     elif args.target == "revisions":
         from benchmarks import revisions
 

@@ -609,3 +609,26 @@ def test_import_polyamp_and_the_rules_import_no_framework_nor_numpy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+# --- the training state -----------------------------------------------------------------------------------------
+
+
+def test_doctor_reports_the_training_state_per_plan() -> None:
+    result = _run("doctor", "--json", "--framework", "jax", "--parameters", "125M")
+    assert result.returncode == 0, result.stderr
+    rows = {row["policy"]: row for row in json.loads(result.stdout)["training_state"]}
+    assert {name: row["per_parameter"] for name, row in rows.items()} == {
+        "float32": 16,
+        "mixed_bfloat16": 16,
+        "bfloat16": 8,
+        "bfloat16_float32_master": 16,
+        "bfloat16_kahan": 10,
+        "bfloat16_stochastic": 8,
+    }
+    assert rows["bfloat16_kahan"]["total"] == 10 * 125_000_000
+    text = _run("doctor", "--framework", "jax", "--slots", "1").stdout
+    assert "Training state per parameter (an optimizer with 1 slot per parameter" in text
+    assert "  bfloat16_kahan                 2      2       0      2             2      8" in text
+    bad = _run("doctor", "--parameters", "lots")
+    assert bad.returncode == 2 and "expected a positive number of parameters" in bad.stderr and "'lots'" in bad.stderr

@@ -14,6 +14,7 @@ from polyamp._src.doctor import FRAMEWORKS, diagnose
 from polyamp._src.errors import CheckpointError, PolyampError
 from polyamp._src.hazards import find_hazards, read_tensors
 from polyamp._src.policy import Policy
+from polyamp._src.training_state import state_bytes_table
 
 __all__ = ["main"]
 
@@ -48,6 +49,37 @@ def _byte_count(text: str) -> int:
     return int(match.group(1)) * _UNITS[unit]
 
 
+_COUNT = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmbt]?)\s*", re.IGNORECASE)
+_SCALE = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+
+
+def _parameter_count(text: str) -> int:
+    """``--parameters`` as a count: an integer, or a decimal with K, M, B or T (powers of 1000): 125M, 7B, 1.5B."""
+    match = _COUNT.fullmatch(text)
+    count = round(float(match.group(1)) * _SCALE[match.group(2).lower()]) if match else 0
+    if count <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of parameters, optionally with K, M, B or T (powers of 1000), such as "
+            f"124000000, 125M or 1.5B; received {text!r}"
+        )
+    return count
+
+
+def _format_state(rows: list[dict[str, Any]], parameters: int | None, slots: int) -> str:
+    lines = [
+        f"Training state per parameter (an optimizer with {slots} slot{'' if slots == 1 else 's'} per parameter, "
+        f"AdamW: 2; polyamp.state_bytes)",
+        f"  {'policy':<24} weights  grads  master  slots  compensation  bytes" + ("  total" if parameters else ""),
+    ]
+    for row in rows:
+        total = f"  {row['total'] / 2**30:.2f} GiB" if parameters else ""
+        lines.append(
+            f"  {row['policy']:<24} {row['weights']:>7}  {row['gradients']:>5}  {row['master']:>6}  {row['state']:>5}"
+            f"  {row['compensation']:>12}  {row['per_parameter']:>5}{total}"
+        )
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m polyamp doctor",
@@ -72,6 +104,21 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--policy",
         help="policy to check --check against: a name, 'auto' or a spec (default: mixed_float16)",
+    )
+    parser.add_argument(
+        "--parameters",
+        type=_parameter_count,
+        metavar="N",
+        help="also give the training state's total size for a model of N parameters (125M, 7B) under each plan",
+    )
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=2,
+        choices=range(0, 9),
+        metavar="K",
+        help="floating optimizer slots per parameter for the training-state table (AdamW: 2, the default; SGD with "
+        "momentum: 1)",
     )
     parser.add_argument(
         "--max-bytes",
@@ -140,12 +187,15 @@ def main(argv: list[str] | None = None) -> int:
         except (PolyampError, OSError) as exc:
             print(f"python -m polyamp doctor: cannot check {args.check!r}: {exc}", file=sys.stderr)
             return EXIT_USAGE
+    state = state_bytes_table(args.parameters, slots=args.slots)
     if args.json:
         out = report.to_dict()
         out["check"] = check
+        out["training_state"] = state
         print(json.dumps(out, indent=2, allow_nan=False))
     else:
         print(report.format())
+        print(_format_state(state, args.parameters, args.slots))
         if check is not None:
             print(_format_check(check))
     found = check is not None and bool(check["hazards"])

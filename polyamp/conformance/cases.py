@@ -469,6 +469,52 @@ def test_skipped_step_changes_nothing(harness: Any, optimizer: str) -> None:
     assert_equal_arrays(trainer.optimizer_state(), state, f"{optimizer} state after a skipped step")
 
 
+def _stored_in(arrays: list[Any], dtype: str) -> bool:
+    """Whether every value of ``arrays`` (float32 NumPy arrays) is a value of ``dtype``."""
+    import numpy as np
+
+    for array in arrays:
+        values = np.ascontiguousarray(array, dtype=np.float32)
+        if dtype == "bfloat16" and np.any(values.view(np.uint32) & 0xFFFF):
+            return False
+        if dtype == "float16" and not np.array_equal(values.astype(np.float16).astype(np.float32), values):
+            return False
+    return True
+
+
+@parametrize("plan", ["bfloat16_float32_master", "bfloat16_kahan", "bfloat16_stochastic"])
+@parametrize("optimizer", ["sgd", "adam"])
+@requires("trainer", "precision")
+def test_training_state_plan_skips_keep_every_state_tensor(harness: Any, plan: str, optimizer: str) -> None:
+    """A training-state plan (bfloat16 weights; a float32 master copy, or bfloat16 moments with Kahan or
+    stochastic rounding) under the guard: every applied step stores bfloat16 weights and moves them; the step
+    whose gradient holds inf is skipped and recorded, and weights, master copies, moments, compensation buffers
+    and counters keep their bits."""
+    trainer = harness.trainer(Policy(plan), scaler={"enabled": None}, optimizer=optimizer)
+    bad = 2
+    for index, (x, y) in enumerate(_batches(5)):
+        before = (trainer.params(), trainer.optimizer_state())
+        trainer.step(x, y, overflow=index == bad)
+        if index == bad:
+            if not trainer.step_skipped():
+                raise AssertionError(f"{plan}: the step whose gradient held inf was not skipped")
+            assert_equal_arrays(trainer.params(), before[0], f"{plan}: weights after a skipped step")
+            assert_equal_arrays(trainer.optimizer_state(), before[1], f"{plan}: training state after a skipped step")
+            continue
+        if trainer.step_skipped():
+            raise AssertionError(f"{plan}: finite step {index} was skipped")
+        if not _stored_in(trainer.params(), "bfloat16"):
+            raise AssertionError(f"{plan}: after step {index} the weights hold values that are not bfloat16")
+        if all(
+            a.shape == b.shape and a.tobytes() == b.tobytes() for a, b in zip(trainer.params(), before[0], strict=True)
+        ):
+            raise AssertionError(f"{plan}: step {index} left every weight as it was")
+    records = trainer.scaler.records()
+    skipped = [r.iteration for r in records if r.skipped]
+    if skipped != [bad] or records[bad].reason != "non_finite":
+        raise AssertionError(f"{plan}: records say skipped {skipped} ({records[bad].reason}), expected [{bad}]")
+
+
 @requires("tiny_gradient", "low_precision")
 def test_underflow_rescue(harness: Any) -> None:
     """A ~1e-8 gradient flushes to zero in float16 without scaling and survives with it."""

@@ -1,0 +1,98 @@
+"""The ``training-state`` benchmark's model and step on PyTorch (see `benchmarks.training_state`)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import polyamp
+import polyamp_torch
+from benchmarks.training_state import POLICY_OF, Chain, Config, Run, decayed, initial_weights
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, config: Config, weights: dict[str, np.ndarray], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.names = list(weights)
+        self.weights = torch.nn.ParameterDict(
+            {name.replace(".", "_"): torch.nn.Parameter(torch.from_numpy(w).to(dtype)) for name, w in weights.items()}
+        )
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.weights[name.replace(".", "_")]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        batch, length = tokens.shape
+        x = self["wte"][tokens] + self["wpe"][:length]
+        for i in range(c.layers):
+            h = F.layer_norm(x, (c.width,), self[f"h{i}.ln1.g"], self[f"h{i}.ln1.b"])
+            qkv = h @ self[f"h{i}.attn.w"] + self[f"h{i}.attn.b"]
+            q, k, v = (
+                t.reshape(batch, length, c.heads, c.width // c.heads).transpose(1, 2) for t in qkv.chunk(3, dim=-1)
+            )
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(c.width // c.heads)
+            mask = torch.ones(length, length, dtype=torch.bool, device=tokens.device).triu(1)
+            attention = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(v.dtype)
+            y = (attention @ v).transpose(1, 2).reshape(batch, length, c.width)
+            x = x + (y @ self[f"h{i}.proj.w"] + self[f"h{i}.proj.b"])
+            h = F.layer_norm(x, (c.width,), self[f"h{i}.ln2.g"], self[f"h{i}.ln2.b"])
+            h = F.gelu(h @ self[f"h{i}.fc.w"] + self[f"h{i}.fc.b"])
+            x = x + (h @ self[f"h{i}.out.w"] + self[f"h{i}.out.b"])
+        x = F.layer_norm(x, (c.width,), self["lnf.g"], self["lnf.b"])
+        return x @ self["head.w"]
+
+
+def state_bytes_per_parameter(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, dict]:
+    """Bytes per parameter of weights, gradients and every per-parameter optimizer tensor, from the tensors."""
+    params = list(model.parameters())
+    count = sum(p.numel() for p in params)
+    parts = {
+        "weights": sum(p.numel() * p.element_size() for p in params),
+        "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+    }
+    for p in params:
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                parts[key] = parts.get(key, 0) + value.numel() * value.element_size()
+    return sum(parts.values()) / count, {key: value / count for key, value in parts.items()}
+
+
+def train(plan: str, seed: int, config: Config, chain: Chain) -> Run:
+    torch.manual_seed(seed)
+    policy = polyamp.Policy(POLICY_OF.get(plan, plan))
+    dtype = getattr(torch, policy.param_dtype)
+    weights = initial_weights(config, seed)
+    model = GPT(config, weights, dtype)
+    named = dict(zip(model.names, model.weights.values(), strict=True))
+    groups = [
+        {"params": [p for n, p in named.items() if decayed(n, weights[n])], "weight_decay": config.weight_decay},
+        {"params": [p for n, p in named.items() if not decayed(n, weights[n])], "weight_decay": 0.0},
+    ]
+    inner = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=True)
+    optimizer = polyamp_torch.PrecisionOptimizer(inner, policy, seed=seed)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: config.learning_rate(step) / config.lr)
+    batches = chain.batches(seed)
+    losses: list[float] = []
+    warm = min(10, config.steps // 2)
+    started = 0.0
+    for step in range(config.steps):
+        if step == warm:
+            started = time.perf_counter()
+        tokens = torch.from_numpy(next(batches)).long()
+        with polyamp_torch.autocast(policy):
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, config.vocab), tokens[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+    seconds = time.perf_counter() - started
+    per_parameter, breakdown = state_bytes_per_parameter(model, optimizer)
+    return Run(plan, seed, losses, seconds, config.steps - warm, per_parameter, breakdown)
