@@ -134,7 +134,8 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         >>> opt = polyamp_torch.PrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), "bfloat16_kahan")
         >>> model(torch.ones(1, 4, dtype=torch.bfloat16)).float().sum().backward()
         >>> opt.step()
-        >>> opt.state[model.weight]["exp_avg"].dtype, opt.state[model.weight]["polyamp_compensation"].dtype
+        >>> state = opt.state[model.weight]
+        >>> state["exp_avg"].dtype, state["polyamp_compensation"].dtype
         (torch.bfloat16, torch.bfloat16)
     """
 
