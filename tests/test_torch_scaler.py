@@ -261,6 +261,7 @@ def test_closures_are_refused_while_scaling(setup: tuple[Any, Any, Any], how: st
             scaler.step(opt, lambda: param.sum())
 
 
+@pytest.mark.filterwarnings("ignore::polyamp.TrainingStateWarning")  # (a plain optimizer over float16 weights)
 def test_float16_gradients_get_a_clear_error() -> None:
     model = torch.nn.Linear(4, 2).half()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

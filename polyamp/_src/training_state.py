@@ -138,8 +138,8 @@ def state_bytes(policy: PolicyLike, *, slots: int = 2) -> StateBytes:
     """Bytes per parameter of the training state ``policy`` plans for an optimizer with ``slots`` floating
     slots per parameter (AdamW: 2, SGD with momentum: 1); gradients are in the parameter dtype.
 
-    >>> [state_bytes(name).total for name in ("mixed_bfloat16", "bfloat16_kahan", "bfloat16_stochastic")]
-    [16, 10, 8]
+    >>> tuple(state_bytes(name).total for name in ("mixed_bfloat16", "bfloat16_kahan", "bfloat16_stochastic"))
+    (16, 10, 8)
     """
     if not isinstance(slots, int) or isinstance(slots, bool) or slots < 0:
         raise InvalidConfigError(f"`slots` must be an int >= 0 (AdamW: 2). Received: {describe(slots)}.")

@@ -10,6 +10,8 @@
 * `clip_grad_norm_` - gradient clipping that unscales first, so it never clips scaled gradients.
 * `fsdp_mixed_precision` - a policy as FSDP2's ``MixedPrecisionPolicy``.
 * `watch_forward` - which module first produced an inf or NaN in a forward pass (forward hooks).
+* `PrecisionOptimizer` - any optimizer stepping bfloat16/float16 weights by the policy's training-state plan
+  (float32 master copy, Kahan or stochastic rounding, moments in bfloat16); `measure_state_bytes` counts it.
 
 Integrations, imported on demand (``import polyamp_torch`` imports none of their frameworks):
 ``polyamp_torch.lightning.PolyampPrecision`` (a Lightning precision plugin),
@@ -29,6 +31,7 @@ from polyamp_torch._clip import clip_grad_norm_
 from polyamp_torch._cpu_float32 import FLOAT32_OP_NAMES
 from polyamp_torch._distributed import fsdp_mixed_precision
 from polyamp_torch._modules import apply_policy, module_policy, remove_policy
+from polyamp_torch._precision import MeasuredStateBytes, PrecisionOptimizer, measure_state_bytes
 from polyamp_torch._records import RecordWriter
 from polyamp_torch._scaler import TorchLossScaler
 from polyamp_torch._schedulers import SchedulerGuard
@@ -38,7 +41,9 @@ __all__ = [
     "FLOAT32_OP_NAMES",
     "TORCH_DTYPES",
     "ForwardWatch",
+    "MeasuredStateBytes",
     "PolicyRegion",
+    "PrecisionOptimizer",
     "RecordWriter",
     "SchedulerGuard",
     "TorchBackend",
@@ -47,6 +52,7 @@ __all__ = [
     "autocast",
     "clip_grad_norm_",
     "fsdp_mixed_precision",
+    "measure_state_bytes",
     "module_policy",
     "policy_in_effect",
     "remove_policy",

@@ -45,6 +45,7 @@ from polyamp_torch._gradients import (
     takes_grad_scaler,
     unscale_gradients,
 )
+from polyamp_torch._precision import is_precision_optimizer, warn_unplanned
 from polyamp_torch._rule import DeviceState, advance
 
 __all__ = ["TorchDevice"]
@@ -234,6 +235,10 @@ class TorchDevice:
     def check_optimizer(self, method: str, optimizer: object) -> None:
         if not hasattr(optimizer, "param_groups"):
             raise wrong_object_error("torch", method, optimizer, "a torch.optim.Optimizer")
+        if method == "step" and not is_precision_optimizer(optimizer) and not torch.compiler.is_compiling():
+            # Every step of an imperative scaler passes here first: the one place to see a plain optimizer
+            # updating bfloat16/float16 weights (a PrecisionOptimizer says so itself, for its own plan).
+            warn_unplanned(optimizer, stacklevel=3)
 
     def scale(self, outputs: Any) -> Any:
         if isinstance(outputs, torch.Tensor):
@@ -269,7 +274,8 @@ class TorchDevice:
             optimizer,
             inv_scale,
             found_inf,
-            allow_fp16=False,
+            # A PrecisionOptimizer forms its update in float32 from the unscaled float16 gradients.
+            allow_fp16=is_precision_optimizer(optimizer),
             warn_bfloat16=not self._warned_bfloat16,
             check_unscaled=self._config.checks_unscaled,
         )

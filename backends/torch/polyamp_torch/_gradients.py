@@ -67,7 +67,9 @@ def _gradients_by_device_and_dtype(
                     "gradient). Loss scaling needs float32 master parameters: 1/scale and the unscaled values "
                     "underflow in float16. Keep the parameters in float32 and let polyamp_torch.autocast() run "
                     "the float16 math (the 'mixed_float16' policy), or train with a bfloat16 policy without "
-                    "loss scaling."
+                    "loss scaling. For float16 parameters, wrap the optimizer in polyamp_torch.PrecisionOptimizer "
+                    "(e.g. under 'params=float16,compute=float16,state=float32,rounding=kahan'), which forms each "
+                    "update in float32."
                 )
             if dtype is _BFLOAT16:
                 has_bfloat16 = True

@@ -16,6 +16,7 @@ from polyamp.conformance import HarnessUnavailable
 from polyamp_torch._autocast import autocast
 from polyamp_torch._framework import torch
 from polyamp_torch._modules import apply_policy
+from polyamp_torch._precision import PrecisionOptimizer
 
 __all__ = ["TorchHarness"]
 
@@ -24,6 +25,15 @@ F = torch.nn.functional
 
 def _mlp() -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _state_array(value: object) -> np.ndarray:
+    """A state value as NumPy: bfloat16 tensors (moments, compensation) as float32, exactly, NumPy having no
+    bfloat16."""
+    tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    if tensor.dtype is torch.bfloat16:
+        tensor = tensor.float()
+    return tensor.detach().cpu().numpy().copy()
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
@@ -54,6 +64,8 @@ class _TorchTrainer:
             self.opt = torch.optim.Adam(params, lr=0.01)
         else:
             raise ValueError(f"unknown optimizer {optimizer!r}; the harness knows 'sgd' and 'adam'")
+        if policy.has_training_state_plan:  # the parameters are in the policy's param dtype (apply_policy)
+            self.opt = PrecisionOptimizer(self.opt, policy, seed=seed)
         with polyamp.policy_scope(policy):  # enabled=None follows this trainer's policy
             self.scaler: LossScaler | None = None if scaler is None else LossScaler(**scaler, backend="torch")
 
@@ -87,11 +99,12 @@ class _TorchTrainer:
         return [p.detach().float().cpu().numpy().copy() for p in self.model.parameters()]
 
     def optimizer_state(self) -> list[np.ndarray]:
+        """Every state tensor per parameter, by key: the slots and, under a training-state plan, the master copy
+        (``polyamp_master``) and compensation buffer (``polyamp_compensation``), each as stored."""
         arrays = []
         for param in self.model.parameters():
             for _, value in sorted(self.opt.state.get(param, {}).items()):
-                tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-                arrays.append(tensor.detach().cpu().numpy().copy())
+                arrays.append(_state_array(value))
         return arrays
 
     def step_skipped(self) -> bool:
@@ -150,8 +163,7 @@ class _TorchLoop:
         arrays = []
         for param in self._layers[index].parameters():
             for _, value in sorted(optimizer.state.get(param, {}).items()):
-                tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-                arrays.append(tensor.detach().cpu().numpy().copy())
+                arrays.append(_state_array(value))
         return arrays
 
 
@@ -160,7 +172,7 @@ class TorchHarness:
 
     backend = "torch"
     devices = ("cpu", "cuda")
-    capabilities = frozenset({"low_precision", "guard"})
+    capabilities = frozenset({"low_precision", "guard", "precision"})
     #: PyTorch follows polyamp's semantics everywhere (on CPU, polyamp regions supply CUDA's float32 ops).
     divergences: Mapping[str, str] = {}
 

@@ -1,0 +1,429 @@
+"""`PrecisionOptimizer`: any torch optimizer, stepping bfloat16/float16 weights by a policy's training-state plan.
+
+The rules are the core's (`polyamp._src.training_state`); this module translates them to torch:
+
+* The inner optimizer runs unmodified, a chunk of parameters at a time, on float32 working tensors: each
+  parameter group's ``"params"`` and the inner optimizer's ``state`` entries are swapped for float32 copies
+  (the master copy itself when one is kept) for the call, so for-loop, foreach and fused implementations all
+  work within a chunk. Between steps the inner optimizer holds no state: it all lives in
+  ``PrecisionOptimizer.state``, the slots in the plan's state dtype.
+* Where a working tensor would equal the stored one (float32 weights, float32 slots) it *is* the stored one:
+  the default plan over float32 parameters hands the inner optimizer its own tensors (a pass-through).
+* The write back is the core's `write_update`, in torch ops: one float32 op per step of the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import polyamp
+from polyamp import InvalidConfigError, Policy, PolyampTypeError, TrainingStateWarning
+from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, describe, unplanned_hazard_message
+from polyamp_torch._framework import TORCH_DTYPES, torch
+from polyamp_torch._precision_checkpoint import read_checkpoint
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "MeasuredStateBytes",
+    "PrecisionOptimizer",
+    "is_moment",
+    "is_precision_optimizer",
+    "measure_state_bytes",
+    "warn_unplanned",
+]
+
+#: Default float32 working memory of one chunk of parameters (weights, gradients and slots): 64 MiB.
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+
+_OWN_KEYS = (MASTER_KEY, KAHAN_KEY)
+_LOW = (torch.bfloat16, torch.float16)
+# bfloat16 keeps the high 16 bits of a float32: the mask drops the low ones (0xFFFF0000 as an int32).
+_HIGH_BITS = -65536
+
+
+def is_moment(key: str, value: object, param: torch.Tensor) -> bool:
+    """Whether the inner optimizer's slot ``key`` is a moment kept in the plan's state dtype: a floating tensor
+    of the parameter's shape (exp_avg, exp_avg_sq, momentum_buffer, ...). Step counters and other scalars stay
+    as the inner optimizer keeps them."""
+    return (
+        key != "step"
+        and key not in _OWN_KEYS
+        and isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and value.shape == param.shape
+    )
+
+
+def is_precision_optimizer(optimizer: object) -> bool:
+    """Whether ``optimizer`` forms its updates in float32 itself (so float16 gradients may be unscaled in place)."""
+    return isinstance(optimizer, PrecisionOptimizer)
+
+
+_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+# A plain optimizer writes each update to nearest into the weights it holds: the default plan of any policy.
+_PLAIN = Policy()
+
+
+def warn_unplanned(optimizer: Any, policy: Policy = _PLAIN, *, name: str | None = None, stacklevel: int = 3) -> None:
+    """Warn once per optimizer when it steps bfloat16/float16 weights with no master copy and nearest rounding."""
+    if optimizer in _WARNED:
+        return
+    try:
+        _WARNED.add(optimizer)
+    except TypeError:  # not weakly referenceable: say it every time rather than never
+        pass
+    dtypes = {str(p.dtype).removeprefix("torch.") for group in optimizer.param_groups for p in group["params"]}
+    message = unplanned_hazard_message(name or type(optimizer).__name__, dtypes, policy)
+    if message is not None:
+        warnings.warn(message, TrainingStateWarning, stacklevel=stacklevel + 1)
+
+
+def _parameter_name(group: dict[str, Any], g: int, i: int) -> str:
+    names = group.get("param_names")
+    return repr(names[i]) if names is not None and i < len(names) else f"param_groups[{g}]['params'][{i}]"
+
+
+class PrecisionOptimizer(torch.optim.Optimizer):
+    """Any ``torch.optim.Optimizer``, stepping low-precision weights by a policy's training-state plan.
+
+    The update is formed in float32 (the inner optimizer runs on float32 working copies of the weights, or of
+    the float32 master copy, the gradients and the moments, a chunk of parameters at a time) and written with
+    the plan's rounding: to nearest, stochastically (bfloat16) or with Kahan compensation, the moments stored
+    in the plan's state dtype. See `polyamp.Policy` (``master``, ``state``, ``rounding``) and the guide's
+    training-state page.
+
+    It is a real optimizer: ``param_groups`` are the inner optimizer's own dicts (LR schedulers,
+    ``zero_grad``, ``add_param_group`` work on either), ``state`` maps each parameter to the inner optimizer's
+    slots (in the state dtype) and, per the plan, its float32 master copy (``polyamp.backend_api.MASTER_KEY``)
+    and Kahan buffer (``KAHAN_KEY``); `state_dict` / `load_state_dict` carry them in their own dtypes.
+    Checkpoint this optimizer, not the inner one, whose ``state`` stays empty between steps.
+
+    With ``polyamp.LossScaler``: ``scaler.step(optimizer)`` unscales the model's gradients (also float16
+    ones: this optimizer forms the update in float32) and calls `step` only when they are finite, so a skipped
+    step (overflow, guard, spike) leaves weights, master copies, moments, compensation buffers, step counters
+    and the random stream bitwise as they were.
+
+    Master copies and compensation buffers are created at construction (and by `add_param_group`), from
+    the weights as they are then, so the memory is taken up front and counted by `measure_state_bytes`.
+
+    Args:
+        optimizer: The optimizer to run, built over the model's parameters (in the policy's param dtype;
+            float32 parameters, e.g. modules ``apply_policy`` keeps in float32, are updated in float32 with
+            no master or compensation). Any ``torch.optim`` optimizer in its for-loop, foreach or fused form,
+            except those that re-evaluate a closure inside ``step`` (LBFGS).
+        policy: The plan (a `polyamp.Policy` or a policy string); None takes ``polyamp.get_policy()`` now.
+            A plan over bfloat16/float16 weights with nearest rounding and no master warns once
+            (`polyamp.TrainingStateWarning`): updates below half a unit in the last place are lost.
+        seed: Seed of the random bits of stochastic rounding (one generator per device, part of the state).
+        chunk_bytes: The float32 working memory of one chunk (weights, gradients, two slots) in bytes;
+            chunks hold at least one parameter. Results do not depend on it.
+
+    Raises:
+        PolyampTypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or is LBFGS, or another
+            PrecisionOptimizer), ``policy`` is not a policy, ``seed``/``chunk_bytes`` not an int.
+        InvalidConfigError: a parameter's dtype is neither the plan's param dtype nor float32 (the message
+            names it); ``chunk_bytes`` < 1.
+
+    Example:
+        >>> import torch, polyamp, polyamp_torch
+        >>> model = torch.nn.Linear(4, 2).to(torch.bfloat16)
+        >>> opt = polyamp_torch.PrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), "bfloat16_kahan")
+        >>> model(torch.ones(1, 4, dtype=torch.bfloat16)).float().sum().backward()
+        >>> opt.step()
+        >>> state = opt.state[model.weight]
+        >>> state["exp_avg"].dtype, state["polyamp_compensation"].dtype
+        (torch.bfloat16, torch.bfloat16)
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        policy: polyamp.PolicyLike | None = None,
+        *,
+        seed: int = 0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, PrecisionOptimizer):
+            raise PolyampTypeError(
+                "PrecisionOptimizer wraps a torch.optim.Optimizer built over the model's parameters, e.g. "
+                f"PrecisionOptimizer(torch.optim.AdamW(model.parameters())). Received: {describe(optimizer)}."
+            )
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise PolyampTypeError(
+                "PrecisionOptimizer cannot wrap LBFGS: it re-evaluates its closure inside step(), on the model's "
+                "own parameters, while the update runs on float32 working copies. Use LBFGS on float32 "
+                "parameters directly."
+            )
+        for what, value, low in (("seed", seed, 0), ("chunk_bytes", chunk_bytes, 1)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise PolyampTypeError(f"`{what}` must be an int. Received: {describe(value)}.")
+            if value < low:
+                raise InvalidConfigError(f"`{what}` must be >= {low}. Received: {value}.")
+        plan = polyamp.get_policy() if policy is None else Policy(policy)
+        self._check_dtypes(plan, optimizer.param_groups)
+        #: The optimizer this one runs on float32 working tensors.
+        self.optimizer = optimizer
+        #: The training-state plan followed.
+        self.policy = plan
+        self.seed = seed
+        self.chunk_bytes = chunk_bytes
+        self._generators: dict[torch.device, torch.Generator] = {}
+        # torch's constructor adds each group through add_param_group; here they are the inner optimizer's own.
+        self._adopting = True
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._adopting = False
+        self.param_groups = optimizer.param_groups  # the same list: groups added to either appear in both
+        for group in self.param_groups:
+            self._init_own_state(group["params"])
+        if plan.param_dtype != "float32" and not plan.keeps_master and plan.rounding == "nearest":
+            warn_unplanned(self, plan, name=f"PrecisionOptimizer({type(optimizer).__name__})", stacklevel=2)
+
+    # -- parameters ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_dtypes(plan: Policy, groups: list[dict[str, Any]]) -> None:
+        allowed = {TORCH_DTYPES[plan.param_dtype], torch.float32}
+        for g, group in enumerate(groups):
+            for i, param in enumerate(group["params"]):
+                if isinstance(param, torch.Tensor) and param.dtype not in allowed:
+                    raise InvalidConfigError(
+                        f"Parameter {_parameter_name(group, g, i)} (shape {tuple(param.shape)}) is "
+                        f"{str(param.dtype).removeprefix('torch.')}, but the plan {plan.name!r} keeps "
+                        f"{plan.param_dtype} parameters (float32 ones are also accepted). Cast the model to the "
+                        "policy's param dtype before building the optimizer (polyamp_torch.apply_policy(model, "
+                        "policy)), or pass the policy the model was built for."
+                    )
+
+    def _low(self, param: torch.Tensor) -> bool:
+        return param.dtype in _LOW
+
+    def _init_own_state(self, params: list[torch.Tensor]) -> None:
+        plan = self.policy
+        state_dtype = TORCH_DTYPES[plan.state_dtype]
+        with torch.no_grad():
+            for param in params:
+                # State the inner optimizer made at construction (Adagrad's sums) moves here, in the state dtype.
+                for key, value in self.optimizer.state.pop(param, {}).items():
+                    self.state[param][key] = value.to(state_dtype) if is_moment(key, value, param) else value
+                if not self._low(param):
+                    continue
+                state = self.state[param]
+                if plan.keeps_master and MASTER_KEY not in state:
+                    state[MASTER_KEY] = param.detach().to(torch.float32, copy=True)
+                if plan.rounding == "kahan" and KAHAN_KEY not in state:
+                    state[KAHAN_KEY] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the inner optimizer (with its defaults), creating master copies and compensation
+        buffers for its parameters; a parameter of another dtype than the plan's is refused first."""
+        if self._adopting:
+            self.param_groups.append(param_group)
+            return
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        if isinstance(params, (list, tuple)):
+            self._check_dtypes(self.policy, [{**param_group, "params": list(params)}])
+        self.optimizer.add_param_group(param_group)
+        self._init_own_state(self.param_groups[-1]["params"])
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._generators[device] = generator
+        return generator
+
+    def _chunks(self) -> Iterator[list[tuple[int, torch.Tensor]]]:
+        """(group index, parameter) pairs with gradients, in order, cut where the float32 working memory
+        (weight, gradient, two slots) would pass ``chunk_bytes``."""
+        chunk: list[tuple[int, torch.Tensor]] = []
+        size = 0
+        for g, group in enumerate(self.param_groups):
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                cost = 16 * param.numel()
+                if chunk and size + cost > self.chunk_bytes:
+                    yield chunk
+                    chunk, size = [], 0
+                chunk.append((g, param))
+                size += cost
+        if chunk:
+            yield chunk
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One update of every parameter with a gradient, formed in float32 and written by the plan.
+
+        Args:
+            closure: Recomputes the loss and gradients; called once, before the update.
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for chunk in self._chunks():
+            self._step_chunk(chunk)
+        return loss
+
+    def _step_chunk(self, chunk: list[tuple[int, torch.Tensor]]) -> None:
+        plan = self.policy
+        inner = self.optimizer
+        groups = self.param_groups
+        working: dict[torch.Tensor, torch.Tensor] = {}
+        for _, param in chunk:
+            state = self.state.get(param, {})
+            low = self._low(param)
+            w32 = state[MASTER_KEY] if low and plan.keeps_master else param.detach().float()
+            grad = param.grad
+            assert grad is not None
+            w32.grad = grad.float()
+            inner.state[w32] = {
+                key: value.float() if is_moment(key, value, param) else value
+                for key, value in state.items()
+                if key not in _OWN_KEYS
+            }
+            working[param] = w32
+        saved = [group["params"] for group in groups]
+        for group in groups:
+            group["params"] = []
+        for g, param in chunk:
+            groups[g]["params"].append(working[param])
+        try:
+            inner.step()
+        finally:
+            for group, params in zip(groups, saved, strict=True):
+                group["params"] = params
+            slots = {param: inner.state.pop(working[param], {}) for _, param in chunk}
+            for w32 in working.values():
+                w32.grad = None
+        state_dtype = TORCH_DTYPES[plan.state_dtype]
+        for _, param in chunk:
+            state = self.state[param]
+            for key, value in slots[param].items():
+                state[key] = value.to(state_dtype) if is_moment(key, value, param) else value
+            self._write(param, working[param], state)
+
+    def _write(self, param: torch.Tensor, target: torch.Tensor, state: dict[str, Any]) -> None:
+        """Write the float32 result ``target`` into ``param`` by the plan (`polyamp.backend_api.write_update`)."""
+        if target is param:
+            return  # a float32 parameter updated in place
+        plan = self.policy
+        if not self._low(param) or plan.keeps_master or plan.rounding == "nearest":
+            param.copy_(target)  # round to nearest, ties to even (a float32 master keeps target itself)
+            return
+        if plan.rounding == "stochastic":
+            random16 = torch.randint(
+                0, 65536, param.shape, generator=self._generator(param.device), dtype=torch.int32, device=param.device
+            )
+            bits = (target.view(torch.int32) + random16) & _HIGH_BITS
+            param.copy_(torch.where(torch.isnan(target), target, bits.view(torch.float32)))
+            return
+        # Kahan: each line one float32 op, in the reference's order (no fused multiply-add).
+        weight = param.float()
+        compensation = state[KAHAN_KEY]
+        y = compensation.float() + (target - weight)
+        param.copy_(weight + y)
+        compensation.copy_(y - (param.float() - weight))
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict (``state`` by parameter index, ``param_groups``), each tensor in its own
+        dtype (float32 master copies, moments in the state dtype, compensation in the weight dtype), plus
+        ``"polyamp"``: the plan's name, the seed and the random generators' states (``{"cpu": ByteTensor}``)."""
+        saved = super().state_dict()
+        saved["polyamp"] = {
+            "policy": self.policy.name,
+            "seed": self.seed,
+            "generators": {str(device): generator.get_state() for device, generator in self._generators.items()},
+        }
+        return saved
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint of this optimizer, of one under another plan, or of the plain torch optimizer.
+
+        Each tensor is loaded in the dtype this plan keeps it in (unlike torch's ``Optimizer.load_state_dict``,
+        which casts floating state to the parameter dtype). A checkpoint saved under another plan is converted:
+        moments to the state dtype, master copies made from the weights (or dropped), compensation buffers
+        started at zero (or dropped); what was converted is logged once, as a warning of
+        ``logging.getLogger("polyamp")``. The tensors are copied: the checkpoint is not aliased.
+
+        Raises:
+            StateDictError: ``state_dict`` is malformed or does not fit these parameter groups; the optimizer
+                is left unchanged.
+        """
+        loaded = read_checkpoint(state_dict, self.param_groups, self.policy, is_moment, _parameter_name)
+        self.state.clear()
+        self.state.update(loaded.state)
+        for group, values in zip(self.param_groups, loaded.groups, strict=True):
+            group.update(values)
+        self._generators.update(loaded.generators)
+        if loaded.notes:
+            logging.getLogger("polyamp").warning(" ".join(note[0].upper() + note[1:] for note in loaded.notes))
+
+
+def measure_state_bytes(optimizer: torch.optim.Optimizer) -> MeasuredStateBytes:
+    """The bytes per parameter of an optimizer's training state, counted from the tensors it holds.
+
+    Weights and gradients are those of ``optimizer.param_groups`` (gradients as they are now: step first),
+    master copies and compensation buffers those of a `PrecisionOptimizer`, state its (or a plain optimizer's)
+    moments: floating tensors of a parameter's shape. Step counters and other scalars are left out. Compare with
+    `polyamp.state_bytes`, the plan's count: AdamW under ``"bfloat16_kahan"`` measures 10 bytes per parameter.
+
+    Raises:
+        PolyampTypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise PolyampTypeError(f"measure_state_bytes takes a torch.optim.Optimizer. Received: {describe(optimizer)}.")
+    counts = dict.fromkeys(("weights", "gradients", "master", "state", "compensation"), 0)
+    parameters = 0
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            parameters += param.numel()
+            counts["weights"] += param.numel() * param.element_size()
+            if param.grad is not None:
+                counts["gradients"] += param.grad.numel() * param.grad.element_size()
+            for key, value in optimizer.state.get(param, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                size = value.numel() * value.element_size()
+                if key == MASTER_KEY:
+                    counts["master"] += size
+                elif key == KAHAN_KEY:
+                    counts["compensation"] += size
+                elif is_moment(key, value, param):
+                    counts["state"] += size
+    per = {key: value / parameters if parameters else 0.0 for key, value in counts.items()}
+    return MeasuredStateBytes(parameters=parameters, **per)
+
+
+class MeasuredStateBytes(NamedTuple):
+    """Bytes per parameter of an optimizer's training state as measured by `measure_state_bytes` (the fields of
+    `polyamp.StateBytes`, averaged over ``parameters`` elements)."""
+
+    weights: float
+    gradients: float
+    master: float
+    state: float
+    compensation: float
+    parameters: int
+
+    @property
+    def total(self) -> float:
+        """All five together: bytes per parameter."""
+        return self.weights + self.gradients + self.master + self.state + self.compensation
