@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from polyamp import FunctionalLossScaler, LossScaler, PolyampTypeError, SpikeRule, StepRecord
+from polyamp import FunctionalLossScaler, LossScaler, Policy, PolyampTypeError, SpikeRule, StepRecord
 from polyamp.backend_api import describe
 from polyamp_jax._dynamic_scale import DynamicScale
 from polyamp_jax._functional import JaxFunctional
+from polyamp_jax._precision import PrecisionState, warn_unplanned
 
 __all__ = ["LossScaledState", "load_state_dict", "loss_scaled", "records", "scale_loss", "scaler_of", "state_dict"]
 
@@ -56,10 +57,12 @@ def loss_scaled(
 ) -> optax.GradientTransformationExtraArgs:
     """``inner`` with polyamp's dynamic loss scaling: the gradients it receives (of a loss scaled with
     `scale_loss`) are unscaled and checked; a step with an inf or NaN gradient (or a spike) is skipped, the
-    updates are zeros and ``inner``'s state stays as it was, bitwise; the scale follows polyamp's rule.
+    updates are negative zeros (which ``optax.apply_updates`` adds to every parameter without changing its bits,
+    a zero's sign included) and ``inner``'s state stays as it was, bitwise; the scale follows polyamp's rule.
 
     Args:
-        inner: Any optax transformation (``optax.adamw(1e-3)``, a chain, ...).
+        inner: Any optax transformation (``optax.adamw(1e-3)``, a chain, ...), or `precision` around one to
+            follow the policy's training-state plan (``loss_scaled(precision(optax.adamw(1e-3)))``).
         *positional, **settings: polyamp's loss-scaling settings (see `polyamp.LossScaleConfig`), as for
             `polyamp.LossScaler`.
         enabled: As `polyamp.LossScaler`'s, decided when the transformation is made: None (default) scales
@@ -81,6 +84,10 @@ def loss_scaled(
     Raises:
         InvalidConfigError / PolyampTypeError: a setting is invalid, or ``inner`` is not an optax
             transformation.
+
+    Warns:
+        TrainingStateWarning: once, at the first ``init`` with bfloat16/float16 parameters when ``inner`` is not
+            `precision`: a plain optimizer rounds each update to nearest, and small ones are lost.
 
     Example::
 
@@ -104,10 +111,16 @@ def loss_scaled(
     )
     fn = scaler.functional(backend="jax", make_device=lambda config: JaxFunctional(config, axis_name))
     wrapped = optax.with_extra_args_support(inner)
+    warned = False
 
     def init(params: Any) -> LossScaledState:
+        nonlocal warned
+        inner_state = wrapped.init(params)
+        if not warned and not _follows_a_plan(inner_state):
+            # A plain optimizer writes bfloat16/float16 weights to nearest, whatever the policy plans.
+            warned = warn_unplanned("The optax optimizer inside polyamp_jax.loss_scaled", params, Policy("bfloat16"))
         # The state counts which gradients held inf/NaN in a skipped step (named by their place in params).
-        return LossScaledState(fn.init(grads=params), wrapped.init(params), fn)
+        return LossScaledState(fn.init(grads=params), inner_state, fn)
 
     def update(updates: Any, state: LossScaledState, params: Any = None, **extra: Any) -> tuple[Any, LossScaledState]:
         loss = extra.pop("loss", None)
@@ -118,7 +131,8 @@ def loss_scaled(
         grads, found_inf = fn.unscale(scaler_state, updates)
         decision = fn.spike(scaler_state, loss=loss, grads=grads)
         new_updates, new_inner = wrapped.update(grads, state.inner, params, **extra)
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, new_updates)
+        # -0.0, not 0.0: x + -0.0 is x for every x, while -0.0 + 0.0 is +0.0.
+        zeros = jax.tree_util.tree_map(lambda u: jnp.full_like(u, -0.0), new_updates)
         new_updates, new_inner = fn.apply_if_finite(
             found_inf, (new_updates, new_inner), (zeros, state.inner), spike=decision
         )
@@ -126,6 +140,15 @@ def loss_scaled(
         return new_updates, LossScaledState(new_scaler, new_inner, fn)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _follows_a_plan(inner_state: Any) -> bool:
+    """True when the wrapped optimizer is `precision` (its state holds a `PrecisionState`)."""
+
+    def is_plan(node: Any) -> bool:
+        return isinstance(node, PrecisionState)
+
+    return any(is_plan(node) for node in jax.tree_util.tree_leaves(inner_state, is_leaf=is_plan))
 
 
 def _find(tree: Any, method: str) -> LossScaledState | DynamicScale:

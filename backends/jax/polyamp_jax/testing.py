@@ -1,6 +1,7 @@
 """polyamp's conformance harness for JAX (see `polyamp.conformance`): the tiny classifier as a pytree of arrays,
 trained by a jitted step through `polyamp_jax.loss_scaled` (optax), or through the functional scaler in a
-hand-written step (``functional_trainer``).
+hand-written step (``functional_trainer``). Under a policy with a training-state plan the optimizer is wrapped
+in `polyamp_jax.precision` (inside the scaler: ``loss_scaled(precision(optimizer))``).
 
 The model runs under `polyamp_jax.autocast` (op classes, the policy's compute dtype) and gives its logits in
 the output dtype; the op classes are checked on single ops under it.
@@ -8,8 +9,6 @@ the output dtype; the op classes are checked on single ops under it.
 
 from __future__ import annotations
 
-import importlib.metadata
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +23,7 @@ from polyamp.conformance import HarnessUnavailable
 from polyamp_jax._autocast import autocast
 from polyamp_jax._casting import cast_to_param
 from polyamp_jax._optax import LossScaledState, loss_scaled, scale_loss
+from polyamp_jax._precision import precision
 
 __all__ = ["JaxHarness"]
 
@@ -125,6 +125,8 @@ class _OptaxTrainer:
             raise ValueError(f"unknown optimizer {optimizer!r}; the harness knows 'sgd' and 'adam'")
         if clip is not None:  # after unscaling: loss_scaled hands the chain unscaled gradients
             inner = optax.chain(optax.clip_by_global_norm(clip), inner)
+        if policy.has_training_state_plan:  # master copies, state dtype and rounding of the plan
+            inner = precision(inner, policy)
         with polyamp.policy_scope(policy):
             self.tx = inner if scaler is None else loss_scaled(inner, **scaler)
         self.opt_state = self.tx.init(self.weights)
@@ -165,6 +167,8 @@ class _OptaxTrainer:
         return [leaf.astype(np.float32) for leaf in _leaves(self.weights)]
 
     def optimizer_state(self) -> list[np.ndarray]:
+        """The optimizer's slots, and under a training-state plan its master copies, compensation buffers and
+        random key (`polyamp_jax.PrecisionState`'s leaves)."""
         inner = self.opt_state.inner if isinstance(self.opt_state, LossScaledState) else self.opt_state
         return _leaves(inner)
 
@@ -222,23 +226,15 @@ class _FunctionalTrainer:
         return self._skipped is not None and bool(np.asarray(self._skipped) > 0)
 
 
-_JAXLIB = tuple(int(part) for part in re.findall(r"\d+", importlib.metadata.version("jaxlib"))[:3])
-# jaxlib 0.9.0 and older compile the two steps alike (the case passes bitwise there, so it is not listed).
-_ADAM_ROUNDING = {
-    "guard_vs_plain:adam": "XLA (jaxlib 0.9.1 and newer) compiles Adam's update, which loss_scaled passes through "
-    "the skip's select, apart from the parameter update that follows it; the same step without the "
-    "transformation rounds the last bit of some parameters differently (1.9e-9 here). Skipped steps leave "
-    "parameters and slots bitwise unchanged, and records and skip counts are exact; SGD matches bitwise.",
-}
-
-
 class JaxHarness:
     """JAX on its default CPU or GPU device."""
 
     backend = "jax"
     devices = ("cpu", "cuda")
-    capabilities = frozenset({"low_precision", "guard"})
-    divergences: Mapping[str, str] = _ADAM_ROUNDING if _JAXLIB >= (0, 9, 1) else {}
+    capabilities = frozenset({"low_precision", "guard", "precision"})
+    # None: loss_scaled's skip selects negative zeros, which XLA does not fold into the parameter update (it
+    # folded the positive zeros it once selected, rounding Adam's last bit apart from a step without the scaler).
+    divergences: Mapping[str, str] = {}
 
     def __init__(self, device: str) -> None:
         platforms = {d.platform for d in jax.devices()}
