@@ -48,21 +48,6 @@ class GPT(torch.nn.Module):
         return x @ self["head.w"]
 
 
-def state_bytes_per_parameter(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, dict]:
-    """Bytes per parameter of weights, gradients and every per-parameter optimizer tensor, from the tensors."""
-    params = list(model.parameters())
-    count = sum(p.numel() for p in params)
-    parts = {
-        "weights": sum(p.numel() * p.element_size() for p in params),
-        "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-    }
-    for p in params:
-        for key, value in optimizer.state.get(p, {}).items():
-            if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                parts[key] = parts.get(key, 0) + value.numel() * value.element_size()
-    return sum(parts.values()) / count, {key: value / count for key, value in parts.items()}
-
-
 def train(plan: str, seed: int, config: Config, chain: Chain) -> Run:
     torch.manual_seed(seed)
     policy = polyamp.Policy(POLICY_OF.get(plan, plan))
@@ -94,5 +79,6 @@ def train(plan: str, seed: int, config: Config, chain: Chain) -> Run:
         schedule.step()
         losses.append(loss.item())
     seconds = time.perf_counter() - started
-    per_parameter, breakdown = state_bytes_per_parameter(model, optimizer)
-    return Run(plan, seed, losses, seconds, config.steps - warm, per_parameter, breakdown)
+    measured = polyamp_torch.measure_state_bytes(optimizer)
+    breakdown = {key: value for key, value in measured._asdict().items() if key != "parameters"}
+    return Run(plan, seed, losses, seconds, config.steps - warm, measured.total, breakdown)
