@@ -310,9 +310,10 @@ def test_a_skipped_step_leaves_every_variable_bitwise(policy: str, enabled: bool
     assert int(_numpy(precision.iterations)) == 2
 
 
-def test_model_fit_with_loss_scaling_around_the_plan() -> None:
+def test_model_fit_with_loss_scaling_around_the_plan(tmp_path: Path) -> None:
     """model.fit (compiled on every backend) with LossScaleOptimizer(PrecisionOptimizer(AdamW)) under
-    bfloat16_kahan: the loss falls, the state stays in the plan's dtypes."""
+    bfloat16_kahan: the loss falls, the state stays in the plan's dtypes, and model.save / load_model bring the
+    two optimizers back with every variable."""
     with polyamp.policy_scope("bfloat16_kahan"):
         keras.utils.set_random_seed(1)
         model = polyamp_keras.cast_outputs(
@@ -333,6 +334,13 @@ def test_model_fit_with_loss_scaling_around_the_plan() -> None:
     assert int(_numpy(precision.iterations)) == 32
     assert {str(v.dtype) for v in precision.compensation_variables} == {"bfloat16"}
     assert any(np.any(_f32(c) != 0) for c in precision.compensation_variables)
+    path = tmp_path / "fitted.keras"
+    model.save(path)
+    restored = keras.saving.load_model(path).optimizer
+    assert isinstance(restored.inner_optimizer, polyamp_keras.PrecisionOptimizer)
+    assert restored.inner_optimizer.policy.name == "bfloat16_kahan"
+    for saved, back in zip(optimizer.variables, restored.variables, strict=True):
+        assert _numpy(saved).tobytes() == _numpy(back).tobytes(), saved.path
 
 
 def _distance_after(policy: str, steps: int = 120) -> float:

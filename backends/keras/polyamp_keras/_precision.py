@@ -620,8 +620,8 @@ class PrecisionOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
                 )
             if kind == "master":
                 notes.append(
-                    conversion_note("The saved float32 master copies", "float32", weights)
-                    + " They were dropped: this plan keeps none, the weights stand as loaded."
+                    f"The saved float32 master copies were dropped: the plan of PrecisionOptimizer {self.name!r} "
+                    f"({self._policy.name}) keeps none, and the {weights} weights stand as loaded."
                 )
             if planned_kind == "compensation":
                 notes.append(
