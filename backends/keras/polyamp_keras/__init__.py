@@ -22,10 +22,15 @@ PyTorch).
 * `PolicyOverridesMap` - per-layer overrides (``polyamp.set_policy(..., overrides=...)``) as a Keras
   ``DTypePolicyMap``; it survives ``model.save`` / ``keras.models.load_model``.
 * `watch_forward` - which layer first produced an inf or NaN in an eager forward pass.
+* `PrecisionOptimizer` - the training state a policy plans (a float32 master copy, the optimizer state's
+  dtype, stochastic or Kahan-compensated writes into bfloat16 weights) around any Keras optimizer;
+  `state_memory` - the bytes per parameter of an optimizer's training state, counted from its variables.
+  Any Keras optimizer built over bfloat16/float16 variables without such a plan warns once
+  (`polyamp.TrainingStateWarning`).
 
 It imports Keras and nothing else: no TensorFlow, JAX or PyTorch beyond what Keras itself loads for its
 backend. Importing it registers its classes for Keras serialization (``polyamp>LossScaleOptimizer``,
-``polyamp>OutputCast``, ``polyamp>DTypePolicy``, ``polyamp>PolicyOverridesMap``). ``polyamp_tensorflow``
+``polyamp>OutputCast``, ``polyamp>DTypePolicy``, ``polyamp>PolicyOverridesMap``, ``polyamp>PrecisionOptimizer``). ``polyamp_tensorflow``
 re-exports these names and adds the TensorFlow ``LossScaler``. Importing it also lets models with their own
 ``compile`` (keras_hub tasks) load a saved compile that holds polyamp's `LossScaleOptimizer`, which Keras
 alone skips for them (see ``polyamp_keras._compile``).
@@ -42,9 +47,12 @@ from polyamp_keras._models import FLOAT32_LAYERS, LAYER_OPS, apply_policy, op_ou
 from polyamp_keras._optimizer import LossScaleOptimizer
 from polyamp_keras._outputs import OutputCast, cast_outputs
 from polyamp_keras._policies import PolicyOverridesMap, PolyampDTypePolicy, to_keras_policy
+from polyamp_keras._precision import PrecisionOptimizer
+from polyamp_keras._state import StateMemory, state_memory, warn_unplanned_updates
 from polyamp_keras._watch import ForwardWatch, watch_forward
 
 restore_polyamp_compiles()
+warn_unplanned_updates()
 
 __all__ = [
     "FLOAT32_LAYERS",
@@ -57,10 +65,13 @@ __all__ = [
     "OutputCast",
     "PolicyOverridesMap",
     "PolyampDTypePolicy",
+    "PrecisionOptimizer",
+    "StateMemory",
     "apply_policy",
     "cast_outputs",
     "follow_polyamp_policy",
     "op_output_dtype",
+    "state_memory",
     "to_keras_policy",
     "watch_forward",
 ]

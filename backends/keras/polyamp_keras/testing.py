@@ -23,6 +23,7 @@ from polyamp_keras._keras import keras
 from polyamp_keras._models import op_output_dtype
 from polyamp_keras._optimizer import LossScaleOptimizer
 from polyamp_keras._outputs import cast_outputs
+from polyamp_keras._precision import PrecisionOptimizer
 
 __all__ = ["DIVERGENCES", "KerasHarness", "apply", "gradients", "keras_backend", "keras_op_dtype"]
 
@@ -57,7 +58,7 @@ def _clip_by_global_norm(grads: list[Any], clip: float) -> list[Any]:
     # tf.clip_by_global_norm's formula, in Keras ops: t * clip / max(global_norm, clip)
     norm = ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads))
     factor = clip / ops.maximum(norm, clip)
-    return [ops.cast(g * factor, g.dtype) for g in grads]
+    return [ops.cast(ops.cast(g, "float32") * factor, g.dtype) for g in grads]
 
 
 def gradients(model_fn: Any, variables: list[Any], optimizer: Any, scaled: bool) -> tuple[Any, list[Any]]:
@@ -123,6 +124,8 @@ class _KerasTrainer:
             inner = keras.optimizers.Adam(0.01)
         else:
             raise ValueError(f"unknown optimizer {optimizer!r}; the harness knows 'sgd' and 'adam'")
+        if policy.has_training_state_plan:  # the model's variables are in policy.param_dtype already
+            inner = PrecisionOptimizer(inner, policy)
         self.variables = list(self.model.trainable_variables)
         self.planted = str(self.variables[0].path)  # the variable step(overflow=True) plants an inf into
         self.wrapper: LossScaleOptimizer | None = None if scaler is None else LossScaleOptimizer(inner, **scaler)
@@ -200,6 +203,8 @@ class _KerasTrainer:
         return [_numpy(v).astype(np.float32) for v in self.variables]
 
     def optimizer_state(self) -> list[np.ndarray]:
+        # With a training-state plan, the PrecisionOptimizer's variables: slots, master copies, compensation
+        # buffers, the random state and the inner optimizer's iterations and learning rate.
         inner = self.wrapper.inner_optimizer if self.wrapper is not None else self.opt
         return [_numpy(v) for v in inner.variables]
 
@@ -260,7 +265,7 @@ class KerasHarness:
 
     backend = "keras"
     devices = (f"{keras_backend()}-cpu", f"{keras_backend()}-cuda")
-    capabilities = frozenset({"low_precision", "guard"})
+    capabilities = frozenset({"low_precision", "guard", "precision"})
     divergences: Mapping[str, str] = DIVERGENCES
 
     def __init__(self, device: str) -> None:
