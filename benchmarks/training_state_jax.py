@@ -83,6 +83,5 @@ def train(plan: str, seed: int, config: Config, chain: Chain) -> Run:
         losses.append(float(loss))
     seconds = time.perf_counter() - started
     grads = jax.grad(loss_fn)(params, jnp.asarray(next(batches)), config)
-    counted = polyamp_jax.training_state_bytes(params, state, grads)
-    breakdown = {key: float(value) for key, value in counted.items() if key != "total"}
-    return Run(plan, seed, losses, seconds, config.steps - warm, float(counted["total"]), breakdown)
+    counted = polyamp_jax.measure_state_bytes(params, state, grads)
+    return Run(plan, seed, losses, seconds, config.steps - warm, counted.per_parameter, counted.breakdown())

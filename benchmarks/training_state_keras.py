@@ -112,5 +112,7 @@ def train(plan: str, seed: int, config: Config, chain: Chain) -> Run:
     per_step = running * steps - np.concatenate([[0.0], running[:-1] * steps[:-1]])
     warm = min(10, config.steps // 2)
     seconds = times[-1] - times[warm - 1]
-    per_parameter, breakdown = polyamp_keras.state_bytes_per_parameter(model, optimizer)  # see polyamp_keras
-    return Run(plan, seed, per_step.tolist(), seconds, config.steps - warm, per_parameter, breakdown)
+    measured = polyamp_keras.measure_state_bytes(optimizer)
+    return Run(
+        plan, seed, per_step.tolist(), seconds, config.steps - warm, measured.per_parameter, measured.breakdown()
+    )

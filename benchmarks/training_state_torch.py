@@ -80,5 +80,4 @@ def train(plan: str, seed: int, config: Config, chain: Chain) -> Run:
         losses.append(loss.item())
     seconds = time.perf_counter() - started
     measured = polyamp_torch.measure_state_bytes(optimizer)
-    breakdown = {key: value for key, value in measured._asdict().items() if key != "parameters"}
-    return Run(plan, seed, losses, seconds, config.steps - warm, measured.total, breakdown)
+    return Run(plan, seed, losses, seconds, config.steps - warm, measured.per_parameter, measured.breakdown())

@@ -43,7 +43,13 @@ from polyamp._src.records import SKIP_REASONS, ScaleCollapseError, SkipReason, S
 from polyamp._src.registry import BackendSpec, backend_specs, get_backend, register_backend
 from polyamp._src.scaling import LossScaleConfig, LossScaleSettings, LossScaleState
 from polyamp._src.spikes import SpikeRule
-from polyamp._src.training_state import StateBytes, TrainingStateWarning, state_bytes, state_bytes_table
+from polyamp._src.training_state import (
+    MeasuredStateBytes,
+    StateBytes,
+    TrainingStateWarning,
+    state_bytes,
+    state_bytes_table,
+)
 from polyamp._src.versions import MINIMUM_VERSIONS, UntestedVersionWarning
 
 __version__ = "0.1.0"
@@ -71,6 +77,7 @@ __all__ = [
     "LossScaleSettings",
     "LossScaleState",
     "LossScaler",
+    "MeasuredStateBytes",
     "NonFiniteGradient",
     "NonFiniteOutput",
     "OpClass",

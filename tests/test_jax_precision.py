@@ -179,18 +179,20 @@ def test_the_state_holds_the_plans_dtypes(policy: str) -> None:
 def test_adamws_training_state_costs_what_the_plan_says(policy: str, total: int) -> None:
     params = _mlp("bfloat16")
     tx = polyamp_jax.loss_scaled(polyamp_jax.precision(optax.adamw(1e-3), policy))
-    counted = polyamp_jax.training_state_bytes(params, tx.init(params))
-    assert counted == {**polyamp.state_bytes(policy)._asdict(), "total": total}
+    counted = polyamp_jax.measure_state_bytes(params, tx.init(params))
+    assert counted.breakdown() == polyamp.state_bytes(policy)._asdict()
+    assert counted.per_parameter == total
 
 
 def test_plain_float32_adamw_costs_16_bytes_and_given_gradients_are_counted() -> None:
     params = _mlp("float32")
-    counted = polyamp_jax.training_state_bytes(params, optax.adamw(1e-3).init(params))
-    assert counted == {"weights": 4, "gradients": 4, "master": 0, "state": 8, "compensation": 0, "total": 16}
+    counted = polyamp_jax.measure_state_bytes(params, optax.adamw(1e-3).init(params))
+    assert counted.breakdown() == {"weights": 4, "gradients": 4, "master": 0, "state": 8, "compensation": 0}
+    assert counted.per_parameter == 16
     grads = jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), params)
-    assert polyamp_jax.training_state_bytes(params, optax.adamw(1e-3).init(params), grads)["gradients"] == 2
+    assert polyamp_jax.measure_state_bytes(params, optax.adamw(1e-3).init(params), grads).breakdown()["gradients"] == 2
     with pytest.raises(PolyampTypeError, match="no floating array"):
-        polyamp_jax.training_state_bytes({"n": jnp.arange(3)}, ())
+        polyamp_jax.measure_state_bytes({"n": jnp.arange(3)}, ())
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])

@@ -252,25 +252,25 @@ def test_state_variables_are_made_in_the_plans_dtypes(
     ("policy", "expected"),
     [("bfloat16_kahan", 10), ("bfloat16_stochastic", 8), ("bfloat16_float32_master", 16), ("float32", 16)],
 )
-def test_state_memory_counts_adamw_from_its_variables(policy: str, expected: int) -> None:
+def test_measure_state_bytes_counts_adamw_from_its_variables(policy: str, expected: int) -> None:
     _, optimizer = _precision(policy, keras.optimizers.AdamW(1e-3))
-    measured = polyamp_keras.state_memory(polyamp_keras.LossScaleOptimizer(optimizer, enabled=None))
+    measured = polyamp_keras.measure_state_bytes(polyamp_keras.LossScaleOptimizer(optimizer, enabled=None))
     assert measured.parameters == 24 and measured.per_parameter == expected
     assert measured.total == expected * 24
     assert measured.per_parameter == polyamp.state_bytes(policy).total
 
 
-def test_state_memory_of_a_plain_optimizer_and_refusals() -> None:
+def test_measure_state_bytes_of_a_plain_optimizer_and_refusals() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TrainingStateWarning)
         model = _model("bfloat16")
         plain = keras.optimizers.AdamW(1e-3)
         plain.build(model.trainable_variables)
-    assert polyamp_keras.state_memory(plain).per_parameter == 8
+    assert polyamp_keras.measure_state_bytes(plain).per_parameter == 8
     with pytest.raises(polyamp.PolyampValueError, match="not built yet"):
-        polyamp_keras.state_memory(keras.optimizers.Adam())
+        polyamp_keras.measure_state_bytes(keras.optimizers.Adam())
     with pytest.raises(PolyampTypeError, match="Keras optimizer"):
-        polyamp_keras.state_memory("adam")
+        polyamp_keras.measure_state_bytes("adam")
 
 
 def test_float32_variables_pass_straight_through() -> None:

@@ -255,11 +255,12 @@ def test_adamw_training_state_bytes_measured_from_the_tensors(name, expected) ->
     opt.step()
     measured = measure_state_bytes(opt)
     assert measured.parameters == 64 * 32 + 32
-    assert measured.total == expected == polyamp.state_bytes(name).total
-    assert measured._asdict() == {**polyamp.state_bytes(name)._asdict(), "parameters": measured.parameters}
+    assert measured.per_parameter == expected == polyamp.state_bytes(name).total
+    assert measured.total == expected * measured.parameters
+    assert measured.breakdown() == polyamp.state_bytes(name)._asdict()
     plain = torch.optim.AdamW(params, lr=1e-3)
     plain.step()
-    assert measure_state_bytes(plain).total == 4 * dtype.itemsize  # weight, gradient, two moments
+    assert measure_state_bytes(plain).per_parameter == 4 * dtype.itemsize  # weight, gradient, two moments
 
 
 # -- skipped steps ------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ __all__ = [
     "ITEMSIZE",
     "KAHAN_KEY",
     "MASTER_KEY",
+    "MeasuredStateBytes",
     "StateBytes",
     "TrainingStateWarning",
     "conversion_note",
@@ -152,6 +153,40 @@ def state_bytes(policy: PolicyLike, *, slots: int = 2) -> StateBytes:
         state=slots * ITEMSIZE[plan.state_dtype],
         compensation=param if plan.rounding == "kahan" else 0,
     )
+
+
+class MeasuredStateBytes(NamedTuple):
+    """An optimizer's training state as counted from its tensors by a backend's ``measure_state_bytes``
+    (`polyamp_torch.measure_state_bytes`, `polyamp_keras.measure_state_bytes`, `polyamp_jax.measure_state_bytes`).
+
+    ``parameters`` is the number of trainable elements; the other fields are bytes in all: the weights, their
+    gradients, the master copies, the optimizer's per-parameter slots (moments; step counters and other scalars
+    left out) and the Kahan compensation buffers. Compare ``per_parameter`` with the plan's
+    `state_bytes` total.
+    """
+
+    parameters: int
+    weights: int
+    gradients: int
+    master: int
+    state: int
+    compensation: int
+
+    @property
+    def total(self) -> int:
+        """All the bytes."""
+        return self.weights + self.gradients + self.master + self.state + self.compensation
+
+    @property
+    def per_parameter(self) -> float:
+        """Bytes per parameter (``total / parameters``): AdamW measures 16 in float32 or with a float32 master copy,
+        10 under ``"bfloat16_kahan"``, 8 under ``"bfloat16_stochastic"``."""
+        return self.total / self.parameters if self.parameters else 0.0
+
+    def breakdown(self) -> dict[str, float]:
+        """Each part in bytes per parameter: ``weights``, ``gradients``, ``master``, ``state``, ``compensation``."""
+        count = self.parameters or 1
+        return {key: value / count for key, value in self._asdict().items() if key != "parameters"}
 
 
 #: The plans the doctor compares: the float32 default, the mixed policies and the training-state presets.

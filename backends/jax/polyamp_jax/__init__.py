@@ -14,7 +14,7 @@
   loss with it, `records` / `state_dict` / `load_state_dict` read and restore it.
 * `precision` - any optax optimizer following the policy's training-state plan (a float32 master copy,
   moments in bfloat16, stochastic or Kahan-compensated writes of bfloat16 weights); `convert_precision_state`
-  carries a state saved under one plan into another, `training_state_bytes` counts what a state costs.
+  carries a state saved under one plan into another, `measure_state_bytes` counts what a state costs.
 * `DynamicScale` - a drop-in for Flax's ``flax.training.dynamic_scale.DynamicScale`` (a ``TrainState`` field)
   whose scale follows polyamp's rule, with records and state dicts.
 * ``polyamp.LossScaler(...).functional(backend="jax")`` - the functional scaler over JAX arrays for
@@ -47,7 +47,7 @@ from polyamp_jax._optax import (
     state_dict,
 )
 from polyamp_jax._precision import PrecisionState, precision
-from polyamp_jax._training_state import convert_precision_state, training_state_bytes
+from polyamp_jax._training_state import convert_precision_state, measure_state_bytes
 
 warn_if_untested("polyamp_jax", {"jax": jax.__version__, "optax": optax.__version__})
 
@@ -70,11 +70,11 @@ __all__ = [
     "jmp_compat",
     "load_state_dict",
     "loss_scaled",
+    "measure_state_bytes",
     "module_dtypes",
     "precision",
     "records",
     "scale_loss",
     "scaler_of",
     "state_dict",
-    "training_state_bytes",
 ]

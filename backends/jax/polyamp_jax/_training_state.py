@@ -1,5 +1,5 @@
 """Reading and converting `precision`'s state: `convert_precision_state` (a state saved under one plan, made
-the state of another) and `training_state_bytes` (bytes per parameter, counted from the arrays)."""
+the state of another) and `measure_state_bytes` (bytes per parameter, counted from the arrays)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from polyamp import PolyampTypeError, StateDictError
+from polyamp import MeasuredStateBytes, PolyampTypeError, StateDictError
 from polyamp.backend_api import LOGGER_NAME, conversion_note, describe
 from polyamp_jax._optax import LossScaledState
 from polyamp_jax._precision import PrecisionState, is_slot
 
-__all__ = ["convert_precision_state", "training_state_bytes"]
+__all__ = ["convert_precision_state", "measure_state_bytes"]
 
 
 def _is_array(leaf: Any) -> bool:
@@ -127,8 +127,8 @@ def _bytes(tree: Any, keep: Any = _is_array) -> int:
     )
 
 
-def training_state_bytes(params: Any, opt_state: Any, grads: Any = None) -> dict[str, float]:
-    """Bytes per parameter of the training state, counted from the arrays.
+def measure_state_bytes(params: Any, opt_state: Any, grads: Any = None) -> MeasuredStateBytes:
+    """The training state, counted from the arrays (``.per_parameter``: bytes per parameter).
 
     Args:
         params: The parameters (their floating leaves are the parameters counted).
@@ -137,9 +137,9 @@ def training_state_bytes(params: Any, opt_state: Any, grads: Any = None) -> dict
         grads: The gradients; None counts them in the parameter dtype (what ``jax.grad`` gives).
 
     Returns:
-        ``{"weights", "gradients", "master", "state", "compensation", "total"}``, bytes per parameter, as
-        `polyamp.state_bytes` plans them: ``state`` counts the optimizer's floating slots (leaves with at least
-        one dimension; step counts and scalars are left out).
+        A `polyamp.MeasuredStateBytes`: the bytes of the weights, gradients, master copies, slots and compensation
+        buffers, as `polyamp.state_bytes` plans them (``breakdown()`` per parameter): ``state`` counts the
+        optimizer's floating slots (leaves with at least one dimension; step counts and scalars are left out).
 
     Raises:
         PolyampTypeError: ``params`` holds no floating array.
@@ -151,7 +151,7 @@ def training_state_bytes(params: Any, opt_state: Any, grads: Any = None) -> dict
     ]
     count = sum(int(leaf.size) for leaf in floating)
     if count == 0:
-        raise PolyampTypeError(f"training_state_bytes: params holds no floating array. Received: {describe(params)}.")
+        raise PolyampTypeError(f"measure_state_bytes: params holds no floating array. Received: {describe(params)}.")
     state = jax.tree_util.tree_map(
         lambda node: node.inner if isinstance(node, LossScaledState) else node,
         opt_state,
@@ -163,14 +163,12 @@ def training_state_bytes(params: Any, opt_state: Any, grads: Any = None) -> dict
         if isinstance(node, PrecisionState)
     ]
     weights = _bytes(floating)
-    counted = {
-        "weights": weights,
-        "gradients": weights if grads is None else _bytes(grads),
-        "master": sum(_bytes(plan.master) for plan in plans),
-        "state": _bytes(state, lambda leaf: _is_array(leaf) and is_slot(leaf))
+    return MeasuredStateBytes(
+        parameters=count,
+        weights=weights,
+        gradients=weights if grads is None else _bytes(grads),
+        master=sum(_bytes(plan.master) for plan in plans),
+        state=_bytes(state, lambda leaf: _is_array(leaf) and is_slot(leaf))
         - sum(_bytes((plan.master, plan.compensation)) for plan in plans),
-        "compensation": sum(_bytes(plan.compensation) for plan in plans),
-    }
-    per_parameter = {name: value / count for name, value in counted.items()}
-    per_parameter["total"] = sum(per_parameter.values())
-    return per_parameter
+        compensation=sum(_bytes(plan.compensation) for plan in plans),
+    )

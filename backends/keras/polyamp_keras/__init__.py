@@ -24,7 +24,7 @@ PyTorch).
 * `watch_forward` - which layer first produced an inf or NaN in an eager forward pass.
 * `PrecisionOptimizer` - the training state a policy plans (a float32 master copy, the optimizer state's
   dtype, stochastic or Kahan-compensated writes into bfloat16 weights) around any Keras optimizer;
-  `state_memory` - the bytes per parameter of an optimizer's training state, counted from its variables.
+  `measure_state_bytes` - the bytes per parameter of an optimizer's training state, counted from its variables.
   Any Keras optimizer built over bfloat16/float16 variables without such a plan warns once
   (`polyamp.TrainingStateWarning`).
 
@@ -48,7 +48,7 @@ from polyamp_keras._optimizer import LossScaleOptimizer
 from polyamp_keras._outputs import OutputCast, cast_outputs
 from polyamp_keras._policies import PolicyOverridesMap, PolyampDTypePolicy, to_keras_policy
 from polyamp_keras._precision import PrecisionOptimizer
-from polyamp_keras._state import StateMemory, state_memory, warn_unplanned_updates
+from polyamp_keras._state import measure_state_bytes, warn_unplanned_updates
 from polyamp_keras._watch import ForwardWatch, watch_forward
 
 restore_polyamp_compiles()
@@ -66,12 +66,11 @@ __all__ = [
     "PolicyOverridesMap",
     "PolyampDTypePolicy",
     "PrecisionOptimizer",
-    "StateMemory",
     "apply_policy",
     "cast_outputs",
     "follow_polyamp_policy",
+    "measure_state_bytes",
     "op_output_dtype",
-    "state_memory",
     "to_keras_policy",
     "watch_forward",
 ]

@@ -13,15 +13,15 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from polyamp import Policy, PolyampTypeError, PolyampValueError, TrainingStateWarning
+from polyamp import MeasuredStateBytes, Policy, PolyampTypeError, PolyampValueError, TrainingStateWarning
 from polyamp.backend_api import ITEMSIZE, describe, unplanned_hazard_message
 from polyamp_keras._keras import keras
 
-__all__ = ["StateMemory", "state_memory", "warn_unplanned_updates"]
+__all__ = ["measure_state_bytes", "warn_unplanned_updates"]
 
 _MARK = "__polyamp_warns_unplanned__"
 #: What a plain optimizer does with bfloat16/float16 weights: no master copy, rounding to nearest.
@@ -70,33 +70,6 @@ def warn_unplanned_updates() -> None:
     base.build = build
 
 
-class StateMemory(NamedTuple):
-    """The training state of an optimizer's parameters, counted from the variables (`state_memory`).
-
-    ``parameters`` is the number of trainable elements; the other fields are bytes: the weights, their
-    gradients (in the weights' dtype, as Keras computes them), the master copies, the optimizer's
-    per-parameter state (moments and the like) and the compensation buffers.
-    """
-
-    parameters: int
-    weights: int
-    gradients: int
-    master: int
-    state: int
-    compensation: int
-
-    @property
-    def total(self) -> int:
-        """All the bytes."""
-        return self.weights + self.gradients + self.master + self.state + self.compensation
-
-    @property
-    def per_parameter(self) -> float:
-        """Bytes per parameter (``total / parameters``): 16 for AdamW in float32 or with a float32 master
-        copy, 10 under ``"bfloat16_kahan"``, 8 under ``"bfloat16_stochastic"``."""
-        return self.total / self.parameters if self.parameters else 0.0
-
-
 def _bytes(variables: Any) -> int:
     total = 0
     for variable in variables:
@@ -106,7 +79,7 @@ def _bytes(variables: Any) -> int:
     return total
 
 
-def state_memory(optimizer: Any) -> StateMemory:
+def measure_state_bytes(optimizer: Any) -> MeasuredStateBytes:
     """Count the training state of a built Keras optimizer from its variables.
 
     Args:
@@ -114,7 +87,7 @@ def state_memory(optimizer: Any) -> StateMemory:
             `LossScaleOptimizer` (Keras's or polyamp's; the loss scale is not per-parameter state).
 
     Returns:
-        A `StateMemory`; ``state_memory(optimizer).per_parameter`` is the bytes per parameter (AdamW: 10 under
+        A `MeasuredStateBytes`; ``measure_state_bytes(optimizer).per_parameter`` is the bytes per parameter (AdamW: 10 under
         ``"bfloat16_kahan"``, 8 under ``"bfloat16_stochastic"``, 16 under ``"bfloat16_float32_master"``).
 
     Raises:
@@ -124,19 +97,19 @@ def state_memory(optimizer: Any) -> StateMemory:
     from polyamp_keras._precision import PrecisionOptimizer
 
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise PolyampTypeError(f"state_memory() takes a Keras optimizer. Received: {describe(optimizer)}.")
+        raise PolyampTypeError(f"measure_state_bytes() takes a Keras optimizer. Received: {describe(optimizer)}.")
     while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
     if not optimizer.built:
         raise PolyampValueError(
-            f"state_memory() counts a built optimizer's variables; {type(optimizer).__name__} is not built yet. "
+            f"measure_state_bytes() counts a built optimizer's variables; {type(optimizer).__name__} is not built yet. "
             "Call optimizer.build(model.trainable_variables) (model.fit builds it) first."
         )
     trainable = list(optimizer._trainable_variables)
     weights = _bytes(trainable)
     parameters = sum(int(np.prod(tuple(v.shape), dtype=np.int64)) for v in trainable)
     if isinstance(optimizer, PrecisionOptimizer):
-        return StateMemory(
+        return MeasuredStateBytes(
             parameters,
             weights,
             weights,
@@ -146,4 +119,4 @@ def state_memory(optimizer: Any) -> StateMemory:
         )
     scalars = {id(optimizer._iterations), id(optimizer._learning_rate)}
     slots = [v for v in optimizer.variables if id(v) not in scalars]
-    return StateMemory(parameters, weights, weights, 0, _bytes(slots), 0)
+    return MeasuredStateBytes(parameters, weights, weights, 0, _bytes(slots), 0)

@@ -36,6 +36,8 @@ _EXPORTS = {
     "cast_outputs": "polyamp_keras",
     "PolicyOverridesMap": "polyamp_keras",
     "PolyampDTypePolicy": "polyamp_keras",
+    "PrecisionOptimizer": "polyamp_keras",
+    "measure_state_bytes": "polyamp_keras",
     "to_keras_policy": "polyamp_keras",
 }
 _KERAS_ONLY = "polyamp_keras"
@@ -46,9 +48,11 @@ __all__ = [
     "OutputCast",
     "PolicyOverridesMap",
     "PolyampDTypePolicy",
+    "PrecisionOptimizer",
     "TensorFlowBackend",
     "TensorFlowLossScaler",
     "cast_outputs",
+    "measure_state_bytes",
     "to_keras_policy",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
@@ -80,7 +84,9 @@ if TYPE_CHECKING:
         OutputCast,
         PolicyOverridesMap,
         PolyampDTypePolicy,
+        PrecisionOptimizer,
         cast_outputs,
+        measure_state_bytes,
         to_keras_policy,
     )
     from polyamp_tensorflow._backend import TensorFlowBackend

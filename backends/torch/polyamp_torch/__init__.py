@@ -31,7 +31,7 @@ from polyamp_torch._clip import clip_grad_norm_
 from polyamp_torch._cpu_float32 import FLOAT32_OP_NAMES
 from polyamp_torch._distributed import fsdp_mixed_precision
 from polyamp_torch._modules import apply_policy, module_policy, remove_policy
-from polyamp_torch._precision import MeasuredStateBytes, PrecisionOptimizer, measure_state_bytes
+from polyamp_torch._precision import PrecisionOptimizer, measure_state_bytes
 from polyamp_torch._records import RecordWriter
 from polyamp_torch._scaler import TorchLossScaler
 from polyamp_torch._schedulers import SchedulerGuard
@@ -41,7 +41,6 @@ __all__ = [
     "FLOAT32_OP_NAMES",
     "TORCH_DTYPES",
     "ForwardWatch",
-    "MeasuredStateBytes",
     "PolicyRegion",
     "PrecisionOptimizer",
     "RecordWriter",

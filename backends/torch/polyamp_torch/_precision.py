@@ -18,10 +18,10 @@ import logging
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import polyamp
-from polyamp import InvalidConfigError, Policy, PolyampTypeError, TrainingStateWarning
+from polyamp import InvalidConfigError, MeasuredStateBytes, Policy, PolyampTypeError, TrainingStateWarning
 from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, describe, unplanned_hazard_message
 from polyamp_torch._framework import TORCH_DTYPES, torch
 from polyamp_torch._precision_checkpoint import read_checkpoint
@@ -374,12 +374,13 @@ class PrecisionOptimizer(torch.optim.Optimizer):
 
 
 def measure_state_bytes(optimizer: torch.optim.Optimizer) -> MeasuredStateBytes:
-    """The bytes per parameter of an optimizer's training state, counted from the tensors it holds.
+    """An optimizer's training state, counted from the tensors it holds (``.per_parameter``: bytes per parameter).
 
     Weights and gradients are those of ``optimizer.param_groups`` (gradients as they are now: step first),
     master copies and compensation buffers those of a `PrecisionOptimizer`, state its (or a plain optimizer's)
     moments: floating tensors of a parameter's shape. Step counters and other scalars are left out. Compare with
-    `polyamp.state_bytes`, the plan's count: AdamW under ``"bfloat16_kahan"`` measures 10 bytes per parameter.
+    `polyamp.state_bytes`, the plan's count: AdamW under ``"bfloat16_kahan"`` measures 10 bytes per parameter
+    (``measure_state_bytes(optimizer).per_parameter``).
 
     Raises:
         PolyampTypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -408,22 +409,4 @@ def measure_state_bytes(optimizer: torch.optim.Optimizer) -> MeasuredStateBytes:
                     counts["compensation"] += size
                 elif is_moment(key, value, param):
                     counts["state"] += size
-    per = {key: value / parameters if parameters else 0.0 for key, value in counts.items()}
-    return MeasuredStateBytes(parameters=parameters, **per)
-
-
-class MeasuredStateBytes(NamedTuple):
-    """Bytes per parameter of an optimizer's training state as measured by `measure_state_bytes` (the fields of
-    `polyamp.StateBytes`, averaged over ``parameters`` elements)."""
-
-    weights: float
-    gradients: float
-    master: float
-    state: float
-    compensation: float
-    parameters: int
-
-    @property
-    def total(self) -> float:
-        """All five together: bytes per parameter."""
-        return self.weights + self.gradients + self.master + self.state + self.compensation
+    return MeasuredStateBytes(parameters=parameters, **counts)
