@@ -484,3 +484,23 @@ def test_on_every_keras_backend(backend: str, run_bounded: RunBounded) -> None:
     command = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider"]
     result = run_bounded(command, env=env, cwd=HERE.parent.parent)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("policy", ["bfloat16_float32_master", "bfloat16_kahan", "bfloat16_stochastic"])
+def test_fit_compiles_the_first_step_with_the_optimizer_built_inside_it(policy: str) -> None:
+    """model.fit with jit_compile (XLA on TensorFlow, jax.jit on JAX) builds the optimizer while tracing its first
+    step; the master copies start from the weights all the same."""
+    if BACKEND == "torch":
+        pytest.skip("Keras on torch has no jit_compile for model.fit")
+    model = _model(policy)
+    before = [_f32(v) for v in model.trainable_variables]
+    optimizer = polyamp_keras.PrecisionOptimizer(keras.optimizers.SGD(0.0), policy)
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=True)
+    model.fit(np.ones((8, 5), "float32"), np.ones((8, 4), "float32"), verbose=0, batch_size=8)
+    after = [_f32(v) for v in model.trainable_variables]
+    assert all(np.array_equal(a, b) for a, b in zip(after, before, strict=True))  # lr 0: nothing moved
+    masters = [_f32(v) for v in optimizer.master_variables]
+    if policy == "bfloat16_float32_master":
+        assert len(masters) == 2 and all(np.array_equal(m, b) for m, b in zip(masters, before, strict=True))
+    else:
+        assert masters == []

@@ -646,6 +646,16 @@ class PrecisionOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
 
 
 def _initial_master(variable: Any) -> Callable[..., Any]:
+    if keras.backend.backend() == "tensorflow":
+        # Keras may build the optimizer while tracing the first train step; TensorFlow lifts the variables out
+        # of that function, which it cannot do (under XLA) for an initial value read from another variable
+        # inside it. The weights are read outside the trace instead.
+        import tensorflow as tf
+
+        with tf.init_scope():
+            value = tf.cast(variable.value, tf.float32)
+        return lambda shape, dtype=None: value
+
     def initializer(shape: Any, dtype: Any = None) -> Any:
         return ops.cast(variable.value, "float32")
 
