@@ -554,6 +554,7 @@ def test_doctor_json_has_stable_keys() -> None:
         "notes",
         "recommendation",
         "check",
+        "training_state",
     ]
     assert report["polyamp"] == polyamp.__version__ and report["check"] is None
     assert list(report["frameworks"]) == ["torch", "tensorflow", "keras", "jax"]

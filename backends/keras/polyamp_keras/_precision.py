@@ -650,7 +650,7 @@ def _initial_master(variable: Any) -> Callable[..., Any]:
         # Keras may build the optimizer while tracing the first train step; TensorFlow lifts the variables out
         # of that function, which it cannot do (under XLA) for an initial value read from another variable
         # inside it. The weights are read outside the trace instead.
-        import tensorflow as tf
+        tf = sys.modules["tensorflow"]  # imported: it is Keras's backend
 
         with tf.init_scope():
             value = tf.cast(variable.value, tf.float32)
