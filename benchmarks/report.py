@@ -20,6 +20,7 @@ ORDER = (
     "guard",
     "compiled",
     "revisions",
+    "training-state",
     "gpu-syncs",
     "gpu-cuda-graph",
     "gpu-recipe",
@@ -29,6 +30,7 @@ ORDER = (
     "gpu-conformance",
 )
 TITLES = {
+    "training-state": "Training-state plans: AdamW on a small GPT, bfloat16 weights (CPU)",
     "gpu-syncs": "Host-device synchronisations per training step (CUDA)",
     "gpu-cuda-graph": "CUDA-graph capture of a fused-optimizer training step",
     "gpu-recipe": "AMP recipe (3 x Linear 4096, batch 512): float32 vs native AMP vs polyamp, time and peak memory",
@@ -293,7 +295,9 @@ def main(folder: Path, output: Path, readme: Path | None = None) -> None:
     print(f"wrote {output}")
     if readme is not None and update_readme(readme, results):
         print(f"updated the summary in {readme}")
-        plot, page_asset = folder / "scale.png", readme.parent / "assets" / "scale.png"
-        if plot.is_file() and page_asset.parent.is_dir():  # the performance page shows the scale plot
+    for name in ("scale.png", "training-state.png"):  # the documentation shows these plots
+        plot = folder / name
+        page_asset = (readme.parent if readme is not None else output.parent.parent / "docs") / "assets" / name
+        if plot.is_file() and page_asset.parent.is_dir():
             page_asset.write_bytes(plot.read_bytes())
             print(f"copied the plot to {page_asset}")

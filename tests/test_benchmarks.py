@@ -177,3 +177,23 @@ def test_docs_performance_table_is_the_committed_results() -> None:
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     block = text.split(report.README_BEGIN, 1)[1].split(report.README_END, 1)[0]
     assert block.strip() == report.summary(report.load(ROOT / "benchmarks" / "results")).strip()
+
+
+@pytest.mark.parametrize(("backend", "needs"), [("torch", "torch"), ("jax", "optax"), ("keras-torch", "keras")])
+def test_training_state_quick_run_counts_each_plans_bytes(
+    backend: str, needs: str, tmp_path: Path, run_bounded: RunBounded
+) -> None:
+    pytest.importorskip(needs)
+    if backend == "keras-torch":
+        pytest.importorskip("torch")
+    run(run_bounded, "training-state", "--quick", "--backend", backend, "--out", str(tmp_path))
+    payload = load(tmp_path / "training-state-quick.json")
+    rows = {row[1]: row for row in payload["tables"][0]["rows"]}
+    assert {plan: float(row[3]) for plan, row in rows.items()} == {
+        "bfloat16_float32_master": 16.0,
+        "bfloat16": 8.0,
+        "bfloat16_stochastic": 8.0,
+        "bfloat16_kahan": 10.0,
+    }
+    assert all(row[0] == backend for row in rows.values())
+    assert rows["bfloat16_float32_master"][5] == "1.000x"
