@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import training_state
 
         _common_write(training_state.run(args), args)
+        for part in Path(args.out).glob("training-state-*.part.json"):
+            part.unlink()
     elif args.target == "revisions":
         from benchmarks import revisions
 

@@ -289,15 +289,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             env["KERAS_BACKEND"] = backend.removeprefix("keras-")
         print("::", " ".join(command[3:]), flush=True)
         subprocess.run(command, check=True, env=env, cwd=Path(__file__).resolve().parent.parent)
-        results.append(json.loads(part.read_text()))
-        part.unlink()
+        results.append(json.loads(part.read_text()))  # (the part stays until the result is written)
     earlier = out / "training-state.json"
     if not args.quick and earlier.exists():  # backends measured before, in other runs, are kept
         ran = {result["backend"] for result in results}
         kept = [r for r in json.loads(earlier.read_text()).get("raw") or [] if r["backend"] not in ran]
         results = sorted(kept + results, key=lambda r: BACKENDS.index(r["backend"]))
+    notes = []
     if not args.quick:
-        plot(results, out / "training-state.png")
+        try:
+            plot(results, out / "training-state.png")
+        except ImportError:
+            notes.append("plot not drawn: matplotlib is not installed (pip install matplotlib)")
     from benchmarks import _common
 
     rows = []
@@ -346,7 +349,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{config.final_lr:.0%}; data: a second-order Markov chain, {config.successors} successors per context, "
             f"Dirichlet({config.alpha}); entropy {results[0]['chain_entropy']:.4f} nats (the best loss reachable)."
             if results
-            else ""
+            else "",
+            *notes,
         ],
         raw=results,
     )
