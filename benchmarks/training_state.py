@@ -295,8 +295,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ran = {result["backend"] for result in results}
         kept = [r for r in json.loads(earlier.read_text()).get("raw") or [] if r["backend"] not in ran]
         results = sorted(kept + results, key=lambda r: BACKENDS.index(r["backend"]))
+    return payload(results, out, quick=bool(args.quick))
+
+
+def payload(results: list[dict[str, Any]], out: Path, *, quick: bool) -> dict[str, Any]:
+    """The target's JSON for the per-backend ``results`` (and, for a full run, the plot in ``out``)."""
     notes = []
-    if not args.quick:
+    if not quick:
         try:
             plot(results, out / "training-state.png")
         except ImportError:
@@ -322,7 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return _common.result(
         "training-state",
         "Training-state plans: AdamW on a small GPT, bfloat16 weights (CPU)",
-        quick=bool(args.quick),
+        quick=quick,
         env=_common.environment("cpu"),
         tables=[
             {
