@@ -447,7 +447,7 @@ def test_plain_adamw_checkpoint_loads_into_a_bfloat16_state_plan_with_one_note(c
         opt.load_state_dict(checkpoint)
     notes = [r for r in caplog.records if r.name == "polyamp"]
     assert len(notes) == 1
-    assert "moments was saved in float32 and is loaded as bfloat16" in notes[0].getMessage()
+    assert "slots were saved in float32 and are loaded as bfloat16" in notes[0].getMessage()
     assert "(rounded to nearest)" in notes[0].getMessage()
     assert "no Kahan compensation" in notes[0].getMessage()
     for p, source in zip(params, float32_params):
@@ -469,7 +469,8 @@ def test_master_checkpoint_into_a_kahan_plan_and_back_converts_with_a_note(caplo
     with caplog.at_level(logging.WARNING, logger="polyamp"):
         kahan.load_state_dict(master.state_dict())
     (note,) = [r.getMessage() for r in caplog.records if r.name == "polyamp"]
-    assert "master copies was saved in float32 and is loaded as bfloat16" in note
+    assert "float32 master copies are dropped" in note and "no Kahan compensation buffers" in note
+    assert "slots were saved in float32 and are loaded as bfloat16" in note
     assert MASTER_KEY not in kahan.state[params[0]]
     assert kahan.state[params[0]]["exp_avg"].dtype is torch.bfloat16
     caplog.clear()
@@ -477,7 +478,8 @@ def test_master_checkpoint_into_a_kahan_plan_and_back_converts_with_a_note(caplo
     with caplog.at_level(logging.WARNING, logger="polyamp"):
         back.load_state_dict(kahan.state_dict())
     (note,) = [r.getMessage() for r in caplog.records if r.name == "polyamp"]
-    assert "master copies (not in the checkpoint: made from the weights) was saved in bfloat16" in note
+    assert "no master copies (it was saved under another plan): they are made from the bfloat16 weights" in note
+    assert "Kahan compensation buffers are dropped" in note
     assert "(exactly)" in note and "(rounded" not in note
     assert torch.equal(back.state[params[0]][MASTER_KEY], params[0].detach().float())
     assert back.state[params[0]]["exp_avg"].dtype is torch.float32
@@ -614,3 +616,56 @@ def test_harness_trainer_follows_the_plan_and_reports_its_state(name, own_keys) 
     assert {str(p.dtype) for p in parameters} == {"torch." + polyamp.Policy(name).param_dtype}
     # Per parameter: exp_avg, exp_avg_sq, step, and the plan's master copy or compensation buffer.
     assert len(trainer.optimizer_state()) == len(parameters) * (3 + own_keys)
+
+
+@pytest.mark.parametrize("poison", [None, math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("check_unscaled", [False, True])
+def test_bfloat16_check_and_unscale_for_accelerators_equals_torchs_cpu_kernel(poison, check_unscaled) -> None:
+    # torch's CUDA kernel has no bfloat16 form; polyamp's replacement must give the CPU kernel's flag and values.
+    from polyamp_torch._gradients import _check_and_unscale_bfloat16
+
+    generator = torch.Generator().manual_seed(3)
+    grads = [torch.randn(shape, generator=generator).mul(1e4).bfloat16() for shape in [(7, 5), (33,), (2, 3, 4)]]
+    if poison is not None:
+        grads[1][17] = poison
+    inv_scale = torch.tensor(1 / 3.0)
+    expected = [g.clone() for g in grads]
+    expected_flag = torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, expected_flag, inv_scale)
+    if check_unscaled:
+        torch._amp_foreach_non_finite_check_and_unscale_(expected, expected_flag, torch.ones(()))
+    flag = torch.zeros(())
+    _check_and_unscale_bfloat16(grads, flag, inv_scale, check_unscaled)
+    assert flag.item() == (0.0 if poison is None else 1.0)
+    assert flag.item() == expected_flag.item()
+    for got, want in zip(grads, expected, strict=True):
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_adafactor_factored_statistics_are_slots_and_its_checkpoint_round_trips() -> None:
+    # Adafactor's row_var/col_var do not have the parameter's shape: they are slots all the same (the core's
+    # is_state_slot), kept in the state dtype, and a checkpoint of them loads back exactly.
+    params = _params(torch.bfloat16)
+    opt = PrecisionOptimizer(torch.optim.Adafactor(params, lr=1e-2), "bfloat16_stochastic")
+    _train(opt, params, range(2))
+    state = opt.state[params[0]]
+    factored = {key: value for key, value in state.items() if key in ("row_var", "col_var")}
+    assert factored and all(v.dtype is torch.bfloat16 and v.shape != params[0].shape for v in factored.values())
+    again = PrecisionOptimizer(torch.optim.Adafactor(params, lr=1e-2), "bfloat16_stochastic")
+    again.load_state_dict(opt.state_dict())
+    assert _bitwise_equal(_snapshot(again, params), _snapshot(opt, params))
+
+
+def test_a_state_tensor_that_does_not_fit_its_parameter_is_refused() -> None:
+    params = _params(torch.bfloat16)
+    opt = PrecisionOptimizer(torch.optim.AdamW(params, lr=1e-2), "bfloat16_kahan")
+    _train(opt, params, range(1))
+    checkpoint = opt.state_dict()
+    shape = tuple(params[0].shape)
+    checkpoint["state"][0]["exp_avg"] = torch.zeros(shape[0] + 1, *shape[1:])
+    fresh = PrecisionOptimizer(torch.optim.AdamW(params, lr=1e-2), "bfloat16_kahan")
+    before = _snapshot(fresh, params)
+    with pytest.raises(polyamp.StateDictError, match=r"does not fit the parameter's shape"):
+        fresh.load_state_dict(checkpoint)
+    assert _bitwise_equal(_snapshot(fresh, params), before)

@@ -16,7 +16,14 @@ from typing import Any
 from polyamp import ScalerUsageError
 from polyamp_torch._framework import torch
 
-__all__ = ["PerDevice", "fused_amp_capable", "fused_step", "non_finite_counts", "unscale_gradients"]
+__all__ = [
+    "PerDevice",
+    "fused_amp_capable",
+    "fused_step",
+    "non_finite_counts",
+    "unscale_gradients",
+    "warn_bfloat16_scaling",
+]
 
 
 def non_finite_counts(tensor: torch.Tensor) -> torch.Tensor:
@@ -87,6 +94,17 @@ def _gradients_by_device_and_dtype(
     return grouped, has_bfloat16
 
 
+def warn_bfloat16_scaling(stacklevel: int = 6) -> None:
+    """The one warning for loss scaling over bfloat16 gradients."""
+    warnings.warn(
+        "Loss scaling is enabled but the gradients are bfloat16. bfloat16 has float32's range, so "
+        "scaling only costs time (and rounds, for non-power-of-two scales). Construct the LossScaler "
+        "with enabled=False, or leave enabled=None under a bfloat16 policy.",
+        UserWarning,
+        stacklevel=stacklevel,
+    )
+
+
 def unscale_gradients(
     optimizer: Any,
     inv_scale: torch.Tensor,
@@ -106,13 +124,7 @@ def unscale_gradients(
     """
     grouped, has_bfloat16 = _gradients_by_device_and_dtype(optimizer, allow_fp16=allow_fp16)
     if has_bfloat16 and warn_bfloat16:
-        warnings.warn(
-            "Loss scaling is enabled but the gradients are bfloat16. bfloat16 has float32's range, so "
-            "scaling only costs time (and rounds, for non-power-of-two scales). Construct the LossScaler "
-            "with enabled=False, or leave enabled=None under a bfloat16 policy.",
-            UserWarning,
-            stacklevel=5,
-        )
+        warn_bfloat16_scaling()
     if not grouped:
         return None, has_bfloat16
     per_device_inv_scale = PerDevice(inv_scale)
@@ -125,7 +137,12 @@ def unscale_gradients(
     grad_enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
-        for (device, _), grads in grouped.items():
+        for (device, dtype), grads in grouped.items():
+            if dtype is _BFLOAT16 and device.type != "cpu":
+                _check_and_unscale_bfloat16(
+                    grads, per_device_found_inf.get(device), per_device_inv_scale.get(device), check_unscaled
+                )
+                continue
             torch._amp_foreach_non_finite_check_and_unscale_(
                 grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)
             )
@@ -142,6 +159,26 @@ def unscale_gradients(
     if len(flags) == 1:
         return flags[0].to(found_inf.device, non_blocking=True), has_bfloat16
     return torch.stack([flag.to(found_inf.device, non_blocking=True) for flag in flags]).sum(), has_bfloat16
+
+
+def _check_and_unscale_bfloat16(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, check_unscaled: bool
+) -> None:
+    """``_amp_foreach_non_finite_check_and_unscale_`` for bfloat16 gradients on an accelerator.
+
+    torch's CUDA kernel has no bfloat16 form (its CPU kernel has). The same result on the device, with no host
+    read: the largest magnitude of each gradient (inf, or NaN, when any element is) sets ``found_inf`` to 1, then
+    one foreach multiply by ``inv_scale`` (rounded to bfloat16 as the CPU kernel rounds it).
+    """
+
+    def flag() -> torch.Tensor:
+        peaks = torch.stack(torch._foreach_norm(grads, float("inf")))
+        return torch.logical_not(torch.isfinite(peaks)).any()
+
+    found_inf.masked_fill_(flag(), 1.0)
+    torch._foreach_mul_(grads, inv_scale)
+    if check_unscaled:
+        found_inf.masked_fill_(flag(), 1.0)
 
 
 _TAKES_GRAD_SCALER: dict[type, bool] = {}
