@@ -386,8 +386,8 @@ def test_a_master_checkpoint_converts_to_a_kahan_plan_with_one_note(caplog: pyte
         state = polyamp_jax.convert_precision_state(saved, new_tx.init(params))
     assert len(caplog.records) == 1
     note = caplog.records[0].getMessage()
-    assert "saved in float32 and is loaded as bfloat16" in note and "rounded to nearest" in note
-    assert "master copy is dropped" in note
+    assert "slots were saved in float32 and are loaded as bfloat16" in note and "rounded to nearest" in note
+    assert "float32 master copies are dropped" in note and "no Kahan compensation buffers" in note
     assert state.master is None and state.key is None
     assert _bits(state.inner) == _bits(
         jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16) if a.ndim else a, saved.inner)
@@ -402,7 +402,11 @@ def test_a_plain_float32_checkpoint_converts_to_a_master_plan(caplog: pytest.Log
     new_tx = polyamp_jax.precision(optax.adamw(1e-2), "bfloat16_float32_master")
     with caplog.at_level(logging.WARNING, logger="polyamp"):
         state = polyamp_jax.convert_precision_state(saved, new_tx.init(params))
-    assert len(caplog.records) == 1 and "initialised from the weights" in caplog.records[0].getMessage()
+    assert (
+        len(caplog.records) == 1
+        and "no master copies (it was saved under another plan): they are made from the weights, exactly"
+        in caplog.records[0].getMessage()
+    )
     assert _bits(state.inner) == _bits(saved)  # float32 moments, exactly
     assert _bits(state.master) == _bits(jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params))
     # and back to the plain optimizer: the moments as they were, the master dropped with a note
@@ -419,7 +423,10 @@ def test_loss_scaled_states_convert_and_keep_the_scaler(caplog: pytest.LogCaptur
     saved = old.init(params)
     with caplog.at_level(logging.WARNING, logger="polyamp"):
         state = polyamp_jax.convert_precision_state(saved, new.init(params))
-    assert caplog.records == []  # the same dtypes: nothing converted
+    # the same dtypes: nothing converted; the compensation the stochastic plan did not keep starts at zero
+    assert [r.getMessage() for r in caplog.records] == [
+        "The checkpoint has no Kahan compensation buffers (it was saved under another plan): they start at zero."
+    ]
     assert polyamp_jax.state_dict(state)["scale"] == 64.0
     assert state.inner.compensation is not None and state.inner.key is None
     with pytest.raises(PolyampTypeError, match="both be loss_scaled states or neither"):

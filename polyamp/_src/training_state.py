@@ -13,8 +13,11 @@ The rules every backend's precision optimizer follows, stated once, with a pure-
   operation one float32 operation (no fused multiply-add), so every backend writes the same bits.
 - **A float32 master copy** is updated instead of the weight and written back to nearest after each step.
 - **A skipped step writes nothing**: weights, master copy, slots and compensation buffers keep their bits.
+- **What is a slot** (`is_state_slot`): a floating entry of the optimizer's state with at least one dimension (a
+  moment, a momentum buffer, a factored second moment of any shape); scalars and step counters keep their dtype.
 - **Checkpoints** store each state tensor in the dtype of the plan it was saved under; loading it under
-  another plan converts it with one note through ``logging.getLogger("polyamp")`` (`conversion_note`).
+  another plan converts it with one note through ``logging.getLogger("polyamp")``: what happens to the master
+  copies, the compensation buffers and the slots, and what is said, is `checkpoint_changes`'s decision.
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ __all__ = [
     "ITEMSIZE",
     "KAHAN_KEY",
     "MASTER_KEY",
+    "CheckpointChanges",
     "MeasuredStateBytes",
     "StateBytes",
     "TrainingStateWarning",
+    "checkpoint_changes",
     "conversion_note",
+    "is_state_slot",
     "round_to",
     "state_bytes",
     "state_bytes_table",
@@ -49,6 +55,97 @@ ITEMSIZE: Final = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: The names under which precision optimizers keep their own per-parameter state, next to the optimizer's slots.
 MASTER_KEY: Final = "polyamp_master"
 KAHAN_KEY: Final = "polyamp_compensation"
+
+
+#: State keys that count steps, never slots, whatever their dtype (torch keeps ``step`` as a float32 tensor).
+COUNTER_KEYS: Final = frozenset({"step", "count", "iterations"})
+
+
+def is_state_slot(*, floating: bool, ndim: int, key: str | None = None) -> bool:
+    """Whether an optimizer-state entry is a slot, kept in the plan's ``state_dtype``: a floating array with at
+    least one dimension (Adam's moments, a momentum buffer, Adafactor's factored row and column statistics).
+    Scalars, step counters and a precision optimizer's own master copies and compensation buffers are not."""
+    return floating and ndim >= 1 and key not in COUNTER_KEYS and key not in (MASTER_KEY, KAHAN_KEY)
+
+
+class CheckpointChanges(NamedTuple):
+    """What loading a checkpoint saved under one plan does under another (`checkpoint_changes`).
+
+    ``master`` and ``compensation`` say what becomes of the master copies and the Kahan compensation buffers of
+    the low-precision weights: ``"keep"`` (saved and planned, same dtype), ``"convert"`` (saved in another dtype:
+    cast to the planned one), ``"make"`` (planned, not saved: the master copy made from the weights, the
+    compensation at zero), ``"drop"`` (saved, not planned), ``"none"`` (neither). ``notes`` are the sentences
+    to log, in order; empty when nothing changes.
+    """
+
+    master: str
+    compensation: str
+    notes: tuple[str, ...]
+
+
+def checkpoint_changes(
+    plan: Policy,
+    *,
+    weights: str | None,
+    saved_master: str | None,
+    saved_compensation: str | None,
+    saved_slots: Iterable[str] = (),
+) -> CheckpointChanges:
+    """The one decision every backend applies when a precision optimizer's checkpoint is loaded.
+
+    Args:
+        plan: The plan of the optimizer loading the checkpoint.
+        weights: The dtype of the weights (``"bfloat16"``, ``"float16"``; for float32 weights nothing of the plan
+            applies but the slots' dtype); None for low-precision weights whose dtype the caller cannot see.
+        saved_master: The dtype the checkpoint's master copies are in, None when it has none.
+        saved_compensation: The dtype of the checkpoint's compensation buffers, None when it has none.
+        saved_slots: The dtypes of the checkpoint's floating slots (`is_state_slot`).
+    """
+    low = weights in ("bfloat16", "float16", None)
+    of_weights = "the weights" if weights is None else f"the {weights} weights"
+    wants_master = low and plan.keeps_master
+    wants_compensation = low and plan.rounding == "kahan"
+    notes: list[str] = []
+    if wants_master and saved_master is None:
+        master = "make"
+        notes.append(
+            f"The checkpoint has no master copies (it was saved under another plan): they are made from "
+            f"{of_weights}, exactly."
+        )
+    elif wants_master:
+        master = "keep" if saved_master == "float32" else "convert"
+        if master == "convert":
+            notes.append(conversion_note("The master copies", str(saved_master), "float32"))
+    elif saved_master is not None:
+        master = "drop"
+        notes.append(
+            f"The checkpoint's {saved_master} master copies are dropped: the current plan keeps none, and "
+            f"{of_weights} stand as loaded (rounded to nearest from them when saved). Load under the plan it was "
+            "saved with to keep them."
+        )
+    else:
+        master = "none"
+    if wants_compensation and saved_compensation is None:
+        compensation = "make"
+        notes.append(
+            "The checkpoint has no Kahan compensation buffers (it was saved under another plan): they start at zero."
+        )
+    elif wants_compensation:
+        compensation = "keep" if saved_compensation == (weights or saved_compensation) else "convert"
+        if compensation == "convert":
+            notes.append(conversion_note("The Kahan compensation buffers", str(saved_compensation), str(weights)))
+    elif saved_compensation is not None:
+        compensation = "drop"
+        notes.append(
+            f"The checkpoint's Kahan compensation buffers are dropped: the current plan writes updates with "
+            f"{plan.rounding} rounding" + (" into a float32 master copy." if plan.keeps_master else ".")
+        )
+    else:
+        compensation = "none"
+    for saved in dict.fromkeys(saved_slots):
+        if saved != plan.state_dtype:
+            notes.append(conversion_note("The optimizer's slots", saved, plan.state_dtype))
+    return CheckpointChanges(master, compensation, tuple(notes))
 
 
 class TrainingStateWarning(UserWarning):
@@ -226,10 +323,10 @@ def unplanned_hazard_message(optimizer: str, dtypes: Iterable[str], policy: Poli
 
 
 def conversion_note(what: str, saved: str, planned: str) -> str:
-    """The note logged when a checkpoint's state tensor is converted to the plan's dtype on load."""
+    """The note logged when a checkpoint's state tensors (``what``, plural) are converted to the plan's dtype."""
     lossy = ITEMSIZE.get(planned, 4) < ITEMSIZE.get(saved, 4)
     return (
-        f"{what} was saved in {saved} and is loaded as {planned}, the dtype the current plan keeps it in"
+        f"{what} were saved in {saved} and are loaded as {planned}, the dtype the current plan keeps them in"
         + (" (rounded to nearest)" if lossy else " (exactly)")
-        + ". Load under the plan it was saved with to keep it as it was."
+        + ". Load under the plan they were saved with to keep them as they were."
     )

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from polyamp import InvalidConfigError, Policy, PolicyLike, PolyampTypeError, TrainingStateWarning, get_policy
-from polyamp.backend_api import FunctionalLossScaler, describe, unplanned_hazard_message
+from polyamp.backend_api import FunctionalLossScaler, describe, is_state_slot, unplanned_hazard_message
 
 __all__ = ["PrecisionState", "is_slot", "precision", "warn_unplanned"]
 
@@ -48,10 +48,13 @@ class PrecisionState(NamedTuple):
 
 
 def is_slot(leaf: Any) -> bool:
-    """True for an optimizer-state leaf the plan's state dtype applies to: a floating array with at least one
-    dimension (a moment). Scalars (step counts, injected hyperparameters) keep their dtype."""
+    """True for an optimizer-state leaf the plan's state dtype applies to (the core's
+    `polyamp.backend_api.is_state_slot`): a floating array with at least one dimension (a moment). Scalars
+    (step counts, injected hyperparameters) keep their dtype."""
     dtype = getattr(leaf, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and getattr(leaf, "ndim", 0) >= 1
+    return dtype is not None and is_state_slot(
+        floating=bool(jnp.issubdtype(dtype, jnp.floating)), ndim=int(getattr(leaf, "ndim", 0))
+    )
 
 
 def _is_floating(leaf: Any) -> bool:

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from polyamp import MeasuredStateBytes, PolyampTypeError, StateDictError
-from polyamp.backend_api import LOGGER_NAME, conversion_note, describe
+from polyamp import MeasuredStateBytes, Policy, PolyampTypeError, StateDictError
+from polyamp.backend_api import LOGGER_NAME, checkpoint_changes, describe
 from polyamp_jax._optax import LossScaledState
 from polyamp_jax._precision import PrecisionState, is_slot
 
@@ -26,16 +26,14 @@ def _dtype(leaf: Any) -> str:
     return str(jnp.dtype(leaf.dtype).name)
 
 
-def _fit(saved: Any, like: Any, what: str, notes: dict[str, None]) -> Any:
-    """The saved array ``saved`` in ``like``'s dtype (noting a floating conversion); its shape must match."""
+def _fit(saved: Any, like: Any, what: str) -> Any:
+    """The saved array ``saved`` in ``like``'s dtype; its shape must match."""
     if not _is_array(saved) or tuple(saved.shape) != tuple(like.shape):
         raise StateDictError(
             f"convert_precision_state: {what} must be an array of shape {tuple(like.shape)} (the state of the same "
             f"parameters and optimizer). Received: {describe(saved)}. Restore the checkpoint into the state of "
             "the plan it was saved under (old_tx.init(params)) and pass that."
         )
-    if _dtype(saved) != _dtype(like) and jnp.issubdtype(like.dtype, jnp.floating):
-        notes[conversion_note(what.capitalize(), _dtype(saved), _dtype(like))] = None
     return jnp.asarray(saved).astype(like.dtype)
 
 
@@ -43,7 +41,7 @@ def _parts(node: Any) -> PrecisionState:
     return node if isinstance(node, PrecisionState) else PrecisionState(node, None, None, None)
 
 
-def _convert_trees(saved: Any, like: Any, what: str, notes: dict[str, None]) -> Any:
+def _convert_trees(saved: Any, like: Any, what: str) -> Any:
     treedef: Any = jax.tree_util.tree_structure(like)
     try:
         saved_leaves = treedef.flatten_up_to(saved)
@@ -53,34 +51,44 @@ def _convert_trees(saved: Any, like: Any, what: str, notes: dict[str, None]) -> 
             f"{error}. Received: {describe(saved)}. Was it saved for the same parameters and optimizer?"
         ) from None
     like_leaves = treedef.flatten_up_to(like)
-    return treedef.unflatten([_fit(s, t, what, notes) for s, t in zip(saved_leaves, like_leaves, strict=True)])
+    return treedef.unflatten([_fit(s, t, what) for s, t in zip(saved_leaves, like_leaves, strict=True)])
+
+
+def _first_dtype(tree: Any, keep: Any = _is_array) -> str | None:
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(tree) if keep(leaf)]
+    return _dtype(leaves[0]) if leaves else None
+
+
+def _plan_of(state: PrecisionState, weights: str | None) -> Policy:
+    """The training-state plan a `precision` state was made under, read from what it holds."""
+    low = weights or "bfloat16"
+    rounding = "kahan" if state.compensation is not None else ("stochastic" if state.key is not None else "nearest")
+    master = "float32" if state.master is not None else low
+    slots = _first_dtype(state.inner, is_slot) or master
+    return Policy(f"params={low},compute={low},master={master},state={slots},rounding={rounding}")
 
 
 def _convert_precision(saved: Any, like: Any, notes: dict[str, None]) -> Any:
     old, new = _parts(saved), _parts(like)
-    inner = _convert_trees(old.inner, new.inner, "the optimizer's slots", notes)
-    master = new.master
-    if new.master is not None and old.master is not None:
-        master = _convert_trees(old.master, new.master, "the master copy", notes)
-    elif new.master is not None:
-        notes[
-            "The checkpoint has no master copy (its weights were their own): the float32 master copy the current "
-            "plan keeps is initialised from the weights (exactly). Load under the plan it was saved with to keep "
-            "it as it was."
-        ] = None
-    elif old.master is not None:
-        notes[
-            "The float32 master copy is dropped: the current plan keeps none, and the weights (rounded to nearest "
-            "from it when saved) are the copy. Load under the plan it was saved with to keep it."
-        ] = None
-    compensation = new.compensation
-    if new.compensation is not None and old.compensation is not None:
-        compensation = _convert_trees(old.compensation, new.compensation, "the compensation buffers", notes)
-    elif old.compensation is not None:
-        notes["The Kahan compensation buffers are dropped: the current plan writes updates without them."] = None
+    weights = _first_dtype(new.compensation) or _first_dtype(old.compensation)
+    changes = checkpoint_changes(
+        _plan_of(new, weights),
+        weights=weights,
+        saved_master=_first_dtype(old.master),
+        saved_compensation=_first_dtype(old.compensation),
+        saved_slots=[_dtype(leaf) for leaf in jax.tree_util.tree_leaves(old.inner) if is_slot(leaf)],
+    )
+    notes.update(dict.fromkeys(changes.notes))
+    inner = _convert_trees(old.inner, new.inner, "the optimizer's slots")
+    master = new.master  # "make": the fresh state's, taken from the weights; "none"/"drop": None
+    if changes.master in ("keep", "convert"):
+        master = _convert_trees(old.master, new.master, "the master copy")
+    compensation = new.compensation  # "make": the fresh state's zeros
+    if changes.compensation in ("keep", "convert"):
+        compensation = _convert_trees(old.compensation, new.compensation, "the compensation buffers")
     key = new.key
     if new.key is not None and old.key is not None:
-        key = _convert_trees(old.key, new.key, "the stochastic rounding key", notes)
+        key = _convert_trees(old.key, new.key, "the stochastic rounding key")
     if not isinstance(like, PrecisionState):
         return inner
     return PrecisionState(inner, master, compensation, key)

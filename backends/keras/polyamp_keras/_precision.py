@@ -29,7 +29,14 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 import polyamp
 from polyamp import InvalidConfigError, Policy, PolicyLike, PolyampTypeError, StateDictError, TrainingStateWarning
-from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, conversion_note, describe, unplanned_hazard_message
+from polyamp.backend_api import (
+    KAHAN_KEY,
+    MASTER_KEY,
+    checkpoint_changes,
+    describe,
+    is_state_slot,
+    unplanned_hazard_message,
+)
 from polyamp_keras._keras import keras
 
 __all__ = ["PrecisionOptimizer"]
@@ -338,7 +345,9 @@ class PrecisionOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
             inner._exclude_from_weight_decay_cache = {}
         for entry in entries:
             for slot_key in entry.slot_keys:
-                floating = keras.backend.is_float_dtype(slot_key.dtype)
+                floating = is_state_slot(
+                    floating=keras.backend.is_float_dtype(slot_key.dtype), ndim=len(slot_key.shape)
+                )
                 entry.slots.append(
                     self.add_variable(
                         shape=slot_key.shape,
@@ -579,60 +588,41 @@ class PrecisionOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
                 raise self._refuse(
                     f"an array of shape {array.shape} is where {variable.path!r} {tuple(variable.shape)} belongs"
                 )
-        notes: list[str] = []
+        saved_dtypes = [str(keras.backend.standardize_dtype(array.dtype)) for array in saved_slots]
+        changes = checkpoint_changes(
+            self._policy,
+            weights=low[0].dtype if low else "float32",
+            saved_master="float32" if kind == "master" else None,
+            saved_compensation=str(saved_extra[0].dtype) if kind == "compensation" else None,
+            saved_slots=[
+                dtype
+                for slot, dtype in zip(slots, saved_dtypes, strict=True)
+                if keras.backend.is_float_dtype(_dtype(slot))
+            ],
+        )
         slot_values = []
-        for slot, array in zip(slots, saved_slots, strict=True):
+        for slot, array, dtype in zip(slots, saved_slots, saved_dtypes, strict=True):
             planned = _dtype(slot)
-            if keras.backend.is_float_dtype(planned) and str(keras.backend.standardize_dtype(array.dtype)) != planned:
-                if not any("optimizer state" in note for note in notes):
-                    notes.append(
-                        conversion_note(
-                            f"The optimizer state of PrecisionOptimizer {self.name!r}",
-                            str(keras.backend.standardize_dtype(array.dtype)),
-                            planned,
-                        )
-                    )
+            if keras.backend.is_float_dtype(planned) and dtype != planned:
                 array = np.asarray(array, dtype=np.float32).astype(_numpy_dtype(planned))
             slot_values.append(array)
         master_values = []
         for entry in low:
             if entry.master is None:
                 continue
-            if kind == "master":
+            if changes.master in ("keep", "convert"):
                 master_values.append(saved_extra[low.index(entry)])
-            else:
+            else:  # "make": from the weights (the model's layers load first)
                 master_values.append(ops.cast(entry.variable.value, "float32"))
         compensation_values = []
         for entry in low:
             if entry.compensation is None:
                 continue
-            if kind == "compensation":
+            if changes.compensation in ("keep", "convert"):
                 compensation_values.append(saved_extra[low.index(entry)])
-            else:
+            else:  # "make": zeros
                 compensation_values.append(np.zeros(tuple(entry.variable.shape), _numpy_dtype(entry.dtype)))
-        planned_kind = "master" if masters else ("compensation" if compensations else None)
-        if kind != planned_kind:
-            weights = low[0].dtype if low else "bfloat16"
-            if planned_kind == "master":
-                notes.append(
-                    conversion_note("The master copies (absent from the saved state)", weights, "float32")
-                    + " They were initialised from the weights."
-                )
-            if kind == "master":
-                notes.append(
-                    f"The saved float32 master copies were dropped: the plan of PrecisionOptimizer {self.name!r} "
-                    f"({self._policy.name}) keeps none, and the {weights} weights stand as loaded."
-                )
-            if planned_kind == "compensation":
-                notes.append(
-                    f"The Kahan compensation buffers of PrecisionOptimizer {self.name!r} were not in the saved "
-                    "state: they start at zero."
-                )
-            if kind == "compensation":
-                notes.append(
-                    f"The saved Kahan compensation buffers were dropped: the plan of PrecisionOptimizer "
-                    f"{self.name!r} ({self._policy.name}) keeps none."
-                )
+        notes = list(changes.notes)
         values = [saved_seed, *slot_values, *master_values, *compensation_values, *saved_inner]
         return values, notes
 
@@ -649,11 +639,16 @@ def _initial_master(variable: Any) -> Callable[..., Any]:
     if keras.backend.backend() == "tensorflow":
         # Keras may build the optimizer while tracing the first train step; TensorFlow lifts the variables out
         # of that function, which it cannot do (under XLA) for an initial value read from another variable
-        # inside it. The weights are read outside the trace instead.
+        # inside it. The weights are read outside the trace instead; inside a trace the value is handed over as
+        # a host array, since TensorFlow captures a large eager tensor as a function input, which it cannot
+        # lift either (only small ones become constants).
         tf = sys.modules["tensorflow"]  # imported: it is Keras's backend
 
+        inside = tf.inside_function()
         with tf.init_scope():
             value = tf.cast(variable.value, tf.float32)
+            if inside:
+                value = value.numpy()
         return lambda shape, dtype=None: value
 
     def initializer(shape: Any, dtype: Any = None) -> Any:

@@ -10,6 +10,9 @@ The rules are the core's (`polyamp._src.training_state`); this module translates
 * Where a working tensor would equal the stored one (float32 weights, float32 slots) it *is* the stored one:
   the default plan over float32 parameters hands the inner optimizer its own tensors (a pass-through).
 * The write back is the core's `write_update`, in torch ops: one float32 op per step of the reference.
+* Conversions, slot write-backs and writes run as foreach ops over a chunk (one kernel per kind of tensor, not
+  one per parameter); stochastic rounding draws its random bits per parameter, in order, and rounds the chunk's
+  results in one pass.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import polyamp
 from polyamp import InvalidConfigError, MeasuredStateBytes, Policy, PolyampTypeError, TrainingStateWarning
-from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, describe, unplanned_hazard_message
+from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, describe, is_state_slot, unplanned_hazard_message
 from polyamp_torch._framework import TORCH_DTYPES, torch
 from polyamp_torch._precision_checkpoint import read_checkpoint
 
@@ -46,15 +49,12 @@ _HIGH_BITS = -65536
 
 
 def is_moment(key: str, value: object, param: torch.Tensor) -> bool:
-    """Whether the inner optimizer's slot ``key`` is a moment kept in the plan's state dtype: a floating tensor
-    of the parameter's shape (exp_avg, exp_avg_sq, momentum_buffer, ...). Step counters and other scalars stay
-    as the inner optimizer keeps them."""
-    return (
-        key != "step"
-        and key not in _OWN_KEYS
-        and isinstance(value, torch.Tensor)
-        and value.is_floating_point()
-        and value.shape == param.shape
+    """Whether the inner optimizer's state entry ``key`` is a slot kept in the plan's state dtype (the core's
+    `polyamp.backend_api.is_state_slot`): a floating tensor with at least one dimension (exp_avg, exp_avg_sq,
+    momentum_buffer, Adafactor's row_var/col_var, ...). Step counters and other scalars stay as the inner
+    optimizer keeps them. ``param`` is the parameter the entry belongs to."""
+    return isinstance(value, torch.Tensor) and is_state_slot(
+        floating=value.is_floating_point(), ndim=value.ndim, key=key
     )
 
 
@@ -280,61 +280,116 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         plan = self.policy
         inner = self.optimizer
         groups = self.param_groups
-        working: dict[torch.Tensor, torch.Tensor] = {}
-        for _, param in chunk:
+        params = [param for _, param in chunk]
+        # float32 working tensors: a kept master copy, or the stored tensor itself where it is float32; the
+        # others are converted together (one foreach copy per kind rather than one kernel per tensor).
+        working: list[torch.Tensor] = []
+        to_convert: list[torch.Tensor] = []
+        converted: list[torch.Tensor] = []
+        slot_lists: list[dict[str, Any]] = []
+        for param in params:
             state = self.state.get(param, {})
-            low = self._low(param)
-            w32 = state[MASTER_KEY] if low and plan.keeps_master else param.detach().float()
+            if self._low(param):
+                w32 = state[MASTER_KEY] if plan.keeps_master else _float32_like(param, to_convert, converted)
+            else:
+                w32 = param.detach()
             grad = param.grad
             assert grad is not None
-            w32.grad = grad.float()
-            inner.state[w32] = {
-                key: value.float() if is_moment(key, value, param) else value
-                for key, value in state.items()
-                if key not in _OWN_KEYS
-            }
-            working[param] = w32
+            w32.grad = grad if grad.dtype == torch.float32 else _float32_like(grad, to_convert, converted)
+            slot_lists.append(
+                {
+                    key: (
+                        _float32_like(value, to_convert, converted)
+                        if is_moment(key, value, param) and value.dtype != torch.float32
+                        else value
+                    )
+                    for key, value in state.items()
+                    if key not in _OWN_KEYS
+                }
+            )
+            working.append(w32)
+        _copy_all(converted, to_convert)
+        for w32, slots in zip(working, slot_lists, strict=True):
+            inner.state[w32] = slots
         saved = [group["params"] for group in groups]
         for group in groups:
             group["params"] = []
-        for g, param in chunk:
-            groups[g]["params"].append(working[param])
+        for (g, _), w32 in zip(chunk, working, strict=True):
+            groups[g]["params"].append(w32)
         try:
             inner.step()
         finally:
-            for group, params in zip(groups, saved, strict=True):
-                group["params"] = params
-            slots = {param: inner.state.pop(working[param], {}) for _, param in chunk}
-            for w32 in working.values():
+            for group, params_of_group in zip(groups, saved, strict=True):
+                group["params"] = params_of_group
+            stepped = [inner.state.pop(w32, {}) for w32 in working]
+            for w32 in working:
                 w32.grad = None
+        # Slots back in the plan's state dtype: written into the stored tensors where they exist.
         state_dtype = TORCH_DTYPES[plan.state_dtype]
-        for _, param in chunk:
+        into: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        for param, slots in zip(params, stepped, strict=True):
             state = self.state[param]
-            for key, value in slots[param].items():
-                state[key] = value.to(state_dtype) if is_moment(key, value, param) else value
-            self._write(param, working[param], state)
+            for key, value in slots.items():
+                if not is_moment(key, value, param) or value.dtype == state_dtype:
+                    state[key] = value
+                    continue
+                stored = state.get(key)
+                if isinstance(stored, torch.Tensor) and stored.dtype == state_dtype and stored.shape == value.shape:
+                    into.append(stored)
+                    sources.append(value)
+                else:
+                    state[key] = value.to(state_dtype)
+        _copy_all(into, sources)
+        self._write(params, working)
 
-    def _write(self, param: torch.Tensor, target: torch.Tensor, state: dict[str, Any]) -> None:
-        """Write the float32 result ``target`` into ``param`` by the plan (`polyamp.backend_api.write_update`)."""
-        if target is param:
-            return  # a float32 parameter updated in place
+    def _write(self, params: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        """Write the float32 results ``targets`` into ``params`` by the plan (`polyamp.backend_api.write_update`)."""
+        pairs = [(param, target) for param, target in zip(params, targets, strict=True) if self._low(param)]
+        if not pairs:
+            return  # float32 parameters were updated in place
         plan = self.policy
-        if not self._low(param) or plan.keeps_master or plan.rounding == "nearest":
-            param.copy_(target)  # round to nearest, ties to even (a float32 master keeps target itself)
+        low = [param for param, _ in pairs]
+        results = [target for _, target in pairs]
+        if plan.keeps_master or plan.rounding == "nearest":
+            _copy_all(low, results)  # round to nearest, ties to even (a float32 master keeps the result itself)
             return
         if plan.rounding == "stochastic":
-            random16 = torch.randint(
-                0, 65536, param.shape, generator=self._generator(param.device), dtype=torch.int32, device=param.device
-            )
-            bits = (target.view(torch.int32) + random16) & _HIGH_BITS
-            param.copy_(torch.where(torch.isnan(target), target, bits.view(torch.float32)))
+            by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            for param, target in pairs:
+                by_device.setdefault(param.device, []).append((param, target))
+            for device, on_device in by_device.items():
+                self._write_stochastic(device, on_device)
             return
         # Kahan: each line one float32 op, in the reference's order (no fused multiply-add).
-        weight = param.float()
-        compensation = state[KAHAN_KEY]
-        y = compensation.float() + (target - weight)
-        param.copy_(weight + y)
-        compensation.copy_(y - (param.float() - weight))
+        compensations = [self.state[param][KAHAN_KEY] for param in low]
+        weights = _float32_copies(low)
+        y = torch._foreach_add(_float32_copies(compensations), torch._foreach_sub(results, weights))
+        _copy_all(low, torch._foreach_add(weights, y))
+        _copy_all(compensations, torch._foreach_sub(y, torch._foreach_sub(_float32_copies(low), weights)))
+
+    def _write_stochastic(self, device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Stochastic rounding of one device's results, in one pass over them all: 16 random bits per element
+        (drawn per parameter, in order, from the device's generator) added below bfloat16's last bit, the low
+        bits dropped; NaN stays NaN."""
+        sizes = [param.numel() for param, _ in pairs]
+        total = sum(sizes)
+        flat = torch.cat([target.reshape(-1) for _, target in pairs]) if len(pairs) > 1 else pairs[0][1].reshape(-1)
+        random16 = torch.empty(total, dtype=torch.int32, device=device)
+        generator = self._generator(device)
+        offset = 0
+        for (param, _), size in zip(pairs, sizes, strict=True):
+            torch.randint(
+                0, 65536, param.shape, generator=generator, out=random16[offset : offset + size].view(param.shape)
+            )
+            offset += size
+        bits = (flat.view(torch.int32) + random16) & _HIGH_BITS
+        rounded = torch.where(torch.isnan(flat), flat, bits.view(torch.float32))
+        pieces = rounded.split(sizes)  # type: ignore[no-untyped-call]
+        _copy_all(
+            [param for param, _ in pairs],
+            [piece.view(param.shape) for (param, _), piece in zip(pairs, pieces, strict=True)],
+        )
 
     # -- checkpoints ---------------------------------------------------------------------------------
 
@@ -410,3 +465,26 @@ def measure_state_bytes(optimizer: torch.optim.Optimizer) -> MeasuredStateBytes:
                 elif is_moment(key, value, param):
                     counts["state"] += size
     return MeasuredStateBytes(parameters=parameters, **counts)
+
+
+def _float32_like(tensor: torch.Tensor, sources: list[torch.Tensor], into: list[torch.Tensor]) -> torch.Tensor:
+    """An empty float32 tensor laid out as ``tensor``, queued to receive its values by `_copy_all`."""
+    copy = torch.empty_like(tensor, dtype=torch.float32)
+    sources.append(tensor)
+    into.append(copy)
+    return copy
+
+
+def _float32_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """float32 copies of ``tensors``, made by one foreach copy."""
+    copies = [torch.empty_like(tensor, dtype=torch.float32) for tensor in tensors]
+    _copy_all(copies, tensors)
+    return copies
+
+
+def _copy_all(
+    into: list[torch.Tensor] | tuple[torch.Tensor, ...], sources: list[torch.Tensor] | tuple[torch.Tensor, ...]
+) -> None:
+    """``into[i].copy_(sources[i])`` for every i (converting the dtype), as one foreach copy where torch can."""
+    if into:
+        torch._foreach_copy_(into, sources)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polyamp import Policy, StateDictError
-from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, conversion_note, describe
+from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, checkpoint_changes, describe
 from polyamp_torch._framework import TORCH_DTYPES, torch
 
 __all__ = ["Loaded", "read_checkpoint"]
@@ -115,72 +115,82 @@ def read_checkpoint(
         groups=[{k: v for k, v in saved.items() if k not in ("params", "param_names")} for saved in saved_groups],
         generators=_generators(state_dict.get("polyamp") if isinstance(state_dict, Mapping) else None),
     )
-    state_dtype = TORCH_DTYPES[plan.state_dtype]
+    seen: set[Any] = set()
     for index, entry in saved_state.items():
         if index not in by_index:
             raise _error(f"'state' has an entry for parameter index {index!r}, which no parameter group lists.")
         param, group, name = by_index[index]
         if not isinstance(entry, Mapping) or not all(isinstance(key, str) for key in entry):
             raise _error(f"the state of parameter {name} must be a dict with str keys. Received: {describe(entry)}.")
-        low = param.dtype in _LOW
-        new: dict[str, Any] = {}
         for key, value in entry.items():
-            if not isinstance(value, torch.Tensor):
-                new[key] = value
-                continue
-            if value.ndim > 0 and value.shape != param.shape:
+            if isinstance(value, torch.Tensor) and not _fits(key, value, param):
                 raise _error(
-                    f"the state {key!r} of parameter {name} has shape {tuple(value.shape)}; the parameter has "
-                    f"shape {tuple(param.shape)}."
+                    f"the state {key!r} of parameter {name} has shape {tuple(value.shape)}, which does not fit "
+                    f"the parameter's shape {tuple(param.shape)}."
                 )
-            saved_dtype = _dtype_name(value.dtype)
-            if key == MASTER_KEY:
-                if low and plan.keeps_master:
-                    new[key] = value.to(param.device, torch.float32, copy=True)
-                    if value.dtype != torch.float32:
-                        loaded.note(conversion_note("the master copies", saved_dtype, "float32"))
-                else:
-                    loaded.note(conversion_note("the master copies", saved_dtype, _dtype_name(param.dtype)))
-            elif key == KAHAN_KEY:
-                if low and plan.rounding == "kahan":
-                    new[key] = value.to(param.device, param.dtype, copy=True)
-                    if value.dtype != param.dtype:
-                        loaded.note(conversion_note("the Kahan compensation", saved_dtype, _dtype_name(param.dtype)))
-                else:
-                    loaded.note(
-                        f"The checkpoint's Kahan compensation buffers are dropped: the plan {plan.name!r} writes "
-                        f"updates with {plan.rounding} rounding"
-                        + (" into a float32 master copy." if plan.keeps_master else ".")
-                    )
-            elif is_moment(key, value, param):
-                new[key] = value.to(param.device, state_dtype, copy=True)
-                if value.dtype != state_dtype:
-                    loaded.note(conversion_note("the optimizer's moments", saved_dtype, plan.state_dtype))
-            elif key == "step" and not (group.get("capturable") or group.get("fused")):
-                new[key] = value.clone()  # where torch keeps it: on the CPU, unless the optimizer steps on the device
-            elif key == "step":
-                new[key] = value.to(param.device, torch.float32, copy=True)
-            else:
-                new[key] = value.to(param.device, copy=True)
-        loaded.state[param] = new
+        loaded.state[param] = _convert_entry(entry, param, group, plan, is_moment, loaded)
+        seen.add(param)
     for group in groups:
         for param in group["params"]:
-            if param.dtype not in _LOW:
-                continue
-            state = loaded.state.setdefault(param, {})
-            if plan.keeps_master and MASTER_KEY not in state:
-                state[MASTER_KEY] = param.detach().to(torch.float32, copy=True)
-                loaded.note(
-                    conversion_note(
-                        "the master copies (not in the checkpoint: made from the weights)",
-                        _dtype_name(param.dtype),
-                        "float32",
-                    )
-                )
-            if plan.rounding == "kahan" and KAHAN_KEY not in state:
-                state[KAHAN_KEY] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                loaded.note(
-                    "The checkpoint has no Kahan compensation buffers (it was saved under another plan): they start "
-                    "at zero."
-                )
+            if param not in seen:  # no state saved: what the plan keeps besides the slots starts afresh
+                _convert_entry({}, param, group, plan, is_moment, loaded, into=loaded.state.setdefault(param, {}))
     return loaded
+
+
+def _fits(key: str, value: torch.Tensor, param: torch.Tensor) -> bool:
+    """A master copy or compensation buffer has the parameter's shape; any other tensor broadcasts to it
+    (Adam's moments have it, Adafactor's factored statistics broadcast, step counters are scalars)."""
+    if key in (MASTER_KEY, KAHAN_KEY):
+        return tuple(value.shape) == tuple(param.shape)
+    shape, target = tuple(value.shape), tuple(param.shape)
+    return len(shape) <= len(target) and all(
+        size in (1, wanted) for size, wanted in zip(reversed(shape), reversed(target), strict=False)
+    )
+
+
+def _convert_entry(
+    entry: Mapping[str, Any],
+    param: torch.Tensor,
+    group: dict[str, Any],
+    plan: Policy,
+    is_moment: Any,
+    loaded: Loaded,
+    into: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One parameter's saved state under ``plan``, converted as the core's `checkpoint_changes` decides."""
+    master = entry.get(MASTER_KEY)
+    compensation = entry.get(KAHAN_KEY)
+    slots = {k: v for k, v in entry.items() if isinstance(v, torch.Tensor) and is_moment(k, v, param)}
+    changes = checkpoint_changes(
+        plan,
+        weights=_dtype_name(param.dtype),
+        saved_master=_dtype_name(master.dtype) if isinstance(master, torch.Tensor) else None,
+        saved_compensation=_dtype_name(compensation.dtype) if isinstance(compensation, torch.Tensor) else None,
+        saved_slots=[_dtype_name(v.dtype) for v in slots.values()],
+    )
+    for note in changes.notes:
+        loaded.note(note)
+    state_dtype = TORCH_DTYPES[plan.state_dtype]
+    new: dict[str, Any] = {} if into is None else into
+    for key, value in entry.items():
+        if key in (MASTER_KEY, KAHAN_KEY):
+            continue
+        if not isinstance(value, torch.Tensor):
+            new[key] = value
+        elif key in slots:
+            new[key] = value.to(param.device, state_dtype, copy=True)
+        elif key == "step" and not (group.get("capturable") or group.get("fused")):
+            new[key] = value.clone()  # where torch keeps it: on the CPU, unless the optimizer steps on the device
+        elif key == "step":
+            new[key] = value.to(param.device, torch.float32, copy=True)
+        else:
+            new[key] = value.to(param.device, copy=True)
+    if changes.master in ("keep", "convert"):
+        new[MASTER_KEY] = master.to(param.device, torch.float32, copy=True)  # type: ignore[union-attr]
+    elif changes.master == "make":
+        new[MASTER_KEY] = param.detach().to(torch.float32, copy=True)
+    if changes.compensation in ("keep", "convert"):
+        new[KAHAN_KEY] = compensation.to(param.device, param.dtype, copy=True)  # type: ignore[union-attr]
+    elif changes.compensation == "make":
+        new[KAHAN_KEY] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return new
