@@ -85,7 +85,7 @@ for backend in torch jax; do
     KERAS_BACKEND=$backend conformance "$name" "$PYTHON" -m polyamp.conformance --backend keras --device "$backend-cuda" --verbose
 done
 
-TARGETS=(gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16)
+TARGETS=(gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16 gpu-training-state)
 if [ "${CODES[jax-conformance]}" != '"skipped"' ] && "$PYTHON" -c "import jmp" >/dev/null 2>&1; then
     TARGETS+=(jax)
 else
@@ -114,7 +114,7 @@ status=0
 {
     echo "{"
     first=1
-    for name in conformance jax-conformance "${KERAS_STEPS[@]}" gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16 jax; do
+    for name in conformance jax-conformance "${KERAS_STEPS[@]}" gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16 gpu-training-state jax; do
         [ $first -eq 1 ] || echo ","
         first=0
         printf '  "%s": %s' "$name" "${CODES[$name]}"

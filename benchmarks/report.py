@@ -26,6 +26,7 @@ ORDER = (
     "gpu-recipe",
     "gpu-compiled",
     "gpu-bf16",
+    "gpu-training-state",
     "jax-cuda",
     "gpu-conformance",
 )
@@ -36,6 +37,7 @@ TITLES = {
     "gpu-recipe": "AMP recipe (3 x Linear 4096, batch 512): float32 vs native AMP vs polyamp, time and peak memory",
     "gpu-compiled": "AMP recipe under torch.compile",
     "gpu-bf16": "AMP recipe in bfloat16 without a scaler",
+    "gpu-training-state": "Training-state plans on a GPU: AdamW on a 34M-parameter GPT, step time and memory",
     "jax-cuda": "jitted JAX step on a GPU: polyamp_jax vs a jmp-style step and float32 optax",
     "gpu-conformance": "The conformance suite on CUDA (torch, JAX, Keras on torch and JAX)",
 }

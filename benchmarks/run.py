@@ -41,13 +41,14 @@ if str(ROOT) not in sys.path:  # `python benchmarks/run.py` from anywhere: `benc
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 CPU_TARGETS = ("torch-cpu", "keras", "keras-backends", "jax", "scale", "guard", "compiled")
-GPU_TARGETS = ("gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16")
+GPU_TARGETS = ("gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16", "gpu-training-state")
 GPU_HELP = {
     "gpu-syncs": "host-device syncs per step, polyamp vs GradScaler, per optimizer",
     "gpu-cuda-graph": "CUDA-graph capture and replay of a fused-optimizer step",
     "gpu-recipe": "the AMP recipe (Linear 4096 x 3, batch 512): time and peak memory",
     "gpu-compiled": "the recipe under torch.compile",
     "gpu-bf16": "the recipe in bfloat16 without a scaler",
+    "gpu-training-state": "each training-state plan's step time and memory on a 34M-parameter GPT",
 }
 
 
@@ -221,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import revisions
 
         _common_write(revisions.run(args), args)
+    elif args.target == "gpu-training-state":
+        from benchmarks import training_state_gpu
+
+        _common_write(training_state_gpu.run(args), args)
     else:
         from benchmarks import gpu
 

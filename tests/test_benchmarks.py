@@ -58,6 +58,7 @@ def load(path: Path) -> dict[str, Any]:
         ("gpu-bf16", "torch"),
         ("gpu-syncs", "torch"),
         ("gpu-cuda-graph", "torch"),
+        ("gpu-training-state", "torch"),
     ],
 )
 def test_quick_run_writes_its_json(target: str, needs: str, tmp_path: Path, run_bounded: RunBounded) -> None:
@@ -102,6 +103,7 @@ def test_report_renders_full_results_and_marks_the_rest_not_yet_measured(
         "gpu-recipe",
         "gpu-compiled",
         "gpu-bf16",
+        "gpu-training-state",
     ):
         assert f"Not yet measured: `python benchmarks/run.py {target}`" in text
 
@@ -131,7 +133,7 @@ def test_the_gpu_suite_records_every_step_and_fails_without_cuda(tmp_path: Path,
         found = all(importlib.util.find_spec(name) is not None for name in ("keras", backend))
         return "nothing ran" if found else "skipped"
 
-    gpu = ("gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16")
+    gpu = ("gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16", "gpu-training-state")
     assert json.loads((tmp_path / "summary.json").read_text()) == {
         "conformance": "nothing ran",
         "jax-conformance": "skipped",  # JAX without a GPU backend (or not installed): the JAX steps are left out
