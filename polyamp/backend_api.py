@@ -39,6 +39,7 @@ test suite (tests/numpy_backend/).
 
 from polyamp._src.backend import (
     Backend,
+    ClippingDevice,
     CompilingDevice,
     Flag,
     Float16HintDevice,
@@ -171,6 +172,7 @@ __all__ = [
     "Backend",
     "BackendSpec",
     "CheckpointChanges",
+    "ClippingDevice",
     "CompilingDevice",
     "DeviceCapabilities",
     "Flag",

@@ -29,6 +29,7 @@ DEVICE_PROTOCOLS = (
     api.RecordingDevice,
     api.GuardingDevice,
     api.ImperativeGuardingDevice,
+    api.ClippingDevice,
     api.ProvenanceDevice,
     api.ImperativeProvenanceDevice,
     api.SpikeDevice,

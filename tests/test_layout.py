@@ -146,6 +146,7 @@ def test_the_public_backend_api_holds_what_backends_import() -> None:
                 "ImperativeDevice",
                 "RecordingDevice",
                 "ImperativeGuardingDevice",
+                "ClippingDevice",
                 "ImperativeProvenanceDevice",
                 "SpikeDevice",
                 "CompilingDevice",

@@ -195,6 +195,20 @@ class ImperativeGuardingDevice(GuardingDevice, Protocol):
 
 
 @runtime_checkable
+class ClippingDevice(Protocol):
+    """Optional, imperative devices: gradient-norm clipping folded into the unscale (one read of the gradients
+    for the norm, one multiply by ``clip_coefficient / scale``, instead of an unscale pass, a norm pass and a
+    clipping pass)."""
+
+    def unscale_and_clip(self, optimizer: Any, max_norm: float, norm_type: float) -> tuple[Flag | None, Any] | None:
+        """Unscale ``optimizer``'s gradients and clip them to ``max_norm`` in one multiply; return the flag (None
+        without gradients) and the total norm of the unscaled gradients. The flag is set when the norm is not
+        finite. Return None, changing nothing, where this cannot be folded (then the caller unscales and
+        clips as two steps)."""
+        ...
+
+
+@runtime_checkable
 class ProvenanceDevice(Protocol):
     """Optional: which gradients were non-finite in a skipped step (`polyamp.NonFiniteGradient`), counted on
     the device in the branch that skipped (no cost to steps that are applied)."""

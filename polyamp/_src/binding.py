@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from polyamp._src import registry
 from polyamp._src.backend import (
+    ClippingDevice,
     CompilingDevice,
     Float16HintDevice,
     Float16ProbeDevice,
@@ -63,6 +64,8 @@ class DeviceCapabilities:
         process_groups: `ProcessGroupDevice`: flags can be reduced over a process group.
         unscaled_loss_warning: `UnscaledLossWarningDevice.unscaled_loss_warning`, or None (the iteration rule
             raises).
+        unscale_and_clip: `ClippingDevice.unscale_and_clip` (imperative only), or None (clipping after the
+            unscale, as two steps).
     """
 
     style: LoopStyle
@@ -79,6 +82,7 @@ class DeviceCapabilities:
     step_own_scaling: Callable[..., Any] | None = None
     process_groups: bool = False
     unscaled_loss_warning: Callable[[str], str] | None = None
+    unscale_and_clip: Callable[[Any, float, float], Any] | None = None
 
     @classmethod
     def of(cls, device: ScalerDevice, backend: str) -> DeviceCapabilities:
@@ -115,6 +119,7 @@ class DeviceCapabilities:
             unscaled_loss_warning=(
                 device.unscaled_loss_warning if isinstance(device, UnscaledLossWarningDevice) else None
             ),
+            unscale_and_clip=device.unscale_and_clip if imperative and isinstance(device, ClippingDevice) else None,
         )
 
 

@@ -601,6 +601,31 @@ class LossScaler(GradScalerSpelling, Pickled):
         self._iteration.check_unscale(optimizer, "unscale_()")
         self._iteration.mark(optimizer, Stage.UNSCALED, device.unscale_gradients(optimizer))
 
+    def unscale_and_clip_(self, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> tuple[bool, Any]:
+        """PyTorch: `unscale_` with gradient-norm clipping folded in, where the device can fold it.
+
+        Returns ``(folded, total_norm)``: ``(True, norm)`` when the gradients were unscaled and clipped in one
+        pass (``norm``: the total norm of the unscaled gradients, as ``torch.nn.utils.clip_grad_norm_`` returns
+        it); ``(False, None)`` when they were only unscaled (the device cannot fold this case, or the scaler is
+        not scaling) and the caller clips. Same rules as `unscale_`.
+        """
+        device = self._styled("unscale_", "imperative", optimizer)
+        device.check_optimizer("unscale_", optimizer)
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+            raise InvalidConfigError(f"`max_norm` must be a number > 0. Received: {describe(max_norm)}.")
+        if not self._begin():
+            return False, None
+        self._require_scaled("unscale_()")
+        self._iteration.check_unscale(optimizer, "unscale_()")
+        fold = None if self._capabilities is None else self._capabilities.unscale_and_clip
+        folded = None if fold is None else fold(optimizer, float(max_norm), float(norm_type))
+        if folded is None:
+            self._iteration.mark(optimizer, Stage.UNSCALED, device.unscale_gradients(optimizer))
+            return False, None
+        flag, total_norm = folded
+        self._iteration.mark(optimizer, Stage.UNSCALED, flag)
+        return True, total_norm
+
     def unscale(self, grads: Iterable[Any]) -> list[Any]:
         """TensorFlow: return the gradients divided by the scale (None entries stay None).
 

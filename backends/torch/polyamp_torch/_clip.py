@@ -15,8 +15,7 @@ def clip_grad_norm_(scaler: LossScaler, optimizer: Any, max_norm: float, norm_ty
     """``torch.nn.utils.clip_grad_norm_`` over ``optimizer``'s parameters, on unscaled gradients.
 
     Clipping gradients that are still multiplied by the loss scale clips them to a norm ``scale`` times too
-    small: the weights barely move and the loss stays flat, with no error anywhere. This unscales first
-    (``scaler.unscale_(optimizer)``, unless this iteration already did, or the scaler is not scaling), then
+    small: the weights barely move and the loss stays flat, with no error anywhere. This unscales first, then
     clips, and returns the total norm of the unscaled gradients, as torch's function does::
 
         scaler.scale(loss).backward()
@@ -24,12 +23,24 @@ def clip_grad_norm_(scaler: LossScaler, optimizer: Any, max_norm: float, norm_ty
         scaler.step(opt)
         scaler.update()
 
-    ``kwargs`` go to ``torch.nn.utils.clip_grad_norm_`` (``error_if_nonfinite``, ``foreach``). With inf or NaN
-    gradients the norm is non-finite and the scaler's step skips, as with ``unscale_`` + clipping by hand.
+    When this iteration has not unscaled yet, the unscale and the clipping are one pass
+    (`polyamp.LossScaler.unscale_and_clip_`): the norm is taken of the scaled gradients and the gradients are
+    multiplied once by ``clip_coefficient / scale``, reading them twice instead of three times. For a
+    power-of-two scale (what the default growth and backoff keep) the gradients and the norm are bit for bit those
+    of ``scaler.unscale_(opt)`` followed by ``torch.nn.utils.clip_grad_norm_``. Sparse or sharded gradients,
+    several devices, a norm other than 2 or inf, scales below 1, a process group, or ``kwargs``
+    (``error_if_nonfinite``, ``foreach``, passed to torch's function) take the two-step path.
+
+    With inf or NaN gradients the norm is non-finite and the scaler's step skips, as with ``unscale_`` +
+    clipping by hand.
     """
     if not hasattr(optimizer, "param_groups"):
         raise wrong_object_error("torch", "clip_grad_norm_", optimizer, "a torch.optim.Optimizer")
-    if not scaler.is_unscaled(optimizer):
+    if not kwargs and not scaler.is_unscaled(optimizer):
+        folded, total_norm = scaler.unscale_and_clip_(optimizer, max_norm, norm_type)
+        if folded:
+            return torch.tensor(0.0) if total_norm is None else total_norm  # (torch's value without gradients)
+    elif not scaler.is_unscaled(optimizer):
         scaler.unscale_(optimizer)
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
     return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, **kwargs)

@@ -43,7 +43,9 @@ from polyamp_torch._gradients import (
     fused_step,
     non_finite_counts,
     takes_grad_scaler,
+    unscale_and_clip_gradients,
     unscale_gradients,
+    warn_bfloat16_scaling,
 )
 from polyamp_torch._precision import is_precision_optimizer, warn_unplanned
 from polyamp_torch._rule import DeviceState, advance
@@ -281,6 +283,29 @@ class TorchDevice:
         )
         self._warned_bfloat16 |= bfloat16
         return flag
+
+    def unscale_and_clip(
+        self, optimizer: Any, max_norm: float, norm_type: float
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """`unscale_gradients` and ``clip_grad_norm_`` as one pass (`polyamp.backend_api.ClippingDevice`); None
+        where they stay two: below scale 1 (the unscaled values are checked too), across a process group, or
+        where the gradients cannot be folded (see `unscale_and_clip_gradients`)."""
+        if self._config.checks_unscaled or self._process_group is not None:
+            return None
+        state = self._state_near(optimizer)
+        scale = state.scale
+        inv_scale = scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        folded = unscale_and_clip_gradients(
+            optimizer, inv_scale, found_inf, max_norm, norm_type, allow_fp16=is_precision_optimizer(optimizer)
+        )
+        if folded is None:
+            return None
+        flag, total_norm, bfloat16 = folded
+        if bfloat16 and not self._warned_bfloat16:
+            self._warned_bfloat16 = True
+            warn_bfloat16_scaling(stacklevel=5)
+        return flag, total_norm
 
     def check_gradients_finite(self, optimizer: Any) -> torch.Tensor | None:
         """The guard's check, without scaling: the same fused kernel with inverse scale 1, which leaves

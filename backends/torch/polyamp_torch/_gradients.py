@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from typing import Any
 
@@ -21,6 +22,7 @@ __all__ = [
     "fused_amp_capable",
     "fused_step",
     "non_finite_counts",
+    "unscale_and_clip_gradients",
     "unscale_gradients",
     "warn_bfloat16_scaling",
 ]
@@ -159,6 +161,58 @@ def unscale_gradients(
     if len(flags) == 1:
         return flags[0].to(found_inf.device, non_blocking=True), has_bfloat16
     return torch.stack([flag.to(found_inf.device, non_blocking=True) for flag in flags]).sum(), has_bfloat16
+
+
+def unscale_and_clip_gradients(
+    optimizer: Any,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    max_norm: float,
+    norm_type: float,
+    *,
+    allow_fp16: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, bool] | None:
+    """Unscale and clip ``optimizer``'s gradients in one multiply: the norm of the scaled gradients (one read),
+    times ``inv_scale``, gives the norm ``torch.nn.utils.clip_grad_norm_`` would compute after `unscale_gradients`
+    and its clip coefficient; the gradients are then multiplied once by ``inv_scale x coefficient``.
+
+    For a power-of-two scale (the default growth and backoff keep it one) every value is bit for bit what
+    unscaling then clipping gives, unless squares of gradient elements are subnormal at one scale and not the
+    other. The flag is set when the norm is not finite: an inf or NaN gradient, or (the norm of the scaled
+    gradients overflowing float32 while each element is finite) a false overflow the scale backs off from.
+
+    Returns ``(flag, total_norm, has_bfloat16)``, flag and norm None without gradients; None (nothing changed)
+    for sparse or sharded (DTensor) gradients, gradients on several devices, or a norm other than 2 and inf.
+    """
+    if norm_type not in (2.0, math.inf):
+        return None
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is not None and (grad.is_sparse or hasattr(grad, "to_local")):
+                return None
+    grouped, has_bfloat16 = _gradients_by_device_and_dtype(optimizer, allow_fp16=allow_fp16)
+    if not grouped:
+        return None, None, has_bfloat16
+    if len({device for device, _ in grouped}) != 1 or next(iter(grouped))[0] != found_inf.device:
+        return None
+    grad_enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        norms: list[torch.Tensor] = []
+        for grads in grouped.values():
+            norms.extend(torch._foreach_norm(grads, norm_type))
+        scaled_norm = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        # Exact for a power-of-two scale; in the norms' dtype, as torch's clip_grad_norm_ computes it.
+        total_norm = (scaled_norm * inv_scale).to(scaled_norm.dtype)
+        coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        found_inf.copy_(torch.logical_not(torch.isfinite(scaled_norm)).to(found_inf.dtype))
+        multiplier = coefficient.to(torch.float32) * inv_scale
+        for grads in grouped.values():
+            torch._foreach_mul_(grads, multiplier)
+    finally:
+        torch._C._set_grad_enabled(grad_enabled)
+    return found_inf, total_norm, has_bfloat16
 
 
 def _check_and_unscale_bfloat16(
