@@ -669,3 +669,21 @@ def test_a_state_tensor_that_does_not_fit_its_parameter_is_refused() -> None:
     with pytest.raises(polyamp.StateDictError, match=r"does not fit the parameter's shape"):
         fresh.load_state_dict(checkpoint)
     assert _bitwise_equal(_snapshot(fresh, params), before)
+
+
+def test_sparse_gradients_step_by_the_plan() -> None:
+    # SparseAdam over a bfloat16 embedding with sparse gradients: the rows looked up move, the others keep
+    # their bits, and the moments are kept in the plan's state dtype.
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(10, 4, sparse=True).to(torch.bfloat16)
+    before = embedding.weight.detach().clone()
+    opt = PrecisionOptimizer(torch.optim.SparseAdam(embedding.parameters(), lr=1e-1), "bfloat16_kahan")
+    for _ in range(2):
+        opt.zero_grad()
+        embedding(torch.tensor([1, 2, 2])).float().sum().backward()
+        assert embedding.weight.grad.is_sparse
+        opt.step()
+    moved = (embedding.weight.detach() != before).any(dim=1)
+    assert moved.tolist() == [i in (1, 2) for i in range(10)]
+    state = opt.state[embedding.weight]
+    assert state["exp_avg"].dtype is torch.bfloat16 and state[KAHAN_KEY].dtype is torch.bfloat16

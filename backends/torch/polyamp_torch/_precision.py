@@ -295,7 +295,12 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 w32 = param.detach()
             grad = param.grad
             assert grad is not None
-            w32.grad = grad if grad.dtype == torch.float32 else _float32_like(grad, to_convert, converted)
+            if grad.dtype == torch.float32:
+                w32.grad = grad
+            elif grad.is_sparse:  # (foreach copies are for dense tensors)
+                w32.grad = grad.float()
+            else:
+                w32.grad = _float32_like(grad, to_convert, converted)
             slot_lists.append(
                 {
                     key: (
