@@ -17,7 +17,7 @@ import polyamp_torch  # noqa: E402
 POLYAMP_DIRS = (Path(polyamp.__file__).parent, Path(polyamp_torch.__file__).parent)
 
 
-def make_step(fused: bool, norm: bool = False, native: bool = False) -> tuple[Any, Any, Any]:
+def make_step(fused: bool, norm: bool = False, native: bool = False, clip: bool = False) -> tuple[Any, Any, Any]:
     torch.manual_seed(0)
     middle = torch.nn.LayerNorm(16) if norm else torch.nn.ReLU()
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), middle, torch.nn.Linear(16, 4))
@@ -35,6 +35,11 @@ def make_step(fused: bool, norm: bool = False, native: bool = False) -> tuple[An
         scaler.scale(loss).backward()
         if overflow:
             model[0].weight.grad[0, 0] = math.inf
+        if clip and native:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        elif clip:
+            polyamp_torch.clip_grad_norm_(scaler, opt, 0.5)  # unscale and clip in one pass
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -47,8 +52,9 @@ DATA = [(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)), torch.te
 PATTERN = [False, True, False, False, True, False]
 
 
+@pytest.mark.parametrize("clip", [False, True], ids=["", "clipped"])
 @pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused_adam"])
-def test_compiled_train_step_equals_compiled_native(fused: bool) -> None:
+def test_compiled_train_step_equals_compiled_native(fused: bool, clip: bool) -> None:
     """The whole step under torch.compile, polyamp vs GradScaler + torch.autocast, bit for bit.
 
     (Compiled and eager runs are not compared with each other: torch's compiled Adam itself rounds
@@ -58,7 +64,7 @@ def test_compiled_train_step_equals_compiled_native(fused: bool) -> None:
     polyamp.set_policy("mixed_float16")
     runs = []
     for native in (True, False):
-        step, model, scaler = make_step(fused, native=native)
+        step, model, scaler = make_step(fused, native=native, clip=clip)
         dynamo.reset()
         compiled = torch.compile(step, backend="eager")
         scales = []
@@ -72,13 +78,29 @@ def test_compiled_train_step_equals_compiled_native(fused: bool) -> None:
         assert torch.equal(a, b)
 
 
+_HOST_DECIDED = pytest.mark.xfail(
+    strict=True,
+    reason="a non-fused optimizer's step is decided on the host (found_inf.item(), the read GradScaler makes "
+    "too); after an explicit unscale (here the folded clipping) that read breaks the graph. A device-side skip "
+    "for non-fused optimizers is not built yet.",
+)
+
+
 @pytest.mark.parametrize("warm", [False, True], ids=["fresh_scaler", "after_an_eager_step"])
-@pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused_adam"])
-def test_no_graph_break_comes_from_polyamp(fused: bool, warm: bool) -> None:
+@pytest.mark.parametrize(
+    ("fused", "clip"),
+    [
+        pytest.param(False, False, id="adam"),
+        pytest.param(True, False, id="fused_adam"),
+        pytest.param(False, True, id="adam-clipped", marks=_HOST_DECIDED),
+        pytest.param(True, True, id="fused_adam-clipped"),
+    ],
+)
+def test_no_graph_break_comes_from_polyamp(fused: bool, clip: bool, warm: bool) -> None:
     """From a scaler that never ran (the first call is compiled) and from one whose state exists, as in a
-    running loop."""
+    running loop; with the clipping folded into the unscale too."""
     polyamp.set_policy("mixed_float16")
-    step, _, _ = make_step(fused, norm=True)
+    step, _, _ = make_step(fused, norm=True, clip=clip)
     x, y = DATA[0]
     if warm:
         step(x, y, False)
