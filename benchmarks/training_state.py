@@ -367,7 +367,8 @@ def payload(results: list[dict[str, Any]], out: Path, *, quick: bool) -> dict[st
             f"sequence {config.sequence}, batch {config.batch}; AdamW betas {config.betas}, weight decay "
             f"{config.weight_decay} on matrices, peak lr {config.lr}, {config.warmup:.0%} warmup, cosine to "
             f"{config.final_lr:.0%}; data: a second-order Markov chain, {config.successors} successors per context, "
-            f"Dirichlet({config.alpha}); entropy {results[0]['chain_entropy']:.4f} nats (the best loss reachable)."
+            f"Dirichlet({config.alpha}); entropy {results[0]['chain_entropy']:.4f} nats (the best loss reachable). "
+            "Each backend steps on one CPU thread."
             if results
             else "",
             *notes,
