@@ -162,3 +162,70 @@ def test_misuse_of_unscale_and_clip_is_refused_before_anything_changes() -> None
     scaler.unscale_and_clip_(opt, 1.0)
     with pytest.raises(polyamp.ScalerUsageError, match="unscale_"):
         scaler.unscale_and_clip_(opt, 1.0)  # once per optimizer per iteration, as unscale_
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@CUDA
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_on_cuda_folded_clipping_equals_gradscaler_and_float16_autocast(optimizer: str, norm_type: float) -> None:
+    """The same comparison on CUDA, under float16 autocast, with overflows injected."""
+    models = {}
+    for name in ("polyamp", "native"):
+        torch.manual_seed(0)
+        models[name] = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8)).cuda()
+    opts = {name: OPTIMIZERS[optimizer](m.parameters()) for name, m in models.items()}
+    ours = polyamp.LossScaler(enabled=True, init_scale=2.0**10, growth_interval=3)
+    native = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=3)
+    for step in range(12):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(32, 64, generator=generator).cuda(), torch.randn(32, 8, generator=generator).cuda()
+        if step in (3, 7):
+            x[0, 0] = math.inf
+        norms = []
+        for name, scaler in (("polyamp", ours), ("native", native)):
+            opts[name].zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(models[name](x).float(), y)
+            scaler.scale(loss).backward()
+            if name == "polyamp":
+                norms.append(polyamp_torch.clip_grad_norm_(ours, opts[name], 0.05, norm_type))
+            else:
+                native.unscale_(opts[name])
+                norms.append(torch.nn.utils.clip_grad_norm_(models[name].parameters(), 0.05, norm_type))
+            scaler.step(opts[name])
+            scaler.update()
+        assert torch.equal(norms[0], norms[1]) or bool(torch.isnan(norms[0]) and torch.isnan(norms[1]))
+    for a, b in zip(models["polyamp"].parameters(), models["native"].parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert ours.get_scale() == native.get_scale()
+
+
+@CUDA
+def test_on_cuda_folded_clipping_with_a_fused_optimizer_never_syncs() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = polyamp.LossScaler(enabled=True)
+    x = torch.randn(8, 64, device="cuda")
+
+    def step() -> None:
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        scaler.scale(loss).backward()
+        polyamp_torch.clip_grad_norm_(scaler, opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+
+    for _ in range(5):  # warm-up: lazy state, first-iteration probes
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
