@@ -30,6 +30,7 @@ DEVICE_PROTOCOLS = (
     api.GuardingDevice,
     api.ImperativeGuardingDevice,
     api.ClippingDevice,
+    api.TapeClippingDevice,
     api.ProvenanceDevice,
     api.ImperativeProvenanceDevice,
     api.SpikeDevice,

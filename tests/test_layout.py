@@ -163,6 +163,7 @@ def test_the_public_backend_api_holds_what_backends_import() -> None:
                 "TapeDevice",
                 "RecordingDevice",
                 "GuardingDevice",
+                "TapeClippingDevice",
                 "ProvenanceDevice",
                 "SpikeDevice",
                 "CompilingDevice",

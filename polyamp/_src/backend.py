@@ -209,6 +209,18 @@ class ClippingDevice(Protocol):
 
 
 @runtime_checkable
+class TapeClippingDevice(Protocol):
+    """Optional, tape devices: global-norm clipping folded into the unscale, as `ClippingDevice` for gradients
+    handed over as values (``tf.clip_by_global_norm`` after ``unscale``)."""
+
+    def unscale_and_clip_values(self, grads: Sequence[Any], clip_norm: float, *, scaled: bool) -> tuple[list[Any], Any]:
+        """``grads`` (None entries stay None) divided by the scale when ``scaled``, and clipped to a global norm of
+        ``clip_norm``, in one multiply; and their global norm after the unscale. As ``tf.clip_by_global_norm``,
+        a non-finite norm makes every value NaN (the step then skips)."""
+        ...
+
+
+@runtime_checkable
 class ProvenanceDevice(Protocol):
     """Optional: which gradients were non-finite in a skipped step (`polyamp.NonFiniteGradient`), counted on
     the device in the branch that skipped (no cost to steps that are applied)."""

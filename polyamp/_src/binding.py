@@ -28,6 +28,7 @@ from polyamp._src.backend import (
     ReplicaDevice,
     ScalerDevice,
     SpikeDevice,
+    TapeClippingDevice,
     TapeDevice,
     UncompiledDevice,
     UnscaledLossWarningDevice,
@@ -66,6 +67,7 @@ class DeviceCapabilities:
             raises).
         unscale_and_clip: `ClippingDevice.unscale_and_clip` (imperative only), or None (clipping after the
             unscale, as two steps).
+        unscale_and_clip_values: `TapeClippingDevice.unscale_and_clip_values` (tape only), or None.
     """
 
     style: LoopStyle
@@ -83,6 +85,7 @@ class DeviceCapabilities:
     process_groups: bool = False
     unscaled_loss_warning: Callable[[str], str] | None = None
     unscale_and_clip: Callable[[Any, float, float], Any] | None = None
+    unscale_and_clip_values: Callable[..., Any] | None = None
 
     @classmethod
     def of(cls, device: ScalerDevice, backend: str) -> DeviceCapabilities:
@@ -120,6 +123,9 @@ class DeviceCapabilities:
                 device.unscaled_loss_warning if isinstance(device, UnscaledLossWarningDevice) else None
             ),
             unscale_and_clip=device.unscale_and_clip if imperative and isinstance(device, ClippingDevice) else None,
+            unscale_and_clip_values=(
+                device.unscale_and_clip_values if not imperative and isinstance(device, TapeClippingDevice) else None
+            ),
         )
 
 

@@ -642,6 +642,33 @@ class LossScaler(GradScalerSpelling, Pickled):
         self._iteration.stages.record(grads, unscaled, method="unscale()")
         return unscaled  # type: ignore[no-any-return]
 
+    def unscale_and_clip(self, grads: Iterable[Any], clip_norm: float) -> tuple[list[Any], Any]:
+        """TensorFlow: `unscale` and ``tf.clip_by_global_norm(..., clip_norm)`` in one multiply of the gradients.
+
+        Returns ``(clipped, global_norm)`` as ``tf.clip_by_global_norm`` does: the unscaled gradients clipped to
+        a global norm of ``clip_norm`` (None entries stay None) and their global norm before clipping. The next
+        `apply_gradients` (or `step`) takes them as unscaled, as after `unscale`. For a power-of-two scale the
+        values are bit for bit those of the two steps. When the scaler is not scaling, this is the clipping alone.
+        """
+        grads = list(grads)
+        device = self._styled("unscale", "tape", grads)
+        device.check_gradients("unscale_and_clip", grads)
+        if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or not clip_norm > 0:
+            raise InvalidConfigError(f"`clip_norm` must be a number > 0. Received: {describe(clip_norm)}.")
+        fold = None if self._capabilities is None else self._capabilities.unscale_and_clip_values
+        if fold is None:
+            raise PolyampTypeError(
+                f"The {self._backend_name!r} backend's scaler cannot clip gradients in the unscale; call unscale() "
+                "and clip the gradients it returns."
+            )
+        if not self._begin():
+            clipped, norm = fold(grads, float(clip_norm), scaled=False)
+            return clipped, norm
+        self._require_scaled("unscale_and_clip()")
+        clipped, norm = fold(grads, float(clip_norm), scaled=True)
+        self._iteration.stages.record(grads, clipped, method="unscale_and_clip()")
+        return clipped, norm
+
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Step ``optimizer`` unless one of its gradients is inf or NaN.
 

@@ -277,6 +277,36 @@ class KerasDevice:
     def unscale(self, grads: Sequence[Any]) -> list[Any]:
         return unscale(grads, self.scale_value())
 
+    def unscale_and_clip_values(self, grads: Sequence[Any], clip_norm: float, *, scaled: bool) -> tuple[list[Any], Any]:
+        """`unscale` and a global-norm clip in one multiply (`polyamp.backend_api.TapeClippingDevice`).
+
+        The norm of the scaled float32 gradients divided by the scale is the norm of the unscaled ones (exactly,
+        for a power-of-two scale), the clip factor is Keras's (and TensorFlow's) ``clip_by_global_norm`` formula,
+        and each gradient is multiplied once by factor / scale. Other dtypes and sparse gradients are divided
+        first, then clipped, as two steps.
+        """
+        grads = list(grads)
+        present = [g for g in grads if g is not None]
+        scale = self.scale_value() if scaled else None
+        one_pass = scaled and all(
+            not is_sparse(g) and keras.backend.standardize_dtype(g.dtype) == "float32" for g in present
+        )
+        values = grads if (one_pass or not scaled) else unscale(grads, scale)
+        norm = self._global_norm([_sparse_values(g) for g in values if g is not None])
+        if one_pass:
+            norm = ops.divide(norm, scale)
+        factor = self._clip_factor(norm, clip_norm)
+        multiplier = ops.divide(factor, scale) if one_pass else factor
+        return [None if g is None else _times(g, multiplier) for g in values], norm
+
+    def _global_norm(self, values: Sequence[Any]) -> Any:
+        """Keras's ``global_norm``: the square root of the sum of the tensors' sums of squares."""
+        return ops.sqrt(ops.sum(ops.stack([ops.sum(ops.square(v)) for v in values])))
+
+    def _clip_factor(self, norm: Any, clip_norm: float) -> Any:
+        """Keras's ``clip_by_global_norm`` factor: NaN when ``norm`` is not finite."""
+        return ops.add(ops.multiply(clip_norm, ops.minimum(ops.divide(1.0, norm), 1.0 / clip_norm)), norm - norm)
+
     def apply(
         self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], *, unscaled: bool, veto: Any = None
     ) -> StepOutcome:
@@ -639,3 +669,16 @@ def _tf_tensor(value: Any) -> bool:
 def is_tracer(value: Any) -> bool:
     """A JAX tracer: a value of a step being compiled (``jax.jit``), with no value on the host."""
     return type(value).__name__.endswith("Tracer")
+
+
+def _sparse_values(grad: Any) -> Any:
+    return grad.values if is_sparse(grad) and hasattr(grad, "values") else grad
+
+
+def _times(grad: Any, factor: Any) -> Any:
+    """``grad`` times ``factor`` in ``grad``'s dtype (a sparse gradient by its values)."""
+    if is_sparse(grad) and hasattr(grad, "dense_shape"):
+        return type(grad)(
+            ops.multiply(grad.values, ops.cast(factor, grad.values.dtype)), grad.indices, grad.dense_shape
+        )
+    return ops.multiply(grad, ops.cast(factor, grad.dtype))

@@ -47,6 +47,15 @@ class TensorFlowDevice(KerasDevice):
                     "tensorflow", method, grad, "TensorFlow tensors (None for variables without a gradient)"
                 )
 
+    def _global_norm(self, values: Sequence[Any]) -> Any:
+        """TensorFlow's ``tf.linalg.global_norm`` (what ``tf.clip_by_global_norm`` computes)."""
+        return tf.linalg.global_norm(list(values))
+
+    def _clip_factor(self, norm: Any, clip_norm: float) -> Any:
+        """``tf.clip_by_global_norm``'s factor, op for op: NaN when ``norm`` is not finite."""
+        finite = clip_norm * tf.minimum(1.0 / norm, tf.constant(1.0, dtype=norm.dtype) / clip_norm)
+        return finite + (norm - norm)
+
     def spike_statistic(self, loss: Any) -> Any:
         if isinstance(loss, (list, tuple)):
             return tf.add_n([tf.reduce_sum(tf.cast(value, tf.float64)) for value in loss])
