@@ -229,3 +229,37 @@ def test_on_cuda_folded_clipping_with_a_fused_optimizer_never_syncs() -> None:
             step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_float16_gradients_of_a_precision_optimizer_clip_as_two_steps() -> None:
+    # float16 weights stepped by a PrecisionOptimizer under loss scaling: each scaled float16 gradient is finite,
+    # but their norm (about 4e5 here) is beyond float16's range, so these unscale first and clip after (the same
+    # values as doing so by hand), never reporting a false overflow.
+    results = []
+    for by_hand in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(256, 256).to(torch.float16)
+        opt = polyamp_torch.PrecisionOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), "params=float16,compute=float16,state=float32,rounding=kahan"
+        )
+        scaler = polyamp.LossScaler(enabled=True, init_scale=2.0**16)
+        generator = torch.Generator().manual_seed(3)
+        x, y = torch.randn(16, 256, generator=generator).half(), torch.randn(16, 256, generator=generator)
+        loss = torch.nn.functional.mse_loss(model(x).float(), y) * 10
+        scaler.scale(loss).backward()
+        scaled = [p.grad.float() for p in model.parameters()]
+        assert all(torch.isfinite(g).all() for g in scaled)
+        assert torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in scaled])) > 65504
+        if by_hand:
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        else:
+            norm = polyamp_torch.clip_grad_norm_(scaler, opt, 0.5)
+        assert torch.isfinite(norm)
+        scaler.step(opt)
+        scaler.update()
+        assert not scaler.records()[-1].skipped
+        results.append((norm, [p.detach().clone() for p in model.parameters()]))
+    (norm_a, params_a), (norm_b, params_b) = results
+    assert torch.equal(norm_a, norm_b)
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b, strict=True))

@@ -27,7 +27,7 @@ def clip_grad_norm_(scaler: LossScaler, optimizer: Any, max_norm: float, norm_ty
     (`polyamp.LossScaler.unscale_and_clip_`): the norm is taken of the scaled gradients and the gradients are
     multiplied once by ``clip_coefficient / scale``, reading them twice instead of three times. For a
     power-of-two scale (what the default growth and backoff keep) the gradients and the norm are bit for bit those
-    of ``scaler.unscale_(opt)`` followed by ``torch.nn.utils.clip_grad_norm_``. Sparse or sharded gradients,
+    of ``scaler.unscale_(opt)`` followed by ``torch.nn.utils.clip_grad_norm_``. float16, sparse or sharded gradients,
     several devices, a norm other than 2 or inf, scales below 1, a process group, or ``kwargs``
     (``error_if_nonfinite``, ``foreach``, passed to torch's function) take the two-step path.
 

@@ -182,7 +182,8 @@ def unscale_and_clip_gradients(
     gradients overflowing float32 while each element is finite) a false overflow the scale backs off from.
 
     Returns ``(flag, total_norm, has_bfloat16)``, flag and norm None without gradients; None (nothing changed)
-    for sparse or sharded (DTensor) gradients, gradients on several devices, or a norm other than 2 and inf.
+    for sparse or sharded (DTensor) gradients, float16 gradients, gradients on several devices, or a norm other
+    than 2 and inf.
     """
     if norm_type not in (2.0, math.inf):
         return None
@@ -196,6 +197,8 @@ def unscale_and_clip_gradients(
         return None, None, has_bfloat16
     if len({device for device, _ in grouped}) != 1 or next(iter(grouped))[0] != found_inf.device:
         return None
+    if any(dtype is _FLOAT16 for _, dtype in grouped):
+        return None  # the norm of scaled float16 gradients, kept in float16, would overflow at 65504
     grad_enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
