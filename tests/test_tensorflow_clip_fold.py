@@ -29,6 +29,15 @@ def _batch(step: int) -> tuple[Any, Any]:
     return rng.standard_normal((16, 8)).astype("float32"), rng.standard_normal((16, 4)).astype("float32")
 
 
+def _scaled_gradients(scaler: Any, step: int) -> tuple[Any, list[Any]]:
+    """A fresh model and its gradients of the scaled loss on batch ``step``."""
+    model = _model()
+    x, y = _batch(step)
+    with tf.GradientTape() as tape:
+        scaled = scaler.scale(tf.reduce_mean(tf.square(model(x) - y)))
+    return model, tape.gradient(scaled, model.trainable_variables)
+
+
 def _train(fold: bool, clip_norm: float, compiled: bool, steps: int = 10, inf_at: tuple[int, ...] = (3, 6)) -> Any:
     model = _model()
     optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
@@ -72,12 +81,8 @@ def test_folded_clip_equals_unscale_then_clip_by_global_norm(clip_norm: float, c
 
 
 def test_folded_clip_multiplies_each_gradient_once() -> None:
-    model = _model()
     scaler = polyamp.LossScaler(enabled=True)
-    x, y = _batch(0)
-    with tf.GradientTape() as tape:
-        scaled = scaler.scale(tf.reduce_mean(tf.square(model(x) - y)))
-    grads = tape.gradient(scaled, model.trainable_variables)
+    _, grads = _scaled_gradients(scaler, 0)
     graph = tf.function(lambda g: scaler.unscale_and_clip(g, 1.0)).get_concrete_function(grads).graph
     # element-wise ops over whole gradients: one multiply each, no division (unscale then clip makes two)
     over_tensors = [
@@ -89,12 +94,9 @@ def test_folded_clip_multiplies_each_gradient_once() -> None:
 
 
 def test_misuse_is_refused_and_a_disabled_scaler_only_clips() -> None:
-    model = _model()
     scaler = polyamp.LossScaler(enabled=True)
+    model, grads = _scaled_gradients(scaler, 1)
     x, y = _batch(1)
-    with tf.GradientTape() as tape:
-        scaled = scaler.scale(tf.reduce_mean(tf.square(model(x) - y)))
-    grads = tape.gradient(scaled, model.trainable_variables)
     for bad in (0.0, -1.0, math.nan, "1", True):
         with pytest.raises(polyamp.PolyampError, match="clip_norm"):
             scaler.unscale_and_clip(grads, bad)  # type: ignore[arg-type]

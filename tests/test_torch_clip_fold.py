@@ -36,6 +36,16 @@ def _batch(step: int, dtype: Any = torch.float32) -> tuple[Any, Any]:
     return torch.randn(16, 8, generator=generator).to(dtype), torch.randn(16, 4, generator=generator).to(dtype)
 
 
+def _scaled_sgd(step: int) -> tuple[Any, Any, Any]:
+    """A fresh model, its SGD optimizer and a scaling LossScaler, after the scaled backward of batch ``step``."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = polyamp.LossScaler(enabled=True)
+    x, y = _batch(step)
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    return model, opt, scaler
+
+
 class _Ops(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -87,20 +97,13 @@ def test_folded_clipping_equals_gradscaler_unscale_then_clip(optimizer: str, max
 
 
 def test_folded_clipping_reads_the_gradients_once_before_the_multiply() -> None:
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = polyamp.LossScaler(enabled=True)
-    x, y = _batch(0)
-    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    _, opt, scaler = _scaled_sgd(0)
     with _Ops() as ops:
         polyamp_torch.clip_grad_norm_(scaler, opt, 1.0)
     assert ops.counts["_amp_foreach_non_finite_check_and_unscale_"] == 0  # no separate unscale pass
     assert ops.counts["_foreach_norm"] == 1 and ops.counts["_foreach_mul_"] == 1
     # the two-step form, for comparison: a check-and-unscale pass, a norm pass and a multiply
-    model2 = _model()
-    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
-    scaler2 = polyamp.LossScaler(enabled=True)
-    scaler2.scale(torch.nn.functional.mse_loss(model2(x), y)).backward()
+    model2, opt2, scaler2 = _scaled_sgd(0)
     with _Ops() as ops2:
         scaler2.unscale_(opt2)
         torch.nn.utils.clip_grad_norm_(model2.parameters(), 1.0)
@@ -131,11 +134,9 @@ def test_bfloat16_gradients_fold_bit_for_bit() -> None:
 def test_cases_that_cannot_fold_take_the_two_step_path_with_the_same_result() -> None:
     # A norm other than 2 or inf, and torch's own keyword arguments, unscale then clip as two steps.
     for kwargs, norm_type in (({}, 1.0), ({"foreach": False}, 2.0)):
-        model, native_model = _model(), _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = polyamp.LossScaler(enabled=True)
+        model, opt, scaler = _scaled_sgd(1)
+        native_model = _model()
         x, y = _batch(1)
-        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
         norm = polyamp_torch.clip_grad_norm_(scaler, opt, 0.1, norm_type, **kwargs)
         assert scaler.is_unscaled(opt)
         native = torch.amp.GradScaler("cpu")
@@ -148,11 +149,7 @@ def test_cases_that_cannot_fold_take_the_two_step_path_with_the_same_result() ->
 
 
 def test_misuse_of_unscale_and_clip_is_refused_before_anything_changes() -> None:
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = polyamp.LossScaler(enabled=True)
-    x, y = _batch(2)
-    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    model, opt, scaler = _scaled_sgd(2)
     grads = [p.grad.clone() for p in model.parameters()]
     for bad in (0.0, -1.0, math.nan, "1.0", True):
         with pytest.raises(polyamp.PolyampError, match="max_norm"):

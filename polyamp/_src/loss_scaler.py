@@ -93,6 +93,12 @@ def bind_arguments(
     return arguments
 
 
+def _check_norm_bound(name: str, value: object) -> None:
+    """A clipping norm bound: a number > 0 (``inf`` clips nothing)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidConfigError(f"`{name}` must be a number > 0. Received: {describe(value)}.")
+
+
 def _not_compiling() -> bool:
     return False
 
@@ -611,8 +617,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         """
         device = self._styled("unscale_", "imperative", optimizer)
         device.check_optimizer("unscale_", optimizer)
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-            raise InvalidConfigError(f"`max_norm` must be a number > 0. Received: {describe(max_norm)}.")
+        _check_norm_bound("max_norm", max_norm)
         if not self._begin():
             return False, None
         self._require_scaled("unscale_()")
@@ -653,8 +658,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         grads = list(grads)
         device = self._styled("unscale", "tape", grads)
         device.check_gradients("unscale_and_clip", grads)
-        if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or not clip_norm > 0:
-            raise InvalidConfigError(f"`clip_norm` must be a number > 0. Received: {describe(clip_norm)}.")
+        _check_norm_bound("clip_norm", clip_norm)
         fold = None if self._capabilities is None else self._capabilities.unscale_and_clip_values
         if fold is None:
             raise PolyampTypeError(
@@ -662,8 +666,7 @@ class LossScaler(GradScalerSpelling, Pickled):
                 "and clip the gradients it returns."
             )
         if not self._begin():
-            clipped, norm = fold(grads, float(clip_norm), scaled=False)
-            return clipped, norm
+            return fold(grads, float(clip_norm), scaled=False)  # type: ignore[no-any-return]
         self._require_scaled("unscale_and_clip()")
         clipped, norm = fold(grads, float(clip_norm), scaled=True)
         self._iteration.stages.record(grads, clipped, method="unscale_and_clip()")

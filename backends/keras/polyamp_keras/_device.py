@@ -30,6 +30,7 @@ from polyamp_keras._gradients import (
     gradient_counts,
     is_sparse,
     refuse_loss_scale_factor,
+    sparse_values,
     unscale,
 )
 from polyamp_keras._keras import keras
@@ -292,7 +293,7 @@ class KerasDevice:
             not is_sparse(g) and keras.backend.standardize_dtype(g.dtype) == "float32" for g in present
         )
         values = grads if (one_pass or not scaled) else unscale(grads, scale)
-        norm = self._global_norm([_sparse_values(g) for g in values if g is not None])
+        norm = self._global_norm([sparse_values(g) for g in values if g is not None])
         if one_pass:
             norm = ops.divide(norm, scale)
         factor = self._clip_factor(norm, clip_norm)
@@ -669,10 +670,6 @@ def _tf_tensor(value: Any) -> bool:
 def is_tracer(value: Any) -> bool:
     """A JAX tracer: a value of a step being compiled (``jax.jit``), with no value on the host."""
     return type(value).__name__.endswith("Tracer")
-
-
-def _sparse_values(grad: Any) -> Any:
-    return grad.values if is_sparse(grad) and hasattr(grad, "values") else grad
 
 
 def _times(grad: Any, factor: Any) -> Any:

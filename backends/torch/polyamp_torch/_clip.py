@@ -36,11 +36,12 @@ def clip_grad_norm_(scaler: LossScaler, optimizer: Any, max_norm: float, norm_ty
     """
     if not hasattr(optimizer, "param_groups"):
         raise wrong_object_error("torch", "clip_grad_norm_", optimizer, "a torch.optim.Optimizer")
-    if not kwargs and not scaler.is_unscaled(optimizer):
-        folded, total_norm = scaler.unscale_and_clip_(optimizer, max_norm, norm_type)
-        if folded:
-            return torch.tensor(0.0) if total_norm is None else total_norm  # (torch's value without gradients)
-    elif not scaler.is_unscaled(optimizer):
-        scaler.unscale_(optimizer)
+    if not scaler.is_unscaled(optimizer):
+        if kwargs:  # torch's own options: its function clips
+            scaler.unscale_(optimizer)
+        else:
+            folded, total_norm = scaler.unscale_and_clip_(optimizer, max_norm, norm_type)
+            if folded:
+                return torch.tensor(0.0) if total_norm is None else total_norm  # (torch's value without gradients)
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
     return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, **kwargs)

@@ -268,13 +268,11 @@ class TorchDevice:
         return apply(outputs)
 
     def unscale_gradients(self, optimizer: Any) -> torch.Tensor | None:
-        state = self._state_near(optimizer)
-        scale = state.scale
-        inv_scale = scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
+        scale = self._state_near(optimizer).scale
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         flag, bfloat16 = self._check_and_unscale(
             optimizer,
-            inv_scale,
+            _inverse(scale),
             found_inf,
             # A PrecisionOptimizer forms its update in float32 from the unscaled float16 gradients.
             allow_fp16=is_precision_optimizer(optimizer),
@@ -292,12 +290,10 @@ class TorchDevice:
         where the gradients cannot be folded (see `unscale_and_clip_gradients`)."""
         if self._config.checks_unscaled or self._process_group is not None:
             return None
-        state = self._state_near(optimizer)
-        scale = state.scale
-        inv_scale = scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
+        scale = self._state_near(optimizer).scale
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         folded = unscale_and_clip_gradients(
-            optimizer, inv_scale, found_inf, max_norm, norm_type, allow_fp16=is_precision_optimizer(optimizer)
+            optimizer, _inverse(scale), found_inf, max_norm, norm_type, allow_fp16=is_precision_optimizer(optimizer)
         )
         if folded is None:
             return None
@@ -606,3 +602,8 @@ class TorchDevice:
         if self._state is None:
             return torch.zeros((), dtype=torch.int64)
         return self._state.skipped
+
+
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` in float32, as GradScaler computes it (in float64, then rounded; MPS has no float64)."""
+    return scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()

@@ -482,8 +482,11 @@ def _float32_like(tensor: torch.Tensor, sources: list[torch.Tensor], into: list[
 
 def _float32_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """float32 copies of ``tensors``, made by one foreach copy."""
-    copies = [torch.empty_like(tensor, dtype=torch.float32) for tensor in tensors]
-    _copy_all(copies, tensors)
+    sources: list[torch.Tensor] = []
+    copies: list[torch.Tensor] = []
+    for tensor in tensors:
+        _float32_like(tensor, sources, copies)
+    _copy_all(copies, sources)
     return copies
 
 

@@ -115,7 +115,6 @@ def read_checkpoint(
         groups=[{k: v for k, v in saved.items() if k not in ("params", "param_names")} for saved in saved_groups],
         generators=_generators(state_dict.get("polyamp") if isinstance(state_dict, Mapping) else None),
     )
-    seen: set[Any] = set()
     for index, entry in saved_state.items():
         if index not in by_index:
             raise _error(f"'state' has an entry for parameter index {index!r}, which no parameter group lists.")
@@ -129,11 +128,10 @@ def read_checkpoint(
                     f"the parameter's shape {tuple(param.shape)}."
                 )
         loaded.state[param] = _convert_entry(entry, param, group, plan, is_moment, loaded)
-        seen.add(param)
     for group in groups:
         for param in group["params"]:
-            if param not in seen:  # no state saved: what the plan keeps besides the slots starts afresh
-                _convert_entry({}, param, group, plan, is_moment, loaded, into=loaded.state.setdefault(param, {}))
+            if param not in loaded.state:  # no state saved: what the plan keeps besides the slots starts afresh
+                loaded.state[param] = _convert_entry({}, param, group, plan, is_moment, loaded)
     return loaded
 
 
@@ -155,7 +153,6 @@ def _convert_entry(
     plan: Policy,
     is_moment: Any,
     loaded: Loaded,
-    into: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One parameter's saved state under ``plan``, converted as the core's `checkpoint_changes` decides."""
     master = entry.get(MASTER_KEY)
@@ -171,7 +168,7 @@ def _convert_entry(
     for note in changes.notes:
         loaded.note(note)
     state_dtype = TORCH_DTYPES[plan.state_dtype]
-    new: dict[str, Any] = {} if into is None else into
+    new: dict[str, Any] = {}
     for key, value in entry.items():
         if key in (MASTER_KEY, KAHAN_KEY):
             continue
