@@ -687,3 +687,16 @@ def test_sparse_gradients_step_by_the_plan() -> None:
     assert moved.tolist() == [i in (1, 2) for i in range(10)]
     state = opt.state[embedding.weight]
     assert state["exp_avg"].dtype is torch.bfloat16 and state[KAHAN_KEY].dtype is torch.bfloat16
+
+
+def test_a_scalar_parameters_moments_are_slots_too() -> None:
+    # A 0-d parameter's moments are 0-d as well: they follow the state dtype like any other moment; its step
+    # counter does not.
+    scalar = torch.nn.Parameter(torch.tensor(1.5, dtype=torch.bfloat16))
+    opt = PrecisionOptimizer(torch.optim.AdamW([scalar], lr=1e-2), "bfloat16_kahan")
+    scalar.grad = torch.tensor(0.25, dtype=torch.bfloat16)
+    opt.step()
+    state = opt.state[scalar]
+    assert state["exp_avg"].dtype is torch.bfloat16 and state["exp_avg_sq"].dtype is torch.bfloat16
+    assert state["step"].dtype is torch.float32
+    assert measure_state_bytes(opt).per_parameter == 10

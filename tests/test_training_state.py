@@ -185,3 +185,16 @@ def test_hazard_message() -> None:
     assert unplanned_hazard_message("AdamW", ["bfloat16"], Policy("bfloat16_kahan")) is None
     assert unplanned_hazard_message("AdamW", ["bfloat16"], Policy("bfloat16_float32_master")) is None
     assert unplanned_hazard_message("AdamW", ["float32"], Policy("bfloat16")) is None
+
+
+def test_what_counts_as_a_slot() -> None:
+    from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, is_state_slot
+
+    assert is_state_slot(floating=True, ndim=2, key="exp_avg")
+    assert is_state_slot(floating=True, ndim=2, key="row_var")  # any shape: Adafactor's factored statistics
+    assert not is_state_slot(floating=True, ndim=0, key="lr")  # an injected hyperparameter
+    assert is_state_slot(floating=True, ndim=0, key="exp_avg", param_ndim=0)  # a scalar parameter's moment
+    assert not is_state_slot(floating=True, ndim=0, key="step", param_ndim=0)  # its counter
+    assert not is_state_slot(floating=False, ndim=2, key="max_exp_avg_sq_index")
+    assert not is_state_slot(floating=True, ndim=2, key=MASTER_KEY)
+    assert not is_state_slot(floating=True, ndim=2, key=KAHAN_KEY)

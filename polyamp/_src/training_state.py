@@ -61,11 +61,14 @@ KAHAN_KEY: Final = "polyamp_compensation"
 COUNTER_KEYS: Final = frozenset({"step", "count", "iterations"})
 
 
-def is_state_slot(*, floating: bool, ndim: int, key: str | None = None) -> bool:
+def is_state_slot(*, floating: bool, ndim: int, key: str | None = None, param_ndim: int | None = None) -> bool:
     """Whether an optimizer-state entry is a slot, kept in the plan's ``state_dtype``: a floating array with at
-    least one dimension (Adam's moments, a momentum buffer, Adafactor's factored row and column statistics).
-    Scalars, step counters and a precision optimizer's own master copies and compensation buffers are not."""
-    return floating and ndim >= 1 and key not in COUNTER_KEYS and key not in (MASTER_KEY, KAHAN_KEY)
+    least one dimension (Adam's moments, a momentum buffer, Adafactor's factored row and column statistics), or
+    any floating entry of a scalar parameter (``param_ndim == 0``: its moments are scalars too). Other scalars,
+    step counters and a precision optimizer's own master copies and compensation buffers are not."""
+    return (
+        floating and (ndim >= 1 or param_ndim == 0) and key not in COUNTER_KEYS and key not in (MASTER_KEY, KAHAN_KEY)
+    )
 
 
 class CheckpointChanges(NamedTuple):

@@ -346,7 +346,9 @@ class PrecisionOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
         for entry in entries:
             for slot_key in entry.slot_keys:
                 floating = is_state_slot(
-                    floating=keras.backend.is_float_dtype(slot_key.dtype), ndim=len(slot_key.shape)
+                    floating=keras.backend.is_float_dtype(slot_key.dtype),
+                    ndim=len(slot_key.shape),
+                    param_ndim=len(entry.variable.shape),
                 )
                 entry.slots.append(
                     self.add_variable(
@@ -594,10 +596,10 @@ class PrecisionOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
             weights=low[0].dtype if low else "float32",
             saved_master="float32" if kind == "master" else None,
             saved_compensation=str(saved_extra[0].dtype) if kind == "compensation" else None,
-            saved_slots=[
+            saved_slots=[  # the slots kept in the state dtype (is_state_slot when they were made)
                 dtype
                 for slot, dtype in zip(slots, saved_dtypes, strict=True)
-                if keras.backend.is_float_dtype(_dtype(slot))
+                if _dtype(slot) == self._policy.state_dtype
             ],
         )
         slot_values = []

@@ -54,7 +54,7 @@ def is_moment(key: str, value: object, param: torch.Tensor) -> bool:
     momentum_buffer, Adafactor's row_var/col_var, ...). Step counters and other scalars stay as the inner
     optimizer keeps them. ``param`` is the parameter the entry belongs to."""
     return isinstance(value, torch.Tensor) and is_state_slot(
-        floating=value.is_floating_point(), ndim=value.ndim, key=key
+        floating=value.is_floating_point(), ndim=value.ndim, key=key, param_ndim=param.ndim
     )
 
 
