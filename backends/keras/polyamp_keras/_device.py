@@ -16,8 +16,9 @@ Two ways to hold the state:
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,7 @@ from polyamp_keras._keras import keras
 from polyamp_keras._rule import ScaleState, advance, advance_on_flag, counter_dtype, device_cond, read_scalar
 from polyamp_keras._spikes import SpikeWindow, grad_norm, loss_statistic
 
-__all__ = ["KerasDevice"]
+__all__ = ["KerasDevice", "clipping_folded", "folded_clip_norm"]
 
 ops = keras.ops
 
@@ -286,9 +287,13 @@ class KerasDevice:
         and each gradient is multiplied once by factor / scale. Other dtypes and sparse gradients are divided
         first, then clipped, as two steps.
         """
+        return self.unscale_and_clip_by(grads, self.scale_value() if scaled else None, clip_norm)
+
+    def unscale_and_clip_by(self, grads: Sequence[Any], scale: Any, clip_norm: float) -> tuple[list[Any], Any]:
+        """`unscale_and_clip_values` by ``scale`` (a value; None: the gradients are not scaled)."""
         grads = list(grads)
         present = [g for g in grads if g is not None]
-        scale = self.scale_value() if scaled else None
+        scaled = scale is not None
         one_pass = scaled and all(
             not is_sparse(g) and keras.backend.standardize_dtype(g.dtype) == "float32" for g in present
         )
@@ -318,12 +323,18 @@ class KerasDevice:
         variables = list(variables)
         if not optimizer.built:  # variables cannot be created inside the cond below
             optimizer.build(variables)
+        clip_norm = None if unscaled else folded_clip_norm(optimizer, grads, variables)
         if unscaled:
             unscaled_grads = list(grads)
+        elif clip_norm is not None:
+            # The optimizer's global-norm clip folded into the unscale: one multiply per gradient, and the norm
+            # says whether all are finite (it is inf or NaN when one is, or when their squares overflow).
+            scaled_grads = list(grads)
+            unscaled_grads, norm = self.unscale_and_clip_by(scaled_grads, state.scale, clip_norm)
         else:
             keep = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
             unscaled_grads = unscale(grads, state.scale, keep)
-        finite = all_replicas_finite(all_finite(unscaled_grads))
+        finite = ops.isfinite(norm) if clip_norm is not None else all_replicas_finite(all_finite(unscaled_grads))
         go = finite if veto is None else ops.logical_and(finite, ops.logical_not(ops.greater(veto, 0)))
         tf = _tensorflow()
         context = None if tf is None or not tf.distribute.has_strategy() else tf.distribute.get_replica_context()
@@ -334,16 +345,17 @@ class KerasDevice:
         else:
 
             def apply() -> Any:
-                optimizer.apply(unscaled_grads, variables)
+                with clipping_folded(optimizer, clip_norm is not None):
+                    optimizer.apply(unscaled_grads, variables)
                 return ops.convert_to_tensor(True)
 
             def skip() -> Any:
+                # Which gradients were inf or NaN, for the records (a folded clip made them all NaN).
+                named = unscaled_grads if clip_norm is None else unscale(scaled_grads, state.scale)
                 if veto is None:
-                    self._count_non_finite(unscaled_grads, variables)
+                    self._count_non_finite(named, variables)
                 else:  # a spike skips with finite gradients: count only when they are not
-                    device_cond(
-                        finite, lambda: ops.convert_to_tensor(False), lambda: self._counted(unscaled_grads, variables)
-                    )
+                    device_cond(finite, lambda: ops.convert_to_tensor(False), lambda: self._counted(named, variables))
                 return ops.convert_to_tensor(False)
 
             taken = _host_value(go)
@@ -670,6 +682,48 @@ def _tf_tensor(value: Any) -> bool:
 def is_tracer(value: Any) -> bool:
     """A JAX tracer: a value of a step being compiled (``jax.jit``), with no value on the host."""
     return type(value).__name__.endswith("Tracer")
+
+
+def folded_clip_norm(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> float | None:
+    """The inner optimizer's ``global_clipnorm`` when the unscale can apply it in the same multiply, else None.
+
+    Folded: a Keras optimizer that clips by global norm in its own `_clip_gradients` (no subclass override, no
+    gradient accumulation, which clips the accumulated sum), dense float32 gradients, no variable overwritten
+    with its gradient, no ``tf.distribute`` strategy (its optimizer aggregates across replicas first). The
+    values are then those of Keras's ``clip_by_global_norm`` after the division, bit for bit for a
+    power-of-two scale; anything else is unscaled and left to the optimizer, as before.
+    """
+    clip_norm = getattr(optimizer, "global_clipnorm", None)
+    if not clip_norm or clip_norm <= 0 or getattr(optimizer, "clipnorm", None) or getattr(optimizer, "clipvalue", None):
+        return None
+    if not isinstance(optimizer, keras.optimizers.Optimizer) or getattr(optimizer, "gradient_accumulation_steps", None):
+        return None
+    if type(optimizer)._clip_gradients is not keras.optimizers.Optimizer._clip_gradients:
+        return None
+    if any(getattr(v, "overwrite_with_gradient", False) for v in variables):
+        return None
+    present = [g for g in grads if g is not None]
+    if not present or any(is_sparse(g) or keras.backend.standardize_dtype(g.dtype) != "float32" for g in present):
+        return None
+    tf = _tensorflow()
+    if tf is not None and tf.distribute.has_strategy():
+        return None
+    return float(clip_norm)
+
+
+@contextlib.contextmanager
+def clipping_folded(optimizer: Any, folded: bool) -> Iterator[None]:
+    """While open, ``optimizer`` does not clip (its ``global_clipnorm`` is None) when ``folded``: the unscale
+    has. The setting is back when it closes."""
+    if not folded:
+        yield
+        return
+    saved = optimizer.global_clipnorm
+    optimizer.global_clipnorm = None
+    try:
+        yield
+    finally:
+        optimizer.global_clipnorm = saved
 
 
 def _times(grad: Any, factor: Any) -> Any:

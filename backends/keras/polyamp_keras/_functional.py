@@ -113,6 +113,12 @@ class KerasFunctional:
         unscaled = unscale(list(grads), tree["scale"], self._keep)
         return unscaled, self.check(tree, unscaled)
 
+    def unscale_and_clip(self, tree: Mapping[str, Any], grads: Any, clip_norm: float) -> tuple[Any, Any]:
+        """Unscaled and clipped by global norm in one multiply (`KerasDevice.unscale_and_clip_by`), and the
+        flag: set when the norm is inf or NaN (a gradient is, or their squares overflow)."""
+        clipped, norm = self._device.unscale_and_clip_by(list(grads), tree["scale"], clip_norm)
+        return clipped, ops.cast(ops.logical_not(ops.isfinite(norm)), "float32")
+
     def update(self, tree: Mapping[str, Any], found_inf: Any) -> dict[str, Any]:
         variables = self.scale_variables()
         pairs = self._pairs(variables, tree)

@@ -34,9 +34,9 @@ from polyamp.backend_api import (
     describe,
     detect_backend,
 )
-from polyamp_keras._device import KerasDevice, is_tracer
+from polyamp_keras._device import KerasDevice, clipping_folded, folded_clip_norm, is_tracer
 from polyamp_keras._functional import KerasFunctional
-from polyamp_keras._gradients import gradient_counts, refuse_loss_scale_factor
+from polyamp_keras._gradients import gradient_counts, refuse_loss_scale_factor, unscale
 from polyamp_keras._keras import keras
 from polyamp_keras._rule import read_scalar
 
@@ -505,7 +505,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             new_trainable, new_inner = self.inner_optimizer.stateless_apply(inner_values, grads, trainable)
             state = fn.update(state, None)
             return list(new_trainable), self._own_values(device, state, values, None, grads) + list(new_inner)
-        if mode == "scaling" and not unscaled:
+        clip_norm = None
+        if mode == "scaling" and not unscaled and self._scaler.spike is None:  # a rule watches unclipped norms
+            clip_norm = folded_clip_norm(self.inner_optimizer, grads, self._trainable_variables)
+        scaled_grads, scale = grads, None
+        if clip_norm is not None:  # the inner optimizer's global-norm clip, in the unscale's multiply
+            scale = state["scaler"]["scale"]
+            grads, found_inf = device.unscale_and_clip(state["scaler"], grads, clip_norm)
+        elif mode == "scaling" and not unscaled:
             grads, found_inf = fn.unscale(state, grads)
         else:
             found_inf = device.check(state["scaler"], grads)
@@ -522,13 +529,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             # The inner step runs only when the step is applied: a skipped step costs no update and no select
             # over every parameter and slot, and an inner step that writes into the arrays it is given (Keras's
             # torch optimizers update in place) leaves a skipped step's arrays alone.
-            new_trainable, new_inner = ops.cond(
-                ops.logical_not(ops.greater(skipped, 0)),
-                lambda: _listed(self.inner_optimizer.stateless_apply(inner_values, grads, trainable)),
-                lambda: (list(trainable), list(inner_values)),
-            )
+            with clipping_folded(self.inner_optimizer, clip_norm is not None):
+                new_trainable, new_inner = ops.cond(
+                    ops.logical_not(ops.greater(skipped, 0)),
+                    lambda: _listed(self.inner_optimizer.stateless_apply(inner_values, grads, trainable)),
+                    lambda: (list(trainable), list(inner_values)),
+                )
         state = fn.update(state, found_inf, spike=spike)
-        return list(new_trainable), self._own_values(device, state, values, skipped, grads, found_inf) + list(new_inner)
+        named = (grads, None) if scale is None else (scaled_grads, scale)  # provenance: which were not finite
+        own_values = self._own_values(device, state, values, skipped, named[0], found_inf, named[1])
+        return list(new_trainable), own_values + list(new_inner)
 
     def _functional_form(self, mode: str) -> FunctionalLossScaler:
         """The functional form of this optimizer's scaler for iterations of ``mode``, over its variables."""
@@ -569,9 +579,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         skipped: Any,
         grads: list[Any],
         found_inf: Any = None,
+        scale: Any = None,
     ) -> list[Any]:
         """This optimizer's own variables' new values: the functional state's, the last step's outcome, and a
-        skipped step's non-finite counts (computed only in the branch that skips)."""
+        skipped step's non-finite counts (computed only in the branch that skips; of ``grads`` divided by
+        ``scale`` when it is given)."""
         new = dict(values)
         for part, variables in (
             ("scaler", device.scale_variables()),
@@ -590,7 +602,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             ring = device.ring_variables()
             index = values[id(ring["count"])] if ring is not None else old_at
             overflow = ops.greater(found_inf, 0)
-            new[id(counts)] = ops.cond(overflow, lambda: gradient_counts(grads), lambda: old_counts)
+
+            def named() -> list[Any]:
+                return grads if scale is None else unscale(grads, scale)
+
+            new[id(counts)] = ops.cond(overflow, lambda: gradient_counts(named()), lambda: old_counts)
             new[id(at)] = ops.where(overflow, ops.cast(index, "int32"), old_at)
         return [new[id(variable)] for variable in self._variables]
 

@@ -24,7 +24,7 @@ device form is made of it) and what `polyamp_keras.LossScaleOptimizer` runs:
 
 from __future__ import annotations
 
-from polyamp_keras._device import KerasDevice
+from polyamp_keras._device import KerasDevice, clipping_folded, folded_clip_norm
 from polyamp_keras._functional import KerasFunctional
 from polyamp_keras._gradients import (
     all_finite,
@@ -48,8 +48,10 @@ __all__ = [
     "advance_on_flag",
     "all_finite",
     "all_replicas_finite",
+    "clipping_folded",
     "counter_dtype",
     "device_cond",
+    "folded_clip_norm",
     "grad_norm",
     "gradient_counts",
     "is_sparse",
