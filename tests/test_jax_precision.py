@@ -305,12 +305,24 @@ def test_a_flax_train_state_steps_through_precision_as_by_hand() -> None:
     assert _bits((ts.params, ts.opt_state)) == _bits(by_hand)
 
 
+def _as_pure(nnx: Any, tree: Any) -> Any:
+    """``nnx.as_pure`` (Flax 0.12.1 and newer): the arrays of a tree of NNX variables."""
+    if hasattr(nnx, "as_pure"):
+        return nnx.as_pure(tree)
+    is_variable = (nnx.Variable, getattr(nnx, "VariableState", nnx.Variable))
+    return jax.tree.map(
+        lambda leaf: leaf.value if isinstance(leaf, is_variable) else leaf,
+        tree,
+        is_leaf=lambda leaf: isinstance(leaf, is_variable),
+    )
+
+
 def test_an_nnx_optimizer_steps_through_precision_as_by_hand() -> None:
     nnx = pytest.importorskip("flax.nnx")
     model = nnx.Linear(8, 4, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     tx = polyamp_jax.precision(optax.adamw(1e-2), "bfloat16_stochastic")
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    params = _as_pure(nnx, nnx.state(model, nnx.Param))
     by_hand = (params, tx.init(params))
 
     def loss(m: Any, x: Any) -> Any:
@@ -319,11 +331,11 @@ def test_an_nnx_optimizer_steps_through_precision_as_by_hand() -> None:
     for i in range(3):
         grads = nnx.grad(loss)(model, _batch(i))
         optimizer.update(model, grads)
-        pure = nnx.as_pure(nnx.state(grads, nnx.Param))
+        pure = _as_pure(nnx, nnx.state(grads, nnx.Param))
         updates, state = tx.update(pure, by_hand[1], by_hand[0])
         by_hand = (optax.apply_updates(by_hand[0], updates), state)
-    assert _bits(nnx.as_pure(nnx.state(model, nnx.Param))) == _bits(by_hand[0])
-    assert _bits(nnx.as_pure(optimizer.opt_state)) == _bits(by_hand[1])
+    assert _bits(_as_pure(nnx, nnx.state(model, nnx.Param))) == _bits(by_hand[0])
+    assert _bits(_as_pure(nnx, optimizer.opt_state)) == _bits(by_hand[1])
 
 
 def test_the_hazard_warns_once_per_transformation_and_not_under_a_plan() -> None:
