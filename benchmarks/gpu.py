@@ -33,6 +33,7 @@ import polyamp
 import polyamp_torch
 from benchmarks import _common
 
+_CUDA = torch.cuda.is_available()  # (capturable optimizers run on CUDA only; --quick on a CPU drops it)
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "SGD momentum (for-loop)": lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9, foreach=False),
     "SGD momentum (foreach)": lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9, foreach=True),
@@ -40,7 +41,9 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "Adam (for-loop)": lambda p: torch.optim.Adam(p, lr=1e-4, foreach=False),
     "Adam (foreach)": lambda p: torch.optim.Adam(p, lr=1e-4, foreach=True),
     "Adam fused": lambda p: torch.optim.Adam(p, lr=1e-4, fused=True),
+    "Adam (foreach, capturable)": lambda p: torch.optim.Adam(p, lr=1e-4, foreach=True, capturable=_CUDA),
     "AdamW (foreach)": lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=True),
+    "AdamW (for-loop, capturable)": lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=False, capturable=_CUDA),
     "AdamW fused": lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True),
 }
 
@@ -78,14 +81,15 @@ def _train_step(
 
 
 def _scaler_and_region(kind: str, device: str, dtype: str = "float16") -> tuple[Any, Callable[[], Any]]:
-    """GradScaler + torch.autocast, or polyamp's LossScaler() + autocast for the matching policy."""
+    """GradScaler + torch.autocast, or polyamp's LossScaler() (``"polyamp-device"``: with
+    ``skip_on_device=True``) + autocast for the matching policy."""
     torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     if kind == "native":
         scaler = torch.amp.GradScaler(device, enabled=dtype == "float16")
         return scaler, lambda: torch.autocast(device, dtype=torch_dtype)
     policy = "mixed_float16" if dtype == "float16" else "mixed_bfloat16"
     with polyamp.policy_scope(policy):  # LossScaler() scales under mixed_float16, not under mixed_bfloat16
-        ours = polyamp.LossScaler(backend="torch")
+        ours = polyamp.LossScaler(backend="torch", skip_on_device=kind == "polyamp-device")
     return ours, lambda: polyamp_torch.autocast(policy, device_type=device)
 
 
@@ -99,14 +103,21 @@ def syncs(args: argparse.Namespace) -> dict[str, Any]:
     tables = []
     raw: dict[str, dict[str, dict[str, float | None]]] = {}
     for dtype, columns in (
-        ("float16", ["GradScaler syncs/step", "polyamp syncs/step"]),
-        ("bfloat16", ["plain torch (GradScaler off) syncs/step", "polyamp guard syncs/step"]),
+        ("float16", ["GradScaler syncs/step", "polyamp syncs/step", "polyamp skip_on_device syncs/step"]),
+        (
+            "bfloat16",
+            [
+                "plain torch (GradScaler off) syncs/step",
+                "polyamp guard syncs/step",
+                "polyamp guard, skip_on_device syncs/step",
+            ],
+        ),
     ):
         rows = []
         raw[dtype] = {}
         for name, make in OPTIMIZERS.items():
             counts: dict[str, float | None] = {}
-            for kind in ("native", "polyamp"):
+            for kind in ("native", "polyamp", "polyamp-device"):
                 model = _mlp(size, 3, device)
                 opt = make(model.parameters())
                 scaler, region = _scaler_and_region(kind, device, dtype)
@@ -140,6 +151,9 @@ def syncs(args: argparse.Namespace) -> dict[str, Any]:
             "Counted: warnings torch emits for synchronising calls in 'warn' sync-debug mode.",
             "bfloat16: the guard reads its found-inf flag to the host with a non-fused optimizer (to decide the "
             "step, as GradScaler does under float16) and never with a fused one, which skips on the device.",
+            "skip_on_device: LossScaler(skip_on_device=True) steps a non-fused SGD, Adam or AdamW and restores a "
+            "skipped step on the device; Adam and AdamW without capturable=True keep their step counts on the "
+            "CPU, so their steps are still decided on the host.",
         ],
         raw=raw,
     )

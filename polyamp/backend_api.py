@@ -16,8 +16,9 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
   `CompilingDevice` / `UncompiledDevice` (a compiler traces the step), `ReplicaDevice` (one step per replica),
   `ProcessGroupDevice` (flags reduced over a process group), `Float16HintDevice` / `Float16ProbeDevice`
   (float16 computation outside polyamp's policy), `UnscaledLossWarningDevice` (the iteration rule warns
-  instead of raising, in loops of the framework's own) and `OwnScalingDevice` (optimizers that scale by
-  themselves).
+  instead of raising, in loops of the framework's own), `OwnScalingDevice` (optimizers that scale by
+  themselves), `ClippingDevice` / `TapeClippingDevice` (clipping folded into the unscale) and
+  `DeviceSkippingDevice` (a step that is not fused, skipped on the device: ``skip_on_device=True``).
   The core reads which ones a device implements once, at binding (`DeviceCapabilities`);
 * optionally a conformance harness (see `polyamp.conformance.Harness`) named in the spec;
 * optionally a tensor reader for `polyamp.check_hazards` named in the spec (``tensor_reader``), which checks
@@ -41,6 +42,7 @@ from polyamp._src.backend import (
     Backend,
     ClippingDevice,
     CompilingDevice,
+    DeviceSkippingDevice,
     Flag,
     Float16HintDevice,
     Float16ProbeDevice,
@@ -176,6 +178,7 @@ __all__ = [
     "ClippingDevice",
     "CompilingDevice",
     "DeviceCapabilities",
+    "DeviceSkippingDevice",
     "Flag",
     "Float16HintDevice",
     "Float16ProbeDevice",

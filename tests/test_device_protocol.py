@@ -31,6 +31,7 @@ DEVICE_PROTOCOLS = (
     api.ImperativeGuardingDevice,
     api.ClippingDevice,
     api.TapeClippingDevice,
+    api.DeviceSkippingDevice,
     api.ProvenanceDevice,
     api.ImperativeProvenanceDevice,
     api.SpikeDevice,
@@ -123,9 +124,10 @@ def test_the_signature_is_derived_from_the_constructor() -> None:
         for name, p in inspect.signature(polyamp.LossScaler.__init__).parameters.items()
         if p.kind is inspect.Parameter.KEYWORD_ONLY
     ]
-    assert own == ["enabled", "backend", "guard", "on_min_scale", "history", "spike", "process_group"]
+    assert own == ["enabled", "backend", "guard", "on_min_scale", "history", "spike", "process_group", "skip_on_device"]
     assert list(parameters)[-len(own) :] == own
     assert parameters["spike"].default is None and parameters["history"].default == 256
+    assert parameters["skip_on_device"].default is False
     assert set(polyamp.LossScaleConfig.setting_names()) <= set(parameters)
 
 

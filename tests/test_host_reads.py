@@ -20,6 +20,8 @@ torch = pytest.importorskip("torch")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+import polyamp_torch  # noqa: E402
+
 
 class _ScalarReads(TorchDispatchMode):
     def __init__(self) -> None:
@@ -32,19 +34,31 @@ class _ScalarReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _reads_per_step(variant: str, optimizer: str, policy: str, *, inf_at: int | None = None) -> float:
+def _optimizer(name: str, params: Any) -> Any:
+    """``sgd``, ``adam``, ``adamw``, optionally ``_foreach`` or ``_fused`` (torch's CPU default is the for-loop)."""
+    kind, _, form = name.partition("_")
+    forms = {"foreach": {"foreach": True}, "fused": {"fused": True}, "": {}}[form]
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9, **forms)
+    return {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind](params, lr=1e-3, **forms)
+
+
+def _reads_per_step(
+    variant: str,
+    optimizer: str,
+    policy: str,
+    *,
+    inf_at: int | None = None,
+    clip: bool = False,
+    **scaler_options: Any,
+) -> float:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
-    params = model.parameters()
-    opt = (
-        torch.optim.SGD(params, lr=0.01, momentum=0.9)
-        if optimizer == "sgd"
-        else torch.optim.Adam(params, lr=1e-3, fused=optimizer == "adam_fused")
-    )
+    opt = _optimizer(optimizer, model.parameters())
     dtype = torch.float16 if policy == "mixed_float16" else torch.bfloat16
     scaler: Any = None
     if variant == "polyamp":
-        scaler = polyamp.LossScaler()
+        scaler = polyamp.LossScaler(**scaler_options)
     elif policy == "mixed_float16":
         scaler = torch.amp.GradScaler("cpu")
     x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
@@ -61,6 +75,8 @@ def _reads_per_step(variant: str, optimizer: str, policy: str, *, inf_at: int | 
         scaler.scale(loss).backward()
         if index == inf_at:
             model[0].bias.grad[0] = math.inf
+        if clip:
+            polyamp_torch.clip_grad_norm_(scaler, opt, 1.0)
         scaler.step(opt)
         scaler.update()
 
@@ -94,3 +110,25 @@ def test_the_guard_reads_once_per_step_and_never_with_a_fused_optimizer(optimize
 def test_a_skipped_fused_step_adds_no_read_either() -> None:
     """An overflow decided on the device: the skip itself costs no read (the records are read in batches)."""
     assert _reads_per_step("polyamp", "adam_fused", "mixed_float16", inf_at=12) == 0.0
+
+
+MASKABLE = ["sgd", "sgd_foreach", "adam", "adam_foreach", "adamw", "adamw_foreach"]
+
+
+@pytest.mark.parametrize("optimizer", [*MASKABLE, "adam_fused", "adamw_fused"])
+@pytest.mark.parametrize("inf_at", [None, 12])
+def test_skipping_on_the_device_reads_nothing_beyond_the_optimizer(optimizer: str, inf_at: int | None) -> None:
+    """``skip_on_device=True``: SGD, Adam and AdamW in every form make no read beyond the optimizer's own (the
+    for-loop Adam and AdamW read their step counts on the CPU, with or without a scaler), skipped step or not."""
+    plain = _reads_per_step("native", optimizer, "mixed_bfloat16")
+    assert _reads_per_step("polyamp", optimizer, "mixed_float16", inf_at=inf_at, skip_on_device=True) == plain
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_foreach", "adam", "adamw_foreach", "adamw_fused"])
+def test_skipping_on_the_device_with_guard_spikes_and_clipping_reads_nothing_more(optimizer: str) -> None:
+    """The guard (bfloat16), the spike rule, records and folded clipping on: still no read of polyamp's own."""
+    plain = _reads_per_step("native", optimizer, "mixed_bfloat16")
+    spike = polyamp.SpikeRule("grad_norm", window=4)
+    for policy in ("mixed_bfloat16", "mixed_float16"):
+        reads = _reads_per_step("polyamp", optimizer, policy, clip=True, spike=spike, skip_on_device=True)
+        assert reads == plain, policy

@@ -17,7 +17,9 @@ import polyamp_torch  # noqa: E402
 POLYAMP_DIRS = (Path(polyamp.__file__).parent, Path(polyamp_torch.__file__).parent)
 
 
-def make_step(fused: bool, norm: bool = False, native: bool = False, clip: bool = False) -> tuple[Any, Any, Any]:
+def make_step(
+    fused: bool, norm: bool = False, native: bool = False, clip: bool = False, on_device: bool = False
+) -> tuple[Any, Any, Any]:
     torch.manual_seed(0)
     middle = torch.nn.LayerNorm(16) if norm else torch.nn.ReLU()
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), middle, torch.nn.Linear(16, 4))
@@ -26,7 +28,7 @@ def make_step(fused: bool, norm: bool = False, native: bool = False, clip: bool 
         scaler: Any = torch.amp.GradScaler("cpu", growth_interval=2)
         region: Any = lambda: torch.autocast("cpu", dtype=torch.float16)  # noqa: E731
     else:
-        scaler = polyamp_torch.TorchLossScaler(growth_interval=2)
+        scaler = polyamp_torch.TorchLossScaler(growth_interval=2, skip_on_device=on_device)
         region = lambda: polyamp_torch.autocast(device_type="cpu")  # noqa: E731
 
     def step(x: torch.Tensor, y: torch.Tensor, overflow: bool) -> torch.Tensor:
@@ -80,27 +82,31 @@ def test_compiled_train_step_equals_compiled_native(fused: bool, clip: bool) -> 
 
 _HOST_DECIDED = pytest.mark.xfail(
     strict=True,
-    reason="a non-fused optimizer's step is decided on the host (found_inf.item(), the read GradScaler makes "
-    "too); after an explicit unscale (here the folded clipping) that read breaks the graph. A device-side skip "
-    "for non-fused optimizers is not built yet.",
+    reason="a non-fused optimizer's step is decided on the host by default (found_inf.item(), the read "
+    "GradScaler makes too); after an explicit unscale (here the folded clipping) that read breaks the graph. "
+    "skip_on_device=True (the on_device cases) decides it on the device.",
 )
+TORCH_OPTIM = Path(torch.optim.__file__).parent
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["fresh_scaler", "after_an_eager_step"])
 @pytest.mark.parametrize(
-    ("fused", "clip"),
+    ("fused", "clip", "on_device"),
     [
-        pytest.param(False, False, id="adam"),
-        pytest.param(True, False, id="fused_adam"),
-        pytest.param(False, True, id="adam-clipped", marks=_HOST_DECIDED),
-        pytest.param(True, True, id="fused_adam-clipped"),
+        pytest.param(False, False, False, id="adam"),
+        pytest.param(True, False, False, id="fused_adam"),
+        pytest.param(False, True, False, id="adam-clipped", marks=_HOST_DECIDED),
+        pytest.param(True, True, False, id="fused_adam-clipped"),
+        pytest.param(False, True, True, id="adam-clipped-on_device"),
+        pytest.param(False, False, True, id="adam-on_device"),
     ],
 )
-def test_no_graph_break_comes_from_polyamp(fused: bool, clip: bool, warm: bool) -> None:
+def test_no_graph_break_comes_from_polyamp(fused: bool, clip: bool, on_device: bool, warm: bool) -> None:
     """From a scaler that never ran (the first call is compiled) and from one whose state exists, as in a
-    running loop; with the clipping folded into the unscale too."""
+    running loop; with the clipping folded into the unscale too, and with non-fused steps skipped on the device.
+    Breaks inside torch.optim (its step's own ``graph_break``, the same without a scaler) are torch's."""
     polyamp.set_policy("mixed_float16")
-    step, _, _ = make_step(fused, norm=True, clip=clip)
+    step, _, _ = make_step(fused, norm=True, clip=clip, on_device=on_device)
     x, y = DATA[0]
     if warm:
         step(x, y, False)
@@ -108,11 +114,34 @@ def test_no_graph_break_comes_from_polyamp(fused: bool, clip: bool, warm: bool) 
     explanation = dynamo.explain(step)(x, y, False)
     ours = []
     for reason in explanation.break_reasons:
+        if reason.user_stack and Path(reason.user_stack[-1].filename).is_relative_to(TORCH_OPTIM):
+            continue  # torch.optim's own
         frames = [f for f in reason.user_stack if any(Path(f.filename).is_relative_to(d) for d in POLYAMP_DIRS)]
         # The one allowed: the call around torch's Optimizer.step, which torch itself breaks (pytorch#104053).
         if frames and not (frames[-1].name == "step" and "_fused_step" in str(reason.reason)):
             ours.append((str(reason.reason).splitlines()[0], frames[-1].filename, frames[-1].lineno))
     assert ours == []
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["", "clipped"])
+def test_a_compiled_step_skipped_on_the_device_equals_compiled_native(clip: bool) -> None:
+    """``skip_on_device=True`` under torch.compile: the same parameters and scales as GradScaler's compiled
+    step, overflows skipped."""
+    polyamp.set_policy("mixed_float16")
+    runs = []
+    for native in (True, False):
+        step, model, scaler = make_step(False, native=native, clip=clip, on_device=True)
+        dynamo.reset()
+        compiled = torch.compile(step, backend="eager")
+        scales = []
+        for (x, y), overflow in zip(DATA, PATTERN, strict=True):
+            compiled(x, y, overflow)
+            scales.append(scaler.get_scale())
+        runs.append((model, scales))
+    (native_model, native_scales), (our_model, our_scales) = runs
+    assert our_scales == native_scales
+    for a, b in zip(native_model.parameters(), our_model.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_compiled_region_follows_the_policy_and_recompiles_when_it_changes() -> None:
@@ -212,3 +241,44 @@ def test_a_compiled_bfloat16_loop_guards_with_bounded_recompiles(fused: bool) ->
     eager = _guarded_bfloat16_run(fused, compiled=False)
     assert _guarded_bfloat16_run(fused, compiled=True) == eager
     assert [record[0] for record in eager[0] if record[1]] == [3, 10, 17, 24] and eager[1] == 4
+
+
+@pytest.mark.parametrize(
+    ("fused", "clip"),
+    [(False, False), (False, True), (True, False), (True, True)],
+    ids=["adam", "adam-clipped", "fused_adam", "fused_adam-clipped"],
+)
+def test_a_hundred_compiled_steps_with_overflows_recompile_nothing(fused: bool, clip: bool) -> None:
+    """Past the first two calls (the scaler's and the optimizer's state made), 100 compiled steps, every 7th
+    poisoned through the data (no Python branch), compile nothing new, and each poisoned step is skipped."""
+    polyamp.set_policy("mixed_float16")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, **({"fused": True} if fused else {"foreach": True}))
+    scaler = polyamp_torch.TorchLossScaler(growth_interval=3, skip_on_device=True)
+
+    def step(x: torch.Tensor, y: torch.Tensor, poison: torch.Tensor) -> torch.Tensor:
+        with polyamp_torch.autocast(device_type="cpu"):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        model[0].weight.grad[0, 0] += poison
+        if clip:
+            polyamp_torch.clip_grad_norm_(scaler, opt, 0.5)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    dynamo.reset()
+    compiled = torch.compile(step, backend="eager")
+    x, y = DATA[0]
+    clean = torch.tensor(0.0)
+    compiled(x, y, clean)
+    compiled(x, y, clean)
+    with dynamo.config.patch(error_on_recompile=True):
+        for index in range(100):
+            compiled(x, y, torch.tensor(math.inf if index % 7 == 3 else 0.0))
+    skipped = {r.iteration - 2 for r in scaler.records() if r.skipped}
+    poisoned = {i for i in range(100) if i % 7 == 3}
+    assert poisoned <= skipped  # (with the scale growing every 3 steps, float16 overflows by itself too)
+    assert all(r.reason == "overflow" for r in scaler.records() if r.skipped)

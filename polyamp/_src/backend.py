@@ -26,7 +26,9 @@ from polyamp._src.scaling import LossScaleConfig, LossScaleState
 
 __all__ = [
     "Backend",
+    "ClippingDevice",
     "CompilingDevice",
+    "DeviceSkippingDevice",
     "Flag",
     "Float16HintDevice",
     "Float16ProbeDevice",
@@ -217,6 +219,20 @@ class TapeClippingDevice(Protocol):
         """``grads`` (None entries stay None) divided by the scale when ``scaled``, and clipped to a global norm of
         ``clip_norm``, in one multiply; and their global norm after the unscale. As ``tf.clip_by_global_norm``,
         a non-finite norm makes every value NaN (the step then skips)."""
+        ...
+
+
+@runtime_checkable
+class DeviceSkippingDevice(Protocol):
+    """Optional, imperative devices: a step that is not fused, taken or skipped without the host reading the
+    flag (``LossScaler(skip_on_device=True)``)."""
+
+    def step_on_device(
+        self, optimizer: Any, found_inf: Flag, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> StepOutcome | None:
+        """Run ``optimizer.step(*args, **kwargs)`` and keep the parameters and optimizer state it had wherever
+        ``found_inf`` is set, bitwise, on the device; return the outcome with ``skipped`` None (the host does
+        not know). Return None, changing nothing, where that cannot be done (the caller then uses `step`)."""
         ...
 
 

@@ -15,6 +15,7 @@ from polyamp._src import registry
 from polyamp._src.backend import (
     ClippingDevice,
     CompilingDevice,
+    DeviceSkippingDevice,
     Float16HintDevice,
     Float16ProbeDevice,
     GuardingDevice,
@@ -68,6 +69,8 @@ class DeviceCapabilities:
         unscale_and_clip: `ClippingDevice.unscale_and_clip` (imperative only), or None (clipping after the
             unscale, as two steps).
         unscale_and_clip_values: `TapeClippingDevice.unscale_and_clip_values` (tape only), or None.
+        step_on_device: `DeviceSkippingDevice.step_on_device` (imperative only), or None (every step that is
+            not fused is decided on the host).
     """
 
     style: LoopStyle
@@ -86,6 +89,7 @@ class DeviceCapabilities:
     unscaled_loss_warning: Callable[[str], str] | None = None
     unscale_and_clip: Callable[[Any, float, float], Any] | None = None
     unscale_and_clip_values: Callable[..., Any] | None = None
+    step_on_device: Callable[..., Any] | None = None
 
     @classmethod
     def of(cls, device: ScalerDevice, backend: str) -> DeviceCapabilities:
@@ -126,6 +130,7 @@ class DeviceCapabilities:
             unscale_and_clip_values=(
                 device.unscale_and_clip_values if not imperative and isinstance(device, TapeClippingDevice) else None
             ),
+            step_on_device=device.step_on_device if imperative and isinstance(device, DeviceSkippingDevice) else None,
         )
 
 

@@ -150,6 +150,14 @@ class LossScaler(GradScalerSpelling, Pickled):
                 whose ranks hold *different* gradients (optimizer sharding, pipeline stages): the found-inf
                 flag of every optimizer step is reduced over it (one max all-reduce, on the device), so all
                 its ranks skip together. Binds the scaler to the group's framework at once.
+            skip_on_device: False (default): a step that is not fused is taken or skipped on the host, which
+                reads the found-inf flag once per step (as ``torch.amp.GradScaler`` does; on a GPU, a sync).
+                True: where the device can (PyTorch: SGD, Adam and AdamW in their for-loop and foreach forms,
+                past their first step, with every state tensor on the gradients' device), the step runs and a
+                masked commit on the device keeps the old parameters and optimizer state where the flag is
+                set, so no step reads the flag on the host; it costs a copy of the stepped parameters and
+                their state per step. `step` then returns the optimizer's result either way, and the records
+                say which steps were skipped. Fused optimizers skip on the device either way.
             **settings: The loss-scaling settings, each defined (with its range) by `LossScaleConfig`:
     {settings}
 
@@ -202,6 +210,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         history: int = DEFAULT_HISTORY,
         spike: SpikeRule | None = None,
         process_group: Any = None,
+        skip_on_device: bool = False,
         **settings: Unpack[LossScaleSettings],
     ) -> None:
         caller = f"{type(self).__name__}()"
@@ -216,6 +225,8 @@ class LossScaler(GradScalerSpelling, Pickled):
         spike = check_spike(spike)
         history = check_history(history)
         on_min_scale = check_on_min_scale(on_min_scale)
+        if not isinstance(skip_on_device, bool):
+            raise type_error("`skip_on_device`", "True or False", skip_on_device)
         config = LossScaleConfig.from_settings(arguments, caller=caller)
         if backend is not None and not isinstance(backend, str):
             raise type_error("`backend`", "None or a backend name such as 'torch' or 'tensorflow'", backend)
@@ -245,6 +256,7 @@ class LossScaler(GradScalerSpelling, Pickled):
             spike=spike,
             on_min_scale=on_min_scale,
             history=history,
+            skip_on_device=skip_on_device,
         )
         if backend is not None:
             self.bind(backend)
@@ -260,6 +272,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         spike: SpikeRule | None,
         on_min_scale: str,
         history: int,
+        skip_on_device: bool = False,
         spike_window: list[float] | None = None,
         spike_run: int = 0,
     ) -> None:
@@ -268,6 +281,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         self._config = config
         self._enabled_setting = enabled
         self._guard_setting = guard
+        self._skip_on_device = skip_on_device
         self._spikes = SpikeDriver(spike, spike_window, spike_run)
         self._host_state = state
         recorder = Recorder(history, on_min_scale, spike.reason if spike else "loss_spike")
@@ -711,7 +725,7 @@ class LossScaler(GradScalerSpelling, Pickled):
                 self._remember(optimizer, device.finite_flag(), False)
                 return result
             skip = self._spike_decision(device, optimizer, checked)
-            outcome = device.step(optimizer, skip, args, kwargs)
+            outcome = self._device_step(device, optimizer, skip, args, kwargs)
             iteration.mark(optimizer, Stage.STEPPED, checked)
             self._remember(optimizer, skip, outcome.skipped)
             return outcome.result
@@ -744,15 +758,24 @@ class LossScaler(GradScalerSpelling, Pickled):
                 raise no_gradients_error()
             iteration.mark(optimizer, Stage.UNSCALED, found_inf)  # the gradients are unscaled now, whatever follows
         if self._spikes.rule is None:
-            outcome = device.step(optimizer, found_inf, args, kwargs)
+            outcome = self._device_step(device, optimizer, found_inf, args, kwargs)
             iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)
             self._remember(optimizer, outcome.found_inf, outcome.skipped)
             return outcome.result
         skip = self._spike_decision(device, optimizer, found_inf)
-        outcome = device.step(optimizer, skip, args, kwargs)
+        outcome = self._device_step(device, optimizer, skip, args, kwargs)
         iteration.mark(optimizer, Stage.STEPPED, found_inf)  # the scale rule sees overflows only
         self._remember(optimizer, skip, outcome.skipped)
         return outcome.result
+
+    def _device_step(self, device: Any, optimizer: Any, flag: Any, args: Any, kwargs: Any) -> Any:
+        """The device's step, or with ``skip_on_device`` its masked step where it has one and can take it."""
+        masked = self._capabilities.step_on_device if self._capabilities is not None else None
+        if self._skip_on_device and flag is not None and masked is not None:
+            outcome = masked(optimizer, flag, args, kwargs)
+            if outcome is not None:
+                return outcome
+        return device.step(optimizer, flag, args, kwargs)
 
     def _spike_decision(self, device: Any, optimizer: Any, found_inf: Any) -> Any:
         """``found_inf`` combined with the spike rule's flag (imperative devices)."""
@@ -1199,6 +1222,7 @@ class LossScaler(GradScalerSpelling, Pickled):
             "spike": self._spikes.rule,
             "on_min_scale": recorder.on_min_scale,
             "history": recorder.capacity,
+            "skip_on_device": self._skip_on_device,
         }
 
     def _saved_state(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ __all__ = ["PICKLED_OPTIONS", "Pickled", "derive_signature"]
 
 #: The constructor options a scaler keeps, by the keyword that passes them (besides the settings, which its
 #: ``config`` holds). A pickle holds each under this name; unpickling passes them back to the same setup.
-PICKLED_OPTIONS: Final = ("enabled", "guard", "spike", "on_min_scale", "history")
+PICKLED_OPTIONS: Final = ("enabled", "guard", "spike", "on_min_scale", "history", "skip_on_device")
 
 
 def derive_signature(cls: type, init: Any) -> inspect.Signature:

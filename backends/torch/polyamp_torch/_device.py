@@ -47,6 +47,7 @@ from polyamp_torch._gradients import (
     unscale_gradients,
     warn_bfloat16_scaling,
 )
+from polyamp_torch._masked_step import masked_step
 from polyamp_torch._precision import is_precision_optimizer, warn_unplanned
 from polyamp_torch._rule import DeviceState, advance
 
@@ -401,6 +402,15 @@ class TorchDevice:
         skipped = bool(found_inf.item())  # the one host read GradScaler also makes
         return StepOutcome(None if skipped else optimizer.step(*args, **kwargs), found_inf, skipped)
 
+    def step_on_device(
+        self, optimizer: Any, found_inf: torch.Tensor, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> StepOutcome | None:
+        """`polyamp.backend_api.DeviceSkippingDevice`: a step that is not fused, committed on the device
+        (`polyamp_torch._masked_step`); fused optimizers already skip there, through their own `step`."""
+        if fused_amp_capable(optimizer):
+            return None
+        return masked_step(optimizer, found_inf, args, kwargs)
+
     def step_own_scaling(self, optimizer: Any, scaler: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         """torch's legacy protocol: an optimizer with ``_step_supports_amp_scaling`` whose ``step`` takes
         ``grad_scaler`` gets the scaler itself and does its own unscaling, as with GradScaler."""
@@ -575,8 +585,9 @@ class TorchDevice:
             count.copy_(torch.where(rebase, 0, count))
         else:
             rebase = torch.zeros_like(accept)
-        index = torch.remainder(count, rule.window)
-        ring.index_copy_(0, index.reshape(1), torch.where(accept, x, ring[index]).reshape(1))
+        index = torch.remainder(count, rule.window).reshape(1)
+        # (index_select, not ring[index]: indexing by a 0-dim tensor reads the index to the host)
+        ring.index_copy_(0, index, torch.where(accept, x, ring.index_select(0, index).reshape(())).reshape(1))
         count.add_(accept.long())
         run.copy_(torch.where(accept, 0, run + only.long()))
         flag: torch.Tensor = only.float() - rebase.float()

@@ -1,0 +1,99 @@
+"""A step that is not fused, skipped on the device (``LossScaler(skip_on_device=True)``).
+
+torch's for-loop and foreach optimizers take no found-inf flag, so ``GradScaler`` reads it to the host to decide
+whether to call ``optimizer.step()`` (a sync per step on a GPU). Here the optimizer always steps, on a copy of
+what it is about to change taken just before, and a masked commit puts the old values back wherever the flag
+is set: ``torch.where(skip, old, new)`` into each parameter and state tensor, on the flag's device. A skipped
+step leaves the parameters, the moments and the step counters bitwise as they were; an applied one is the
+optimizer's own step, untouched. Nothing is read to the host.
+
+Taken only where that holds exactly: `torch.optim.SGD`, `Adam` and `AdamW` (not subclasses, whose step may keep
+other state); SGD past its first step (its momentum buffer starts as a copy of the first gradient, which a
+commit cannot restore to "none"), Adam and AdamW from their first (their state starts at zeros, which a skipped
+first step leaves); every parameter and state tensor on the flag's device (a CUDA Adam that is not capturable
+keeps its step counts on the CPU, which only a host read can restore). Otherwise the caller decides on the
+host, as before. Cost: a copy of the stepped parameters and their state per step (transient memory of
+that size) and one ``where`` per tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from polyamp.backend_api import StepOutcome
+from polyamp_torch._framework import torch
+
+__all__ = ["masked_step"]
+
+#: The optimizers whose step changes only their parameters and ``optimizer.state[p]``'s tensors.
+_MASKABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def _stepped(optimizer: Any, device: torch.device) -> list[tuple[torch.Tensor, dict[str, Any]]] | None:
+    """The parameters the step will change, each with its state (empty: the step makes it); None where the
+    commit could not be exact."""
+    stepped = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            if param.device != device:
+                return None
+            state = optimizer.state.get(param)
+            if not state:
+                # A first step makes the state. Adam's and AdamW's start at zeros (step count included), which a
+                # commit can put back; SGD's momentum buffer starts as a copy of the first gradient, which it
+                # cannot. Their step count goes on the parameter's device only when capturable.
+                if type(optimizer) is torch.optim.SGD or not (device.type == "cpu" or group.get("capturable")):
+                    return None
+                state = {}
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.device != device:
+                    return None
+            stepped.append((param, state))
+    return stepped or None
+
+
+def masked_step(
+    optimizer: Any, found_inf: torch.Tensor, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> StepOutcome | None:
+    """``optimizer.step(*args, **kwargs)``, undone on the device where ``found_inf > 0``; None (nothing done)
+    where that cannot be exact."""
+    if type(optimizer) not in _MASKABLE:
+        return None
+    stepped = _stepped(optimizer, found_inf.device)
+    if stepped is None:
+        return None
+    with torch.no_grad():
+        params = [param for param, _ in stepped]
+        entries = [(param, key) for param, state in stepped for key, value in state.items() if torch.is_tensor(value)]
+        before = [optimizer.state[param][key] for param, key in entries]
+        saved_params = [param.clone() for param in params]
+        saved = [tensor.clone() for tensor in before]
+    result = optimizer.step(*args, **kwargs)
+    with torch.no_grad():
+        skip = found_inf > 0
+        for param, old in zip(params, saved_params, strict=True):
+            torch.where(skip, old, param, out=param)
+        known = set()
+        for (param, key), tensor, old in zip(entries, before, saved, strict=True):
+            known.add((id(param), key))
+            _commit(optimizer.state[param], key, tensor, old, skip)
+        for param in params:  # state the step made: back to its start, zeros
+            state = optimizer.state[param]
+            for key, value in list(state.items()):
+                if (id(param), key) not in known and torch.is_tensor(value):
+                    _commit(state, key, None, torch.zeros_like(value), skip)
+    return StepOutcome(result, found_inf, None)
+
+
+def _commit(
+    state: dict[str, Any], key: str, before: torch.Tensor | None, old: torch.Tensor, skip: torch.Tensor
+) -> None:
+    """``state[key]`` becomes ``old`` where ``skip``, in place when it is the tensor the step was given."""
+    now = state[key]
+    if now is before or before is None:
+        torch.where(skip, old, now, out=now)
+    else:  # the step put a new tensor there
+        state[key] = torch.where(skip, old, now)

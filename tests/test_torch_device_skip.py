@@ -1,0 +1,220 @@
+"""``LossScaler(skip_on_device=True)`` on torch: a step that is not fused, skipped by a masked commit on the
+device, against ``torch.amp.GradScaler`` (which reads the flag on the host) run side by side.
+
+Every parameter, every optimizer state tensor (moments, momentum buffers, step counters), the scale and the
+skipped iterations must be GradScaler's bit for bit, with overflows injected (on the first step too, which is
+decided on the host for SGD, whose first momentum buffer is a copy of the gradient). The host reads themselves
+are counted in tests/test_host_reads.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+from typing import Any
+
+import pytest
+
+import polyamp
+
+torch = pytest.importorskip("torch")
+
+import polyamp_torch  # noqa: E402,F401  (registers the backend)
+from polyamp_torch._masked_step import masked_step  # noqa: E402
+
+INF_AT = (0, 4, 5, 9)  # a skipped first step (on the host for SGD), then steady-state skips, two in a row
+
+
+def _optimizer(kind: str, form: str, params: Any) -> Any:
+    options = {"foreach": {"foreach": True}, "for-loop": {"foreach": False}, "fused": {"fused": True}}[form]
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3, **options)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-2, amsgrad=True, **options)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **options)
+
+
+def _train(
+    scaler: Any, kind: str, form: str, *, clip: bool = False, steps: int = 14, inf_at: tuple[int, ...] = INF_AT
+) -> tuple[Any, Any, list[Any]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = _optimizer(kind, form, model.parameters())
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    results = []
+    for index in range(steps):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        if index in inf_at:
+            model[0].weight.grad[3, 2] = math.inf if index % 2 else math.nan
+        if clip:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        results.append(scaler.step(opt))
+        scaler.update()
+    return model, opt, results
+
+
+def _assert_same(ours: tuple[Any, Any, list[Any]], theirs: tuple[Any, Any, list[Any]]) -> None:
+    (m1, o1, _), (m2, o2, _) = ours, theirs
+    for p1, p2 in zip(m1.parameters(), m2.parameters(), strict=True):
+        assert torch.equal(p1, p2)
+        s1, s2 = o1.state[p1], o2.state[p2]
+        assert s1.keys() == s2.keys()
+        for key in s1:
+            assert torch.equal(s1[key], s2[key]), key
+            assert s1[key].dtype == s2[key].dtype and s1[key].device == s2[key].device, key
+
+
+@pytest.mark.parametrize("form", ["for-loop", "foreach", "fused"])
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("clip", [False, True])
+def test_skipping_on_the_device_equals_grad_scaler(kind: str, form: str, clip: bool) -> None:
+    settings = {"init_scale": 2.0**10, "growth_interval": 3}
+    # (A skipped first step of fused SGD leaves torch's momentum buffers uninitialised under GradScaler; polyamp
+    # zeroes them, tests/test_torch_scaler.py: no first-step overflow to compare there.)
+    inf_at = INF_AT[1:] if (kind, form) == ("sgd", "fused") else INF_AT
+    native = torch.amp.GradScaler("cpu", **settings)
+    theirs = _train(native, kind, form, clip=clip, inf_at=inf_at)
+    scaler = polyamp.LossScaler(enabled=True, skip_on_device=True, **settings)
+    ours = _train(scaler, kind, form, clip=clip, inf_at=inf_at)
+    assert scaler.get_scale() == native.get_scale()
+    _assert_same(ours, theirs)
+    assert [r.iteration for r in scaler.records() if r.skipped] == list(inf_at)
+    assert all(r.reason == "overflow" for r in scaler.records() if r.skipped)
+
+
+def test_the_scale_and_the_skip_answers_follow_grad_scaler() -> None:
+    settings = {"init_scale": 2.0**10, "growth_interval": 3}
+    native = torch.amp.GradScaler("cpu", **settings)
+    _train(native, "adam", "foreach")
+    scaler = polyamp.LossScaler(enabled=True, skip_on_device=True, **settings)
+    _, opt, results = _train(scaler, "adam", "foreach")
+    assert scaler.get_scale() == native.get_scale()
+    assert scaler.skipped_steps() == len(INF_AT)
+    assert bool(scaler.step_skipped(opt)) is False  # the last step (13) was applied (a tensor; read when asked)
+    assert results == [None] * len(results)  # Adam's step returns None either way (no closure)
+
+
+def test_a_skipped_step_keeps_every_bit_even_around_nan_and_negative_zero() -> None:
+    """The commit restores values a step would change, including a -0.0 parameter and a NaN moment."""
+    torch.manual_seed(1)
+    param = torch.nn.Parameter(torch.tensor([0.5, -0.0, 2.0, -3.0]))
+    opt = torch.optim.Adam([param], lr=0.1, foreach=True)
+    param.grad = torch.ones(4)
+    opt.step()  # past the first step: state exists
+    opt.state[param]["exp_avg_sq"][2] = math.nan
+    with torch.no_grad():
+        param[1] = -0.0
+    before = {k: v.clone() for k, v in opt.state[param].items()}
+    weights = param.detach().clone()
+    param.grad = torch.tensor([1.0, math.inf, 1.0, 1.0])
+    outcome = masked_step(opt, torch.tensor(1.0), (), {})
+    assert outcome is not None and outcome.skipped is None
+    assert torch.equal(param.detach().view(torch.int32), weights.view(torch.int32))  # -0.0 kept bitwise
+    for key, value in opt.state[param].items():
+        assert torch.equal(value.view(torch.int32), before[key].view(torch.int32)), key
+    param.grad = torch.ones(4)
+    masked_step(opt, torch.tensor(0.0), (), {})  # applied: the optimizer's own step
+    assert opt.state[param]["step"].item() == 2.0 and not torch.equal(param.detach()[0], weights[0])
+
+
+def test_a_skipped_first_adam_step_leaves_the_state_a_fresh_one_makes() -> None:
+    """Adam's state starts at zeros: a skipped first step leaves zeros (and step 0), and the next step is the
+    first one's, bit for bit."""
+    param = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0]))
+    opt = torch.optim.Adam([param], lr=0.1, amsgrad=True)
+    param.grad = torch.tensor([1.0, math.inf, 1.0])
+    assert masked_step(opt, torch.tensor(1.0), (), {}) is not None
+    assert torch.equal(param.detach(), torch.tensor([0.5, -1.0, 2.0]))
+    assert {k: v.tolist() for k, v in opt.state[param].items()} == {
+        "step": 0.0,
+        "exp_avg": [0.0] * 3,
+        "exp_avg_sq": [0.0] * 3,
+        "max_exp_avg_sq": [0.0] * 3,
+    }
+    param.grad = torch.tensor([1.0, 2.0, 3.0])
+    masked_step(opt, torch.tensor(0.0), (), {})
+    fresh = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0]))
+    reference = torch.optim.Adam([fresh], lr=0.1, amsgrad=True)
+    fresh.grad = torch.tensor([1.0, 2.0, 3.0])
+    reference.step()
+    assert torch.equal(param.detach(), fresh.detach())
+    for key, value in reference.state[fresh].items():
+        assert torch.equal(opt.state[param][key], value), key
+
+
+def test_what_is_left_to_the_host() -> None:
+    """None (nothing done, the caller decides on the host): SGD's first step, a subclass, a foreign optimizer,
+    a flag on another device than the state."""
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    flag = torch.tensor(0.0)
+    sgd = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    assert masked_step(sgd, flag, (), {}) is None  # its momentum buffer would start as a copy of the gradient
+    assert sgd.state[param] == {}
+    sgd.step()
+    assert masked_step(sgd, flag, (), {}) is not None
+
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    assert masked_step(MyAdam([param]), flag, (), {}) is None
+    rmsprop = torch.optim.RMSprop([param])
+    assert masked_step(rmsprop, flag, (), {}) is None
+    adam = torch.optim.Adam([param])
+    adam.step()
+    assert masked_step(adam, torch.tensor(0.0, device="meta"), (), {}) is None
+
+
+def test_the_option_is_validated_kept_and_copied() -> None:
+    with pytest.raises(polyamp.PolyampTypeError, match="skip_on_device"):
+        polyamp.LossScaler(skip_on_device=1)  # type: ignore[arg-type]
+    scaler = polyamp.LossScaler(enabled=True, skip_on_device=True)
+    assert scaler.options["skip_on_device"] is True
+    assert copy.deepcopy(scaler).options["skip_on_device"] is True
+    assert pickle.loads(pickle.dumps(scaler)).options["skip_on_device"] is True
+    assert polyamp.LossScaler().options["skip_on_device"] is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind,form", [("sgd", "foreach"), ("adam", "foreach"), ("adamw", "for-loop")])
+def test_no_sync_on_cuda(kind: str, form: str) -> None:
+    """On CUDA, with capturable Adam/AdamW (their step counts on the GPU), steady-state steps run under
+    ``torch.cuda.set_sync_debug_mode("error")``, skipped or not; the parameters are GradScaler's."""
+    results = []
+    for variant in ("native", "polyamp"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).cuda()
+        params, foreach = model.parameters(), form == "foreach"
+        if kind == "sgd":
+            opt: Any = torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=foreach)
+        else:
+            adam = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
+            opt = adam(params, lr=1e-2, foreach=foreach, capturable=True)
+        scaler: Any = (
+            torch.amp.GradScaler("cuda", init_scale=2.0**10)
+            if variant == "native"
+            else polyamp.LossScaler(enabled=True, skip_on_device=True, init_scale=2.0**10)
+        )
+        x, y = torch.randn(32, 8, device="cuda"), torch.randn(32, 4, device="cuda")
+        for index in range(10):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+            scaler.scale(loss).backward()
+            if index in (5, 7):
+                model[0].weight.grad[0, 0] = math.inf
+            steady = variant == "polyamp" and index >= 2
+            if steady:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                scaler.step(opt)
+                scaler.update()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        results.append([p.detach().cpu() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
