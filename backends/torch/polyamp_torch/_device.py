@@ -295,7 +295,12 @@ class TorchDevice:
         scale = self._state_near(optimizer).scale
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         folded = unscale_and_clip_gradients(
-            optimizer, self._inverse(scale), found_inf, max_norm, norm_type, allow_fp16=is_precision_optimizer(optimizer)
+            optimizer,
+            self._inverse(scale),
+            found_inf,
+            max_norm,
+            norm_type,
+            allow_fp16=is_precision_optimizer(optimizer),
         )
         if folded is None:
             return None
