@@ -10,6 +10,8 @@
 #   jax-conformance.txt/.json     the same for polyamp_jax on JAX's GPU backend, where jax and optax import
 #   keras-<backend>-conformance.txt/.json   the same for Keras on its torch and JAX backends, where keras
 #                         (and jax) can be imported; a missing framework is recorded as "skipped"
+#   cuda-tests.txt/.json  the torch tests with CUDA cases (skip_on_device without a sync, folded clipping),
+#                         where pytest can be imported
 #   gpu-*.json            one file per CUDA target of benchmarks/run.py
 #   jax-cuda.json         the jitted JAX step (benchmarks/run.py jax) on JAX's GPU backend
 #   gpu-conformance.json  the conformance runs' counts, for benchmarks/RESULTS.md
@@ -85,6 +87,14 @@ for backend in torch jax; do
     KERAS_BACKEND=$backend conformance "$name" "$PYTHON" -m polyamp.conformance --backend keras --device "$backend-cuda" --verbose
 done
 
+# The CUDA cases of the torch tests (no host sync with skip_on_device, folded clipping bitwise on the GPU).
+if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
+    conformance cuda-tests "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_torch_device_skip.py tests/test_torch_clip_fold.py -k cuda
+else
+    echo "cuda-tests: skipped (pytest cannot be imported)"
+    CODES[cuda-tests]='"skipped"'
+fi
+
 TARGETS=(gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16 gpu-training-state)
 if [ "${CODES[jax-conformance]}" != '"skipped"' ] && "$PYTHON" -c "import jmp" >/dev/null 2>&1; then
     TARGETS+=(jax)
@@ -114,7 +124,7 @@ status=0
 {
     echo "{"
     first=1
-    for name in conformance jax-conformance "${KERAS_STEPS[@]}" gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16 gpu-training-state jax; do
+    for name in conformance jax-conformance "${KERAS_STEPS[@]}" cuda-tests gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16 gpu-training-state jax; do
         [ $first -eq 1 ] || echo ","
         first=0
         printf '  "%s": %s' "$name" "${CODES[$name]}"
