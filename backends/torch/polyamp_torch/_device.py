@@ -113,7 +113,6 @@ class TorchDevice:
         self._host_state = state
         self._state: DeviceState | None = None
         self._warned_bfloat16 = False
-        self._inverse_cache: tuple[torch.Tensor, int, torch.Tensor] | None = None
         self._ones: dict[torch.device, torch.Tensor] = {}  # the guard's inverse scale, per device
         self._finite_flags: dict[torch.device, torch.Tensor] = {}
         # Counted from this device's creation: regions that ran before belong to other loops (another scaler's,
@@ -274,7 +273,7 @@ class TorchDevice:
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         flag, bfloat16 = self._check_and_unscale(
             optimizer,
-            self._inverse(scale),
+            _inverse(scale),
             found_inf,
             # A PrecisionOptimizer forms its update in float32 from the unscaled float16 gradients.
             allow_fp16=is_precision_optimizer(optimizer),
@@ -296,7 +295,7 @@ class TorchDevice:
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         folded = unscale_and_clip_gradients(
             optimizer,
-            self._inverse(scale),
+            _inverse(scale),
             found_inf,
             max_norm,
             norm_type,
@@ -343,19 +342,6 @@ class TorchDevice:
                 sizes.append(values.numel())
         rows = torch.stack(counts).tolist() if counts else []
         return [(name, *row, size) for name, row, size in zip(names, rows, sizes, strict=True)]
-
-    def _inverse(self, scale: torch.Tensor) -> torch.Tensor:
-        """``_inverse(scale)``, kept while the scale tensor is unchanged (its version counter, bumped by every
-        in-place write, says so without reading it): most iterations skip the three kernels."""
-        if torch.compiler.is_compiling():
-            return _inverse(scale)
-        cached = self._inverse_cache
-        version = scale._version
-        if cached is not None and cached[0] is scale and cached[1] == version:
-            return cached[2]
-        inverse = _inverse(scale)
-        self._inverse_cache = (scale, version, inverse)
-        return inverse
 
     def count_skip(self, found_inf: torch.Tensor) -> None:
         """Count a guarded iteration as skipped when ``found_inf`` is set; the rule does not run."""
