@@ -27,7 +27,7 @@ class SchedulerGuard(torch.optim.lr_scheduler.LRScheduler):
     ``load_state_dict`` also takes the wrapped scheduler's own dicts.
 
     Cost: none for ordinary optimizers (``scaler.step`` already read the flag); one host read of the flag
-    per iteration for fused ones (whose step never syncs).
+    per iteration for fused ones and under ``LossScaler(skip_on_device=True)`` (whose steps never sync).
 
     Args:
         scheduler: Any ``torch.optim.lr_scheduler`` scheduler (or object with ``.optimizer`` and ``.step``).
