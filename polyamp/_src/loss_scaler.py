@@ -153,7 +153,7 @@ class LossScaler(GradScalerSpelling, Pickled):
             skip_on_device: False (default): a step that is not fused is taken or skipped on the host, which
                 reads the found-inf flag once per step (as ``torch.amp.GradScaler`` does; on a GPU, a sync).
                 True: where the device can (PyTorch: SGD, Adam and AdamW in their for-loop and foreach forms,
-                past their first step, with every state tensor on the gradients' device), the step runs and a
+                SGD past its first step, every state tensor on the gradients' device), the step runs and a
                 masked commit on the device keeps the old parameters and optimizer state where the flag is
                 set, so no step reads the flag on the host; it costs a copy of the stepped parameters and
                 their state per step. `step` then returns the optimizer's result either way, and the records
@@ -770,9 +770,9 @@ class LossScaler(GradScalerSpelling, Pickled):
 
     def _device_step(self, device: Any, optimizer: Any, flag: Any, args: Any, kwargs: Any) -> Any:
         """The device's step, or with ``skip_on_device`` its masked step where it has one and can take it."""
-        masked = self._capabilities.step_on_device if self._capabilities is not None else None
-        if self._skip_on_device and flag is not None and masked is not None:
-            outcome = masked(optimizer, flag, args, kwargs)
+        if self._skip_on_device and flag is not None and self._capabilities is not None:
+            masked = self._capabilities.step_on_device
+            outcome = None if masked is None else masked(optimizer, flag, args, kwargs)
             if outcome is not None:
                 return outcome
         return device.step(optimizer, flag, args, kwargs)

@@ -536,8 +536,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
                     lambda: (list(trainable), list(inner_values)),
                 )
         state = fn.update(state, found_inf, spike=spike)
-        named = (grads, None) if scale is None else (scaled_grads, scale)  # provenance: which were not finite
-        own_values = self._own_values(device, state, values, skipped, named[0], found_inf, named[1])
+        # Provenance (which gradients were not finite) counts the unscaled ones: a folded clip made them all NaN.
+        named = grads if scale is None else scaled_grads
+        own_values = self._own_values(device, state, values, skipped, named, found_inf, scale)
         return list(new_trainable), own_values + list(new_inner)
 
     def _functional_form(self, mode: str) -> FunctionalLossScaler:

@@ -65,35 +65,29 @@ def masked_step(
     stepped = _stepped(optimizer, found_inf.device)
     if stepped is None:
         return None
-    with torch.no_grad():
-        params = [param for param, _ in stepped]
-        entries = [(param, key) for param, state in stepped for key, value in state.items() if torch.is_tensor(value)]
-        before = [optimizer.state[param][key] for param, key in entries]
-        saved_params = [param.clone() for param in params]
-        saved = [tensor.clone() for tensor in before]
+    with torch.no_grad():  # each parameter and state tensor the step was given, beside a copy of its values
+        saved = [
+            (
+                param,
+                param.clone(),
+                {key: (value, value.clone()) for key, value in state.items() if torch.is_tensor(value)},
+            )
+            for param, state in stepped
+        ]
     result = optimizer.step(*args, **kwargs)
     with torch.no_grad():
         skip = found_inf > 0
-        for param, old in zip(params, saved_params, strict=True):
-            torch.where(skip, old, param, out=param)
-        known = set()
-        for (param, key), tensor, old in zip(entries, before, saved, strict=True):
-            known.add((id(param), key))
-            _commit(optimizer.state[param], key, tensor, old, skip)
-        for param in params:  # state the step made: back to its start, zeros
+        for param, old_param, old_state in saved:
+            torch.where(skip, old_param, param, out=param)
             state = optimizer.state[param]
-            for key, value in list(state.items()):
-                if (id(param), key) not in known and torch.is_tensor(value):
-                    _commit(state, key, None, torch.zeros_like(value), skip)
+            for key, now in list(state.items()):
+                if not torch.is_tensor(now):
+                    continue
+                given, old = old_state.get(key, (now, None))
+                if old is None:  # state the step made: back to its start, zeros
+                    old = torch.zeros_like(now)
+                if now is given:
+                    torch.where(skip, old, now, out=now)
+                else:  # the step put a new tensor there
+                    state[key] = torch.where(skip, old, now)
     return StepOutcome(result, found_inf, None)
-
-
-def _commit(
-    state: dict[str, Any], key: str, before: torch.Tensor | None, old: torch.Tensor, skip: torch.Tensor
-) -> None:
-    """``state[key]`` becomes ``old`` where ``skip``, in place when it is the tensor the step was given."""
-    now = state[key]
-    if now is before or before is None:
-        torch.where(skip, old, now, out=now)
-    else:  # the step put a new tensor there
-        state[key] = torch.where(skip, old, now)
