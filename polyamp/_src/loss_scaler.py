@@ -291,6 +291,9 @@ class LossScaler(GradScalerSpelling, Pickled):
         self._device: Any = None
         self._capabilities: DeviceCapabilities | None = None
         self._compiling: Any = _not_compiling
+        self._replica: Any = None  # the device's replica hook (None: one iteration)
+        # The types of objects seen to be the bound framework's: later calls with them skip the lookup.
+        self._own_types: dict[type, bool] = {}
         self._float16_probes = FLOAT16_PROBES
         self._group_iterations = 0  # iterations ended or discarded, for the process group's reductions
         self._backend_name: str | None = None
@@ -347,6 +350,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         self._device, self._capabilities, self._backend_name = device, capabilities, backend
         self._adapter_device = given is not None
         self._compiling = capabilities.compiling
+        self._replica = capabilities.replica
         self._history.bind(device, capabilities)
         if capabilities.spike:
             self._spikes.bind(device)  # type: ignore[arg-type]  # a SpikeDevice
@@ -358,12 +362,18 @@ class LossScaler(GradScalerSpelling, Pickled):
         return self._device  # type: ignore[no-any-return]
 
     def _device_for(self, method: str, obj: object) -> Any:
-        owner = registry.detect_backend(obj)
-        if self._device is not None:
+        device = self._device
+        if device is not None:
+            if self._adapter_device or self._own_types.get(type(obj), False):
+                return device
             # An adapter's device checks what it is given itself (Keras on torch computes with torch tensors).
-            if owner is not None and owner != self._backend_name and not self._adapter_device:
+            owner = registry.detect_backend(obj)
+            if owner is not None and owner != self._backend_name:
                 raise registry.wrong_object_error(str(self._backend_name), method, obj, "this framework's objects")
-            return self._device
+            if owner is not None and not isinstance(obj, (list, tuple)) and len(self._own_types) < 64:
+                self._own_types[type(obj)] = True
+            return device
+        owner = registry.detect_backend(obj)
         if owner is None:
             names = ", ".join(repr(name) for name in registry.backend_specs())
             raise PolyampTypeError(
@@ -375,7 +385,8 @@ class LossScaler(GradScalerSpelling, Pickled):
 
     def _styled(self, method: str, style: str, obj: object) -> Any:
         device = self._device_for(method, obj)
-        if self._style != style:
+        capabilities = self._capabilities
+        if capabilities is None or capabilities.style != style:
             offered = _STYLE_METHODS[str(self._style)]
             raise PolyampTypeError(
                 f"LossScaler.{method}() is not part of the {self._backend_name} backend's training loop. "
@@ -399,8 +410,10 @@ class LossScaler(GradScalerSpelling, Pickled):
     def _iteration(self) -> Iteration:
         """The iteration in progress: one per replica where the device runs the step once per replica (see
         ``ScalerDevice.replica``), else one."""
-        hook = None if self._capabilities is None else self._capabilities.replica
-        replica = hook() if hook is not None else None
+        hook = self._replica
+        if hook is None:
+            return self._iterations[None]
+        replica = hook()
         iteration = self._iterations.get(replica)
         if iteration is None:
             iteration = self._iterations[replica] = Iteration()
@@ -413,10 +426,11 @@ class LossScaler(GradScalerSpelling, Pickled):
         in_use = bool(hint(since_last_iteration=starting, loss=loss)) if hint is not None else False
         return resolve_enabled(None, float16_in_use=in_use)
 
-    def _begin(self, loss: Any = None) -> bool:
+    def _begin(self, loss: Any = None, iteration: Iteration | None = None) -> bool:
         """Whether this iteration scales, decided at its first call (``loss``: the loss it starts from, when it
-        starts in ``scale``) and kept until it ends."""
-        iteration = self._iteration
+        starts in ``scale``) and kept until it ends. ``iteration``: `_iteration`, when the caller has it."""
+        if iteration is None:
+            iteration = self._iteration
         enabled = iteration.enabled
         # A compiler tracing the step (torch.compile) cannot trace the thread lookup; it runs in one thread.
         thread = None if self._compiling() else get_ident()
@@ -425,9 +439,11 @@ class LossScaler(GradScalerSpelling, Pickled):
             self._history.iteration_opened()
             iteration.guarding = not enabled and self._guards()
             iteration.thread = thread
+        elif thread is None or iteration.thread == thread:
+            pass
         elif iteration.thread is None:  # opened inside a compiled region
             iteration.thread = thread
-        elif thread is not None and iteration.thread != thread:
+        else:
             raise ScalerUsageError(
                 "This LossScaler is in the middle of an iteration started by another thread. A scaler serves one "
                 "training loop: its stages and checks belong to one thread at a time. Give each thread its own "
@@ -568,9 +584,9 @@ class LossScaler(GradScalerSpelling, Pickled):
         if self._device is None and registry.detect_backend(loss) is None and not self.enabled:
             return loss  # a disabled scaler passes anything through, as torch's does
         device = self._device_for("scale", loss)
-        enabled = self._begin(loss)
         iteration = self._iteration
-        if enabled or iteration.guarding:
+        enabled = self._begin(loss, iteration)
+        if self._spikes.rule is not None and (enabled or iteration.guarding):
             self._spikes.observe_loss(loss)
         if not enabled:
             self._probe_float16(loss)
@@ -713,8 +729,8 @@ class LossScaler(GradScalerSpelling, Pickled):
             return self._apply(device, optimizer, pairs, "step()")
         device = self._styled("step", "imperative", optimizer)
         device.check_optimizer("step", optimizer)
-        enabled = self._begin()
         iteration = self._iteration
+        enabled = self._begin(None, iteration)
         stage = iteration.check_step(optimizer, "step()")
         if not enabled:
             closure = "closure" in kwargs or (args and callable(args[0]))
@@ -729,7 +745,8 @@ class LossScaler(GradScalerSpelling, Pickled):
             iteration.mark(optimizer, Stage.STEPPED, checked)
             self._remember(optimizer, skip, outcome.skipped)
             return outcome.result
-        self._require_scaled("step()")
+        if not iteration.scaled:
+            self._require_scaled("step()")
         if "closure" in kwargs or (args and callable(args[0])):
             raise ScalerUsageError(
                 "step() with a closure is not supported while loss scaling is enabled: the closure would "
@@ -874,7 +891,7 @@ class LossScaler(GradScalerSpelling, Pickled):
     def _end_iteration(self, device: Any, new_scale: Any, method: str) -> None:
         iteration = self._iteration
         history = self._history
-        if not self._begin() and new_scale is None:
+        if not self._begin(None, iteration) and new_scale is None:
             found_infs = iteration.found_infs() if iteration.guarding else []
             if found_infs:
                 clean, combined = self._iteration_flag(device, found_infs)
@@ -904,11 +921,13 @@ class LossScaler(GradScalerSpelling, Pickled):
         clean, combined = self._iteration_flag(device, found_infs)
         skipped_on_host = history.host_skip
         device.update(combined, value)
-        spike_only = self._finish_spike(device, combined)
+        spike_only = None if self._spikes.rule is None else self._finish_spike(device, combined)
         if combined is not None:
-            self._outcomes.write_last(device, self._with_flag(device, combined, spike_only), None)
+            last = combined if spike_only is None else device.combine([combined, spike_only])
+            self._outcomes.write_last(device, last, None)
         iteration.close()
-        self._count_group_iteration()
+        if self._process_group is not None:
+            self._count_group_iteration()
         if value is not None:
             if combined is not None:  # the iteration counts as skipped or not, but the rule did not run
                 history.write("set", combined, False, spike_only, set_scale=known)

@@ -218,6 +218,50 @@ def check_history(value: object) -> int:
     return value
 
 
+class _Run:
+    """Consecutive scaling iterations that stepped, kept unmade until the records are read: ``steps`` of them
+    from iteration ``first``, the first taken at ``state`` (None: unknown), replayed under ``config``.
+
+    A batch of records is read every ``history // 2`` iterations, on the training loop's path; almost all are
+    of this kind, and a record nobody reads costs nothing this way."""
+
+    __slots__ = ("config", "first", "state", "steps")
+
+    def __init__(self, first: int, steps: int, state: LossScaleState | None, config: LossScaleConfig) -> None:
+        self.first, self.steps, self.state, self.config = first, steps, state, config
+
+    def drop(self, count: int) -> None:
+        """Forget the first ``count`` iterations (fewer than ``steps``)."""
+        if self.state is not None:
+            self.state = self.config.after_finite(self.state, count)
+        self.first += count
+        self.steps -= count
+
+    def made(self) -> list[StepRecord]:
+        """The records, made directly rather than through the frozen field-by-field ``__init__``."""
+        if self.state is None:
+            scales: list[float | None] = [None] * (self.steps + 1)
+        else:
+            known, after = self.config.finite_run(self.state, self.steps)
+            scales = [*known, after.scale]
+        new = object.__new__
+        records = []
+        for index in range(self.steps):
+            record = new(StepRecord)
+            record.__dict__.update(
+                iteration=self.first + index,
+                skipped=False,
+                reason=None,
+                mode="scaling",
+                scale=scales[index],
+                next_scale=scales[index + 1],
+                gradients=(),
+                rebased=False,
+            )
+            records.append(record)
+        return records
+
+
 class Recorder:
     """The host side of the step records: the last known state, the kept records, logging and collapse.
 
@@ -233,7 +277,8 @@ class Recorder:
         self.capacity = capacity
         self.spike_reason = spike_reason
         self.on_min_scale = on_min_scale
-        self.records: deque[StepRecord] = deque(maxlen=capacity)
+        self._kept: deque[StepRecord | _Run] = deque()  # the last `capacity` records, runs not made yet
+        self._size = 0  # records in `_kept`
         self.read_count = 0  # ring entries consumed so far
         self.anchor: LossScaleState | None = None  # the state after the last consumed entry, when known
         self.lost = 0
@@ -242,6 +287,36 @@ class Recorder:
         self._collapsed = False  # inside a collapse episode (warned once; re-armed when the scale grows)
         self._skip_counts: dict[str, int] = {}  # skipped steps by reason, for the rate limit of their log lines
         self._quiet_since: dict[str, int] = {}  # by reason: the first iteration skipped since its last line
+
+    @property
+    def records(self) -> deque[StepRecord]:
+        """The last ``capacity`` records, oldest first."""
+        kept = self._kept
+        if any(isinstance(item, _Run) for item in kept):
+            made: deque[StepRecord | _Run] = deque()
+            for item in kept:
+                if isinstance(item, _Run):
+                    made.extend(item.made())
+                else:
+                    made.append(item)
+            self._kept = kept = made
+        return kept  # type: ignore[return-value]  # every run is made now
+
+    def _keep(self, item: StepRecord | _Run, size: int) -> None:
+        """Add ``item`` (``size`` records), forgetting the oldest beyond ``capacity``."""
+        self._kept.append(item)
+        self._size += size
+        excess = self._size - self.capacity
+        while excess > 0:
+            head = self._kept[0]
+            if isinstance(head, _Run) and head.steps > excess:
+                head.drop(excess)
+                self._size -= excess
+                return
+            self._kept.popleft()
+            dropped = head.steps if isinstance(head, _Run) else 1
+            self._size -= dropped
+            excess -= dropped
 
     def attach(self, iteration: int, gradients: tuple[NonFiniteGradient, ...]) -> None:
         """The non-finite gradients of ``iteration`` (added to those already attached)."""
@@ -291,12 +366,12 @@ class Recorder:
         codes: Sequence[int],
         config: LossScaleConfig,
         read_state: Callable[[], LossScaleState | None],
-    ) -> list[StepRecord]:
+    ) -> None:
         """Turn the ring's entries since the last read into records: ``count`` entries were written in all,
         ``codes`` are the most recent ones (at most ``capacity``)."""
         new = count - self.read_count
         if new <= 0:
-            return []
+            return
         kept = list(codes)[-new:] if new <= len(codes) else list(codes)
         missing = new - len(kept)
         state = self.anchor
@@ -310,9 +385,28 @@ class Recorder:
                 self.capacity,
             )
             state = None
-        made: list[StepRecord] = []
         first = count - len(kept)
-        for offset, code in enumerate(kept):
+        offset = 0
+        while offset < len(kept):
+            code = kept[offset]
+            if code == 0:  # the common case, a run at a time: scaling iterations that stepped
+                end = offset + 1
+                while end < len(kept) and kept[end] == 0:
+                    end += 1
+                steps = end - offset
+                run = _Run(first + offset, steps, state, config)
+                if self._collapsed:  # the records may end the collapse episode: made and reported now
+                    for record in run.made():
+                        self._keep(record, 1)
+                        self._report(record, config)
+                else:
+                    self._keep(run, steps)  # (which may drop the run's oldest)
+                if state is not None:
+                    state = config.after_finite(state, steps)
+                offset = end
+                continue
+            iteration = first + offset
+            offset += 1
             rebased = bool(code & REBASE_BIT)
             spiked = bool(code & SPIKE_BIT)
             code &= SPIKE_BIT - 1
@@ -324,23 +418,22 @@ class Recorder:
                 state = config.next_state(state, flagged and not spiked)
             scaled = mode in ("scaling", "set")
             record = StepRecord(
-                iteration=first + offset,
+                iteration=iteration,
                 skipped=flagged,
                 reason=(self.spike_reason if spiked else "overflow" if scaled else "non_finite") if flagged else None,
                 mode="scaling" if scaled else mode,
                 scale=None if not scaled or before is None else before.scale,
                 # update(new_scale) sets the scale after the iteration (known when it was a float); the scaler
                 # re-anchors there
-                next_scale=self.set_scales.pop(first + offset, None)
+                next_scale=self.set_scales.pop(iteration, None)
                 if mode == "set"
                 else None
                 if mode != "scaling" or state is None
                 else state.scale,
-                gradients=self.gradients.pop(first + offset, ()) if flagged and not spiked else (),
+                gradients=self.gradients.pop(iteration, ()) if flagged and not spiked else (),
                 rebased=rebased and not flagged,
             )
-            made.append(record)
-            self.records.append(record)
+            self._keep(record, 1)
             self._report(record, config)
         self.read_count = count
         for stale in [i for i in self.gradients if i < count]:
@@ -350,7 +443,6 @@ class Recorder:
         if state is None:
             state = read_state()
         self.anchor = state
-        return made
 
     def _log_skip(self, record: StepRecord, reason: str) -> None:
         level = logging.INFO if reason == "overflow" else logging.WARNING

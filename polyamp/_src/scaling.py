@@ -243,6 +243,8 @@ class LossScaleConfig:
         # trace the struct-based float32 rounding).
         floor = to_float32(min_scale) if min_scale is not None else to_float32(min(1.0, init_scale))
         object.__setattr__(self, "_floor_f32", floor)
+        standard = self.dynamic and self.hysteresis == 1 and self.min_scale is None and self.max_scale is None
+        object.__setattr__(self, "_standard_rule", standard)  # asked at every update
         object.__setattr__(self, "_min_f32", None if min_scale is None else to_float32(min_scale))
         object.__setattr__(self, "_max_f32", None if max_scale is None else to_float32(max_scale))
         # Normalise numeric types (numpy scalars, ints) so equality and serialisation are plain Python.
@@ -295,7 +297,7 @@ class LossScaleConfig:
         backend may hand such a config to its framework's kernel instead of running the extended rule, then
         keep the scale at `floor_f32`, which those kernels lack.
         """
-        return self.dynamic and self.hysteresis == 1 and self.min_scale is None and self.max_scale is None
+        return self._standard_rule  # type: ignore[attr-defined,no-any-return]
 
     # -- the settings as data --------------------------------------------------------------------------
 
@@ -371,6 +373,43 @@ class LossScaleConfig:
         if cap is not None and grown > cap:
             grown = cap
         return LossScaleState(grown if math.isfinite(grown) else state.scale, 0, self.hysteresis)
+
+    def finite_run(self, state: LossScaleState, steps: int) -> tuple[list[float], LossScaleState]:
+        """`next_state` over ``steps`` consecutive finite steps from ``state``: the scale each step was taken
+        at, and the state after the last (what the records replay for the iterations that stepped)."""
+        if not self.dynamic:
+            return [state.scale] * steps, state
+        scale, tracker, hysteresis_left = state.scale, state.growth_tracker, state.hysteresis_left
+        interval, cap = self.growth_interval, self.max_scale_f32
+        scales = []
+        for _ in range(steps):
+            scales.append(scale)
+            tracker += 1
+            if tracker >= interval:  # as next_state grows
+                grown = to_float32(scale * self.growth_factor)
+                if cap is not None and grown > cap:
+                    grown = cap
+                scale = grown if math.isfinite(grown) else scale
+                tracker, hysteresis_left = 0, self.hysteresis
+        return scales, LossScaleState(scale, tracker, hysteresis_left)
+
+    def after_finite(self, state: LossScaleState, steps: int) -> LossScaleState:
+        """The state after ``steps`` consecutive finite steps from ``state`` (`finite_run`'s, without the
+        scales along the way): one growth per ``growth_interval`` steps, counted rather than stepped."""
+        if not self.dynamic or steps <= 0:
+            return state
+        growths, tracker = divmod(state.growth_tracker + steps, self.growth_interval)
+        if not growths:
+            return LossScaleState(state.scale, tracker, state.hysteresis_left)
+        scale, cap = state.scale, self.max_scale_f32
+        for _ in range(growths):  # as next_state grows
+            grown = to_float32(scale * self.growth_factor)
+            if cap is not None and grown > cap:
+                grown = cap
+            if not math.isfinite(grown) or grown == scale:
+                break  # no further growth changes it
+            scale = grown
+        return LossScaleState(scale, tracker, self.hysteresis)
 
     def states(self, pattern: OverflowPattern, state: LossScaleState | None = None) -> list[LossScaleState]:
         """Run the reference over an overflow pattern; return the state after each step.

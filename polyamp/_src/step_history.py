@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import weakref
 from threading import get_ident
-from typing import Any
+from typing import Any, cast
 
 from polyamp._src.backend import Flag, ProvenanceDevice, RecordingDevice, ScalerDevice
 from polyamp._src.binding import DeviceCapabilities
@@ -56,11 +56,13 @@ class StepOutcomes:
     """Each optimizer's most recent outcome, held without keeping the optimizer alive where it can be weakly
     referenced, and the outcome of the last iteration."""
 
-    __slots__ = ("_records", "_unweakable", "last")
+    __slots__ = ("_recent", "_records", "_unweakable", "last")
 
     def __init__(self) -> None:
         self._records: weakref.WeakKeyDictionary[Any, OutcomeRecord] = weakref.WeakKeyDictionary()
         self._unweakable: dict[int, tuple[Any, OutcomeRecord]] = {}
+        # The optimizer written last and its record: a loop steps the same optimizer every iteration.
+        self._recent: tuple[Any, OutcomeRecord] | None = None
         #: The last iteration's outcome (None before the first iteration ended).
         self.last: OutcomeRecord | None = None
 
@@ -74,13 +76,22 @@ class StepOutcomes:
 
     def write(self, device: ScalerDevice, optimizer: Any, found_inf: Flag, skipped: bool | None) -> None:
         """Store ``optimizer``'s step flag (and the host answer, when known)."""
-        record = self.of(optimizer)
-        if record is None:
-            record = OutcomeRecord(device.new_record())
+        recent = self._recent
+        record: OutcomeRecord | None
+        if recent is not None and recent[0]() is optimizer:
+            record = recent[1]
+        else:
+            record = self.of(optimizer)
+            if record is None:
+                record = OutcomeRecord(device.new_record())
+                try:
+                    self._records[optimizer] = record
+                except TypeError:  # an optimizer that cannot be weakly referenced is held for its record
+                    self._unweakable[id(optimizer)] = (optimizer, record)
             try:
-                self._records[optimizer] = record
-            except TypeError:  # an optimizer that cannot be weakly referenced is held for its record
-                self._unweakable[id(optimizer)] = (optimizer, record)
+                self._recent = (weakref.ref(optimizer), record)
+            except TypeError:
+                self._recent = None
         device.write_record(record.storage, found_inf)
         record.host = skipped
 
@@ -137,10 +148,11 @@ class RecordHistory:
 
     def note_step(self, optimizer: Any, skipped: bool | None) -> None:
         """What the host knows of ``optimizer``'s step: applied, skipped, or decided on the device (None)."""
-        capabilities = self._capabilities
-        counts = capabilities is not None and capabilities.host_provenance
         if skipped is False:
             self.host_clean += 1
+            return
+        capabilities = self._capabilities
+        counts = capabilities is not None and capabilities.host_provenance
         if skipped:
             self.host_skip = True
             if counts:
@@ -169,16 +181,22 @@ class RecordHistory:
         gradients = tuple(self._gradients)
         self.host_skip = False
         self.host_clean = 0
-        self._gradients = []
+        if gradients:
+            self._gradients = []
         if self._ring is None:
             self._unknown = []
             return
         with self.lock:  # a read from another thread between the entry and its count would lose it
-            self.recorder.attach(self._written, gradients)
+            if gradients:
+                self.recorder.attach(self._written, gradients)
             if set_scale is not None:
                 self.recorder.attach_set_scale(self._written, set_scale)
-            unknown, self._unknown = self._unknown, []
-            self._deferred = (self._written, unknown, get_ident()) if unknown else None
+            unknown = self._unknown
+            if unknown:
+                self._unknown = []
+                self._deferred = (self._written, unknown, get_ident())
+            else:
+                self._deferred = None
             self._written += 1
             if spike is None:
                 self._device.write_history(self._ring, MODE_CODES[mode], flag)
@@ -225,8 +243,9 @@ class RecordHistory:
     def _read_ring(self) -> None:
         """Read the device's new entries into records (with `lock` held)."""
         device = self._device
-        if isinstance(device, ProvenanceDevice):  # counted on the device, in the branch that skipped
-            for iteration, entries in device.read_provenance():
+        capabilities = self._capabilities
+        if capabilities is not None and capabilities.device_provenance:  # counted on the device, when it skipped
+            for iteration, entries in cast(ProvenanceDevice, device).read_provenance():
                 self.recorder.attach(iteration, non_finite_gradients(entries))
         count, codes = device.read_history(self._ring)
         self._attach_deferred(count, codes)

@@ -224,9 +224,8 @@ class TorchDevice:
             pending.extend(next_node for next_node, _ in node.next_functions)
         return False
 
-    def compiling(self) -> bool:
-        """Whether torch.compile is tracing the call."""
-        return bool(torch.compiler.is_compiling())
+    #: Whether torch.compile is tracing the call (torch's own function: the core asks at every stage).
+    compiling = staticmethod(torch.compiler.is_compiling)
 
     @staticmethod
     def run_uncompiled(fn: Any, *args: Any) -> Any:
@@ -448,7 +447,7 @@ class TorchDevice:
             raise ScalerUsageError("update() was called before the scaler created its state with scale().")
         # The core passes the finite flag for an iteration the host knows was finite.
         finite = found_inf is not None and found_inf is self._finite_flags.get(state.scale.device)
-        if found_inf is not None and found_inf.device != state.scale.device:
+        if found_inf is not None and not finite and found_inf.device != state.scale.device:
             found_inf = found_inf.to(state.scale.device, non_blocking=True)
         if new_scale is not None:
             self._set_scale(state, new_scale)
@@ -526,7 +525,10 @@ class TorchDevice:
     def read_history(self, history: _History) -> tuple[int, list[int]]:
         entries = list(history.entries)
         flags = [flag for _, found, spike in entries for flag in (found, spike) if flag is not None]
-        values = iter(_read_flags(flags) if flags else [])
+        if not flags:  # every iteration known finite on the host: the codes are the modes
+            history.entries.clear()
+            return history.count, [base for base, _, _ in entries]
+        values = iter(_read_flags(flags))
         codes = []
         for base, found, spike in entries:
             overflow = found is not None and next(values) > 0

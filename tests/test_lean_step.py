@@ -1,0 +1,144 @@
+"""The per-step path kept lean: finite runs replayed in one go, records made only when read, a bound scaler's
+type check remembered, named region policies parsed once. Each shortcut equals the long way exactly."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from polyamp import LossScaleConfig, LossScaleState, StepRecord
+from polyamp._src.records import MODE_CODES, SPIKE_BIT, Recorder
+from polyamp._src.scaling import to_float32
+
+FLT_MAX = to_float32(3.4028234663852886e38)
+
+CONFIGS = [
+    LossScaleConfig(),
+    LossScaleConfig(growth_interval=1),
+    LossScaleConfig(growth_interval=3, hysteresis=2),
+    LossScaleConfig(growth_interval=2, max_scale=2.0**18),
+    LossScaleConfig(growth_interval=1, init_scale=2.0**126),  # growth reaches float32's limit
+    LossScaleConfig(growth_interval=4, growth_factor=3.0),  # scales that round to float32
+    LossScaleConfig(dynamic=False),
+]
+
+
+def _stepped(config: LossScaleConfig, state: LossScaleState, steps: int) -> tuple[list[float], LossScaleState]:
+    scales = []
+    for _ in range(steps):
+        scales.append(state.scale)
+        state = config.next_state(state, False)
+    return scales, state
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=range(len(CONFIGS)))
+def test_finite_runs_equal_next_state_step_by_step(config: LossScaleConfig) -> None:
+    starts = [config.initial_state()]
+    starts += [config.states("FFO")[-1], config.states("FFFFFFF")[-1], config.states("OF")[-1]]
+    for state, steps in itertools.product(starts, [0, 1, 2, 3, 5, 8, 13, 40]):
+        expected = _stepped(config, state, steps)
+        assert config.finite_run(state, steps) == expected
+        assert config.after_finite(state, steps) == expected[1]
+
+
+def _reference(config: LossScaleConfig, codes: list[int], state: LossScaleState) -> list[tuple[Any, ...]]:
+    """(iteration, skipped, reason, scale, next_scale) of scaling codes, one by one."""
+    rows = []
+    for iteration, code in enumerate(codes):
+        flagged = code == MODE_CODES["scaling"] + 1
+        after = config.next_state(state, flagged)
+        rows.append((iteration, flagged, "overflow" if flagged else None, state.scale, after.scale))
+        state = after
+    return rows
+
+
+def _rows(records: Any) -> list[tuple[Any, ...]]:
+    return [(r.iteration, r.skipped, r.reason, r.scale, r.next_scale) for r in records]
+
+
+@pytest.mark.parametrize(("capacity", "batch"), [(1, 1), (3, 2), (7, 7), (7, 3), (64, 5), (64, 64)])
+def test_records_of_applied_runs_are_made_when_read_and_equal_the_replay(capacity: int, batch: int) -> None:
+    config = LossScaleConfig(growth_interval=3)
+    pattern = "FFFFFOFFFFFFFFOOFFFFFFFFFFFFFFFFFFOFFFFFFF"
+    codes = [MODE_CODES["scaling"] + (1 if c == "O" else 0) for c in pattern]
+    expected = _reference(config, codes, config.initial_state())
+    recorder = Recorder(capacity, "ignore")
+    recorder.reanchor(config.initial_state())
+    # Read every `batch` iterations, as the scaler does (at most `capacity` apart: nothing is lost).
+    for end in [*range(batch, len(codes), batch), len(codes)]:
+        recorder.consume(end, codes[max(0, end - capacity) : end], config, lambda: None)
+        assert _rows(recorder.records) == expected[max(0, end - capacity) : end]
+    assert recorder.lost == 0
+    assert recorder.anchor == config.states(pattern)[-1]
+    for record in recorder.records:  # made through the fast path: real records in every respect
+        assert type(record) is StepRecord
+        assert record == StepRecord(**vars(record)) and hash(record) == hash(StepRecord(**vars(record)))
+        with pytest.raises(AttributeError):
+            record.skipped = True  # type: ignore[misc]
+
+
+def test_records_read_late_keep_the_last_capacity_and_their_scales() -> None:
+    config = LossScaleConfig(growth_interval=2)
+    recorder = Recorder(5, "ignore")
+    recorder.reanchor(config.initial_state())
+    codes = [0] * 23
+    for end in (4, 15, 23):  # runs longer than the capacity: trimmed without being made
+        recorder.consume(end, codes[max(0, end - 11) : end], config, lambda: None)
+    assert recorder.lost == 0
+    assert _rows(recorder.records) == _reference(config, codes, config.initial_state())[-5:]
+
+
+def test_an_unknown_state_gives_applied_records_without_scales() -> None:
+    config = LossScaleConfig()
+    recorder = Recorder(8, "ignore")  # never anchored: the scale is unknown
+    recorder.consume(12, [0] * 8, config, lambda: None)
+    assert recorder.lost == 4
+    assert _rows(recorder.records) == [(i, False, None, None, None) for i in range(4, 12)]
+
+
+def test_a_spike_code_between_runs_keeps_the_replay() -> None:
+    config = LossScaleConfig(growth_interval=2)
+    recorder = Recorder(16, "ignore", "loss_spike")
+    recorder.reanchor(config.initial_state())
+    codes = [0, 0, 0, MODE_CODES["scaling"] + 1 + SPIKE_BIT, 0, 0]
+    recorder.consume(len(codes), codes, config, lambda: None)
+    scales = [r.scale for r in recorder.records]
+    # A skip by the spike rule alone does not count as an overflow for the scale.
+    state = config.initial_state()
+    expected = []
+    for _ in codes:
+        expected.append(state.scale)
+        state = config.next_state(state, False)
+    assert scales == expected
+    assert [r.reason for r in recorder.records] == [None, None, None, "loss_spike", None, None]
+
+
+torch = pytest.importorskip("torch")
+import polyamp  # noqa: E402
+import polyamp_torch  # noqa: E402
+
+
+def test_a_bound_scaler_still_refuses_other_frameworks_objects_after_remembering_its_own() -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    scaler = polyamp.LossScaler(enabled=True)
+    loss = torch.ones((), requires_grad=True)
+    scaler.scale(loss)
+    scaler.scale([loss, loss])  # a list of its own: lists are looked into every time
+    with pytest.raises(polyamp.BackendMismatchError, match="bound to torch"):
+        scaler.scale(jnp.ones(()))
+    with pytest.raises(polyamp.BackendMismatchError, match="bound to torch"):
+        scaler.scale([jnp.ones(())])
+    scaler.discard_iteration()
+
+
+def test_named_region_policies_are_parsed_once_and_bad_names_still_raise() -> None:
+    first = polyamp_torch.autocast("mixed_float16", device_type="cpu")
+    second = polyamp_torch.autocast("mixed_float16", device_type="cpu")
+    assert first.policy is second.policy and first.policy == polyamp.Policy("mixed_float16")
+    for _ in range(2):
+        with pytest.raises(polyamp.InvalidPolicyError):
+            polyamp_torch.autocast("mixed_float17", device_type="cpu")
+    with second:
+        assert torch.get_autocast_dtype("cpu") == torch.float16
