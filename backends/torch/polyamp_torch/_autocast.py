@@ -96,7 +96,18 @@ def _policy_argument(policy: object, dtype: object) -> Policy | None:
                 f"autocast(dtype=...) takes torch.float16, torch.bfloat16 or torch.float32. Received: {policy}."
             )
         return Policy(compute=name)
+    if isinstance(policy, str):
+        # A region is often made per step from the same name: parsed once (policies are immutable values).
+        known = _NAMED_POLICIES.get(policy)
+        if known is None:
+            known = Policy(policy)
+            if len(_NAMED_POLICIES) < 64:
+                _NAMED_POLICIES[policy] = known
+        return known
     return Policy(policy)  # type: ignore[arg-type]
+
+
+_NAMED_POLICIES: dict[str, Policy] = {}
 
 
 def _device_type(device_type: object) -> str | None:
@@ -137,9 +148,7 @@ def _autocast_available(name: str) -> bool:
     return known
 
 
-def _is_compiling() -> bool:
-    checker = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(checker()) if checker is not None else False
+_is_compiling = torch.compiler.is_compiling
 
 
 def autocast(
@@ -293,23 +302,27 @@ class PolicyRegion(contextlib.ContextDecorator):
         compute = policy.compute_dtype
         if compute == "float32":
             return torch.autocast(device_type, enabled=False)
-        kwargs: dict[str, Any] = {}
-        if self._cache_enabled is not None:
-            kwargs["cache_enabled"] = self._cache_enabled
-        return torch.autocast(device_type, dtype=TORCH_DTYPES[compute], **kwargs)
+        if self._cache_enabled is None:
+            return torch.autocast(device_type, dtype=TORCH_DTYPES[compute])
+        return torch.autocast(device_type, dtype=TORCH_DTYPES[compute], cache_enabled=self._cache_enabled)
 
     def __enter__(self) -> PolicyRegion:
-        policy = self.policy if self._enabled else _FLOAT32
-        device_types = self.device_types
-        regions = [self._torch_autocast(policy, device_type) for device_type in device_types]
-        low_precision = policy.compute_dtype != "float32"
-        if policy.compute_dtype == "float16":
+        policy = self._policy
+        if not self._enabled:
+            policy = _FLOAT32
+        elif policy is None:
+            policy = policy_in_effect()
+        device_type = self._device_type
+        device_types = (device_type,) if device_type is not None else default_device_types()
+        regions = [self._torch_autocast(policy, name) for name in device_types]
+        compute = policy.compute_dtype
+        if compute == "float16":
             _float16_regions[0] += 1
         for region in regions:
             region.__enter__()  # type: ignore[no-untyped-call]
         previous = None
         if "cpu" in device_types:  # CUDA-only regions leave the CPU setting of an enclosing region alone
-            previous = _cpu_float32.enter_region(low_precision and self._cpu_float32_ops)
+            previous = _cpu_float32.enter_region(compute != "float32" and self._cpu_float32_ops)
         self._entered.append((regions, previous, _region_policy.set(policy)))
         return self
 
