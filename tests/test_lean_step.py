@@ -115,6 +115,42 @@ def test_a_spike_code_between_runs_keeps_the_replay() -> None:
     assert [r.reason for r in recorder.records] == [None, None, None, "loss_spike", None, None]
 
 
+class _OneVariableDevice:
+    """A device keeping every outcome in one storage, as Keras's does, counting its writes."""
+
+    def __init__(self) -> None:
+        self.storage: list[Any] = [None]
+        self.writes: list[Any] = []
+
+    def new_record(self) -> list[Any]:
+        return self.storage
+
+    def write_record(self, record: list[Any], flag: Any) -> None:
+        record[0] = flag
+        self.writes.append(flag)
+
+
+def test_the_iterations_outcome_is_written_once_into_a_shared_outcome_variable() -> None:
+    from polyamp._src.step_history import StepOutcomes
+
+    device = _OneVariableDevice()
+    outcomes = StepOutcomes()
+    optimizer = type("Optimizer", (), {})()
+    flag, other = object(), object()
+    outcomes.write(device, optimizer, flag, False)  # type: ignore[arg-type]
+    outcomes.write_last(device, flag, False)  # type: ignore[arg-type]  # the same flag, the same variable
+    assert device.writes == [flag] and outcomes.last is not None and outcomes.last.host is False
+    outcomes.iteration_opened()
+    outcomes.write(device, optimizer, flag, False)  # type: ignore[arg-type]
+    outcomes.write_last(device, other, None)  # type: ignore[arg-type]  # another flag (two optimizers combined)
+    assert device.writes == [flag, flag, other] and device.storage[0] is other
+    outcomes.iteration_opened()
+    outcomes.write(device, optimizer, flag, False)  # type: ignore[arg-type]
+    outcomes.iteration_opened()  # (the iteration was discarded: a new one writes its outcome in full)
+    outcomes.write_last(device, flag, False)  # type: ignore[arg-type]
+    assert device.writes == [flag, flag, other, flag, flag]
+
+
 torch = pytest.importorskip("torch")
 import polyamp  # noqa: E402
 import polyamp_torch  # noqa: E402

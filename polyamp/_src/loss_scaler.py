@@ -437,6 +437,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         if enabled is None:
             iteration.enabled = enabled = self._decide_enabled(starting=True, loss=loss)
             self._history.iteration_opened()
+            self._outcomes.iteration_opened()
             iteration.guarding = not enabled and self._guards()
             iteration.thread = thread
         elif thread is None or iteration.thread == thread:

@@ -56,7 +56,7 @@ class StepOutcomes:
     """Each optimizer's most recent outcome, held without keeping the optimizer alive where it can be weakly
     referenced, and the outcome of the last iteration."""
 
-    __slots__ = ("_recent", "_records", "_unweakable", "last")
+    __slots__ = ("_recent", "_records", "_unweakable", "_written", "last")
 
     def __init__(self) -> None:
         self._records: weakref.WeakKeyDictionary[Any, OutcomeRecord] = weakref.WeakKeyDictionary()
@@ -65,6 +65,13 @@ class StepOutcomes:
         self._recent: tuple[Any, OutcomeRecord] | None = None
         #: The last iteration's outcome (None before the first iteration ended).
         self.last: OutcomeRecord | None = None
+        # This iteration's last step write: (storage, flag). A device may keep one outcome variable for every
+        # record (Keras): the iteration's outcome, the same flag into the same storage, is then written once.
+        self._written: tuple[Any, Flag] | None = None
+
+    def iteration_opened(self) -> None:
+        """A new iteration: what the last one wrote says nothing about the storage now."""
+        self._written = None
 
     def of(self, optimizer: Any) -> OutcomeRecord | None:
         """``optimizer``'s record, or None if it was never stepped."""
@@ -94,12 +101,15 @@ class StepOutcomes:
                 self._recent = None
         device.write_record(record.storage, found_inf)
         record.host = skipped
+        self._written = (record.storage, found_inf)
 
     def write_last(self, device: ScalerDevice, flag: Flag, host: bool | None) -> None:
         """Store the last iteration's flag (and the host answer, when known)."""
         if self.last is None:
             self.last = OutcomeRecord(device.new_record())
-        device.write_record(self.last.storage, flag)
+        written, self._written = self._written, None
+        if written is None or written[0] is not self.last.storage or written[1] is not flag:
+            device.write_record(self.last.storage, flag)
         self.last.host = host
 
 
