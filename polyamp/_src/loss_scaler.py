@@ -370,8 +370,10 @@ class LossScaler(GradScalerSpelling, Pickled):
             owner = registry.detect_backend(obj)
             if owner is not None and owner != self._backend_name:
                 raise registry.wrong_object_error(str(self._backend_name), method, obj, "this framework's objects")
+            # (Not while a compiler traces the call: torch.compile would guard on the dict and compile anew.)
             if owner is not None and not isinstance(obj, (list, tuple)) and len(self._own_types) < 64:
-                self._own_types[type(obj)] = True
+                if not self._compiling():
+                    self._own_types[type(obj)] = True
             return device
         owner = registry.detect_backend(obj)
         if owner is None:

@@ -56,13 +56,11 @@ class StepOutcomes:
     """Each optimizer's most recent outcome, held without keeping the optimizer alive where it can be weakly
     referenced, and the outcome of the last iteration."""
 
-    __slots__ = ("_recent", "_records", "_unweakable", "_written", "last")
+    __slots__ = ("_records", "_unweakable", "_written", "last")
 
     def __init__(self) -> None:
         self._records: weakref.WeakKeyDictionary[Any, OutcomeRecord] = weakref.WeakKeyDictionary()
         self._unweakable: dict[int, tuple[Any, OutcomeRecord]] = {}
-        # The optimizer written last and its record: a loop steps the same optimizer every iteration.
-        self._recent: tuple[Any, OutcomeRecord] | None = None
         #: The last iteration's outcome (None before the first iteration ended).
         self.last: OutcomeRecord | None = None
         # This iteration's last step write: (storage, flag). A device may keep one outcome variable for every
@@ -83,22 +81,13 @@ class StepOutcomes:
 
     def write(self, device: ScalerDevice, optimizer: Any, found_inf: Flag, skipped: bool | None) -> None:
         """Store ``optimizer``'s step flag (and the host answer, when known)."""
-        recent = self._recent
-        record: OutcomeRecord | None
-        if recent is not None and recent[0]() is optimizer:
-            record = recent[1]
-        else:
-            record = self.of(optimizer)
-            if record is None:
-                record = OutcomeRecord(device.new_record())
-                try:
-                    self._records[optimizer] = record
-                except TypeError:  # an optimizer that cannot be weakly referenced is held for its record
-                    self._unweakable[id(optimizer)] = (optimizer, record)
+        record = self.of(optimizer)
+        if record is None:
+            record = OutcomeRecord(device.new_record())
             try:
-                self._recent = (weakref.ref(optimizer), record)
-            except TypeError:
-                self._recent = None
+                self._records[optimizer] = record
+            except TypeError:  # an optimizer that cannot be weakly referenced is held for its record
+                self._unweakable[id(optimizer)] = (optimizer, record)
         device.write_record(record.storage, found_inf)
         record.host = skipped
         self._written = (record.storage, found_inf)
