@@ -206,8 +206,13 @@ SUMMARY: dict[str, tuple[str, list[tuple[int, str, str]]]] = {
         [(0, "polyamp", "polyamp vs jmp-style"), (0, "float32 optax", "float32 optax vs jmp-style")],
     ),
     "scale": (
-        "Eager CPU step as the model grows (4.5e3 to 1e8 parameters; 4 to 256 parameter tensors)",
-        [(0, "polyamp", "polyamp vs native, by width"), (1, "polyamp", "polyamp vs native, by depth")],
+        "Eager CPU step as the model grows (4.5e3 to 1e8 parameters; 4 to 256 parameter tensors); the scaler "
+        "alone, 1e4 to 1e8 parameters, in microseconds (see `benchmarks/RESULTS.md` and the plot below)",
+        [
+            (0, "polyamp", "polyamp vs native, by width"),
+            (0, "polyamp, torch CPU lists", "polyamp, `cpu_float32_ops=False`, by width"),
+            (1, "polyamp", "polyamp vs native, by depth"),
+        ],
     ),
     "compiled": (
         "PyTorch CPU step, all of it under `torch.compile`, vs `torch.autocast` + `GradScaler` (SGD, Adam, fused Adam)",

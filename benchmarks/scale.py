@@ -1,11 +1,16 @@
 """Target: how polyamp's per-step overhead grows with the model (CPU, eager, float16 compute, Adam).
 
-Two sweeps, each variant timed in interleaved rounds against ``torch.autocast`` + ``GradScaler``:
+Three sweeps, each variant timed in interleaved rounds against ``torch.autocast`` + ``GradScaler``:
 
 * parameters: 4 x (Linear w + LayerNorm + GELU), w from 32 to 5000 (about 4.5e3 to 1e8 parameters, 16
   parameter tensors throughout), batch 16, as far as memory and ``--max-step-seconds`` allow;
 * parameter tensors: width 16, depth 1 to 64 (4 to 256 parameter tensors; the number of listed ops per
-  step, one LayerNorm per block, grows with it).
+  step, one LayerNorm per block, grows with it);
+* the scaler alone, by parameters: ``scale`` + ``step`` + ``update`` of ``polyamp.LossScaler`` against
+  ``GradScaler`` over the same 16 gradients (the optimizer's own step a no-op, so what is timed is the
+  scalers' work: the same fused unscale kernel, and each one's bookkeeping), with the Python function
+  calls per iteration counted exactly (``sys.setprofile``): polyamp's overhead in microseconds, and the
+  evidence that it does not grow with the parameter count.
 
 Reported per size: native ms, polyamp ms, the difference (polyamp's overhead in ms) and the ratio. The
 full run also draws step time against parameters, native and polyamp, as a PNG (matplotlib).
@@ -16,6 +21,8 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -107,6 +114,94 @@ def measure(width: int, depth: int, batch: int, rounds: int, quick: bool, clock:
     }
 
 
+class _NoStep(torch.optim.SGD):
+    """An optimizer whose step does nothing: timing a scaler's step then times the scaler."""
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        return None
+
+
+def _scaler_iteration(variant: str, width: int) -> Any:
+    """One ``scale`` + ``step`` + ``update`` of the variant's scaler over 4 x Linear w's gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+    for param in model.parameters():
+        param.grad = torch.full_like(param, 2.0**-20)  # finite at every scale: nothing is skipped
+    opt = _NoStep(model.parameters(), lr=0.0)
+    loss = torch.ones(())
+    scaler: Any = torch.amp.GradScaler("cpu") if variant == "GradScaler" else polyamp.LossScaler(enabled=True)
+
+    def iteration() -> None:
+        scaler.scale(loss)
+        scaler.step(opt)
+        scaler.update()
+
+    return iteration
+
+
+def _python_calls(iteration: Any) -> int:
+    """The Python functions (and builtins) one call of ``iteration`` runs, counted exactly."""
+    for _ in range(300):  # past the first iterations' one-time work and a batch read of the records
+        iteration()
+    counted = [0]
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            counted[0] += 1
+
+    sys.setprofile(count)
+    try:
+        iteration()
+    finally:
+        sys.setprofile(None)
+    return counted[0] - 1  # less the setprofile call itself
+
+
+SCALERS = ("GradScaler", "polyamp LossScaler")
+
+
+def measure_scaler(width: int, rounds: int, quick: bool, clock: str) -> dict[str, Any]:
+    steps = {variant: _scaler_iteration(variant, width) for variant in SCALERS}
+    calls = {variant: _python_calls(step) for variant, step in steps.items()}
+    start = time.perf_counter()
+    steps["GradScaler"]()
+    one = time.perf_counter() - start
+    iters = 1 if quick else max(1, math.ceil(0.1 / max(one, 1e-6)))
+    times = _common.interleaved(
+        steps, iters=iters, rounds=rounds, warmup=1 if quick else 20, clock=_common.CLOCKS[clock]
+    )
+    summary = _common.summarize(times, "GradScaler")
+    differences = [(ours - native) * 1e3 for ours, native in zip(times[SCALERS[1]], times[SCALERS[0]], strict=True)]
+    return {
+        "width": width,
+        "parameters": 4 * (width * width + width),
+        "iters_per_round": iters,
+        "rounds": rounds,
+        "overhead_us": statistics.median(differences),
+        "overhead_us_spread": [min(differences), max(differences)],
+        "python_calls": calls,
+        "summary": summary,
+        "times_ms": times,
+    }
+
+
+SCALER_WIDTHS = (50, 158, 500, 1581, 5000)  # about 1e4, 1e5, 1e6, 1e7 and 1e8 parameters
+QUICK_SCALER_WIDTHS = (8,)
+
+
+def _scaler_row(m: dict[str, Any]) -> list[str]:
+    s = m["summary"]
+    low, high = m["overhead_us_spread"]
+    return [
+        f"{m['parameters']:.2e}",
+        f"{s['GradScaler']['median_ms'] * 1e3:.1f}",
+        f"{s['polyamp LossScaler']['median_ms'] * 1e3:.1f}",
+        f"{m['overhead_us']:+.1f} ({low:+.0f} to {high:+.0f})",
+        str(m["python_calls"]["GradScaler"]),
+        str(m["python_calls"]["polyamp LossScaler"]),
+    ]
+
+
 def _row(m: dict[str, Any], key: str) -> list[str]:
     s = m["summary"]
     return [
@@ -119,8 +214,9 @@ def _row(m: dict[str, Any], key: str) -> list[str]:
     ]
 
 
-def plot(measured: list[dict[str, Any]], path: Path) -> None:
-    """Step time against parameters, native and polyamp, log-log; the polyamp / native ratio below."""
+def plot(measured: list[dict[str, Any]], scalers: list[dict[str, Any]], path: Path) -> None:
+    """Step time against parameters, native and polyamp, log-log; the polyamp / native ratio below; and the
+    scaler alone: polyamp's microseconds over GradScaler's per iteration, with the spread over rounds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,7 +225,9 @@ def plot(measured: list[dict[str, Any]], path: Path) -> None:
     params = [m["parameters"] for m in measured]
     native = [m["summary"]["native"]["median_ms"] for m in measured]
     ours = [m["summary"]["polyamp"]["median_ms"] for m in measured]
-    figure, (top, bottom) = plt.subplots(2, 1, figsize=(7, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    figure, (top, bottom, scaler) = plt.subplots(
+        3, 1, figsize=(7, 10), sharex=True, gridspec_kw={"height_ratios": [3, 2, 2]}
+    )
     top.loglog(params, native, "o-", label="torch.autocast + GradScaler")
     top.loglog(params, ours, "s--", label="polyamp (CUDA float32 list on CPU)")
     top.set_ylabel("ms per training step (median)")
@@ -139,10 +237,20 @@ def plot(measured: list[dict[str, Any]], path: Path) -> None:
     lists = [m["summary"]["polyamp, torch CPU lists"]["ratio"] for m in measured]
     bottom.semilogx(params, lists, "^:", color="tab:gray", label="polyamp, torch CPU lists")
     bottom.axhline(1, color="black", linewidth=0.8)
-    bottom.set_xlabel("parameters (4 x Linear + LayerNorm, 16 parameter tensors)")
     bottom.set_ylabel("polyamp / native (median of per-round ratios)")
     bottom.legend()
     bottom.grid(True, which="both", alpha=0.3)
+    x = [m["parameters"] for m in scalers]
+    y = [m["overhead_us"] for m in scalers]
+    spread = [[m["overhead_us"] - m["overhead_us_spread"][0] for m in scalers]]
+    spread.append([m["overhead_us_spread"][1] - m["overhead_us"] for m in scalers])
+    scaler.errorbar(x, y, yerr=spread, fmt="o-", color="tab:green", capsize=3, label="median (bars: min to max)")
+    scaler.set_xscale("log")
+    scaler.axhline(0, color="black", linewidth=0.8)
+    scaler.set_xlabel("parameters (4 x Linear, 16 parameter tensors in the top panels, 8 here)")
+    scaler.set_ylabel("scaler alone: polyamp - GradScaler, us per iteration")
+    scaler.legend()
+    scaler.grid(True, which="both", alpha=0.3)
     figure.suptitle("CPU training step vs model size (float16 compute, Adam, batch 16)")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -183,17 +291,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         measured = measure(16, depth, batch, rounds, args.quick, args.clock)
         by_tensors.append(measured)
         print(f"depth {depth}: {4 * depth} tensors, overhead {measured['overhead_ms']:+.3f} ms", flush=True)
+    by_scaler = []
+    for width in QUICK_SCALER_WIDTHS if args.quick else SCALER_WIDTHS:
+        count = 4 * (width * width + width)
+        if count > args.max_params * 1.05:
+            skipped.append(f"scaler alone, {count:.1e} parameters: above --max-params")
+            continue
+        measured = measure_scaler(width, 3 if args.quick else max(args.rounds, 15), args.quick, args.clock)
+        by_scaler.append(measured)
+        print(f"scaler alone, {count:.2e} params: polyamp {measured['overhead_us']:+.1f} us", flush=True)
+        gc.collect()
     notes = [
         "overhead = median polyamp step minus median native step, same run; ratios as in the other tables. "
         + ("Clock: CPU time of the (single) computing thread." if args.clock == "cpu" else "Clock: wall time."),
         "polyamp's float32 list runs each block's LayerNorm in float32 (native: float16), a different amount "
         "of work that grows with width; the 'torch CPU lists' column isolates the scaler and region cost.",
+        "The scaler alone: scale + step + update over 4 x Linear w's gradients (8 tensors), the optimizer's own "
+        "step a no-op; polyamp - GradScaler is the median over rounds of each round's difference (in brackets: "
+        "the smallest and largest); Python calls per iteration counted with sys.setprofile (functions and "
+        "builtins), after 300 iterations.",
     ]
     notes += [f"not measured: {reason}" for reason in skipped]
     if not args.quick:
         png = Path(args.plot) if args.plot else Path(args.out) / "scale.png"
         try:
-            plot(by_size, png)
+            plot(by_size, by_scaler, png)
             notes.append(f"plot: {png.name}")
         except ImportError:
             notes.append("plot not drawn: matplotlib is not installed (pip install matplotlib)")
@@ -217,7 +339,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "columns": tensor_columns,
                 "rows": [_row(m, "parameter_tensors") for m in by_tensors],
             },
+            {
+                "caption": "The scaler alone (scale + step + update, the optimizer's step a no-op), 4 x Linear w, "
+                "w = " + ", ".join(str(m["width"]) for m in by_scaler),
+                "columns": [
+                    "parameters",
+                    "GradScaler us",
+                    "polyamp us",
+                    "polyamp - GradScaler us (range)",
+                    "Python calls, GradScaler",
+                    "Python calls, polyamp",
+                ],
+                "rows": [_scaler_row(m) for m in by_scaler],
+            },
         ],
         notes=notes,
-        raw={"by_size": by_size, "by_tensors": by_tensors, "skipped": skipped},
+        raw={"by_size": by_size, "by_tensors": by_tensors, "by_scaler": by_scaler, "skipped": skipped},
     )
