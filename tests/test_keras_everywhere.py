@@ -365,6 +365,33 @@ def test_gradient_counts_are_exact_per_gradient_eagerly_and_compiled() -> None:
         assert ops.convert_to_numpy(counts).tolist() == expected, how
 
 
+@pytest.mark.parametrize("scale", [65536.0, 3.0, 2.0**-10])
+def test_unscale_and_check_equals_the_keras_operations_bit_for_bit(scale: float) -> None:
+    """The unscale and finite check in one (torch's foreach kernels on Keras's PyTorch backend): the values of
+    `unscale` bit for bit (``-0.0``, inf, NaN, results of an inexact division) and `all_finite`'s answer."""
+    from polyamp_keras._gradients import _torch_unscale_and_check, all_finite, unscale, unscale_and_check
+
+    rng = np.random.default_rng(3)
+    a = rng.normal(size=(5, 7)).astype("float32") * 1e4
+    a[0, 0] = -0.0
+    b = rng.normal(size=(3,)).astype("float32")
+    c = np.array([1.0, math.inf, -math.inf, math.nan], dtype="float32")
+    scale_variable = keras.Variable(scale, dtype="float32")
+    for arrays, all_finite_expected in (([a, None, b], True), ([a, b, c], False), ([None, c], False)):
+        grads = [None if x is None else ops.convert_to_tensor(x) for x in arrays]
+        unscaled, finite = unscale_and_check(grads, scale_variable)
+        expected = unscale(grads, scale_variable)
+        assert [g is None for g in unscaled] == [g is None for g in expected]
+        for ours, theirs in zip(unscaled, expected, strict=True):
+            if ours is not None:
+                ours_bits = ops.convert_to_numpy(ours).view("int32")
+                assert (ours_bits == ops.convert_to_numpy(theirs).view("int32")).all()
+        assert bool(ops.convert_to_numpy(finite)) is bool(ops.convert_to_numpy(all_finite(expected)))
+        assert bool(ops.convert_to_numpy(finite)) is all_finite_expected
+        if BACKEND == "torch":  # the fused path is the one taken there
+            assert _torch_unscale_and_check(grads, scale_variable) is not None
+
+
 #: (settings, overflow rate): the default rule at its floor of 1.0, and odd factors with hysteresis that spend
 #: most of the run far below 1, often at min_scale.
 SOAK_CONFIGS = [

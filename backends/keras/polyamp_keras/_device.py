@@ -33,6 +33,7 @@ from polyamp_keras._gradients import (
     refuse_loss_scale_factor,
     sparse_values,
     unscale,
+    unscale_and_check,
 )
 from polyamp_keras._keras import keras
 from polyamp_keras._rule import ScaleState, advance, advance_on_flag, counter_dtype, device_cond, read_scalar
@@ -333,8 +334,12 @@ class KerasDevice:
             unscaled_grads, norm = self.unscale_and_clip_by(scaled_grads, state.scale, clip_norm)
         else:
             keep = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
-            unscaled_grads = unscale(grads, state.scale, keep)
-        finite = ops.isfinite(norm) if clip_norm is not None else all_replicas_finite(all_finite(unscaled_grads))
+            unscaled_grads, finite = unscale_and_check(grads, state.scale, keep)
+        if clip_norm is not None:
+            finite = ops.isfinite(norm)
+        elif unscaled:
+            finite = all_finite(unscaled_grads)
+        finite = all_replicas_finite(finite)
         go = finite if veto is None else ops.logical_and(finite, ops.logical_not(ops.greater(veto, 0)))
         tf = _tensorflow()
         context = None if tf is None or not tf.distribute.has_strategy() else tf.distribute.get_replica_context()

@@ -1,7 +1,9 @@
 """Gradients as polyamp's Keras loss scaling handles them: unscaling, the finite check, double-unscale guards.
 
-Keras ops only, so the same code runs on every Keras backend. TensorFlow's sparse gradients
-(``tf.IndexedSlices``: values, indices, dense shape) are recognised by their shape, not imported.
+Keras ops, so the same code runs on every Keras backend; on Keras's PyTorch backend, which runs every
+operation eagerly, dense float32 gradients are unscaled and checked with torch's foreach kernels instead
+(`unscale_and_check`: the same values bit for bit, in two kernels for all gradients). TensorFlow's sparse
+gradients (``tf.IndexedSlices``: values, indices, dense shape) are recognised by their shape, not imported.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "refuse_loss_scale_factor",
     "sparse_values",
     "unscale",
+    "unscale_and_check",
 ]
 
 ops = keras.ops
@@ -157,6 +160,48 @@ def all_finite(grads: Sequence[Any]) -> Any:
     if not checks:
         return ops.convert_to_tensor(True)
     return ops.all(ops.stack(checks))
+
+
+def unscale_and_check(grads: Sequence[Any], scale: Any, skip: Sequence[bool] | None = None) -> tuple[list[Any], Any]:
+    """`unscale` and `all_finite` of the result: the unscaled gradients and a boolean scalar, True when none
+    holds inf or NaN.
+
+    On Keras's PyTorch backend, where each Keras operation is a separate eager call (a dozen per gradient for
+    the division and the check), dense float32 gradients on the scale's device are divided with one
+    ``torch._foreach_div`` and checked with torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` at
+    inverse scale 1 (which leaves the values as they are): the same values bit for bit. Anything else takes
+    the Keras operations.
+    """
+    if keras.backend.backend() == "torch" and not any(skip or ()):
+        fused = _torch_unscale_and_check(grads, scale)
+        if fused is not None:
+            return fused
+    unscaled = unscale(grads, scale, skip)
+    return unscaled, all_finite(unscaled)
+
+
+def _torch_unscale_and_check(grads: Sequence[Any], scale: Any) -> tuple[list[Any], Any] | None:
+    torch = sys.modules["torch"]  # imported: it is Keras's backend
+    scale = ops.convert_to_tensor(scale)
+    present = [grad for grad in grads if grad is not None]
+    if not present or scale.dtype != torch.float32:
+        return None
+    for grad in present:
+        if (
+            type(grad) is not torch.Tensor
+            or grad.layout != torch.strided
+            or grad.dtype != torch.float32
+            or grad.device != scale.device
+            or grad.requires_grad
+        ):
+            return None
+    with torch.no_grad():
+        divided = iter(torch._foreach_div(present, scale))
+        unscaled = [None if grad is None else next(divided) for grad in grads]
+        found = torch.zeros((), dtype=torch.float32, device=scale.device)
+        one = torch.ones((), dtype=torch.float32, device=scale.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([g for g in unscaled if g is not None], found, one)
+    return unscaled, found == 0
 
 
 def all_replicas_finite(finite: Any) -> Any:
