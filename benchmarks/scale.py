@@ -185,6 +185,16 @@ def measure_scaler(width: int, rounds: int, quick: bool, clock: str) -> dict[str
     }
 
 
+def _quartiles(measured: dict[str, Any]) -> tuple[float, float]:
+    """The first and third quartiles of a scaler measurement's per-round differences, in microseconds."""
+    times = measured["times_ms"]
+    differences = [(ours - native) * 1e3 for ours, native in zip(times[SCALERS[1]], times[SCALERS[0]], strict=True)]
+    if len(differences) < 2:
+        return differences[0], differences[0]
+    low, _, high = statistics.quantiles(differences, n=4)
+    return low, high
+
+
 SCALER_WIDTHS = (50, 158, 500, 1581, 5000)  # about 1e4, 1e5, 1e6, 1e7 and 1e8 parameters
 QUICK_SCALER_WIDTHS = (8,)
 
@@ -230,25 +240,29 @@ def plot(measured: list[dict[str, Any]], scalers: list[dict[str, Any]], path: Pa
     )
     top.loglog(params, native, "o-", label="torch.autocast + GradScaler")
     top.loglog(params, ours, "s--", label="polyamp (CUDA float32 list on CPU)")
-    top.set_ylabel("ms per training step (median)")
+    top.set_ylabel("ms per step (median)")
     top.legend()
     top.grid(True, which="both", alpha=0.3)
     bottom.semilogx(params, [m["summary"]["polyamp"]["ratio"] for m in measured], "d-", color="tab:red")
     lists = [m["summary"]["polyamp, torch CPU lists"]["ratio"] for m in measured]
     bottom.semilogx(params, lists, "^:", color="tab:gray", label="polyamp, torch CPU lists")
     bottom.axhline(1, color="black", linewidth=0.8)
-    bottom.set_ylabel("polyamp / native (median of per-round ratios)")
+    bottom.set_ylabel("polyamp / native\n(median of per-round ratios)")
     bottom.legend()
     bottom.grid(True, which="both", alpha=0.3)
     x = [m["parameters"] for m in scalers]
     y = [m["overhead_us"] for m in scalers]
-    spread = [[m["overhead_us"] - m["overhead_us_spread"][0] for m in scalers]]
-    spread.append([m["overhead_us_spread"][1] - m["overhead_us"] for m in scalers])
-    scaler.errorbar(x, y, yerr=spread, fmt="o-", color="tab:green", capsize=3, label="median (bars: min to max)")
+    quartiles = [_quartiles(m) for m in scalers]
+    spread = [
+        [m - q[0] for m, q in zip(y, quartiles, strict=True)],
+        [q[1] - m for m, q in zip(y, quartiles, strict=True)],
+    ]
+    scaler.errorbar(x, y, yerr=spread, fmt="o-", color="tab:green", capsize=3, label="median (bars: quartiles)")
     scaler.set_xscale("log")
+    scaler.set_yscale("symlog", linthresh=10)
     scaler.axhline(0, color="black", linewidth=0.8)
-    scaler.set_xlabel("parameters (4 x Linear, 16 parameter tensors in the top panels, 8 here)")
-    scaler.set_ylabel("scaler alone: polyamp - GradScaler, us per iteration")
+    scaler.set_xlabel("parameters (4 x Linear; 16 parameter tensors in the top panels, 8 in the bottom one)")
+    scaler.set_ylabel("scaler alone:\npolyamp - GradScaler, us")
     scaler.legend()
     scaler.grid(True, which="both", alpha=0.3)
     figure.suptitle("CPU training step vs model size (float16 compute, Adam, batch 16)")
