@@ -8,10 +8,14 @@ threads that never set one. Setting Keras's policy on each polyamp change would 
 making the change, and only until ``keras.utils.clear_session()``.
 
 So, once per process, polyamp interposes on those two accessors of Keras's global state for the one
-attribute ``"dtype_policy"`` (every other attribute goes straight through). Keras then asks polyamp when a
-layer is built, in whatever thread builds it, and gets `polyamp.get_policy_setting` for that thread: the
-thread's innermost ``polyamp.policy_scope``, else the process-wide ``polyamp.set_policy``. The rule
-between the two settings, per thread, is that the later one wins:
+attribute ``"dtype_policy"``, as the module defining ``keras.config.dtype_policy`` and
+``keras.config.set_dtype_policy`` sees them: that module's ``global_state`` becomes a view of Keras's global
+state whose two accessors ask polyamp first (every other attribute, and every other module of Keras, goes
+to Keras's own functions untouched, so the hundreds of global-state reads of an eager Keras step cost what
+they cost without polyamp). Keras then asks polyamp when a layer is built, in whatever thread builds it, and
+gets `polyamp.get_policy_setting` for that thread: the thread's innermost ``polyamp.policy_scope``, else the
+process-wide ``polyamp.set_policy``. The rule between the two settings, per thread, is that the later one
+wins:
 
 * ``keras.config.set_dtype_policy(...)`` (or ``keras.mixed_precision.set_global_policy``) in a thread wins
   in that thread, as Keras documents, for as long as the polyamp setting it was made under is in effect
@@ -22,8 +26,8 @@ between the two settings, per thread, is that the later one wins:
 Why this is robust: the accessors are found through the public ``keras.config.dtype_policy`` and
 ``keras.config.set_dtype_policy`` (the module they are defined in and the ``global_state`` it uses),
 and are used only after checking that those functions really call them, so nothing depends on a private
-import path. Both accessors and the attribute name have been the same since Keras 3.0. They are module
-functions, which ``clear_session`` (it replaces the ``threading.local``) leaves in place, and the mark
+import path. Both accessors and the attribute name have been the same since Keras 3.0. The view forwards to
+Keras's module functions, which ``clear_session`` (it replaces the ``threading.local``) leaves in place, and the mark
 telling which polyamp setting a Keras setting was made under is stored in the same per-thread state, so
 ``clear_session`` drops the two together. Should a future Keras store its policy differently, the hook
 says so once (a ``RuntimeWarning``) and sets Keras's policy in the calling thread, as Keras alone would.
@@ -93,11 +97,11 @@ def _follow() -> bool:
     """Make Keras read polyamp's setting (once per process); False where this Keras does not allow it."""
     global _state, _warned
     state = _state
-    if state is not None and getattr(state.get_global_attribute, _MARK, False):
+    if state is not None and getattr(state, _MARK, False):
         return True
     with _lock:
-        state = _keras_global_state()
-        if state is None:
+        found = _keras_global_state()
+        if found is None:
             if not _warned and polyamp.get_policy_setting().source != "default":
                 _warned = True
                 warnings.warn(
@@ -109,14 +113,17 @@ def _follow() -> bool:
                     stacklevel=4,
                 )
             return False
-        if not getattr(state.get_global_attribute, _MARK, False):
-            _interpose(state)
+        module, state = found
+        if not getattr(state, _MARK, False):
+            state = _FollowingState(state)
+            module.global_state = state  # type: ignore[attr-defined]  # Keras's module global, found above
         _state = state
     return True
 
 
-def _keras_global_state() -> ModuleType | None:
-    """Keras's global-state module, if the public policy getter and setter go through its accessors."""
+def _keras_global_state() -> tuple[ModuleType, ModuleType] | None:
+    """The module defining Keras's public policy getter and setter, and the global state it uses (Keras's
+    module, or polyamp's view of it once made), if the getter and setter go through its accessors."""
     getter = getattr(keras.config, "dtype_policy", None) or getattr(keras.mixed_precision, "global_policy", None)
     setter = getattr(keras.config, "set_dtype_policy", None) or getattr(
         keras.mixed_precision, "set_global_policy", None
@@ -134,37 +141,41 @@ def _keras_global_state() -> ModuleType | None:
         return None
     if not {"global_state", "set_global_attribute"} <= _names_used(setter):
         return None
-    return state
+    return module, state  # type: ignore[return-value]
 
 
 def _names_used(function: object) -> set[str]:
     return set(getattr(getattr(function, "__code__", None), "co_names", ()))
 
 
-def _interpose(state: ModuleType) -> None:
-    original_get: Callable[..., Any] = state.get_global_attribute
-    original_set: Callable[[str, Any], None] = state.set_global_attribute
+class _FollowingState(ModuleType):
+    """Keras's global-state module as Keras's default-policy getter and setter see it: its two accessors ask
+    polyamp first for the one attribute ``"dtype_policy"``; everything else is Keras's module itself."""
 
-    def get_global_attribute(name: str, default: Any = None, set_to_default: bool = False) -> Any:
-        if name == _ATTRIBUTE:
-            policy = _polyamp_default(original_get)
-            if policy is not None:
-                return policy
-        return original_get(name, default, set_to_default)
+    def __init__(self, state: ModuleType) -> None:
+        super().__init__(state.__name__, state.__doc__)
+        self.__wrapped__ = state
+        original_get: Callable[..., Any] = state.get_global_attribute
+        original_set: Callable[[str, Any], None] = state.set_global_attribute
 
-    def set_global_attribute(name: str, value: Any) -> None:
-        original_set(name, value)
-        if name == _ATTRIBUTE:
-            original_set(_PIN, None if value is None else polyamp.get_policy_setting())
+        def get_global_attribute(name: str, default: Any = None, set_to_default: bool = False) -> Any:
+            if name == _ATTRIBUTE:
+                policy = _polyamp_default(original_get)
+                if policy is not None:
+                    return policy
+            return original_get(name, default, set_to_default)
 
-    wrappers: dict[str, Callable[..., Any]] = {
-        "set_global_attribute": set_global_attribute,  # first: the getter is what marks the install done
-        "get_global_attribute": get_global_attribute,
-    }
-    for name, wrapper in wrappers.items():
-        functools.update_wrapper(wrapper, getattr(state, name))  # Keras's name and doc, and __wrapped__
-        setattr(wrapper, _MARK, True)
-        setattr(state, name, wrapper)
+        def set_global_attribute(name: str, value: Any) -> None:
+            original_set(name, value)
+            if name == _ATTRIBUTE:
+                original_set(_PIN, None if value is None else polyamp.get_policy_setting())
+
+        self.get_global_attribute = functools.update_wrapper(get_global_attribute, original_get)
+        self.set_global_attribute = functools.update_wrapper(set_global_attribute, original_set)
+        setattr(self, _MARK, True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__wrapped__, name)
 
 
 def _polyamp_default(original_get: Callable[..., Any]) -> DTypePolicy | None:
