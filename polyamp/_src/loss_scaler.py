@@ -721,7 +721,8 @@ class LossScaler(GradScalerSpelling, Pickled):
             owner = registry.detect_backend(optimizer)
             if owner is not None:
                 self.bind(owner)
-        if self._style == "tape":
+        capabilities = self._capabilities
+        if capabilities is not None and capabilities.style == "tape":
             if kwargs.keys() - {"grads_and_vars"} or len(args) + len(kwargs) != 1:
                 raise PolyampTypeError(
                     "A TensorFlow-style step takes (optimizer, grads_and_vars). Received "

@@ -245,6 +245,7 @@ class LossScaleConfig:
         object.__setattr__(self, "_floor_f32", floor)
         standard = self.dynamic and self.hysteresis == 1 and self.min_scale is None and self.max_scale is None
         object.__setattr__(self, "_standard_rule", standard)  # asked at every update
+        object.__setattr__(self, "_checks_unscaled", floor < 1.0)  # asked at every unscale
         object.__setattr__(self, "_min_f32", None if min_scale is None else to_float32(min_scale))
         object.__setattr__(self, "_max_f32", None if max_scale is None else to_float32(max_scale))
         # Normalise numeric types (numpy scalars, ints) so equality and serialisation are plain Python.
@@ -287,7 +288,7 @@ class LossScaleConfig:
     def checks_unscaled(self) -> bool:
         """True when the scale may fall below 1 (``min_scale`` or ``init_scale`` below 1): an unscaled gradient
         can then overflow where its scaled value did not, and backends check the unscaled gradients too."""
-        return self.floor_f32 < 1.0
+        return self._checks_unscaled  # type: ignore[attr-defined,no-any-return]
 
     @property
     def is_standard_rule(self) -> bool:

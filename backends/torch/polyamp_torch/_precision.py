@@ -63,17 +63,20 @@ def is_precision_optimizer(optimizer: object) -> bool:
     return isinstance(optimizer, PrecisionOptimizer)
 
 
-_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+#: The optimizers already looked at, by id (each entry leaves with its optimizer).
+_WARNED: dict[int, weakref.ref[Any]] = {}
 # A plain optimizer writes each update to nearest into the weights it holds: the default plan of any policy.
 _PLAIN = Policy()
 
 
 def warn_unplanned(optimizer: Any, policy: Policy = _PLAIN, *, name: str | None = None, stacklevel: int = 3) -> None:
     """Warn once per optimizer when it steps bfloat16/float16 weights with no master copy and nearest rounding."""
-    if optimizer in _WARNED:
+    said = _WARNED.get(id(optimizer))  # (asked at every step: a dict lookup, not a WeakSet's)
+    if said is not None and said() is optimizer:
         return
     try:
-        _WARNED.add(optimizer)
+        key = id(optimizer)
+        _WARNED[key] = weakref.ref(optimizer, lambda _, key=key: _WARNED.pop(key, None))  # type: ignore[misc]
     except TypeError:  # not weakly referenceable: say it every time rather than never
         pass
     dtypes = {str(p.dtype).removeprefix("torch.") for group in optimizer.param_groups for p in group["params"]}
