@@ -7,7 +7,7 @@ Three sweeps, each variant timed in interleaved rounds against ``torch.autocast`
 * parameter tensors: width 16, depth 1 to 64 (4 to 256 parameter tensors; the number of listed ops per
   step, one LayerNorm per block, grows with it);
 * the scaler alone, by parameters: ``scale`` + ``step`` + ``update`` of ``polyamp.LossScaler`` against
-  ``GradScaler`` over the same 16 gradients (the optimizer's own step a no-op, so what is timed is the
+  ``GradScaler`` over the same 8 gradients of 4 x Linear w (the optimizer's own step a no-op, so what is timed is the
   scalers' work: the same fused unscale kernel, and each one's bookkeeping), with the Python function
   calls per iteration counted exactly (``sys.setprofile``): polyamp's overhead in microseconds, and the
   evidence that it does not grow with the parameter count.
@@ -171,10 +171,10 @@ def measure_scaler(width: int, rounds: int, quick: bool, clock: str) -> dict[str
         steps, iters=iters, rounds=rounds, warmup=1 if quick else 20, clock=_common.CLOCKS[clock]
     )
     summary = _common.summarize(times, "GradScaler")
-    differences = [(ours - native) * 1e3 for ours, native in zip(times[SCALERS[1]], times[SCALERS[0]], strict=True)]
+    differences = _differences_us(times)
     return {
         "width": width,
-        "parameters": 4 * (width * width + width),
+        "parameters": scaler_parameters(width),
         "iters_per_round": iters,
         "rounds": rounds,
         "overhead_us": statistics.median(differences),
@@ -185,10 +185,19 @@ def measure_scaler(width: int, rounds: int, quick: bool, clock: str) -> dict[str
     }
 
 
+def scaler_parameters(width: int) -> int:
+    """Parameters of the scaler sweep's 4 x Linear w."""
+    return 4 * (width * width + width)
+
+
+def _differences_us(times: dict[str, list[float]]) -> list[float]:
+    """polyamp's time minus GradScaler's in each round, in microseconds."""
+    return [(ours - native) * 1e3 for ours, native in zip(times[SCALERS[1]], times[SCALERS[0]], strict=True)]
+
+
 def _quartiles(measured: dict[str, Any]) -> tuple[float, float]:
     """The first and third quartiles of a scaler measurement's per-round differences, in microseconds."""
-    times = measured["times_ms"]
-    differences = [(ours - native) * 1e3 for ours, native in zip(times[SCALERS[1]], times[SCALERS[0]], strict=True)]
+    differences = _differences_us(measured["times_ms"])
     if len(differences) < 2:
         return differences[0], differences[0]
     low, _, high = statistics.quantiles(differences, n=4)
@@ -307,7 +316,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"depth {depth}: {4 * depth} tensors, overhead {measured['overhead_ms']:+.3f} ms", flush=True)
     by_scaler = []
     for width in QUICK_SCALER_WIDTHS if args.quick else SCALER_WIDTHS:
-        count = 4 * (width * width + width)
+        count = scaler_parameters(width)
         if count > args.max_params * 1.05:
             skipped.append(f"scaler alone, {count:.1e} parameters: above --max-params")
             continue

@@ -370,10 +370,11 @@ class LossScaler(GradScalerSpelling, Pickled):
             owner = registry.detect_backend(obj)
             if owner is not None and owner != self._backend_name:
                 raise registry.wrong_object_error(str(self._backend_name), method, obj, "this framework's objects")
-            # (Not while a compiler traces the call: torch.compile would guard on the dict and compile anew.)
-            if owner is not None and not isinstance(obj, (list, tuple)) and len(self._own_types) < 64:
-                if not self._compiling():
-                    self._own_types[type(obj)] = True
+            # (Lists are looked into each time; and not while a compiler traces the call: torch.compile would
+            # guard on the dict and compile anew.)
+            remember = owner is not None and not isinstance(obj, (list, tuple)) and len(self._own_types) < 64
+            if remember and not self._compiling():
+                self._own_types[type(obj)] = True
             return device
         owner = registry.detect_backend(obj)
         if owner is None:
@@ -442,11 +443,10 @@ class LossScaler(GradScalerSpelling, Pickled):
             self._outcomes.iteration_opened()
             iteration.guarding = not enabled and self._guards()
             iteration.thread = thread
-        elif thread is None or iteration.thread == thread:
-            pass
-        elif iteration.thread is None:  # opened inside a compiled region
-            iteration.thread = thread
-        else:
+        elif thread is not None and iteration.thread != thread:
+            if iteration.thread is None:  # opened inside a compiled region
+                iteration.thread = thread
+                return enabled
             raise ScalerUsageError(
                 "This LossScaler is in the middle of an iteration started by another thread. A scaler serves one "
                 "training loop: its stages and checks belong to one thread at a time. Give each thread its own "
@@ -927,8 +927,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         device.update(combined, value)
         spike_only = None if self._spikes.rule is None else self._finish_spike(device, combined)
         if combined is not None:
-            last = combined if spike_only is None else device.combine([combined, spike_only])
-            self._outcomes.write_last(device, last, None)
+            self._outcomes.write_last(device, self._with_flag(device, combined, spike_only), None)
         iteration.close()
         if self._process_group is not None:
             self._count_group_iteration()

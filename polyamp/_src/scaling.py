@@ -369,11 +369,16 @@ class LossScaleConfig:
         tracker = state.growth_tracker + 1
         if tracker < self.growth_interval:
             return LossScaleState(state.scale, tracker, state.hysteresis_left)
-        grown = to_float32(state.scale * self.growth_factor)
+        return LossScaleState(self._grown(state.scale), 0, self.hysteresis)
+
+    def _grown(self, scale: float) -> float:
+        """The scale after one growth: times ``growth_factor`` in float32, capped at ``max_scale``; kept where
+        the product would be inf."""
+        grown = to_float32(scale * self.growth_factor)
         cap = self.max_scale_f32
         if cap is not None and grown > cap:
             grown = cap
-        return LossScaleState(grown if math.isfinite(grown) else state.scale, 0, self.hysteresis)
+        return grown if math.isfinite(grown) else scale
 
     def finite_run(self, state: LossScaleState, steps: int) -> tuple[list[float], LossScaleState]:
         """`next_state` over ``steps`` consecutive finite steps from ``state``: the scale each step was taken
@@ -381,17 +386,13 @@ class LossScaleConfig:
         if not self.dynamic:
             return [state.scale] * steps, state
         scale, tracker, hysteresis_left = state.scale, state.growth_tracker, state.hysteresis_left
-        interval, cap = self.growth_interval, self.max_scale_f32
+        interval = self.growth_interval
         scales = []
         for _ in range(steps):
             scales.append(scale)
             tracker += 1
             if tracker >= interval:  # as next_state grows
-                grown = to_float32(scale * self.growth_factor)
-                if cap is not None and grown > cap:
-                    grown = cap
-                scale = grown if math.isfinite(grown) else scale
-                tracker, hysteresis_left = 0, self.hysteresis
+                scale, tracker, hysteresis_left = self._grown(scale), 0, self.hysteresis
         return scales, LossScaleState(scale, tracker, hysteresis_left)
 
     def after_finite(self, state: LossScaleState, steps: int) -> LossScaleState:
@@ -402,13 +403,11 @@ class LossScaleConfig:
         growths, tracker = divmod(state.growth_tracker + steps, self.growth_interval)
         if not growths:
             return LossScaleState(state.scale, tracker, state.hysteresis_left)
-        scale, cap = state.scale, self.max_scale_f32
+        scale = state.scale
         for _ in range(growths):  # as next_state grows
-            grown = to_float32(scale * self.growth_factor)
-            if cap is not None and grown > cap:
-                grown = cap
-            if not math.isfinite(grown) or grown == scale:
-                break  # no further growth changes it
+            grown = self._grown(scale)
+            if grown == scale:
+                break  # at the cap or float32's limit: no further growth changes it
             scale = grown
         return LossScaleState(scale, tracker, self.hysteresis)
 

@@ -327,18 +327,16 @@ class KerasDevice:
         clip_norm = None if unscaled else folded_clip_norm(optimizer, grads, variables)
         if unscaled:
             unscaled_grads = list(grads)
+            finite = all_finite(unscaled_grads)
         elif clip_norm is not None:
             # The optimizer's global-norm clip folded into the unscale: one multiply per gradient, and the norm
             # says whether all are finite (it is inf or NaN when one is, or when their squares overflow).
             scaled_grads = list(grads)
             unscaled_grads, norm = self.unscale_and_clip_by(scaled_grads, state.scale, clip_norm)
+            finite = ops.isfinite(norm)
         else:
             keep = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
             unscaled_grads, finite = unscale_and_check(grads, state.scale, keep)
-        if clip_norm is not None:
-            finite = ops.isfinite(norm)
-        elif unscaled:
-            finite = all_finite(unscaled_grads)
         finite = all_replicas_finite(finite)
         go = finite if veto is None else ops.logical_and(finite, ops.logical_not(ops.greater(veto, 0)))
         tf = _tensorflow()

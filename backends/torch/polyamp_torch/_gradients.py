@@ -130,31 +130,21 @@ def unscale_gradients(
     if not grouped:
         return None, has_bfloat16
     home = inv_scale.device
-    if (
-        len(grouped) == 1
-        and not check_unscaled
-        and not has_bfloat16
-        and next(iter(grouped))[0] == home
-        and found_inf.device == home
-    ):
-        # The common case: one device and dtype, the caller's fresh tensors on it. One kernel, nothing else.
-        grad_enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_(next(iter(grouped.values())), found_inf, inv_scale)
-        finally:
-            torch._C._set_grad_enabled(grad_enabled)
-        return found_inf, False
-    per_device_inv_scale = PerDevice(inv_scale)
-    per_device_found_inf = PerDevice(found_inf)
-    # The caller's fresh tensors serve their own device: no copies on the common single-device path.
-    per_device_inv_scale.copies[home] = inv_scale
-    per_device_found_inf.copies[found_inf.device] = found_inf
-    ones = PerDevice(torch.ones((), dtype=torch.float32, device=home)) if check_unscaled else None
     # As torch.no_grad(), at a fraction of the context manager's cost: the kernels write the gradients in place.
     grad_enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
+        (device, _), grads = next(iter(grouped.items()))
+        if len(grouped) == 1 and not (check_unscaled or has_bfloat16) and device == home == found_inf.device:
+            # The common case: one device and dtype, the caller's fresh tensors on it. One kernel, nothing else.
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            return found_inf, False
+        per_device_inv_scale = PerDevice(inv_scale)
+        per_device_found_inf = PerDevice(found_inf)
+        # The caller's fresh tensors serve their own device: no copies on the common single-device path.
+        per_device_inv_scale.copies[home] = inv_scale
+        per_device_found_inf.copies[found_inf.device] = found_inf
+        ones = PerDevice(torch.ones((), dtype=torch.float32, device=home)) if check_unscaled else None
         for (device, dtype), grads in grouped.items():
             if dtype is _BFLOAT16 and device.type != "cpu":
                 _check_and_unscale_bfloat16(
