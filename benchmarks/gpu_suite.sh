@@ -16,7 +16,9 @@
 #   jax-cuda.json         the jitted JAX step (benchmarks/run.py jax) on JAX's GPU backend
 #   gpu-conformance.json  the conformance runs' counts, for benchmarks/RESULTS.md
 #   summary.json          every step's exit code
-# Every step runs even if an earlier one fails; the script exits non-zero if any did.
+# Every step runs even if an earlier one fails; the script exits non-zero if any did. GPU_SUITE_SKIP names steps
+# not to run (space-separated, e.g. "keras-jax-conformance gpu-training-state"), each recorded as "skipped";
+# STEP_TIMEOUT bounds each step (seconds, default 1200).
 set -uo pipefail
 
 if [ $# -ne 1 ]; then
@@ -44,10 +46,21 @@ print(json.dumps({
 }, indent=2))'
 
 declare -A CODES
+asked_to_skip() {  # asked_to_skip NAME: true (and recorded) when GPU_SUITE_SKIP names NAME
+    case " ${GPU_SUITE_SKIP:-} " in
+    *" $1 "*)
+        echo "$1: skipped (GPU_SUITE_SKIP)"
+        CODES[$1]='"skipped"'
+        return 0
+        ;;
+    esac
+    return 1
+}
 conformance() {  # conformance NAME COMMAND...: run the suite; keep its output and exit code in NAME.txt/.json
     # A run whose cases were all skipped (no CUDA device seen) exits 0 but checked nothing: recorded as such.
     local name=$1 code
     shift
+    asked_to_skip "$name" && return
     timeout "${STEP_TIMEOUT:-1200}" "$@" >"$OUT/$name.txt" 2>&1
     code=$?
     "$PYTHON" - "$OUT/$name.txt" "$code" "${KERAS_BACKEND:-}" "${@:2}" >"$OUT/$name.json" <<'EOF'
@@ -87,9 +100,11 @@ for backend in torch jax; do
     KERAS_BACKEND=$backend conformance "$name" "$PYTHON" -m polyamp.conformance --backend keras --device "$backend-cuda" --verbose
 done
 
-# The CUDA cases of the torch tests (no host sync with skip_on_device, folded clipping bitwise on the GPU).
+# The CUDA cases of the torch tests (no host sync with skip_on_device, folded clipping bitwise on the GPU,
+# the step compiled with mode="reduce-overhead").
 if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
-    conformance cuda-tests "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_torch_device_skip.py tests/test_torch_clip_fold.py -k cuda
+    conformance cuda-tests "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_torch_device_skip.py \
+        tests/test_torch_clip_fold.py tests/test_torch_compile.py -k cuda
 else
     echo "cuda-tests: skipped (pytest cannot be imported)"
     CODES[cuda-tests]='"skipped"'
@@ -103,6 +118,7 @@ else
     CODES[jax]='"skipped"'
 fi
 for target in "${TARGETS[@]}"; do
+    asked_to_skip "$target" && continue
     timeout "${STEP_TIMEOUT:-1200}" "$PYTHON" benchmarks/run.py "$target" --out "$OUT" 2>&1 | tee "$OUT/$target.log"
     CODES[$target]=${PIPESTATUS[0]}
     echo "$target: exit ${CODES[$target]}"
