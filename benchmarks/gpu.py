@@ -7,9 +7,9 @@ read "n/a on cpu".
 * ``gpu-syncs``: host-device synchronisations per training step, counted with
   ``torch.cuda.set_sync_debug_mode("warn")`` (one warning per synchronising call), for GradScaler and
   polyamp's scaler, per optimizer.
-* ``gpu-cuda-graph``: a whole training step (forward, scaled backward, fused Adam step, scaler update)
-  captured in a ``torch.cuda.CUDAGraph``; whether capture works, replay vs eager time, and whether N replays
-  leave the parameters bitwise equal to N eager steps.
+* ``gpu-cuda-graph``: a whole training step (forward, scaled backward, Adam step, scaler update; fused Adam,
+  and foreach Adam with ``skip_on_device=True``) captured in a ``torch.cuda.CUDAGraph``; whether capture works,
+  replay vs eager time, and whether N replays leave the parameters bitwise equal to N eager steps.
 * ``gpu-recipe``: the PyTorch AMP recipe's model (3 x Linear 4096 + ReLU, batch 512, MSE, SGD): float32,
   torch.autocast + GradScaler, polyamp; ms per iteration and the peak memory of a step above the resident
   parameters (``torch.cuda.max_memory_allocated`` minus what was allocated before the step, with no

@@ -33,7 +33,7 @@ ORDER = (
 TITLES = {
     "training-state": "Training-state plans: AdamW on a small GPT, bfloat16 weights (CPU)",
     "gpu-syncs": "Host-device synchronisations per training step (CUDA)",
-    "gpu-cuda-graph": "CUDA-graph capture of a fused-optimizer training step",
+    "gpu-cuda-graph": "CUDA-graph capture of a training step (capturable Adam, fused and foreach)",
     "gpu-recipe": "AMP recipe (3 x Linear 4096, batch 512): float32 vs native AMP vs polyamp, time and peak memory",
     "gpu-compiled": "AMP recipe under torch.compile",
     "gpu-bf16": "AMP recipe in bfloat16 without a scaler",
@@ -190,7 +190,7 @@ SUMMARY: dict[str, tuple[str, list[tuple[int, str, str]]]] = {
         [(0, "polyamp", "polyamp (`cast_to_compute` + `loss_scaled`)")],
     ),
     "gpu-recipe": (
-        "AMP recipe on an H200 (3 x Linear 4096, batch 512, SGD): polyamp vs `torch.autocast` + `GradScaler`",
+        "AMP recipe on a GPU (3 x Linear 4096, batch 512, SGD): polyamp vs `torch.autocast` + `GradScaler`",
         [(0, "vs native", "polyamp")],
     ),
     "gpu-compiled": (

@@ -15,7 +15,7 @@ CPU targets (run here, results in benchmarks/RESULTS.md):
 CUDA targets (need a CUDA device; benchmarks/gpu_suite.sh runs them all):
 
     python benchmarks/run.py gpu-syncs         # host-device syncs per step (torch.cuda.set_sync_debug_mode)
-    python benchmarks/run.py gpu-cuda-graph    # CUDA-graph capture of a fused-optimizer step
+    python benchmarks/run.py gpu-cuda-graph    # CUDA-graph capture of a capturable-Adam step
     python benchmarks/run.py gpu-recipe        # Linear 4096 x 3, batch 512: float32 / native AMP / polyamp
     python benchmarks/run.py gpu-compiled      # the recipe under torch.compile
     python benchmarks/run.py gpu-bf16          # the recipe in bfloat16, no scaler
@@ -44,7 +44,7 @@ CPU_TARGETS = ("torch-cpu", "keras", "keras-backends", "jax", "scale", "guard", 
 GPU_TARGETS = ("gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16", "gpu-training-state")
 GPU_HELP = {
     "gpu-syncs": "host-device syncs per step, polyamp vs GradScaler, per optimizer",
-    "gpu-cuda-graph": "CUDA-graph capture and replay of a fused-optimizer step",
+    "gpu-cuda-graph": "CUDA-graph capture and replay of a capturable-Adam step (fused, and foreach with skip_on_device)",
     "gpu-recipe": "the AMP recipe (Linear 4096 x 3, batch 512): time and peak memory",
     "gpu-compiled": "the recipe under torch.compile",
     "gpu-bf16": "the recipe in bfloat16 without a scaler",

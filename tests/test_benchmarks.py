@@ -117,6 +117,20 @@ def test_gpu_targets_refuse_to_run_without_cuda(tmp_path: Path, run_bounded: Run
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_gpu_suite_leaves_out_the_steps_gpu_suite_skip_names(tmp_path: Path, run_bounded: RunBounded) -> None:
+    """GPU_SUITE_SKIP names steps not to run (a short lease runs the rest): each is recorded as "skipped", the
+    others run as usual, and a suite of only skipped steps exits 0."""
+    pytest.importorskip("torch")
+    steps = ["conformance", "jax-conformance", "keras-torch-conformance", "keras-jax-conformance", "cuda-tests"]
+    gpu = ["gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16", "gpu-training-state", "jax"]
+    env = dict(os.environ, PYTHON=sys.executable, GPU_SUITE_SKIP=" ".join(steps + gpu))
+    result = run_bounded(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), str(tmp_path)], env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert json.loads((tmp_path / "summary.json").read_text()) == dict.fromkeys(steps + gpu, "skipped")
+    assert "gpu-recipe: skipped (GPU_SUITE_SKIP)" in result.stdout
+    assert not (tmp_path / "conformance.txt").exists() and not (tmp_path / "gpu-recipe.json").exists()
+
+
 def test_the_gpu_suite_records_every_step_and_fails_without_cuda(tmp_path: Path, run_bounded: RunBounded) -> None:
     """benchmarks/gpu_suite.sh where torch sees no CUDA device: every step still runs and is recorded, a
     conformance run whose cases were all skipped counts as "nothing ran" (its exit code 0 checked nothing),

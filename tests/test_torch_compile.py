@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -271,25 +272,11 @@ def test_a_hundred_compiled_steps_with_overflows_recompile_nothing(fused: bool, 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _cuda_adam_run(fused: bool, mode: str | None, native: bool = False, steps: int = 50) -> dict[str, Any]:
-    """A capturable Adam (fused or foreach) trained for ``steps`` steps on CUDA, every 7th step poisoned through
-    the data, eagerly or under ``torch.compile(mode=...)``; what the run did, for comparison."""
-    from torch._dynamo.utils import counters
+def _poisoned_step(model: Any, opt: Any, scaler: Any, region: Any) -> Any:
+    """``step(x, y, poison)``: a training step whose first weight's gradient gets ``poison`` (a tensor, so a
+    poisoned step takes no Python branch a compiler would specialise on)."""
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 8)).cuda()
-    form: dict[str, Any] = {"fused": True} if fused else {"foreach": True}
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True, **form)
-    if native:
-        scaler: Any = torch.amp.GradScaler("cuda", growth_interval=3)
-        region: Any = lambda: torch.autocast("cuda", dtype=torch.float16)  # noqa: E731
-    else:
-        scaler = polyamp_torch.TorchLossScaler(growth_interval=3, skip_on_device=True)
-        region = lambda: polyamp_torch.autocast("mixed_float16", device_type="cuda")  # noqa: E731
-    x = torch.randn(32, 64, device="cuda")
-    y = torch.randint(0, 8, (32,), device="cuda")
-
-    def step(poison: torch.Tensor) -> None:
+    def step(x: torch.Tensor, y: torch.Tensor, poison: torch.Tensor) -> None:
         with region():
             loss = torch.nn.functional.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
@@ -298,15 +285,45 @@ def _cuda_adam_run(fused: bool, mode: str | None, native: bool = False, steps: i
         scaler.update()
         opt.zero_grad(set_to_none=True)
 
+    return step
+
+
+def _cuda_adam_run(
+    fused: bool, mode: str | None, native: bool = False, eager_first: bool = True, steps: int = 50
+) -> dict[str, Any]:
+    """A capturable Adam (fused or foreach) trained for ``steps`` steps on CUDA, every 7th step poisoned through
+    the data, eagerly or under ``torch.compile(mode=...)``; what the run did, for comparison. The scale grows
+    once between poisoned steps and halves at each, so it stays within 2**15-2**16, far from a float16 overflow
+    of its own: compiled kernels round differently, and an overflow at the edge could differ between runs."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 8)).cuda()
+    form: dict[str, Any] = {"fused": True} if fused else {"foreach": True}
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True, **form)
+    if native:
+        scaler: Any = torch.amp.GradScaler("cuda", growth_interval=5)
+        region: Any = lambda: torch.autocast("cuda", dtype=torch.float16)  # noqa: E731
+    else:
+        scaler = polyamp_torch.TorchLossScaler(growth_interval=5, skip_on_device=True)
+        region = lambda: polyamp_torch.autocast("mixed_float16", device_type="cuda")  # noqa: E731
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 8, (32,), device="cuda")
+    step = functools.partial(_poisoned_step(model, opt, scaler, region), x, y)
     dynamo.reset()
     counters.clear()
-    run = step if mode is None else torch.compile(step, mode=mode)
+    compiled = step if mode is None else torch.compile(step, mode=mode)
     poisons = [torch.tensor(math.inf if i % 7 == 3 else 0.0, device="cuda") for i in range(steps)]
-    run(poisons[0])
-    run(poisons[1])
-    with dynamo.config.patch(error_on_recompile=mode is not None):
-        for poison in poisons[2:]:
-            run(poison)
+    # torch's recipe for CUDA graphs marks each iteration as a new step; an eager first step makes the state
+    # (the scaler's scale, Adam's moments) outside any graph. Without it, the first compiled call makes it.
+    for index, poison in enumerate(poisons):
+        if eager_first and index == 0:
+            step(poison)
+            continue
+        if mode is not None:
+            torch.compiler.cudagraph_mark_step_begin()
+        with dynamo.config.patch(error_on_recompile=mode is not None and index >= 3):
+            compiled(poison)
     torch.cuda.synchronize()
     result: dict[str, Any] = {
         "params": [p.detach().clone() for p in model.parameters()],
@@ -319,32 +336,115 @@ def _cuda_adam_run(fused: bool, mode: str | None, native: bool = False, steps: i
 
 
 @CUDA
+@pytest.mark.parametrize("eager_first", [True, False], ids=["after_an_eager_step", "compiled_from_the_start"])
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach_adam", "fused_adam"])
-def test_on_cuda_reduce_overhead_captures_the_step_and_skips_overflows_as_eager(fused: bool) -> None:
-    polyamp.set_policy("mixed_float16")
+def test_on_cuda_reduce_overhead_captures_the_step_and_skips_overflows_as_eager(fused: bool, eager_first: bool) -> None:
     """``torch.compile(mode="reduce-overhead")`` (CUDA graphs) on the whole step with ``skip_on_device=True`` and a
-    capturable Adam: no recompilation past the first two calls, no graph left out of CUDA-graph capture, the
-    same skipped steps, scales and records as the eager loop, and the parameters of the eager loop within the
-    rounding of torch's compiled Adam kernels (Adam's steps are
-    about ``lr`` each whatever the gradient's size, so a rounding difference moves a parameter by up to ``lr``)."""
+    capturable Adam, from the first iteration or after an eager one: no recompilation past the first two compiled
+    calls, no graph left out of CUDA-graph capture, the same skipped steps, scales and records as the eager loop
+    (the records read after the loop, so every iteration's flag outlived later replays), and the eager loop's
+    parameters within the rounding of torch's compiled Adam kernels (Adam's steps are about ``lr`` each whatever
+    the gradient's size, so a rounding difference moves a parameter by up to ``lr``)."""
+    polyamp.set_policy("mixed_float16")
     eager = _cuda_adam_run(fused, None)
-    compiled = _cuda_adam_run(fused, "reduce-overhead")
+    compiled = _cuda_adam_run(fused, "reduce-overhead", eager_first=eager_first)
     assert compiled["cudagraph_skips"] == 0
     assert compiled["records"] == eager["records"]
     assert compiled["scale"] == eager["scale"]
-    assert {r[0] for r in eager["records"] if r[1]} >= {i for i in range(50) if i % 7 == 3}
+    assert {r[0] for r in eager["records"] if r[1]} == {i for i in range(50) if i % 7 == 3}
     for a, b in zip(compiled["params"], eager["params"], strict=True):
         torch.testing.assert_close(a, b, rtol=0.0, atol=2e-3)  # two Adam steps at lr 1e-3
 
 
 @CUDA
 def test_on_cuda_reduce_overhead_matches_gradscaler_with_fused_adam() -> None:
-    polyamp.set_policy("mixed_float16")
     """The same compiled loop with GradScaler + torch.autocast (fused capturable Adam, where GradScaler makes no
     host read): polyamp's compiled run ends with GradScaler's scale and, within rounding, its parameters."""
-    native = _cuda_adam_run(True, "reduce-overhead", native=True)
-    ours = _cuda_adam_run(True, "reduce-overhead")
+    polyamp.set_policy("mixed_float16")
+    native = _cuda_adam_run(True, "reduce-overhead", native=True, eager_first=False)
+    ours = _cuda_adam_run(True, "reduce-overhead", eager_first=False)
     assert ours["cudagraph_skips"] <= native["cudagraph_skips"]
     assert ours["scale"] == native["scale"]
     for a, b in zip(ours["params"], native["params"], strict=True):
         torch.testing.assert_close(a, b, rtol=0.0, atol=2e-3)  # two Adam steps at lr 1e-3
+
+
+def _poisoned_cpu_step() -> tuple[Any, Any]:
+    """A step with foreach Adam skipped on the device, poisoned through its third argument."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+    scaler = polyamp_torch.TorchLossScaler(growth_interval=3, skip_on_device=True)
+    return _poisoned_step(model, opt, scaler, lambda: polyamp_torch.autocast(device_type="cpu")), scaler
+
+
+def test_an_update_run_untraced_inside_a_compiled_step_compiles_none_of_its_bookkeeping() -> None:
+    """torch.compile can run a frame without tracing it yet compile each function that frame calls as a frame of
+    its own (seen on CUDA with ``mode="reduce-overhead"``, where it ran `update` so). `update`'s bookkeeping runs
+    outside the compiler even then: with `update`'s own frame skipped, 30 compiled steps, every 7th poisoned
+    through the data, compile nothing new after the first two calls and keep the eager loop's records."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
+
+    from polyamp_torch._device import TorchDevice
+
+    called_by_update = [
+        polyamp.LossScaler._finish,
+        polyamp.LossScaler._end_iteration,
+        TorchDevice.update,
+        TorchDevice.write_history,
+        TorchDevice.write_record,
+    ]
+    polyamp.set_policy("mixed_float16")
+    runs = []
+    for compiled in (False, True):
+        step, scaler = _poisoned_cpu_step()
+        dynamo.reset()
+        run = torch.compile(step, backend="eager") if compiled else step
+        code = polyamp.LossScaler.update.__code__
+        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
+        try:
+            for index in range(30):
+                x, y = DATA[index % len(DATA)]
+                with dynamo.config.patch(error_on_recompile=compiled and index >= 2):
+                    run(x, y, torch.tensor(math.inf if index % 7 == 3 else 0.0))
+        finally:
+            set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))
+        if compiled:  # no compiled code was made for what update calls
+            assert {f.__qualname__: len(_debug_get_cache_entry_list(f.__code__)) for f in called_by_update} == {
+                f.__qualname__: 0 for f in called_by_update
+            }
+        runs.append([(r.iteration, r.skipped, r.reason, r.scale, r.next_scale) for r in scaler.records()])
+    assert runs[1] == runs[0]
+    assert {r[0] for r in runs[0] if r[1]} >= {index for index in range(30) if index % 7 == 3}
+
+
+def test_flags_kept_past_their_iteration_are_copied_only_while_graph_trees_are_in_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record keeps its iteration's flag until it is read. A CUDA flag made by a graph of
+    ``mode="reduce-overhead"`` would be overwritten by a later replay, so it is copied, but only while
+    CUDA-graph trees are in use on its device; a CPU flag, or any flag otherwise, is kept as it is (no kernel)."""
+    import sys
+    import types
+
+    from polyamp_torch._device import _kept
+
+    class CudaFlag:
+        is_cuda = True
+        device = types.SimpleNamespace(index=0)
+
+        def clone(self) -> str:
+            return "a copy"
+
+    cpu = torch.zeros(())
+    assert _kept(cpu) is cpu
+    assert _kept(None) is None
+    flag = CudaFlag()
+    monkeypatch.delitem(sys.modules, "torch._inductor.cudagraph_trees", raising=False)
+    assert _kept(flag) is flag  # type: ignore[arg-type]
+    trees = types.SimpleNamespace(get_container=lambda index: types.SimpleNamespace(tree_manager=None))
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", trees)
+    assert _kept(flag) is flag  # type: ignore[arg-type]
+    trees.get_container = lambda index: types.SimpleNamespace(tree_manager=object())
+    assert _kept(flag) == "a copy"  # type: ignore[arg-type,comparison-overlap]

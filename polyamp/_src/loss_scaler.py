@@ -878,9 +878,12 @@ class LossScaler(GradScalerSpelling, Pickled):
                 "scaler.scale(loss).backward() and scaler.step(optimizer) first in each iteration."
             )
         uncompiled = self._capabilities.run_uncompiled if self._capabilities is not None else None
-        if uncompiled is not None and self._compiling():
+        if uncompiled is not None:
             # Traced, the iteration's host bookkeeping (records, provenance, counters) would specialise the
-            # compiled code on values that change every iteration; run outside the trace, it is exact.
+            # compiled code on values that change every iteration; run outside the trace, it is exact. Always,
+            # not only while tracing: torch.compile can run this frame untraced yet compile each function it
+            # calls as a frame of its own (seen with mode="reduce-overhead" on CUDA), each specialised anew on
+            # every iteration's records, and its CUDA graphs would own the state made there.
             uncompiled(self._finish, self._device, new_scale, "update()")
             return
         self._finish(self._device, new_scale, "update()")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import warnings
 from collections import abc, deque
 from collections.abc import Mapping, Sequence
@@ -72,6 +73,23 @@ class _History:
         self.count = 0
 
 
+def _kept(flag: torch.Tensor | None) -> torch.Tensor | None:
+    """``flag`` as a record may hold it past its iteration. A CUDA tensor that a graph of
+    ``torch.compile(mode="reduce-overhead")`` made lives in that graph's memory and is overwritten by a later
+    replay, so while CUDA-graph trees are in use on its device a CUDA flag is copied outside the trace (one
+    small kernel, no host read); otherwise the flag itself is kept."""
+    if flag is None or not flag.is_cuda or torch.compiler.is_compiling():
+        return flag
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:
+        return flag
+    container = getattr(trees, "get_container", None)
+    index = flag.device.index if flag.device.index is not None else torch.cuda.current_device()
+    if container is not None and getattr(container(index), "tree_manager", True) is None:
+        return flag
+    return flag.clone()
+
+
 def _read_flags(flags: list[torch.Tensor]) -> list[Any]:
     """The values of 0-d flags, in one host read: stacked where they are (the usual case: one device, one
     shape), else each brought to the CPU first (flags of several devices, or of another shape)."""
@@ -112,6 +130,7 @@ class TorchDevice:
         self._config = config
         self._host_state = state
         self._state: DeviceState | None = None
+        self._state_traced = False  # made inside torch.compile's trace: a CUDA graph may own its tensors
         self._warned_bfloat16 = False
         self._ones: dict[torch.device, torch.Tensor] = {}  # the guard's inverse scale, per device
         self._finite_flags: dict[torch.device, torch.Tensor] = {}
@@ -153,6 +172,7 @@ class TorchDevice:
     def _materialize(self, device: torch.device) -> DeviceState:
         state = self._host_state
         self._state = DeviceState(state.scale, state.growth_tracker, state.hysteresis_left, device)
+        self._state_traced = torch.compiler.is_compiling()
         return self._state
 
     def _state_near(self, optimizer: Any) -> DeviceState:
@@ -445,6 +465,13 @@ class TorchDevice:
         state = self._state
         if state is None:
             raise ScalerUsageError("update() was called before the scaler created its state with scale().")
+        if self._state_traced and not torch.compiler.is_compiling():
+            # The state was made by the first compiled call, as that graph's outputs: under CUDA graphs
+            # (mode="reduce-overhead") a later replay would overwrite them. This update runs outside the trace,
+            # so the state is moved into tensors of its own once.
+            self._state_traced = False
+            for name in ("scale", "growth_tracker", "hysteresis_left", "skipped"):
+                setattr(state, name, _kept(getattr(state, name)))
         # The core passes the finite flag for an iteration the host knows was finite.
         finite = found_inf is not None and found_inf is self._finite_flags.get(state.scale.device)
         if found_inf is not None and not finite and found_inf.device != state.scale.device:
@@ -506,7 +533,7 @@ class TorchDevice:
         return [None]
 
     def write_record(self, record: list[torch.Tensor | None], found_inf: torch.Tensor) -> None:
-        record[0] = found_inf
+        record[0] = _kept(found_inf)
 
     def read_record(self, record: list[torch.Tensor | None]) -> torch.Tensor:
         flag = record[0]
@@ -519,7 +546,8 @@ class TorchDevice:
     def write_history(
         self, history: _History, base: int, found_inf: torch.Tensor | None, spike: torch.Tensor | None = None
     ) -> None:
-        history.entries.append((base, found_inf, spike))  # the flag tensors themselves: no kernel, no host read
+        # The flag tensors themselves (no kernel, no host read), unless a CUDA graph owns them (`_kept`).
+        history.entries.append((base, _kept(found_inf), _kept(spike)))
         history.count += 1
 
     def read_history(self, history: _History) -> tuple[int, list[int]]:
