@@ -395,3 +395,45 @@ def test_apply_policy_errors_leave_the_model_untouched(kwargs: dict[str, Any], e
 def test_apply_policy_needs_a_module() -> None:
     with pytest.raises(PolyampTypeError, match=r"takes a torch\.nn\.Module"):
         polyamp_torch.apply_policy(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_regions_reuse_torch_autocast_objects_only_when_none_is_entered() -> None:
+    """A region takes a ``torch.autocast`` that an exited region gave back (making one costs about as much as
+    entering it): nested regions of the same policy, and a region entered in another thread while one is open,
+    each get one of their own, every exit restores the state its entry found, and at most a few are kept."""
+    from polyamp_torch import _autocast
+
+    def state() -> tuple[bool, torch.dtype]:
+        return torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+
+    before = state()
+    outer = polyamp_torch.autocast("mixed_float16", device_type="cpu")
+    inner = polyamp_torch.autocast("mixed_bfloat16", device_type="cpu")
+    same = polyamp_torch.autocast("mixed_float16", device_type="cpu")
+    seen: list[tuple[bool, torch.dtype]] = []
+    with outer:
+        assert state() == (True, torch.float16)
+        with inner:
+            assert state() == (True, torch.bfloat16)
+            with same:
+                assert state() == (True, torch.float16)
+                entered = {id(entry[0][0]) for region in (outer, same) for entry in region._entered}
+                assert len(entered) == 2  # the same key, two objects
+                thread = threading.Thread(target=lambda: seen.append(state()))
+                thread.start()
+                thread.join()
+            assert state() == (True, torch.bfloat16)
+        assert state() == (True, torch.float16)
+    assert state() == before
+    assert [enabled for enabled, _ in seen] == [False]  # autocast state is per thread: the other thread's is off
+    key = ("cpu", "float16", None)
+    kept = list(_autocast._FREE_AUTOCASTS[key])
+    with polyamp_torch.autocast("mixed_float16", device_type="cpu") as region:
+        assert region._entered[0][0][0] is kept[-1]  # reused
+    regions = [polyamp_torch.autocast("mixed_float16", device_type="cpu") for _ in range(10)]
+    for region in regions:
+        region.__enter__()
+    for region in reversed(regions):
+        region.__exit__(None, None, None)
+    assert len(_autocast._FREE_AUTOCASTS[key]) == _autocast._FREE_PER_KEY
+    assert state() == before

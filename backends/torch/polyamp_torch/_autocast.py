@@ -189,6 +189,26 @@ def _both(outer: Any, inner: Any) -> Iterator[None]:
 
 _FLOAT32 = Policy("float32")
 
+_AutocastKey = tuple[str, str, "bool | None"]  # device type, compute dtype name, cache_enabled
+
+
+def _new_autocast(key: _AutocastKey) -> torch.autocast:
+    device_type, compute, cache_enabled = key
+    if compute == "float32":
+        return torch.autocast(device_type, enabled=False)
+    if cache_enabled is None:
+        return torch.autocast(device_type, dtype=TORCH_DTYPES[compute])
+    return torch.autocast(device_type, dtype=TORCH_DTYPES[compute], cache_enabled=cache_enabled)
+
+
+#: torch.autocast objects of regions that exited, reused by the next region of the same key: a torch.autocast
+#: keeps only its arguments and, while entered, the state it restores on exit, so one that exited is as good as
+#: a new one, and making one costs about as much as entering and leaving it. A region takes one for itself on
+#: entry (a nested or another thread's region of the same key takes another) and gives it back on exit; at
+#: most a few are kept per key.
+_FREE_AUTOCASTS: dict[_AutocastKey, list[torch.autocast]] = {}
+_FREE_PER_KEY = 4
+
 
 class PolicyRegion(contextlib.ContextDecorator):
     """``torch.autocast`` with the dtype taken from a polyamp policy; a context manager and a decorator.
@@ -259,9 +279,11 @@ class PolicyRegion(contextlib.ContextDecorator):
         self._enabled = enabled
         self._cache_enabled = cache_enabled
         self._cpu_float32_ops = cpu_float32_ops
-        # Per entry: the torch.autocast regions entered (one per device type), for regions covering the CPU
-        # the float32-op setting to restore, and the token restoring the enclosing region's policy.
-        self._entered: list[tuple[list[torch.autocast], bool | None, contextvars.Token[Policy | None]]] = []
+        # Per entry: the torch.autocast regions entered (one per device type) and their keys, for regions covering
+        # the CPU the float32-op setting to restore, and the token restoring the enclosing region's policy.
+        self._entered: list[
+            tuple[list[torch.autocast], list[_AutocastKey], bool | None, contextvars.Token[Policy | None]]
+        ] = []
 
     @property
     def policy(self) -> Policy:
@@ -299,12 +321,7 @@ class PolicyRegion(contextlib.ContextDecorator):
         return regions[0] if len(regions) == 1 else _both(*regions)
 
     def _torch_autocast(self, policy: Policy, device_type: str) -> torch.autocast:
-        compute = policy.compute_dtype
-        if compute == "float32":
-            return torch.autocast(device_type, enabled=False)
-        if self._cache_enabled is None:
-            return torch.autocast(device_type, dtype=TORCH_DTYPES[compute])
-        return torch.autocast(device_type, dtype=TORCH_DTYPES[compute], cache_enabled=self._cache_enabled)
+        return _new_autocast((device_type, policy.compute_dtype, self._cache_enabled))
 
     def __enter__(self) -> PolicyRegion:
         policy = self._policy
@@ -312,18 +329,22 @@ class PolicyRegion(contextlib.ContextDecorator):
             policy = _FLOAT32
         elif policy is None:
             policy = policy_in_effect()
+        compute = policy.compute_dtype
         device_type = self._device_type
         device_types = (device_type,) if device_type is not None else default_device_types()
-        regions = [self._torch_autocast(policy, name) for name in device_types]
-        compute = policy.compute_dtype
+        keys = [(name, compute, self._cache_enabled) for name in device_types]
+        regions = []
+        for key in keys:
+            free = _FREE_AUTOCASTS.get(key)
+            region = free.pop() if free else _new_autocast(key)
+            region.__enter__()  # type: ignore[no-untyped-call]
+            regions.append(region)
         if compute == "float16":
             _float16_regions[0] += 1
-        for region in regions:
-            region.__enter__()  # type: ignore[no-untyped-call]
         previous = None
         if "cpu" in device_types:  # CUDA-only regions leave the CPU setting of an enclosing region alone
             previous = _cpu_float32.enter_region(compute != "float32" and self._cpu_float32_ops)
-        self._entered.append((regions, previous, _region_policy.set(policy)))
+        self._entered.append((regions, keys, previous, _region_policy.set(policy)))
         return self
 
     def __exit__(
@@ -332,12 +353,16 @@ class PolicyRegion(contextlib.ContextDecorator):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        regions, previous, token = self._entered.pop()
+        regions, keys, previous, token = self._entered.pop()
         _region_policy.reset(token)
         if previous is not None:
             _cpu_float32.exit_region(previous)
-        for region in reversed(regions):
+        for index in range(len(regions) - 1, -1, -1):
+            region = regions[index]
             region.__exit__(exc_type, exc, traceback)
+            free = _FREE_AUTOCASTS.setdefault(keys[index], [])
+            if len(free) < _FREE_PER_KEY:
+                free.append(region)
 
     def _recreate_cm(self) -> PolicyRegion:
         # A decorated function gets a fresh region per call, so recursion and threads never share state.
