@@ -252,6 +252,32 @@ def test_importing_polyamp_torch_registers_nothing() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def test_kernels_installed_by_a_first_region_in_compiled_code_are_not_compiled_themselves() -> None:
+    """In a fresh process, the first polyamp CPU region is entered in a function torch.compile runs untraced
+    (a region made outside it, under ``dynamo.explain``): installing the kernels runs outside the compiler, so
+    it does not compile the making of each kernel as a frame of its own (once per listed op, until dynamo's
+    recompile limit, with its warning)."""
+    code = textwrap.dedent(
+        """
+        import torch, torch._dynamo as dynamo, polyamp, polyamp_torch
+        from polyamp_torch import _cpu_float32
+        polyamp.set_policy("mixed_float16")
+        linear = torch.nn.Linear(8, 8)
+        region = polyamp_torch.autocast(device_type="cpu")
+        def forward(x):
+            with region:
+                return linear(x)
+        dynamo.explain(forward)(torch.randn(2, 8))
+        assert _cpu_float32.registered_ops(), "installed"
+        print(forward(torch.randn(2, 8)).dtype)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["torch.float16"]
+    assert "recompile_limit" not in result.stderr, result.stderr[-3000:]
+
+
 # -- activation checkpointing ----------------------------------------------------------------------------
 
 

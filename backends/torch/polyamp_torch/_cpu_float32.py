@@ -149,12 +149,21 @@ def enter_region(active: bool) -> bool:
     `exit_region` with the returned value restores the enclosing setting.
     """
     if active and not _installed:
-        _install()
+        # Outside the compiler: a first region entered in code torch.compile runs untraced would otherwise have
+        # the compiler take each kernel's making as a frame of its own (once per op, to its recompile limit).
+        _uncompiled(_install)
     if active and not _kernels_skipped_by_dynamo[0] and "torch._dynamo" in sys.modules:
-        _skip_kernels_in_dynamo()
+        _uncompiled(_skip_kernels_in_dynamo)
     previous = _STATE.active
     _STATE.active = active
     return previous
+
+
+def _call(fn: Callable[[], None]) -> None:
+    fn()
+
+
+_uncompiled = torch.compiler.disable(_call)  # type: ignore[no-untyped-call]
 
 
 def exit_region(previous: bool) -> None:
