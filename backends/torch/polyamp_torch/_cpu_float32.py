@@ -53,7 +53,7 @@ from typing import Any
 
 from polyamp import OpClass, op_class
 from polyamp.backend_api import FLOAT32_OPS
-from polyamp_torch._framework import torch
+from polyamp_torch._framework import run_uncompiled, torch
 
 __all__ = [
     "FLOAT32_OP_NAMES",
@@ -151,19 +151,12 @@ def enter_region(active: bool) -> bool:
     if active and not _installed:
         # Outside the compiler: a first region entered in code torch.compile runs untraced would otherwise have
         # the compiler take each kernel's making as a frame of its own (once per op, to its recompile limit).
-        _uncompiled(_install)
+        run_uncompiled(_install)
     if active and not _kernels_skipped_by_dynamo[0] and "torch._dynamo" in sys.modules:
-        _uncompiled(_skip_kernels_in_dynamo)
+        run_uncompiled(_skip_kernels_in_dynamo)
     previous = _STATE.active
     _STATE.active = active
     return previous
-
-
-def _call(fn: Callable[[], None]) -> None:
-    fn()
-
-
-_uncompiled = torch.compiler.disable(_call)  # type: ignore[no-untyped-call]
 
 
 def exit_region(previous: bool) -> None:

@@ -37,7 +37,7 @@ from polyamp.backend_api import (
     wrong_object_error,
 )
 from polyamp_torch._autocast import float16_regions_entered
-from polyamp_torch._framework import torch
+from polyamp_torch._framework import run_uncompiled, torch
 from polyamp_torch._gradients import (
     PerDevice,
     fused_amp_capable,
@@ -55,13 +55,6 @@ from polyamp_torch._rule import DeviceState, advance
 __all__ = ["TorchDevice"]
 
 _CPU = torch.device("cpu")
-
-
-def _call(fn: Any, *args: Any) -> Any:
-    return fn(*args)
-
-
-_uncompiled = torch.compiler.disable(_call)  # type: ignore[no-untyped-call]
 
 
 class _History:
@@ -250,7 +243,7 @@ class TorchDevice:
     @staticmethod
     def run_uncompiled(fn: Any, *args: Any) -> Any:
         """``fn(*args)`` at run time, outside torch.compile's trace, as torch runs its own GradScaler."""
-        return _uncompiled(fn, *args)
+        return run_uncompiled(fn, *args)
 
     # -- the step ----------------------------------------------------------------------------------------
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from polyamp import BackendNotInstalledError
 from polyamp.backend_api import warn_if_untested
 
@@ -23,4 +25,13 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 
-__all__ = ["TORCH_DTYPES", "torch"]
+
+def _call(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
+#: ``run_uncompiled(fn, *args)``: ``fn(*args)`` outside torch.compile's trace and its frame handling, at run
+#: time (a ``torch.compiler.disable``d call, about 0.2 us eagerly).
+run_uncompiled = torch.compiler.disable(_call)  # type: ignore[no-untyped-call]
+
+__all__ = ["TORCH_DTYPES", "run_uncompiled", "torch"]
