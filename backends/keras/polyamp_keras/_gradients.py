@@ -56,11 +56,21 @@ def sparse_values(grad: Any) -> Any:
     return grad.values if hasattr(grad, "dense_shape") else grad.data
 
 
+def read_once(value: Any) -> Any:
+    """``value`` as a tensor: a variable read once. (On TensorFlow, ``ops.convert_to_tensor`` gives a variable
+    back, and in a graph every operation using it reads it anew.)"""
+    if keras.backend.backend() == "tensorflow":
+        return sys.modules["tensorflow"].convert_to_tensor(value)  # imported: it is Keras's backend
+    return ops.convert_to_tensor(value)
+
+
 def unscale(grads: Sequence[Any], scale: Any, skip: Sequence[bool] | None = None) -> list[Any]:
     """Divide each gradient by the scale (as Keras's LossScaleOptimizer does); None stays None.
 
-    ``skip[i]`` leaves gradient i alone (variables that are overwritten with their gradient).
+    ``skip[i]`` leaves gradient i alone (variables that are overwritten with their gradient). A scale variable
+    is read once for all of them (in a TensorFlow graph each read is an operation of its own).
     """
+    scale = read_once(scale)
     result = []
     for index, grad in enumerate(grads):
         if grad is None or (skip is not None and skip[index]):
