@@ -298,3 +298,27 @@ def test_two_optimizers_in_one_compiled_iteration_skip_separately(jit: bool) -> 
     iteration(tf.constant(1.0))
     assert not bool(scaler.step_skipped(opt_a)) and not bool(scaler.step_skipped())
     assert scaler.state_dict()["_growth_tracker"] == 1
+
+
+def test_a_graph_step_reads_the_scale_once_to_unscale_every_gradient() -> None:
+    """In a ``tf.function`` step every gradient is divided by one read of the scale variable: a read is an
+    operation of its own in the graph, and reading per gradient cost one operation per gradient."""
+    scaler = polyamp.LossScaler(backend="tensorflow", enabled=True)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(4)])
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+
+    @tf.function  # type: ignore[untyped-decorator]
+    def step(x: Any) -> None:
+        with tf.GradientTape() as tape:
+            loss = scaler.scale(tf.reduce_sum(model(x)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        scaler.apply_gradients(optimizer, zip(grads, model.trainable_variables))
+
+    graph = step.get_concrete_function(tf.zeros((2, 4))).graph
+    divisions = [op for op in graph.get_operations() if op.type == "RealDiv"]
+    assert len(divisions) == len(model.trainable_variables) == 4
+    divisors = {op.inputs[1].op for op in divisions}
+    assert len(divisors) == 1
+    (read,) = divisors
+    assert read.type == "ReadVariableOp"
