@@ -526,7 +526,7 @@ class TorchDevice:
         return [None]
 
     def write_record(self, record: list[torch.Tensor | None], found_inf: torch.Tensor) -> None:
-        record[0] = _kept(found_inf)
+        record[0] = _kept(found_inf) if found_inf.is_cuda else found_inf
 
     def read_record(self, record: list[torch.Tensor | None]) -> torch.Tensor:
         flag = record[0]
@@ -540,7 +540,9 @@ class TorchDevice:
         self, history: _History, base: int, found_inf: torch.Tensor | None, spike: torch.Tensor | None = None
     ) -> None:
         # The flag tensors themselves (no kernel, no host read), unless a CUDA graph owns them (`_kept`).
-        history.entries.append((base, _kept(found_inf), _kept(spike)))
+        if (found_inf is not None and found_inf.is_cuda) or (spike is not None and spike.is_cuda):
+            found_inf, spike = _kept(found_inf), _kept(spike)
+        history.entries.append((base, found_inf, spike))
         history.count += 1
 
     def read_history(self, history: _History) -> tuple[int, list[int]]:
