@@ -240,10 +240,9 @@ class TorchDevice:
     #: Whether torch.compile is tracing the call (torch's own function: the core asks at every stage).
     compiling = staticmethod(torch.compiler.is_compiling)
 
-    @staticmethod
-    def run_uncompiled(fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` at run time, outside torch.compile's trace, as torch runs its own GradScaler."""
-        return run_uncompiled(fn, *args)
+    #: ``fn(*args)`` at run time, outside torch.compile's trace and frame handling, as torch runs its own
+    #: GradScaler (`polyamp_torch._framework.run_uncompiled`).
+    run_uncompiled = staticmethod(run_uncompiled)
 
     # -- the step ----------------------------------------------------------------------------------------
 
