@@ -30,6 +30,7 @@ from polyamp_keras._gradients import (
     all_replicas_finite,
     gradient_counts,
     is_sparse,
+    read_once,
     refuse_loss_scale_factor,
     sparse_values,
     unscale,
@@ -295,6 +296,8 @@ class KerasDevice:
         grads = list(grads)
         present = [g for g in grads if g is not None]
         scaled = scale is not None
+        if scaled:
+            scale = read_once(scale)  # used up to three times below: one read of a variable
         one_pass = scaled and all(
             not is_sparse(g) and keras.backend.standardize_dtype(g.dtype) == "float32" for g in present
         )
