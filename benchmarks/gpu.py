@@ -35,6 +35,7 @@ from benchmarks import _common
 
 _CUDA = torch.cuda.is_available()  # (capturable optimizers run on CUDA only; --quick on a CPU drops it)
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "SGD (foreach)": lambda p: torch.optim.SGD(p, lr=1e-3, foreach=True),
     "SGD momentum (for-loop)": lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9, foreach=False),
     "SGD momentum (foreach)": lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9, foreach=True),
     "SGD fused": lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9, fused=True),

@@ -35,11 +35,13 @@ class _ScalarReads(TorchDispatchMode):
 
 
 def _optimizer(name: str, params: Any) -> Any:
-    """``sgd``, ``adam``, ``adamw``, optionally ``_foreach`` or ``_fused`` (torch's CPU default is the for-loop)."""
+    """``sgd``, ``sgdplain`` (no momentum), ``adam``, ``adamw``, optionally ``_foreach`` or ``_fused`` (torch's CPU default is the for-loop)."""
     kind, _, form = name.partition("_")
     forms = {"foreach": {"foreach": True}, "fused": {"fused": True}, "": {}}[form]
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.01, momentum=0.9, **forms)
+    if kind == "sgdplain":  # no momentum
+        return torch.optim.SGD(params, lr=0.01, **forms)
     return {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind](params, lr=1e-3, **forms)
 
 
@@ -112,7 +114,7 @@ def test_a_skipped_fused_step_adds_no_read_either() -> None:
     assert _reads_per_step("polyamp", "adam_fused", "mixed_float16", inf_at=12) == 0.0
 
 
-MASKABLE = ["sgd", "sgd_foreach", "adam", "adam_foreach", "adamw", "adamw_foreach"]
+MASKABLE = ["sgd", "sgd_foreach", "sgdplain", "sgdplain_foreach", "adam", "adam_foreach", "adamw", "adamw_foreach"]
 
 
 @pytest.mark.parametrize("optimizer", [*MASKABLE, "adam_fused", "adamw_fused"])

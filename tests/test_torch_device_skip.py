@@ -30,6 +30,8 @@ def _optimizer(kind: str, form: str, params: Any) -> Any:
     options = {"foreach": {"foreach": True}, "for-loop": {"foreach": False}, "fused": {"fused": True}}[form]
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3, **options)
+    if kind == "sgd-plain":  # no momentum: no state, masked from the first step
+        return torch.optim.SGD(params, lr=0.1, weight_decay=1e-3, **options)
     if kind == "adam":
         return torch.optim.Adam(params, lr=1e-2, amsgrad=True, **options)
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **options)
@@ -70,7 +72,7 @@ def _assert_same(ours: tuple[Any, Any, list[Any]], theirs: tuple[Any, Any, list[
 
 
 @pytest.mark.parametrize("form", ["for-loop", "foreach", "fused"])
-@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("kind", ["sgd", "sgd-plain", "adam", "adamw"])
 @pytest.mark.parametrize("clip", [False, True])
 def test_skipping_on_the_device_equals_grad_scaler(kind: str, form: str, clip: bool) -> None:
     settings = {"init_scale": 2.0**10, "growth_interval": 3}
@@ -148,8 +150,8 @@ def test_a_skipped_first_adam_step_leaves_the_state_a_fresh_one_makes() -> None:
 
 
 def test_what_is_left_to_the_host() -> None:
-    """None (nothing done, the caller decides on the host): SGD's first step, a subclass, a foreign optimizer,
-    a flag on another device than the state."""
+    """None (nothing done, the caller decides on the host): the first step of SGD with momentum, a subclass, a
+    foreign optimizer, a flag on another device than the state."""
     param = torch.nn.Parameter(torch.ones(3))
     param.grad = torch.ones(3)
     flag = torch.tensor(0.0)
@@ -158,6 +160,10 @@ def test_what_is_left_to_the_host() -> None:
     assert sgd.state[param] == {}
     sgd.step()
     assert masked_step(sgd, flag, (), {}) is not None
+    plain = torch.optim.SGD([param], lr=0.1)  # no momentum: no state to make, masked from its first step
+    before = param.detach().clone()
+    assert masked_step(plain, torch.tensor(1.0), (), {}) is not None
+    assert torch.equal(param, before) and plain.state[param] == {}
 
     class MyAdam(torch.optim.Adam):
         pass
@@ -181,7 +187,9 @@ def test_the_option_is_validated_kept_and_copied() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind,form", [("sgd", "foreach"), ("adam", "foreach"), ("adamw", "for-loop")])
+@pytest.mark.parametrize(
+    "kind,form", [("sgd", "foreach"), ("sgd-plain", "foreach"), ("adam", "foreach"), ("adamw", "for-loop")]
+)
 def test_no_sync_on_cuda(kind: str, form: str) -> None:
     """On CUDA, with capturable Adam/AdamW (their step counts on the GPU), steady-state steps run under
     ``torch.cuda.set_sync_debug_mode("error")``, skipped or not; the parameters are GradScaler's."""
@@ -190,8 +198,8 @@ def test_no_sync_on_cuda(kind: str, form: str) -> None:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).cuda()
         params, foreach = model.parameters(), form == "foreach"
-        if kind == "sgd":
-            opt: Any = torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=foreach)
+        if kind.startswith("sgd"):
+            opt: Any = torch.optim.SGD(params, lr=0.1, momentum=0.9 if kind == "sgd" else 0.0, foreach=foreach)
         else:
             adam = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
             opt = adam(params, lr=1e-2, foreach=foreach, capturable=True)

@@ -8,12 +8,12 @@ step leaves the parameters, the moments and the step counters bitwise as they we
 optimizer's own step, untouched. Nothing is read to the host.
 
 Taken only where that holds exactly: `torch.optim.SGD`, `Adam` and `AdamW` (not subclasses, whose step may keep
-other state); SGD past its first step (its momentum buffer starts as a copy of the first gradient, which a
-commit cannot restore to "none"), Adam and AdamW from their first (their state starts at zeros, which a skipped
-first step leaves); every parameter and state tensor on the flag's device (a CUDA Adam that is not capturable
-keeps its step counts on the CPU, which only a host read can restore). Otherwise the caller decides on the
-host, as before. Cost: a copy of the stepped parameters and their state per step (transient memory of
-that size) and one ``where`` per tensor.
+other state); SGD with momentum past its first step (its momentum buffer starts as a copy of the first gradient,
+which a commit cannot restore to "none"), SGD without momentum (it keeps no state) and Adam and AdamW from their
+first (their state starts at zeros, which a skipped first step leaves); every parameter and state tensor on the
+flag's device (a CUDA Adam that is not capturable keeps its step counts on the CPU, which only a host read can
+restore). Otherwise the caller decides on the host, as before. Cost: a copy of the stepped parameters and their
+state per step (transient memory of that size) and one ``where`` per tensor.
 """
 
 from __future__ import annotations
@@ -43,9 +43,13 @@ def _stepped(optimizer: Any, device: torch.device) -> list[tuple[torch.Tensor, d
             state = optimizer.state.get(param)
             if not state:
                 # A first step makes the state. Adam's and AdamW's start at zeros (step count included), which a
-                # commit can put back; SGD's momentum buffer starts as a copy of the first gradient, which it
-                # cannot. Their step count goes on the parameter's device only when capturable.
-                if type(optimizer) is torch.optim.SGD or not (device.type == "cpu" or group.get("capturable")):
+                # commit can put back, and their step count goes on the parameter's device only when capturable.
+                # SGD with momentum starts its buffer as a copy of the first gradient, which a commit cannot put
+                # back; SGD without momentum keeps no state at all.
+                if type(optimizer) is torch.optim.SGD:
+                    if group["momentum"] != 0:
+                        return None
+                elif not (device.type == "cpu" or group.get("capturable")):
                     return None
                 state = {}
             for value in state.values():
