@@ -108,6 +108,27 @@ def test_report_renders_full_results_and_marks_the_rest_not_yet_measured(
         assert f"Not yet measured: `python benchmarks/run.py {target}`" in text
 
 
+def test_gpu_kernels_times_each_kernel(run_bounded: RunBounded) -> None:
+    """benchmarks/gpu_kernels.py runs anywhere torch does (--device cpu here) and prints one time per kernel."""
+    pytest.importorskip("torch")
+    script = ROOT / "benchmarks" / "gpu_kernels.py"
+    result = run_bounded([sys.executable, str(script), "--device", "cpu", "--size", "32", "--iters", "2"], cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "3 x 32 x 32 float32 (0 MiB of gradients) on cpu"
+    names = [line.rsplit(None, 2)[0].strip() for line in lines[1:]]
+    assert names == [
+        "guard check (fused, inverse scale 1)",
+        "read-only check (_foreach_norm, ord=inf)",
+        "masked commit (copy + where)",
+        "its copy",
+        "its where",
+        "foreach SGD step",
+        "host read of a flag",
+    ]
+    assert all(line.endswith(" us") and float(line.split()[-2]) > 0 for line in lines[1:])
+
+
 def test_gpu_targets_refuse_to_run_without_cuda(tmp_path: Path, run_bounded: RunBounded) -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
