@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -464,6 +465,93 @@ def test_compiled_cpu_regions_classify_ops_as_eager_regions_do(backend: str) -> 
             assert torch.equal(a, b)
     compiled[1].sum().backward()
     assert w.grad is not None and w.grad.dtype == F32
+    assert not _cpu_float32.cpu_float32_ops_active()
+
+
+def _body(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    y = h @ w
+    return y, y.softmax(-1), F.layer_norm(y, (8,)), y.sum(0), y.exp()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="A compiled graph takes CUDA's float32 list only from polyamp regions inside the traced code: it is "
+    "reused wherever its guards pass, and they do not see polyamp's region flag (docs/guide/pytorch.md, "
+    "torch.compile). Code compiled inside an eager CPU region computes with torch's CPU lists; polyamp warns.",
+)
+def test_code_compiled_inside_an_eager_cpu_region_classifies_ops_as_the_region_does() -> None:
+    dynamo = pytest.importorskip("torch._dynamo")
+    h, w = torch.randn(4, 8), torch.randn(8, 8)
+    with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+        eager = _body(h, w)
+        dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            compiled = torch.compile(_body, backend="aot_eager")(h, w)
+    assert [t.dtype for t in compiled] == [t.dtype for t in eager] == [F16, F32, F32, F32, F32]
+
+
+@pytest.mark.parametrize("form", ["around", "decorated"])
+def test_code_compiled_inside_an_eager_cpu_region_warns_once(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The difference above is never silent: tracing a listed op under an eager polyamp CPU region, outside any
+    region of the traced code, warns (once per process) and says where to put the region."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    monkeypatch.setattr(_cpu_float32, "_warned_around", [False])
+    h, w = torch.randn(4, 8), torch.randn(8, 8)
+    body = polyamp_torch.autocast("mixed_float16", device_type="cpu")(_body) if form == "decorated" else _body
+    dynamo.reset()
+    with pytest.warns(UserWarning, match="Enter the region inside the compiled function") as caught:
+        if form == "decorated":
+            out = torch.compile(body, backend="aot_eager")(h, w)
+        else:
+            with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
+                out = torch.compile(body, backend="aot_eager")(h, w)
+    assert [t.dtype for t in out] == [F16, F16, F16, F16, F16]  # torch's CPU lists, as the warning says
+    assert sum("polyamp CPU autocast region" in str(w.message) for w in caught) == 1
+    dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with polyamp_torch.autocast("mixed_float16", device_type="cpu"):  # once per process
+            torch.compile(_body, backend="aot_eager")(h, w)
+        dynamo.reset()
+        monkeypatch.setattr(_cpu_float32, "_warned_around", [False])
+        assert [t.dtype for t in torch.compile(_forward, backend="aot_eager")(h, w)] == [F16, F32, F32, F32, F32]
+        with torch.autocast("cpu", dtype=F16):  # a native region around compiled code: nothing to say
+            dynamo.reset()
+            torch.compile(_body, backend="aot_eager")(h, w)
+    assert not _cpu_float32.cpu_float32_ops_active()
+
+
+def test_a_region_made_outside_compiled_code_is_entered_there_through_compiled() -> None:
+    """A region object made outside the compiled function: ``with region:`` inside it makes dynamo run that
+    function uncompiled (it cannot enter a context manager made outside the traced code), with the eager
+    region's results; ``with region.compiled():`` compiles in one graph with the same op classes."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    region = polyamp_torch.autocast("mixed_float16", device_type="cpu")
+    h, w = torch.randn(4, 8), torch.randn(8, 8)
+
+    def entered(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with region:  # (a function called here would be compiled on its own, as code around which it is)
+            y = h @ w
+            return y, y.softmax(-1), F.layer_norm(y, (8,)), y.sum(0), y.exp()
+
+    def through_compiled(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with region.compiled():
+            return _body(h, w)
+
+    eager = entered(h, w)
+    dynamo.reset()
+    assert dynamo.explain(entered)(h, w).graph_count == 0
+    dynamo.reset()
+    assert [t.dtype for t in torch.compile(entered, backend="aot_eager")(h, w)] == [t.dtype for t in eager]
+    dynamo.reset()
+    explained = dynamo.explain(through_compiled)(h, w)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    dynamo.reset()
+    compiled = torch.compile(through_compiled, backend="aot_eager", fullgraph=True)(h, w)
+    assert [t.dtype for t in compiled] == [t.dtype for t in eager] == [F16, F32, F32, F32, F32]
+    for a, b in zip(compiled, eager, strict=True):
+        assert torch.equal(a, b)
     assert not _cpu_float32.cpu_float32_ops_active()
 
 

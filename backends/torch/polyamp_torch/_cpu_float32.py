@@ -47,6 +47,7 @@ import contextlib
 import functools
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -131,10 +132,38 @@ def _applies() -> bool:
     if _fake_mode(_FAKE) is not None:
         context = _tracing_context()
         if context is not None:
-            # Tracing for torch.compile: regions inside the traced code count, not eager ones around it.
+            # Tracing for torch.compile: regions inside the traced code count, not eager ones around it (the
+            # compiled graph is reused wherever its guards pass, and they do not see polyamp's region flag).
             stack = _TRACED.get(context)
-            return stack[-1] if stack else False
+            if stack:
+                return stack[-1]
+            if _STATE.active:
+                _warn_region_around_compiled_code()
+            return False
     return _STATE.active
+
+
+#: Whether `_warn_region_around_compiled_code` has warned in this process.
+_warned_around = [False]
+
+
+def _warn_region_around_compiled_code() -> None:
+    """Once per process: a listed op traced for torch.compile inside an eager polyamp CPU region around the
+    compiled code, which compiles it with torch's CPU list, not CUDA's float32 one."""
+    if _warned_around[0]:
+        return
+    _warned_around[0] = True
+    warnings.warn(
+        "torch.compile is compiling code called inside a polyamp CPU autocast region entered outside it (a "
+        "`with polyamp_torch.autocast():` around the compiled call, a function decorated with one, or a region "
+        "object made outside the compiled function and entered in it, which dynamo cannot trace). The "
+        "compiled graph follows torch's CPU autocast lists: ops CUDA autocast runs in float32 (softmax, "
+        "layer_norm, sum, exp, ...) compute in the low dtype there, unlike in the eager region. Enter the "
+        "region inside the compiled function (`with polyamp_torch.autocast():` in its body) for CUDA's float32 "
+        "list in the graph too; on CUDA devices both are the same.",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def cpu_float32_ops_active() -> bool:
