@@ -218,6 +218,20 @@ def test_autocast_argument_errors(kwargs: dict[str, Any], error: type, fragment:
     assert fragment in str(info.value)
 
 
+def test_arguments_seen_before_are_still_checked_in_full() -> None:
+    """Regions made per step take the policy names and device types seen before without parsing them again;
+    every other spelling still goes through the checks, on the first call and on later ones."""
+    polyamp_torch.autocast("mixed_float16", device_type="cpu")
+    for _ in range(2):
+        with pytest.raises(PolyampTypeError, match="takes a policy or a dtype, not both"):
+            polyamp_torch.autocast("mixed_float16", dtype=torch.float16)
+        with pytest.raises(PolyampValueError, match="does not support device_type='tpu9'"):
+            polyamp_torch.autocast("mixed_float16", device_type="tpu9")
+    region = polyamp_torch.autocast("mixed_float16", device_type="cpu:0")
+    assert (region.device_type, region.policy.name) == ("cpu", "mixed_float16")
+    assert polyamp_torch.autocast(dtype=torch.bfloat16).policy.compute_dtype == "bfloat16"
+
+
 # -- apply_policy -----------------------------------------------------------------------------------------
 
 

@@ -207,6 +207,7 @@ def _new_autocast(key: _AutocastKey) -> torch.autocast:
 #: entry (a nested or another thread's region of the same key takes another) and gives it back on exit; at
 #: most a few are kept per key.
 _FREE_AUTOCASTS: dict[_AutocastKey, list[torch.autocast]] = {}
+_CPU_REGION_STATE = _cpu_float32._STATE
 _FREE_PER_KEY = 4
 
 
@@ -274,8 +275,16 @@ class PolicyRegion(contextlib.ContextDecorator):
             raise PolyampTypeError(
                 f"`cache_enabled` must be None or a bool. Received: cache_enabled={describe(cache_enabled)}."
             )
-        self._policy = _policy_argument(policy, dtype)
-        self._device_type = _device_type(device_type)
+        # The common spellings (a policy name seen before, or None; no device type, or one seen before) without
+        # a call each: a region is often made per step.
+        known = None if dtype is not None or policy.__class__ is not str else _NAMED_POLICIES.get(policy)
+        self._policy = (
+            known if known is not None or (policy is None and dtype is None) else _policy_argument(policy, dtype)
+        )
+        if device_type is None or (isinstance(device_type, str) and _autocast_support.get(device_type)):
+            self._device_type: str | None = device_type
+        else:
+            self._device_type = _device_type(device_type)
         self._enabled = enabled
         self._cache_enabled = cache_enabled
         self._cpu_float32_ops = cpu_float32_ops
@@ -356,7 +365,7 @@ class PolicyRegion(contextlib.ContextDecorator):
         regions, keys, previous, token = self._entered.pop()
         _region_policy.reset(token)
         if previous is not None:
-            _cpu_float32.exit_region(previous)
+            _CPU_REGION_STATE.active = previous  # _cpu_float32.exit_region(previous), without the call
         for index in range(len(regions) - 1, -1, -1):
             region = regions[index]
             region.__exit__(exc_type, exc, traceback)
