@@ -129,6 +129,22 @@ def test_gpu_kernels_times_each_kernel(run_bounded: RunBounded) -> None:
     assert all(line.endswith(" us") and float(line.split()[-2]) > 0 for line in lines[1:])
 
 
+def test_region_cost_times_each_spelling(run_bounded: RunBounded) -> None:
+    """benchmarks/region_cost.py prints one time per region spelling, torch.autocast's first."""
+    pytest.importorskip("torch")
+    script = ROOT / "benchmarks" / "region_cost.py"
+    result = run_bounded([sys.executable, str(script), "--number", "20", "--repeat", "1"], cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.rsplit(None, 2)[0].strip() for line in lines] == [
+        'torch.autocast("cpu", dtype=torch.float16)',
+        'polyamp_torch.autocast("mixed_float16", device_type="cpu")',
+        "the same, cpu_float32_ops=False",
+        "polyamp_torch.autocast() (the policy in effect)",
+    ]
+    assert all(line.endswith(" us") and float(line.split()[-2]) > 0 for line in lines)
+
+
 def test_gpu_targets_refuse_to_run_without_cuda(tmp_path: Path, run_bounded: RunBounded) -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
