@@ -207,7 +207,6 @@ def _new_autocast(key: _AutocastKey) -> torch.autocast:
 #: entry (a nested or another thread's region of the same key takes another) and gives it back on exit; at
 #: most a few are kept per key.
 _FREE_AUTOCASTS: dict[_AutocastKey, list[torch.autocast]] = {}
-_CPU_REGION_STATE = _cpu_float32._STATE
 _FREE_PER_KEY = 4
 
 
@@ -365,7 +364,7 @@ class PolicyRegion(contextlib.ContextDecorator):
         regions, keys, previous, token = self._entered.pop()
         _region_policy.reset(token)
         if previous is not None:
-            _CPU_REGION_STATE.active = previous  # _cpu_float32.exit_region(previous), without the call
+            _cpu_float32.exit_region(previous)
         for index in range(len(regions) - 1, -1, -1):
             region = regions[index]
             region.__exit__(exc_type, exc, traceback)
