@@ -446,10 +446,14 @@ def test_the_setting_is_per_thread() -> None:
 # -- torch.compile ---------------------------------------------------------------------------------------
 
 
+def _body(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    y = h @ w
+    return y, y.softmax(-1), F.layer_norm(y, (8,)), y.sum(0), y.exp()
+
+
 def _forward(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     with polyamp_torch.autocast("mixed_float16", device_type="cpu"):
-        y = h @ w
-        return y, y.softmax(-1), F.layer_norm(y, (8,)), y.sum(0), y.exp()
+        return _body(h, w)
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
@@ -466,11 +470,6 @@ def test_compiled_cpu_regions_classify_ops_as_eager_regions_do(backend: str) -> 
     compiled[1].sum().backward()
     assert w.grad is not None and w.grad.dtype == F32
     assert not _cpu_float32.cpu_float32_ops_active()
-
-
-def _body(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    y = h @ w
-    return y, y.softmax(-1), F.layer_norm(y, (8,)), y.sum(0), y.exp()
 
 
 @pytest.mark.xfail(

@@ -274,12 +274,13 @@ class PolicyRegion(contextlib.ContextDecorator):
             raise PolyampTypeError(
                 f"`cache_enabled` must be None or a bool. Received: cache_enabled={describe(cache_enabled)}."
             )
-        # The common spellings (a policy name seen before, or None; no device type, or one seen before) without
-        # a call each: a region is often made per step.
-        known = None if dtype is not None or policy.__class__ is not str else _NAMED_POLICIES.get(policy)
-        self._policy = (
-            known if known is not None or (policy is None and dtype is None) else _policy_argument(policy, dtype)
-        )
+        # A region is often made per step: no policy (the one in effect), a policy name seen before and a device
+        # type seen before are taken without a call; every other spelling goes through the checks.
+        if policy is None and dtype is None:
+            self._policy: Policy | None = None
+        else:
+            known = _NAMED_POLICIES.get(policy) if dtype is None and policy.__class__ is str else None
+            self._policy = known if known is not None else _policy_argument(policy, dtype)
         if device_type is None or (isinstance(device_type, str) and _autocast_support.get(device_type)):
             self._device_type: str | None = device_type
         else:
