@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import io
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -411,11 +413,88 @@ def test_apply_policy_needs_a_module() -> None:
         polyamp_torch.apply_policy(lambda x: x)  # type: ignore[arg-type]
 
 
-def test_regions_reuse_torch_autocast_objects_only_when_none_is_entered() -> None:
-    """A region takes a ``torch.autocast`` that an exited region gave back (making one costs about as much as
-    entering it): nested regions of the same policy, and a region entered in another thread while one is open,
-    each get one of their own, every exit restores the state its entry found, and at most a few are kept."""
+def _autocast_state(device_type: str = "cpu") -> tuple[bool, torch.dtype, bool, int]:
+    """The thread's autocast state for ``device_type``: enabled, dtype, cast cache enabled, nesting depth."""
+    depth = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return (
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+        torch.is_autocast_cache_enabled(),
+        depth,
+    )
+
+
+_OUTER_STATES: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
+    "none": contextlib.nullcontext,
+    "bfloat16, no cast cache": lambda: torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False),
+    "autocast off": lambda: torch.autocast("cpu", enabled=False),
+}
+
+
+@pytest.mark.parametrize("outer", list(_OUTER_STATES))
+@pytest.mark.parametrize(
+    ("region_kwargs", "torch_kwargs"),
+    [
+        ({"policy": "mixed_float16"}, {"dtype": torch.float16}),
+        ({"policy": "mixed_bfloat16", "cache_enabled": False}, {"dtype": torch.bfloat16, "cache_enabled": False}),
+        ({"policy": "mixed_bfloat16", "cache_enabled": True}, {"dtype": torch.bfloat16, "cache_enabled": True}),
+        ({"policy": "float32"}, {"enabled": False}),
+        ({"policy": "mixed_float16", "enabled": False}, {"enabled": False}),
+    ],
+)
+def test_a_region_sets_and_restores_what_torch_autocast_does(
+    outer: str, region_kwargs: dict[str, Any], torch_kwargs: dict[str, Any]
+) -> None:
+    """A region enters through torch's autocast setters directly (cheaper than torch.autocast's Python methods):
+    inside, and after it, the thread's autocast state (enabled, dtype, cast cache, nesting) is exactly what
+    the same torch.autocast gives, from any enclosing state, nested and after an exception."""
+    before = _autocast_state()
+    with _OUTER_STATES[outer]():
+        with torch.autocast("cpu", **torch_kwargs):
+            expected_inside = _autocast_state()
+        expected_after = _autocast_state()
+        with polyamp_torch.autocast(device_type="cpu", **region_kwargs):
+            assert _autocast_state() == expected_inside
+            with polyamp_torch.autocast(device_type="cpu", **region_kwargs):
+                assert _autocast_state()[:3] == expected_inside[:3]
+                assert _autocast_state()[3] == expected_inside[3] + 1
+            assert _autocast_state() == expected_inside
+        assert _autocast_state() == expected_after
+        with pytest.raises(KeyError), polyamp_torch.autocast(device_type="cpu", **region_kwargs):
+            raise KeyError("inside")
+        assert _autocast_state() == expected_after
+    assert _autocast_state() == before
+
+
+def test_leaving_the_outermost_region_drops_the_cast_cache_as_torch_autocast_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch.autocast clears its cache of weight casts when the outermost autocast region exits, not an inner
+    one; so does a region, inside torch.autocast or around it."""
     from polyamp_torch import _autocast
+
+    cleared: list[int] = []
+    monkeypatch.setattr(_autocast, "_clear_cache", lambda: cleared.append(_autocast_state()[3]))
+    region = polyamp_torch.autocast("mixed_float16", device_type="cpu")
+    with region:
+        with region:
+            pass
+        assert cleared == []
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with region:
+                pass
+        assert cleared == []
+    assert cleared == [0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with region:
+            pass
+    assert cleared == [0]  # torch.autocast's own exit cleared it
+
+
+def test_regions_are_per_thread_and_each_exit_restores_its_entry() -> None:
+    """Nested regions of other policies and of the same one, each restoring the state its entry found; a thread
+    started inside sees autocast off (torch's autocast state is per thread)."""
 
     def state() -> tuple[bool, torch.dtype]:
         return torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
@@ -423,31 +502,49 @@ def test_regions_reuse_torch_autocast_objects_only_when_none_is_entered() -> Non
     before = state()
     outer = polyamp_torch.autocast("mixed_float16", device_type="cpu")
     inner = polyamp_torch.autocast("mixed_bfloat16", device_type="cpu")
-    same = polyamp_torch.autocast("mixed_float16", device_type="cpu")
     seen: list[tuple[bool, torch.dtype]] = []
     with outer:
         assert state() == (True, torch.float16)
         with inner:
             assert state() == (True, torch.bfloat16)
-            with same:
+            with outer:  # the same region object entered again
                 assert state() == (True, torch.float16)
-                entered = {id(entry[0][0]) for region in (outer, same) for entry in region._entered}
-                assert len(entered) == 2  # the same key, two objects
                 thread = threading.Thread(target=lambda: seen.append(state()))
                 thread.start()
                 thread.join()
             assert state() == (True, torch.bfloat16)
         assert state() == (True, torch.float16)
     assert state() == before
-    assert [enabled for enabled, _ in seen] == [False]  # autocast state is per thread: the other thread's is off
-    key = ("cpu", "float16", None)
-    kept = list(_autocast._FREE_AUTOCASTS[key])
-    with polyamp_torch.autocast("mixed_float16", device_type="cpu") as region:
-        assert region._entered[0][0][0] is kept[-1]  # reused
-    regions = [polyamp_torch.autocast("mixed_float16", device_type="cpu") for _ in range(10)]
-    for region in regions:
-        region.__enter__()
-    for region in reversed(regions):
-        region.__exit__(None, None, None)
-    assert len(_autocast._FREE_AUTOCASTS[key]) == _autocast._FREE_PER_KEY
-    assert state() == before
+    assert [enabled for enabled, _ in seen] == [False]
+
+
+def test_under_a_torch_function_mode_a_region_enters_torch_autocast_itself() -> None:
+    """torch.autocast tells an active torch function mode (torch.export's pre-dispatch tracing among them) of its
+    entry and exit; a region entered under one goes through torch.autocast, so torch.export keeps it."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with polyamp_torch.autocast("mixed_bfloat16", device_type="cpu", cpu_float32_ops=False):
+                return self.linear(x)  # type: ignore[no-any-return]
+
+    exported = torch.export.export(Net(), (torch.randn(2, 4),))
+    targets = [type(node.target).__name__ for node in exported.graph.nodes if node.op == "call_function"]
+    assert "WrapWithAutocast" in targets
+    assert exported.module()(torch.randn(2, 4)).dtype == torch.bfloat16
+
+    class Watching(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    before = _autocast_state()
+    with Watching():
+        with torch.autocast("cpu", dtype=torch.float16):
+            expected = _autocast_state()
+        with polyamp_torch.autocast("mixed_float16", device_type="cpu") as region:
+            assert _autocast_state() == expected
+            assert isinstance(region._entered[-1][0][0], torch.autocast)
+    assert _autocast_state() == before
