@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import random
 import shlex
 import statistics
 import subprocess
@@ -145,21 +146,41 @@ def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict[st
     """Per variant: median ms, and its ratio to the baseline as the median of per-round ratios.
 
     Each round times every variant back to back, so a round's ratio compares measurements taken under
-    the same machine conditions; its median over rounds is what the tables report ("ratio"). The ratio
-    of the medians and of the minima are kept too.
+    the same machine conditions; its median over rounds is what the tables report ("ratio"), with its 95%
+    bootstrap interval ("ratio_low", "ratio_high"; see `bootstrap_interval`). The ratio of the medians and
+    of the minima are kept too.
     """
     base = statistics.median(times[baseline])
     summary = {}
     for name, values in times.items():
         paired = [value / ref for value, ref in zip(values, times[baseline], strict=True)]
+        low, high = bootstrap_interval(paired)
         summary[name] = {
             "median_ms": statistics.median(values),
             "min_ms": min(values),
             "ratio": statistics.median(paired),
+            "ratio_low": low,
+            "ratio_high": high,
             "ratio_of_medians": statistics.median(values) / base,
             "ratio_of_minima": min(values) / min(times[baseline]),
         }
     return summary
+
+
+def bootstrap_interval(values: list[float], *, resamples: int = 2000, level: float = 0.95) -> tuple[float, float]:
+    """The percentile bootstrap interval of the median of ``values``: the median recomputed on ``resamples``
+    resamplings with replacement (seeded, so a result file is reproducible from its raw times), cut at the
+    ``(1 - level) / 2`` quantiles on each side. One value gives a zero-width interval."""
+    if len(values) < 2:
+        return values[0], values[0]
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    cut = int(resamples * (1 - level) / 2)
+    return medians[cut], medians[resamples - 1 - cut]
+
+
+def fmt_interval(low: float, high: float) -> str:
+    return f"{low:.3f}-{high:.3f}"
 
 
 def write(out_dir: Path, payload: dict[str, Any]) -> Path:

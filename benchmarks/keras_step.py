@@ -7,7 +7,9 @@ Same model (4 x (Dense gelu + LayerNorm), sparse cross-entropy on float32 logits
   ``keras.mixed_precision.LossScaleOptimizer`` (``scale_loss`` + ``apply_gradients``) against
   ``polyamp_tensorflow.LossScaleOptimizer`` (same calls) and ``polyamp.LossScaler`` (``scale`` +
   ``apply_gradients(optimizer, ...)`` around a plain Adam);
-* ``model.fit``: steps per second of one epoch, compiled with either LossScaleOptimizer (width 64 only).
+* ``model.fit``: steps per second of one epoch, compiled with either LossScaleOptimizer (width 64 only);
+* ``Keras again (A/A)``: a second Keras step and ``fit`` model built like the first, whose ratio is what two
+  identical steps differ by in the run (the noise a ratio is judged against).
 
 Run: python benchmarks/run.py keras [--quick] [--rounds 11]
 """
@@ -32,7 +34,11 @@ import tensorflow as tf  # noqa: E402
 import polyamp_tensorflow  # noqa: E402
 from benchmarks import _common  # noqa: E402
 
-STEP_VARIANTS = ("Keras LossScaleOptimizer", "polyamp LossScaleOptimizer", "polyamp LossScaler")
+KERAS = "Keras LossScaleOptimizer"
+#: A second Keras step built like the first: what two identical steps differ by in the run (the noise).
+AGAIN = "Keras again (A/A)"
+STEP_VARIANTS = (KERAS, AGAIN, "polyamp LossScaleOptimizer", "polyamp LossScaler")
+FIT_VARIANTS = (KERAS, AGAIN, "polyamp LossScaleOptimizer")
 
 
 def build(width: int, depth: int) -> Any:
@@ -46,7 +52,7 @@ def build(width: int, depth: int) -> Any:
 
 def make_optimizer(variant: str) -> Any:
     inner = keras.optimizers.Adam(1e-4)
-    if variant == "Keras LossScaleOptimizer":
+    if variant in (KERAS, AGAIN):
         return keras.mixed_precision.LossScaleOptimizer(inner, initial_scale=2.0**16)
     if variant == "polyamp LossScaleOptimizer":
         return polyamp_tensorflow.LossScaleOptimizer(inner)
@@ -111,7 +117,7 @@ def time_fit(width: int, batch: int, depth: int, args: argparse.Namespace) -> di
     x = rng.normal(size=(n_steps * batch, width)).astype("float32")
     y = rng.integers(0, width, size=(n_steps * batch,)).astype("int32")
     models = {}
-    for name in STEP_VARIANTS[:2]:
+    for name in FIT_VARIANTS:
         model = build(width, depth)
         model.compile(
             optimizer=make_optimizer(name),
@@ -132,6 +138,14 @@ def time_fit(width: int, batch: int, depth: int, args: argparse.Namespace) -> di
             models[name].fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
             times[name].append((clock() - start) / n_steps * 1e3)
     return {"steps_per_epoch": n_steps, "summary": _common.summarize(times, STEP_VARIANTS[0]), "times_ms": times}
+
+
+def _intervals(summary: dict[str, dict[str, float]], names: tuple[str, ...]) -> list[str]:
+    """Each variant's 95% bootstrap interval of its median ratio ("" where it was not timed: `fit`)."""
+    return [
+        _common.fmt_interval(summary[name]["ratio_low"], summary[name]["ratio_high"]) if name in summary else ""
+        for name in names
+    ]
 
 
 def _clock(args: argparse.Namespace) -> Any:
@@ -158,6 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = [(16, 8, 2)] if args.quick else [(512, 64, 4), (64, 32, 4)]
     step_rows: list[list[str]] = []
     fit_rows: list[list[str]] = []
+    interval_rows: list[list[str]] = []
     raw: list[dict[str, Any]] = []
     for width, batch, depth in configs:
         label = f"{depth} x (Dense {width} gelu + LayerNorm), batch {batch}"
@@ -173,17 +188,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     *(_common.fmt_ratio(summary[name]["ratio"]) for name in STEP_VARIANTS[1:]),
                 ]
             )
+            interval_rows.append([label if not jit else "", compiled, *_intervals(summary, STEP_VARIANTS[1:])])
             raw.append({"kind": "gradient_tape", "width": width, "batch": batch, "jit_compile": jit, **measured})
             print(label, compiled, {k: round(v["ratio"], 3) for k, v in summary.items()}, flush=True)
         if width > 64 and not args.quick:
             continue  # fit's per-step overhead shows at width 64; a 512-wide epoch takes minutes on one thread
         measured = time_fit(width, batch, depth, args)
         summary = measured["summary"]
-        keras_rate = 1e3 / summary[STEP_VARIANTS[0]]["median_ms"]
-        ours_rate = 1e3 / summary[STEP_VARIANTS[1]]["median_ms"]
+        keras_rate = 1e3 / summary[KERAS]["median_ms"]
+        ours_rate = 1e3 / summary[FIT_VARIANTS[2]]["median_ms"]
         fit_rows.append(
-            [label, f"{keras_rate:.1f}", f"{ours_rate:.1f}", _common.fmt_ratio(summary[STEP_VARIANTS[1]]["ratio"])]
+            [
+                label,
+                f"{keras_rate:.1f}",
+                f"{ours_rate:.1f}",
+                _common.fmt_ratio(summary[FIT_VARIANTS[2]]["ratio"]),
+                _common.fmt_ratio(summary[AGAIN]["ratio"]),
+            ]
         )
+        interval_rows.append([label, "model.fit", *_intervals(summary, STEP_VARIANTS[1:])])
         raw.append({"kind": "fit", "width": width, "batch": batch, **measured})
         print(label, "fit", {k: round(v["ratio"], 3) for k, v in summary.items()}, flush=True)
     env = _common.environment("cpu", threads=None)
@@ -200,8 +223,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             },
             {
                 "caption": "model.fit, one epoch per round: steps/s, and polyamp's time ratio",
-                "columns": ["model", "Keras LSO steps/s", "polyamp LSO steps/s", "polyamp time ratio"],
+                "columns": ["model", "Keras LSO steps/s", "polyamp LSO steps/s", "polyamp time ratio", AGAIN],
                 "rows": fit_rows,
+            },
+            {
+                "caption": "95% bootstrap intervals of the median ratios above (2000 resamplings of the rounds)",
+                "columns": ["model", "step", *STEP_VARIANTS[1:]],
+                "rows": interval_rows,
             },
         ],
         notes=[
@@ -212,6 +240,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if args.clock == "cpu"
                 else "Clock: wall time, TensorFlow's default thread pools."
             ),
+            f"{AGAIN}: a second Keras step (and `fit` model) built like the first; its ratio is what two identical "
+            "steps differ by in this run.",
             f"TensorFlow {tf.__version__}, Keras {keras.__version__}.",
         ],
         raw=raw,

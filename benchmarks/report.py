@@ -172,6 +172,7 @@ SUMMARY: dict[str, tuple[str, list[tuple[int, str, str]]]] = {
             (0, "polyamp", "polyamp (CUDA's float32 list on CPU)"),
             (0, "native + LayerNorm input cast by hand", "the same float32 work by hand, no mechanism"),
             (0, "polyamp, torch CPU lists", "polyamp, `cpu_float32_ops=False`"),
+            (0, "native again (A/A)", "native against a copy of itself (the noise)"),
         ],
     ),
     "keras": (
@@ -179,6 +180,7 @@ SUMMARY: dict[str, tuple[str, list[tuple[int, str, str]]]] = {
         [
             (0, "polyamp LossScaleOptimizer", "tape step, `tf.function` (also XLA)"),
             (1, "polyamp time ratio", "`model.fit`"),
+            (0, "Keras again (A/A)", "Keras against a copy of itself (the noise)"),
         ],
     ),
     "keras-backends": (

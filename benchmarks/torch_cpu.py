@@ -5,6 +5,8 @@ scaled backward, step, update. float16 compute. Variants, built from identical i
 interleaved rounds in one process:
 
 * ``native``: ``torch.autocast("cpu", dtype=torch.float16)`` + ``torch.amp.GradScaler("cpu")``;
+* ``native again (A/A)``: a second native step, built the same way from the same weights: the ratio two
+  identical steps show, i.e. what this machine's noise and the steps' memory placement alone give;
 * ``polyamp``: ``polyamp_torch.autocast("mixed_float16")`` (default ``cpu_float32_ops=True``: CUDA's float32
   op list, via kernels at the AutocastCPU dispatch key) + ``polyamp.LossScaler()``;
 * ``native + LayerNorm input cast by hand``: native, with ``.float()`` written before each LayerNorm: the
@@ -36,14 +38,19 @@ from benchmarks._alternatives import FunctionModeFloat32Ops
 from polyamp_torch import _cpu_float32
 
 HAND_CAST = "native + LayerNorm input cast by hand"
+AGAIN = "native again (A/A)"
+NATIVE = ("native", AGAIN, HAND_CAST)
 VARIANTS = (
     "native",
+    AGAIN,
     HAND_CAST,
     "polyamp",
     "polyamp region + GradScaler",
     "polyamp, torch CPU lists",
     "polyamp, function mode (previous)",
 )
+#: The variants whose ratio intervals are reported.
+INTERVALS = (AGAIN, "polyamp, torch CPU lists", "polyamp")
 OPTIMIZERS = ("sgd", "adam", "adam_fused")
 OPTIMIZER_NAMES = {"sgd": "SGD momentum", "adam": "Adam", "adam_fused": "Adam fused"}
 
@@ -78,7 +85,7 @@ def build(
 
 def region_factory(variant: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     """A callable returning a fresh autocast region of the variant."""
-    if variant in ("native", HAND_CAST):
+    if variant in NATIVE:
         return lambda: torch.autocast("cpu", dtype=torch.float16)
     if variant in ("polyamp", "polyamp region + GradScaler"):
         return lambda: polyamp_torch.autocast("mixed_float16", device_type="cpu")
@@ -98,7 +105,7 @@ def make_step(variant: str, width: int, depth: int, optimizer: str, x: torch.Ten
     """One training iteration of the variant, as a closure; also returns the model (for dtype checks)."""
     model, opt = build(width, depth, optimizer, hand_cast=variant == HAND_CAST)
     region = region_factory(variant)
-    native_scaler = variant in ("native", HAND_CAST, "polyamp region + GradScaler")
+    native_scaler = variant in (*NATIVE, "polyamp region + GradScaler")
     scaler: Any = torch.amp.GradScaler("cpu") if native_scaler else polyamp.LossScaler(enabled=True)
 
     def step() -> None:
@@ -156,6 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     variants = list(VARIANTS)
     rounds = 2 if args.quick else args.rounds
     rows: list[list[str]] = []
+    interval_rows: list[list[str]] = []
     raw: list[dict[str, Any]] = []
     for width, batch, depth in configs:
         generator = torch.Generator().manual_seed(1)
@@ -167,7 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for variant in variants:
                 steps[variant], model = make_step(variant, width, depth, optimizer, x, y)
                 dtypes[variant] = norm_dtype(variant, model, x)
-            assert dtypes["native"] == "float16" and dtypes["polyamp, torch CPU lists"] == "float16", dtypes
+            assert dtypes["native"] == dtypes[AGAIN] == dtypes["polyamp, torch CPU lists"] == "float16", dtypes
             assert dtypes["polyamp"] == dtypes["polyamp, function mode (previous)"] == "float32", dtypes
             assert dtypes["polyamp region + GradScaler"] == dtypes[HAND_CAST] == "float32", dtypes
             _cpu_float32._uninstall()
@@ -188,6 +196,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     OPTIMIZER_NAMES[optimizer],
                     _common.fmt_ms(summary["native"]["median_ms"]),
                     *(_common.fmt_ratio(summary[v]["ratio"]) for v in variants[1:]),
+                ]
+            )
+            interval_rows.append(
+                [
+                    label if optimizer == optimizers[0] else "",
+                    OPTIMIZER_NAMES[optimizer],
+                    *(_common.fmt_interval(summary[v]["ratio_low"], summary[v]["ratio_high"]) for v in INTERVALS),
                 ]
             )
             raw.append(
@@ -214,13 +229,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "native and torch-list variants run as in a process that never entered a polyamp float32 region.",
         "LayerNorm output dtype per variant: native float16; hand cast, polyamp, polyamp region and function mode "
         "float32 (CUDA autocast's classification); torch CPU lists float16 (checked before timing).",
+        f"{AGAIN}: a second native step built like the first; its ratio is what two identical steps differ by in "
+        "this run (noise and memory placement). A ratio is 1.00x within noise when its interval overlaps the A/A "
+        "interval.",
     ]
     return _common.result(
         "torch-cpu",
         "PyTorch eager CPU training step: polyamp vs torch.autocast + GradScaler",
         quick=args.quick,
         env=env,
-        tables=[{"caption": "float16 compute, cross-entropy loss", "columns": columns, "rows": rows}],
+        tables=[
+            {"caption": "float16 compute, cross-entropy loss", "columns": columns, "rows": rows},
+            {
+                "caption": "95% bootstrap intervals of the median ratios above (2000 resamplings of the rounds)",
+                "columns": ["model", "optimizer", *INTERVALS],
+                "rows": interval_rows,
+            },
+        ],
         notes=notes,
         raw=raw,
     )
