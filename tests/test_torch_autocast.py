@@ -467,6 +467,33 @@ def test_a_region_sets_and_restores_what_torch_autocast_does(
     assert _autocast_state() == before
 
 
+def test_a_region_over_two_device_types_sets_and_restores_both_as_torch_autocast_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A region given no device type covers the accelerator and the CPU: it enters both as two nested
+    torch.autocast regions would (here "xpu", whose autocast state a CPU build of torch keeps too)."""
+    from polyamp_torch import _autocast
+
+    monkeypatch.setattr(_autocast, "_default_device_types", [("xpu", "cpu")])
+    monkeypatch.setattr(_autocast, "_PLANS", {})
+
+    def both() -> tuple[tuple[bool, torch.dtype, bool, int], tuple[bool, torch.dtype, bool, int]]:
+        return _autocast_state("xpu"), _autocast_state("cpu")
+
+    before = both()
+    with (
+        torch.autocast("xpu", dtype=torch.bfloat16, cache_enabled=False),
+        torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False),
+    ):
+        expected = both()
+    region = polyamp_torch.autocast("mixed_bfloat16", cache_enabled=False)
+    assert region.device_types == ("xpu", "cpu")
+    with region:
+        assert both() == expected
+        assert isinstance(region._entered[-1][0], list) and len(region._entered[-1][0]) == 2
+    assert both() == before
+
+
 def test_leaving_the_outermost_region_drops_the_cast_cache_as_torch_autocast_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

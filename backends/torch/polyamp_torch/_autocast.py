@@ -243,6 +243,31 @@ def _plan(device_type: str | None, compute: str) -> _Plan:
 _Saved = tuple[str, bool, "torch.dtype", bool]
 
 
+def _enter(device: str, dtype: torch.dtype | None, enabled: bool, cache_enabled: bool | None) -> _Saved:
+    """What torch.autocast's entry does for ``device``, with the values its constructor settled (`_plan`);
+    returns what `_leave` restores. A cache setting of None leaves the one in effect (torch.autocast sets it to
+    the value it read)."""
+    saved = (device, _autocast_enabled(device), _autocast_dtype(device), _cache_enabled())
+    _set_autocast_enabled(device, enabled)
+    if dtype is not None:
+        _set_autocast_dtype(device, dtype)
+    _increment_nesting()
+    if cache_enabled is not None:
+        _set_cache_enabled(cache_enabled)
+    return saved
+
+
+def _leave(saved: _Saved) -> None:
+    """What torch.autocast's exit does: leaving the outermost autocast region drops the cast cache, and the
+    settings `_enter` found are restored."""
+    device, enabled, dtype, cache_enabled = saved
+    if _decrement_nesting() == 0:
+        _clear_cache()
+    _set_autocast_enabled(device, enabled)
+    _set_autocast_dtype(device, dtype)
+    _set_cache_enabled(cache_enabled)
+
+
 class PolicyRegion(contextlib.ContextDecorator):
     """``torch.autocast`` with the dtype taken from a polyamp policy; a context manager and a decorator.
 
@@ -321,11 +346,15 @@ class PolicyRegion(contextlib.ContextDecorator):
         self._enabled = enabled
         self._cache_enabled = cache_enabled
         self._cpu_float32_ops = cpu_float32_ops
-        # Per entry: what each device type's entry found (or, under a torch function mode, the torch.autocast
-        # regions entered), for regions covering the CPU the float32-op setting to restore, and the token
-        # restoring the enclosing region's policy.
+        # What an entry enters, worked out once: the policy (None: the one in effect at entry) and its compute dtype
+        # ("" when the policy is the one in effect).
+        self._entry_policy = self._policy if enabled else _FLOAT32
+        self._compute = "" if self._entry_policy is None else self._entry_policy.compute_dtype
+        # Per entry: what the entry found (one device type's `_Saved`; for several, or under a torch function
+        # mode the torch.autocast regions entered, a list), for regions covering the CPU the float32-op setting
+        # to restore, and the token restoring the enclosing region's policy.
         self._entered: list[
-            tuple[list[_Saved] | list[torch.autocast], bool | None, contextvars.Token[Policy | None]]
+            tuple[_Saved | list[_Saved | torch.autocast], bool | None, contextvars.Token[Policy | None]]
         ] = []
 
     @property
@@ -367,31 +396,25 @@ class PolicyRegion(contextlib.ContextDecorator):
         return _new_autocast((device_type, policy.compute_dtype, self._cache_enabled))
 
     def __enter__(self) -> PolicyRegion:
-        policy = self._policy
-        if not self._enabled:
-            policy = _FLOAT32
-        elif policy is None:
+        # Entered every step: straight-line code for one device type, the common case.
+        policy = self._entry_policy
+        if policy is None:
             policy = policy_in_effect()
-        compute = policy.compute_dtype
+            compute = policy.compute_dtype
+        else:
+            compute = self._compute
         device_type = self._device_type
         settled, covers_cpu = _PLANS.get((device_type, compute)) or _plan(device_type, compute)
-        entered: list[_Saved] | list[torch.autocast]
+        entered: _Saved | list[_Saved | torch.autocast]
         if _function_mode_enabled():
-            entered = [_new_autocast((device, compute, self._cache_enabled)) for device, _, _ in settled]
-            for region in entered:
+            regions = [_new_autocast((device, compute, self._cache_enabled)) for device, _, _ in settled]
+            for region in regions:
                 region.__enter__()  # type: ignore[no-untyped-call]
+            entered = list(regions)
+        elif len(settled) == 1:
+            entered = _enter(*settled[0], self._cache_enabled)
         else:
-            saved: list[_Saved] = []
-            cache_enabled = self._cache_enabled
-            for device, dtype, enabled in settled:
-                previous_cache = _cache_enabled()
-                saved.append((device, _autocast_enabled(device), _autocast_dtype(device), previous_cache))
-                _set_autocast_enabled(device, enabled)
-                if dtype is not None:
-                    _set_autocast_dtype(device, dtype)
-                _increment_nesting()
-                _set_cache_enabled(previous_cache if cache_enabled is None else cache_enabled)
-            entered = saved
+            entered = [_enter(*each, self._cache_enabled) for each in settled]
         if compute == "float16":
             _float16_regions[0] += 1
         previous = None
@@ -410,18 +433,14 @@ class PolicyRegion(contextlib.ContextDecorator):
         _region_policy.reset(token)
         if previous is not None:
             _cpu_float32.exit_region(previous)
-        for index in range(len(entered) - 1, -1, -1):
-            saved = entered[index]
-            if isinstance(saved, tuple):
-                device, enabled, dtype, cache_enabled = saved
-                # Leaving the outermost autocast region drops its cast cache, as torch.autocast's exit does.
-                if _decrement_nesting() == 0:
-                    _clear_cache()
-                _set_autocast_enabled(device, enabled)
-                _set_autocast_dtype(device, dtype)
-                _set_cache_enabled(cache_enabled)
+        if isinstance(entered, tuple):
+            _leave(entered)
+            return
+        for each in reversed(entered):
+            if isinstance(each, tuple):
+                _leave(each)
             else:
-                saved.__exit__(exc_type, exc, traceback)
+                each.__exit__(exc_type, exc, traceback)
 
     def _recreate_cm(self) -> PolicyRegion:
         # A decorated function gets a fresh region per call, so recursion and threads never share state.
