@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -25,6 +26,40 @@ def _report() -> Any:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     return importlib.import_module("benchmarks.report")
+
+
+def _common() -> Any:
+    """benchmarks/_common.py, the timing and summary helpers every target uses."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module("benchmarks._common")
+
+
+def test_the_bootstrap_interval_brackets_the_median_and_is_reproducible() -> None:
+    common = _common()
+    values = [1.0 + 0.01 * ((7 * i) % 13) for i in range(41)]  # 1.00 to 1.12, spread over the rounds
+    low, high = common.bootstrap_interval(values)
+    assert min(values) <= low <= statistics.median(values) <= high <= max(values)
+    assert low < high
+    assert common.bootstrap_interval(values) == (low, high)  # seeded: a result file reproduces from its times
+    assert common.bootstrap_interval([1.02] * 9) == (1.02, 1.02)
+    assert common.bootstrap_interval([1.5]) == (1.5, 1.5)
+    wide_low, wide_high = common.bootstrap_interval(values[:9])
+    narrow_low, narrow_high = common.bootstrap_interval(values * 8)
+    assert narrow_high - narrow_low < wide_high - wide_low  # more rounds, a narrower interval
+
+
+def test_summarize_pairs_each_round_with_the_baselines() -> None:
+    """A variant 10% slower in every round has ratio 1.1 with a zero-width interval, however much the machine's
+    speed moved between rounds; the A/A column is judged the same way."""
+    native = [1.0, 2.0, 1.0, 3.0, 1.5, 1.2, 2.5]
+    summary = _common().summarize({"native": native, "slower": [1.1 * t for t in native]}, "native")
+    assert summary["native"]["ratio"] == summary["native"]["ratio_low"] == summary["native"]["ratio_high"] == 1.0
+    assert summary["slower"]["ratio"] == pytest.approx(1.1)
+    assert summary["slower"]["ratio_low"] == pytest.approx(1.1) and summary["slower"]["ratio_high"] == pytest.approx(
+        1.1
+    )
+    assert summary["slower"]["median_ms"] == pytest.approx(1.1 * statistics.median(native))
 
 
 def run(run_bounded: RunBounded, *args: str) -> str:
