@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -179,8 +179,12 @@ def bootstrap_interval(values: list[float], *, resamples: int = 2000, level: flo
     return medians[cut], medians[resamples - 1 - cut]
 
 
-def fmt_interval(low: float, high: float) -> str:
-    return f"{low:.3f}-{high:.3f}"
+def fmt_intervals(summary: dict[str, dict[str, float]], names: Sequence[str]) -> list[str]:
+    """Each variant's 95% interval of its median ratio as a table cell ("" for a variant `summary` lacks)."""
+    return [
+        f"{summary[name]['ratio_low']:.3f}-{summary[name]['ratio_high']:.3f}" if name in summary else ""
+        for name in names
+    ]
 
 
 def write(out_dir: Path, payload: dict[str, Any]) -> Path:

@@ -140,14 +140,6 @@ def time_fit(width: int, batch: int, depth: int, args: argparse.Namespace) -> di
     return {"steps_per_epoch": n_steps, "summary": _common.summarize(times, STEP_VARIANTS[0]), "times_ms": times}
 
 
-def _intervals(summary: dict[str, dict[str, float]], names: tuple[str, ...]) -> list[str]:
-    """Each variant's 95% bootstrap interval of its median ratio ("" where it was not timed: `fit`)."""
-    return [
-        _common.fmt_interval(summary[name]["ratio_low"], summary[name]["ratio_high"]) if name in summary else ""
-        for name in names
-    ]
-
-
 def _clock(args: argparse.Namespace) -> Any:
     return time.process_time if args.clock == "cpu" else time.perf_counter
 
@@ -188,7 +180,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     *(_common.fmt_ratio(summary[name]["ratio"]) for name in STEP_VARIANTS[1:]),
                 ]
             )
-            interval_rows.append([label if not jit else "", compiled, *_intervals(summary, STEP_VARIANTS[1:])])
+            interval_rows.append(
+                [label if not jit else "", compiled, *_common.fmt_intervals(summary, STEP_VARIANTS[1:])]
+            )
             raw.append({"kind": "gradient_tape", "width": width, "batch": batch, "jit_compile": jit, **measured})
             print(label, compiled, {k: round(v["ratio"], 3) for k, v in summary.items()}, flush=True)
         if width > 64 and not args.quick:
@@ -206,7 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 _common.fmt_ratio(summary[AGAIN]["ratio"]),
             ]
         )
-        interval_rows.append([label, "model.fit", *_intervals(summary, STEP_VARIANTS[1:])])
+        interval_rows.append([label, "model.fit", *_common.fmt_intervals(summary, STEP_VARIANTS[1:])])
         raw.append({"kind": "fit", "width": width, "batch": batch, **measured})
         print(label, "fit", {k: round(v["ratio"], 3) for k, v in summary.items()}, flush=True)
     env = _common.environment("cpu", threads=None)

@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 [
                     label if optimizer == optimizers[0] else "",
                     OPTIMIZER_NAMES[optimizer],
-                    *(_common.fmt_interval(summary[v]["ratio_low"], summary[v]["ratio_high"]) for v in INTERVALS),
+                    *_common.fmt_intervals(summary, INTERVALS),
                 ]
             )
             raw.append(

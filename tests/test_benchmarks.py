@@ -56,9 +56,8 @@ def test_summarize_pairs_each_round_with_the_baselines() -> None:
     summary = _common().summarize({"native": native, "slower": [1.1 * t for t in native]}, "native")
     assert summary["native"]["ratio"] == summary["native"]["ratio_low"] == summary["native"]["ratio_high"] == 1.0
     assert summary["slower"]["ratio"] == pytest.approx(1.1)
-    assert summary["slower"]["ratio_low"] == pytest.approx(1.1) and summary["slower"]["ratio_high"] == pytest.approx(
-        1.1
-    )
+    assert summary["slower"]["ratio_low"] == pytest.approx(1.1)
+    assert summary["slower"]["ratio_high"] == pytest.approx(1.1)
     assert summary["slower"]["median_ms"] == pytest.approx(1.1 * statistics.median(native))
 
 

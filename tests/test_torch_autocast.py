@@ -524,7 +524,8 @@ def test_regions_are_per_thread_and_each_exit_restores_its_entry() -> None:
     started inside sees autocast off (torch's autocast state is per thread)."""
 
     def state() -> tuple[bool, torch.dtype]:
-        return torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+        enabled, dtype, _, _ = _autocast_state()
+        return enabled, dtype
 
     before = state()
     outer = polyamp_torch.autocast("mixed_float16", device_type="cpu")

@@ -226,16 +226,14 @@ _PLANS: dict[tuple[str | None, str], _Plan] = {}
 
 
 def _plan(device_type: str | None, compute: str) -> _Plan:
-    found = _PLANS.get((device_type, compute))
-    if found is None:
-        device_types = (device_type,) if device_type is not None else default_device_types()
-        settled = []
-        for name in device_types:
-            made = _new_autocast((name, compute, None))
-            settled.append((made.device, None if compute == "float32" else made.fast_dtype, bool(made._enabled)))
-        found = (tuple(settled), "cpu" in device_types)
-        _PLANS[(device_type, compute)] = found
-    return found
+    """Makes and keeps the plan of a pair not in `_PLANS` (regions look there first)."""
+    device_types = (device_type,) if device_type is not None else default_device_types()
+    settled = []
+    for name in device_types:
+        made = _new_autocast((name, compute, None))
+        settled.append((made.device, None if compute == "float32" else made.fast_dtype, bool(made._enabled)))
+    plan = _PLANS[(device_type, compute)] = (tuple(settled), "cpu" in device_types)
+    return plan
 
 
 #: Per device type a region entered directly: the device, and the autocast-enabled flag, dtype and cache
@@ -346,10 +344,10 @@ class PolicyRegion(contextlib.ContextDecorator):
         self._enabled = enabled
         self._cache_enabled = cache_enabled
         self._cpu_float32_ops = cpu_float32_ops
-        # What an entry enters, worked out once: the policy (None: the one in effect at entry) and its compute dtype
-        # ("" when the policy is the one in effect).
-        self._entry_policy = self._policy if enabled else _FLOAT32
-        self._compute = "" if self._entry_policy is None else self._entry_policy.compute_dtype
+        # What an entry enters, worked out once: the policy and its compute dtype (float32 for a disabled region),
+        # or None for the policy in effect at entry (`_policy_entered`).
+        entry_policy = self._policy if enabled else _FLOAT32
+        self._entry = None if entry_policy is None else (entry_policy, entry_policy.compute_dtype)
         # Per entry: what the entry found (one device type's `_Saved`; for several, or under a torch function
         # mode the torch.autocast regions entered, a list), for regions covering the CPU the float32-op setting
         # to restore, and the token restoring the enclosing region's policy.
@@ -375,13 +373,13 @@ class PolicyRegion(contextlib.ContextDecorator):
 
     def as_torch_autocast(self) -> torch.autocast:
         """The plain ``torch.autocast`` this region amounts to under the current policy, for `device_type`."""
-        return self._torch_autocast(self.policy if self._enabled else _FLOAT32, self.device_type)
+        return self._torch_autocast(self._policy_entered(), self.device_type)
 
     def compiled(self) -> contextlib.AbstractContextManager[Any]:
         """The region in the form ``torch.compile`` traces without graph breaks: ``torch.autocast`` per device
         type, the CPU's with CUDA's float32 op list on or off inside as in eager regions. The policy is read
         now."""
-        policy = self.policy if self._enabled else _FLOAT32
+        policy = self._policy_entered()
         regions: list[contextlib.AbstractContextManager[Any]] = []
         low_precision = policy.compute_dtype != "float32"
         for device_type in self.device_types:
@@ -392,25 +390,30 @@ class PolicyRegion(contextlib.ContextDecorator):
                 regions.append(region)
         return regions[0] if len(regions) == 1 else _both(*regions)
 
+    def _policy_entered(self) -> Policy:
+        """The policy an entry now enters: float32 for a disabled region, else `policy`."""
+        return policy_in_effect() if self._entry is None else self._entry[0]
+
     def _torch_autocast(self, policy: Policy, device_type: str) -> torch.autocast:
         return _new_autocast((device_type, policy.compute_dtype, self._cache_enabled))
 
     def __enter__(self) -> PolicyRegion:
         # Entered every step: straight-line code for one device type, the common case.
-        policy = self._entry_policy
-        if policy is None:
+        entry = self._entry  # `_policy_entered`, with its compute dtype
+        if entry is None:
             policy = policy_in_effect()
             compute = policy.compute_dtype
         else:
-            compute = self._compute
+            policy, compute = entry
         device_type = self._device_type
         settled, covers_cpu = _PLANS.get((device_type, compute)) or _plan(device_type, compute)
         entered: _Saved | list[_Saved | torch.autocast]
         if _function_mode_enabled():
-            regions = [_new_autocast((device, compute, self._cache_enabled)) for device, _, _ in settled]
-            for region in regions:
+            entered = []
+            for device, _, _ in settled:
+                region = _new_autocast((device, compute, self._cache_enabled))
                 region.__enter__()  # type: ignore[no-untyped-call]
-            entered = list(regions)
+                entered.append(region)
         elif len(settled) == 1:
             entered = _enter(*settled[0], self._cache_enabled)
         else:
