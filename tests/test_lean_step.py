@@ -178,3 +178,113 @@ def test_named_region_policies_are_parsed_once_and_bad_names_still_raise() -> No
             polyamp_torch.autocast("mixed_float17", device_type="cpu")
     with second:
         assert torch.get_autocast_dtype("cpu") == torch.float16
+
+
+def _train(*, general: bool, loop: str) -> tuple[Any, ...]:
+    """40 iterations of a small model with overflows injected, through `update`'s steady-state end, or, with
+    ``general``, through the general end only; returns everything the two could differ in, and how many
+    iterations went the general way."""
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)]
+    optimizers = [
+        torch.optim.SGD(models[0].parameters(), lr=0.1, momentum=0.9),
+        torch.optim.Adam(models[1].parameters(), lr=0.01),
+    ]
+    if loop != "two optimizers":
+        optimizers = optimizers[:1]
+    scaler = polyamp.LossScaler(enabled=True, init_scale=2.0**16, growth_interval=3, history=16)
+    ends = [0]
+    original = scaler._end_iteration
+
+    def counted(*args: Any) -> None:
+        ends[0] += 1
+        original(*args)
+
+    scaler._end_iteration = counted  # type: ignore[method-assign]
+    if general:
+
+        def finish(device: Any, new_scale: Any, method: str) -> None:
+            with scaler._history.lock:
+                scaler._end_iteration(device, new_scale, method)
+
+        scaler._finish = finish  # type: ignore[method-assign]
+    x = torch.randn(8, 4)
+    outcomes = []
+    for i in range(40):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        loss = models[1](models[0](x)).pow(2).mean() if len(optimizers) == 2 else models[0](x).pow(2).mean()
+        if i in (5, 6, 20):
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        for optimizer in optimizers:
+            if loop == "unscale and clip":
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(models[0].parameters(), 1.0)
+            scaler.step(optimizer)
+        if loop == "new scale" and i == 30:
+            scaler.update(new_scale=1024.0)
+        else:
+            scaler.update()
+        outcomes.append((bool(scaler.step_skipped()), *(bool(scaler.step_skipped(o)) for o in optimizers)))
+    params = [p.detach().clone() for m in models for p in m.parameters()]
+    return params, scaler.state_dict(), scaler.records(), outcomes, scaler.get_scale(), ends[0]
+
+
+@pytest.mark.parametrize("loop", ["one optimizer", "two optimizers", "unscale and clip", "new scale"])
+def test_the_steady_state_end_equals_the_general_end_bit_for_bit(loop: str) -> None:
+    *fast, fast_general = _train(general=False, loop=loop)
+    *slow, slow_general = _train(general=True, loop=loop)
+    assert all(torch.equal(a, b) for a, b in zip(fast[0], slow[0], strict=True))
+    assert fast[1:] == slow[1:]
+    assert [r.skipped for r in fast[2]][-16:] == [r.skipped for r in slow[2]][-16:]
+    assert slow_general == 40  # every iteration ended the general way there
+    # here only the overflows (and update(new_scale=...)) did
+    assert fast_general == 3 + (loop == "new scale")
+    assert sum(skipped for skipped, *_ in fast[3]) == 3
+
+
+def test_an_iteration_counts_the_optimizers_with_a_flag_as_found_infs_lists_them() -> None:
+    from polyamp._src.iteration import Iteration, Stage
+
+    iteration = Iteration()
+    first, second, flag = object(), object(), object()
+    marks = [
+        (first, Stage.UNSCALED, flag),
+        (first, Stage.STEPPED, flag),
+        (second, Stage.STEPPED, None),
+        (second, Stage.STEPPED, flag),
+        (first, Stage.STEPPED, None),
+    ]
+    for optimizer, stage, found_inf in marks:
+        iteration.mark(optimizer, stage, found_inf)
+        assert iteration.flagged == len(iteration.found_infs())
+    assert iteration.flagged == 1
+    iteration.close()
+    assert iteration.flagged == 0 == len(iteration.found_infs())
+
+
+def test_an_iteration_ended_by_another_thread_still_raises_and_changes_nothing() -> None:
+    import threading
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = polyamp.LossScaler(enabled=True)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.step(optimizer)
+    errors: list[BaseException] = []
+
+    def end() -> None:
+        try:
+            scaler.update()
+        except BaseException as error:  # the error is the result
+            errors.append(error)
+
+    thread = threading.Thread(target=end)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and isinstance(errors[0], polyamp.ScalerUsageError)
+    assert "another thread" in str(errors[0])
+    assert scaler.records() == [] and scaler.get_scale() == 2.0**16
+    scaler.update()  # this thread ends it
+    assert [r.skipped for r in scaler.records()] == [False]

@@ -148,6 +148,8 @@ class Iteration:
     thread: int | None = None
     #: Whether ``scale`` scaled a loss in this iteration (the iteration rule: see `not_scaled_error`).
     scaled: bool = False
+    #: How many optimizers have a flag (an unscale or step produced one): the length of `found_infs`, kept.
+    flagged: int = 0
     _entries: dict[int, _Entry] = field(default_factory=dict)
 
     @property
@@ -188,6 +190,7 @@ class Iteration:
         entry = self._entries.get(id(optimizer))
         if entry is None:
             entry = self._entries[id(optimizer)] = _Entry(optimizer)
+        self.flagged += (found_inf is not None) - (entry.found_inf is not None)
         entry.stage = stage
         entry.found_inf = found_inf
 
@@ -211,7 +214,9 @@ class Iteration:
     def close(self) -> None:
         """End the iteration: every optimizer is ready again and scaling is decided anew at the next call."""
         self._entries.clear()
-        self.stages.clear()
+        self.flagged = 0
+        if self.stages._pending:  # (ended every step: no call when nothing is pending)
+            self.stages.clear()
         self.enabled = None
         self.guarding = False
         self.thread = None

@@ -891,8 +891,31 @@ class LossScaler(GradScalerSpelling, Pickled):
     def _finish(self, device: Any, new_scale: Any, method: str) -> None:
         """End the iteration, holding the history's lock: a reader in another thread (`records`, `get_state`)
         sees the device state and the records at one iteration. torch.compile never traces this (`update` runs
-        it uncompiled: dynamo cannot trace a lock); ``tf.function`` takes the lock only while tracing."""
+        it uncompiled: dynamo cannot trace a lock); ``tf.function`` takes the lock only while tracing.
+
+        Training's steady state ends here in few steps: an iteration that scales, opened by this thread, with
+        no ``new_scale``, spike rule or process group, that the host knows was finite (`_known_finite`). Its
+        end is what `_end_iteration` makes of the same iteration: the rule advanced on the device's finite flag,
+        that flag as the last outcome, the iteration closed and recorded as a "scaling" iteration not skipped.
+        (Between a step's kernels, each call the host makes costs several times its price in a tight loop.)
+        `_end_iteration` ends every other iteration."""
         with self._history.lock:
+            iteration = self._iteration
+            if (
+                new_scale is None
+                and iteration.enabled
+                and iteration.thread == get_ident()
+                and self._spikes.rule is None
+                and self._process_group is None
+                and self._known_finite(iteration.flagged)
+            ):
+                flag = device.finite_flag()
+                device.update(flag, None)
+                self._outcomes.write_last(device, flag, None)
+                iteration.close()
+                history = self._history
+                history.write("scaling", None, history.host_skip)
+                return
             self._end_iteration(device, new_scale, method)
 
     def _end_iteration(self, device: Any, new_scale: Any, method: str) -> None:
@@ -918,13 +941,12 @@ class LossScaler(GradScalerSpelling, Pickled):
         # the value for the device, and the scale as a float when the host knows it (a tensor read eagerly)
         value, known = (None, None) if new_scale is None else self._checked_new_scale(new_scale)
         found_infs = iteration.found_infs()
-        if value is None:
+        if value is None and not found_infs:
             iteration.check_update(method)
-            if not found_infs:
-                raise ScalerUsageError(
-                    f"{method} was called but none of the optimizers unscaled in this iteration had gradients, "
-                    "so there is nothing to base the update on. Call scaler.scale(loss).backward() first."
-                )
+            raise ScalerUsageError(
+                f"{method} was called but none of the optimizers unscaled in this iteration had gradients, "
+                "so there is nothing to base the update on. Call scaler.scale(loss).backward() first."
+            )
         clean, combined = self._iteration_flag(device, found_infs)
         skipped_on_host = history.host_skip
         device.update(combined, value)
@@ -949,9 +971,14 @@ class LossScaler(GradScalerSpelling, Pickled):
         else the steps' flags combined."""
         if not found_infs:
             return False, None
-        if self._history.host_clean == len(found_infs) and self._spikes.flag is None:
+        if self._known_finite(len(found_infs)):
             return True, device.finite_flag()
         return False, device.combine(found_infs)
+
+    def _known_finite(self, flags: int) -> bool:
+        """Whether the host knows the iteration was finite, given how many of its optimizers have a flag: some
+        have, each step read its flag as "not skipped" to the host, and no spike rule decided on the device."""
+        return flags > 0 and self._history.host_clean == flags and self._spikes.flag is None
 
     def _finish_spike(self, device: Any, overflow: Any) -> Any:
         """End the iteration for the spike rule: its statistic enters the window if the step was applied, a

@@ -120,6 +120,7 @@ class RecordHistory:
         self._ring: Any = None  # the device's storage (None: the device keeps no records)
         self._pending = 0  # iterations ended since the records were last read
         self._written = 0  # iterations written to the ring
+        self._batch = max(1, recorder.capacity // 2)  # iterations read at once (half the ring)
         self.reset_iteration()
 
     def bind(self, device: ScalerDevice, capabilities: DeviceCapabilities) -> None:
@@ -177,7 +178,7 @@ class RecordHistory:
         ``spike`` (a skip by the spike rule alone) is; ``host_skipped`` when the host already knows it was;
         ``set_scale``: the scale ``update(new_scale=...)`` set, when the host knows it (the record's
         ``next_scale``)."""
-        gradients = tuple(self._gradients)
+        gradients = self._gradients
         self.host_skip = False
         self.host_clean = 0
         if gradients:
@@ -187,7 +188,7 @@ class RecordHistory:
             return
         with self.lock:  # a read from another thread between the entry and its count would lose it
             if gradients:
-                self.recorder.attach(self._written, gradients)
+                self.recorder.attach(self._written, tuple(gradients))
             if set_scale is not None:
                 self.recorder.attach_set_scale(self._written, set_scale)
             unknown = self._unknown
@@ -203,7 +204,7 @@ class RecordHistory:
                 self._device.write_history(self._ring, MODE_CODES[mode], flag, spike)
             self._pending += 1
             # A skip the step already read to the host is reported at once; the rest in batches (one read).
-            if (host_skipped or self._pending >= max(1, self.recorder.capacity // 2)) and not self._compiling():
+            if (host_skipped or self._pending >= self._batch) and not self._compiling():
                 self._read_ring()
 
     def restart(self, state: LossScaleState) -> None:

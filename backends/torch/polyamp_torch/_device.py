@@ -127,6 +127,7 @@ class TorchDevice:
         self._warned_bfloat16 = False
         self._ones: dict[torch.device, torch.Tensor] = {}  # the guard's inverse scale, per device
         self._finite_flags: dict[torch.device, torch.Tensor] = {}
+        self._state_finite: torch.Tensor | None = None  # the finite flag of the state's device, once made
         # Counted from this device's creation: regions that ran before belong to other loops (another scaler's,
         # an evaluation), not to this scaler's iterations. A first forward that ran before the scaler bound (it
         # binds at its first scale()) is told from the loss instead (see float16_in_use).
@@ -457,6 +458,9 @@ class TorchDevice:
         state = self._state
         if state is None:
             raise ScalerUsageError("update() was called before the scaler created its state with scale().")
+        if found_inf is self._state_finite and new_scale is None and not self._state_traced and found_inf is not None:
+            advance(state, found_inf, self._config, finite=True)  # the steady state: a known-finite iteration
+            return
         if self._state_traced and not torch.compiler.is_compiling():
             # The state was made by the first compiled call, as that graph's outputs: under CUDA graphs
             # (mode="reduce-overhead") a later replay would overwrite them. This update runs outside the trace,
@@ -465,7 +469,9 @@ class TorchDevice:
             for name in ("scale", "growth_tracker", "hysteresis_left", "skipped"):
                 setattr(state, name, _kept(getattr(state, name)))
         # The core passes the finite flag for an iteration the host knows was finite.
-        finite = found_inf is not None and found_inf is self._finite_flags.get(state.scale.device)
+        finite = found_inf is not None and (
+            found_inf is self._state_finite or found_inf is self._finite_flags.get(state.scale.device)
+        )
         if found_inf is not None and not finite and found_inf.device != state.scale.device:
             found_inf = found_inf.to(state.scale.device, non_blocking=True)
         if new_scale is not None:
@@ -515,10 +521,16 @@ class TorchDevice:
         """A zero flag, one per device, made once: flags are only read (records, combine, counts), never
         written in place, and the user gets ``flag > 0``, a new tensor. `update` given it knows the iteration
         was finite: the scale can only stay or grow, so the floor's clamp and the skip count are left out."""
-        device = self._state.scale.device if self._state is not None else _CPU
+        flag = self._state_finite
+        if flag is not None:
+            return flag
+        state = self._state
+        device = state.scale.device if state is not None else _CPU
         flag = self._finite_flags.get(device)
         if flag is None:
             flag = self._finite_flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+        if state is not None:  # the state never moves: its device's flag is this one from now on
+            self._state_finite = flag
         return flag
 
     def new_record(self) -> list[torch.Tensor | None]:
