@@ -198,6 +198,34 @@ def test_explicit_dtype_out_and_disabled_regions_are_left_alone() -> None:
         assert low.softmax(-1).dtype == F32  # the outer region's setting is back
 
 
+def _cpu_regions() -> dict[str, Callable[[], Any]]:
+    return {
+        "list on": lambda: polyamp_torch.autocast("mixed_float16", device_type="cpu"),
+        "list off": lambda: polyamp_torch.autocast("mixed_float16", device_type="cpu", cpu_float32_ops=False),
+        "float32": lambda: polyamp_torch.autocast("float32", device_type="cpu"),
+        "disabled": lambda: polyamp_torch.autocast("mixed_bfloat16", device_type="cpu", enabled=False),
+    }
+
+
+@pytest.mark.parametrize("outer", [None, *_cpu_regions()])
+@pytest.mark.parametrize("inner", list(_cpu_regions()))
+def test_each_region_sets_the_float32_list_inside_and_restores_the_enclosing_setting(
+    outer: str | None, inner: str
+) -> None:
+    regions = _cpu_regions()
+    low = _low(4, 8)
+    with regions[outer]() if outer is not None else contextlib.nullcontext():
+        enclosing = _cpu_float32.cpu_float32_ops_active()
+        assert enclosing == (outer == "list on")
+        with regions[inner]():
+            assert _cpu_float32.cpu_float32_ops_active() == (inner == "list on")
+            assert low.softmax(-1).dtype == (F32 if inner == "list on" else F16)
+        assert _cpu_float32.cpu_float32_ops_active() == enclosing
+        expected = F32 if outer == "list on" else F16
+        assert low.softmax(-1).dtype == expected
+    assert not _cpu_float32.cpu_float32_ops_active()
+
+
 NATIVE_BATTERY = """
 import torch
 F = torch.nn.functional

@@ -149,6 +149,7 @@ def _autocast_available(name: str) -> bool:
 
 
 _is_compiling = torch.compiler.is_compiling
+_CPU_REGION = _cpu_float32.REGION_STATE
 
 
 def autocast(
@@ -422,7 +423,9 @@ class PolicyRegion(contextlib.ContextDecorator):
             _float16_regions[0] += 1
         previous = None
         if covers_cpu:  # CUDA-only regions leave the CPU setting of an enclosing region alone
-            previous = _cpu_float32.enter_region(compute != "float32" and self._cpu_float32_ops)
+            active = compute != "float32" and self._cpu_float32_ops
+            if active or _CPU_REGION.active:  # (off where it is off already: nothing to set or restore)
+                previous = _cpu_float32.enter_region(active)
         self._entered.append((entered, previous, _region_policy.set(policy)))
         return self
 

@@ -58,6 +58,7 @@ from polyamp_torch._framework import run_uncompiled, torch
 
 __all__ = [
     "FLOAT32_OP_NAMES",
+    "REGION_STATE",
     "compiled_region",
     "cpu_float32_ops_active",
     "enter_region",
@@ -113,6 +114,9 @@ class _RegionState(threading.local):
 
 
 _STATE = _RegionState()
+#: This thread's setting (``.active``), read where a region that would set it off finds it off already: that
+#: entry changes nothing, so it makes no call and leaves nothing to restore.
+REGION_STATE = _STATE
 
 # While torch.compile traces, the setting is kept per tracing context (dynamo makes a new one for each
 # attempt at a frame, and AOTAutograd traces in dynamo's): a stack of region settings per context.
