@@ -965,10 +965,9 @@ class LossScaler(GradScalerSpelling, Pickled):
 
     def _iteration_flag(self, device: Any, found_infs: list[Any]) -> tuple[bool, Any]:
         """Whether the host knows the iteration was finite, and the flag standing for the iteration (None
-        without any step's flag). Known finite when every step read its flag as "not skipped" to the host and
-        no spike rule decided on the device: then the flag is the device's finite flag (nothing to combine,
-        the device may leave out what only an overflow needs, and the record needs no flag read back later);
-        else the steps' flags combined."""
+        without any step's flag). Known finite (`_known_finite`): the flag is the device's finite flag
+        (nothing to combine, the device may leave out what only an overflow needs, and the record needs no flag
+        read back later); else the steps' flags combined."""
         if not found_infs:
             return False, None
         if self._known_finite(len(found_infs)):

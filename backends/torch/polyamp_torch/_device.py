@@ -458,7 +458,7 @@ class TorchDevice:
         state = self._state
         if state is None:
             raise ScalerUsageError("update() was called before the scaler created its state with scale().")
-        if found_inf is self._state_finite and new_scale is None and not self._state_traced and found_inf is not None:
+        if found_inf is not None and found_inf is self._state_finite and new_scale is None and not self._state_traced:
             advance(state, found_inf, self._config, finite=True)  # the steady state: a known-finite iteration
             return
         if self._state_traced and not torch.compiler.is_compiling():
@@ -469,9 +469,7 @@ class TorchDevice:
             for name in ("scale", "growth_tracker", "hysteresis_left", "skipped"):
                 setattr(state, name, _kept(getattr(state, name)))
         # The core passes the finite flag for an iteration the host knows was finite.
-        finite = found_inf is not None and (
-            found_inf is self._state_finite or found_inf is self._finite_flags.get(state.scale.device)
-        )
+        finite = found_inf is not None and found_inf is self._finite_flags.get(state.scale.device)
         if found_inf is not None and not finite and found_inf.device != state.scale.device:
             found_inf = found_inf.to(state.scale.device, non_blocking=True)
         if new_scale is not None:
