@@ -127,7 +127,9 @@ class TorchDevice:
         self._warned_bfloat16 = False
         self._ones: dict[torch.device, torch.Tensor] = {}  # the guard's inverse scale, per device
         self._finite_flags: dict[torch.device, torch.Tensor] = {}
-        self._state_finite: torch.Tensor | None = None  # the finite flag of the state's device, once made
+        # The finite flag of the state's device, once both exist (the state never moves): `_finite_flags`'s entry
+        # for that device, kept where `update` finds it without building a torch.device.
+        self._state_finite: torch.Tensor | None = None
         # Counted from this device's creation: regions that ran before belong to other loops (another scaler's,
         # an evaluation), not to this scaler's iterations. A first forward that ran before the scaler bound (it
         # binds at its first scale()) is told from the loss instead (see float16_in_use).
@@ -167,6 +169,7 @@ class TorchDevice:
         state = self._host_state
         self._state = DeviceState(state.scale, state.growth_tracker, state.hysteresis_left, device)
         self._state_traced = torch.compiler.is_compiling()
+        self._state_finite = self._finite_flags.get(self._state.scale.device)  # (None until `finite_flag` makes it)
         return self._state
 
     def _state_near(self, optimizer: Any) -> DeviceState:
@@ -458,9 +461,6 @@ class TorchDevice:
         state = self._state
         if state is None:
             raise ScalerUsageError("update() was called before the scaler created its state with scale().")
-        if found_inf is not None and found_inf is self._state_finite and new_scale is None and not self._state_traced:
-            advance(state, found_inf, self._config, finite=True)  # the steady state: a known-finite iteration
-            return
         if self._state_traced and not torch.compiler.is_compiling():
             # The state was made by the first compiled call, as that graph's outputs: under CUDA graphs
             # (mode="reduce-overhead") a later replay would overwrite them. This update runs outside the trace,
@@ -469,7 +469,7 @@ class TorchDevice:
             for name in ("scale", "growth_tracker", "hysteresis_left", "skipped"):
                 setattr(state, name, _kept(getattr(state, name)))
         # The core passes the finite flag for an iteration the host knows was finite.
-        finite = found_inf is not None and found_inf is self._finite_flags.get(state.scale.device)
+        finite = found_inf is not None and found_inf is self._state_finite
         if found_inf is not None and not finite and found_inf.device != state.scale.device:
             found_inf = found_inf.to(state.scale.device, non_blocking=True)
         if new_scale is not None:
@@ -527,7 +527,7 @@ class TorchDevice:
         flag = self._finite_flags.get(device)
         if flag is None:
             flag = self._finite_flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-        if state is not None:  # the state never moves: its device's flag is this one from now on
+        if state is not None:
             self._state_finite = flag
         return flag
 
