@@ -2,8 +2,9 @@
 
 The same model (4 x (Dense gelu + LayerNorm), width 64, batch 32, sparse cross-entropy on float32 logits),
 the same inner Adam, the ``mixed_float16`` policy. Keras picks its backend once per process, so each backend
-runs in a worker process of its own (``KERAS_BACKEND``); in it, one epoch per variant per round, the two
-variants interleaved. Keras's JAX backend compiles the train step (``jax.jit``); its PyTorch backend runs it
+runs in a worker process of its own (``KERAS_BACKEND``); in it, one epoch per variant per round, the variants
+interleaved in a new random order each round. A second Keras model built like the first (A/A) shows what two
+identical runs differ by. Keras's JAX backend compiles the train step (``jax.jit``); its PyTorch backend runs it
 eagerly, as ``fit`` does by default there. TensorFlow's numbers are the ``keras`` target's.
 
 Run: python benchmarks/run.py keras-backends [--quick] [--rounds 11]
@@ -20,7 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("Keras LossScaleOptimizer", "polyamp LossScaleOptimizer")
+KERAS = "Keras LossScaleOptimizer"
+AGAIN = "Keras again (A/A)"
+POLYAMP = "polyamp LossScaleOptimizer"
+VARIANTS = (KERAS, AGAIN, POLYAMP)
 BACKENDS = ("jax", "torch")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _worker(rounds: int, steps: int) -> dict[str, list[float]]:
     """In a process whose KERAS_BACKEND is set: ms per step of each variant, one value per round."""
     import polyamp
+    from benchmarks import _common
 
     polyamp.set_policy("mixed_float16")
     import keras
@@ -50,15 +55,14 @@ def _worker(rounds: int, steps: int) -> dict[str, list[float]]:
         inner = keras.optimizers.Adam(1e-4)
         optimizer = (
             keras.mixed_precision.LossScaleOptimizer(inner, initial_scale=2.0**16)
-            if name == VARIANTS[0]
+            if name != POLYAMP
             else polyamp_keras.LossScaleOptimizer(inner)
         )
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)  # trace, compile, build
         models[name] = model
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    for index in range(rounds):
-        names = list(VARIANTS) if index % 2 == 0 else list(reversed(VARIANTS))
+    for names in _common.round_orders(VARIANTS, rounds):
         for name in names:
             start = time.perf_counter()
             models[name].fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
@@ -70,7 +74,7 @@ def run(args: Any) -> dict[str, Any]:
     from benchmarks import _common
 
     rounds, steps = (1, 2) if args.quick else (args.rounds, 100)
-    rows, raw, missing = [], [], []
+    rows, interval_rows, raw, missing = [], [], [], []
     for backend in BACKENDS:
         if importlib.util.find_spec(backend) is None:
             missing.append(backend)
@@ -85,17 +89,27 @@ def run(args: Any) -> dict[str, Any]:
         if done.returncode != 0 or not lines:
             raise RuntimeError(f"the {backend} worker failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
         times = json.loads(lines[-1][len("RESULT ") :])
-        summary = _common.summarize(times, VARIANTS[0])
-        keras_rate = 1e3 / summary[VARIANTS[0]]["median_ms"]
-        ours_rate = 1e3 / summary[VARIANTS[1]]["median_ms"]
+        summary = _common.summarize(times, KERAS)
+        keras_rate = 1e3 / summary[KERAS]["median_ms"]
+        ours_rate = 1e3 / summary[POLYAMP]["median_ms"]
         rows.append(
-            [backend, f"{keras_rate:.1f}", f"{ours_rate:.1f}", _common.fmt_ratio(summary[VARIANTS[1]]["ratio"])]
+            [
+                backend,
+                f"{keras_rate:.1f}",
+                f"{ours_rate:.1f}",
+                _common.fmt_ratio(summary[POLYAMP]["ratio"]),
+                _common.fmt_ratio(summary[AGAIN]["ratio"]),
+            ]
         )
+        interval_rows.append([backend, *_common.fmt_intervals(summary, (AGAIN, POLYAMP))])
         raw.append({"backend": backend, "steps_per_epoch": steps, "summary": summary, "times_ms": times})
         print(backend, {k: round(v["ratio"], 3) for k, v in summary.items()}, flush=True)
     notes = [
         f"4 x (Dense 64 gelu + LayerNorm), batch 32, {steps} steps per epoch, {rounds} interleaved rounds; ratio: "
-        "median over rounds of (polyamp's epoch time / Keras's in the same round). Wall time.",
+        "median over rounds of (the variant's epoch time / Keras's in the same round), the variants in a new "
+        "random order each round. Wall time.",
+        f"{AGAIN}: a second Keras model built like the first; its ratio is what two identical runs differ by. A "
+        "ratio is 1.00x within noise when its interval overlaps the A/A interval.",
     ]
     if missing:
         notes.append(f"Not installed, so not measured: {', '.join(missing)}.")
@@ -107,9 +121,14 @@ def run(args: Any) -> dict[str, Any]:
         tables=[
             {
                 "caption": "model.fit, mixed_float16, inner Adam: steps/s, and polyamp's time ratio",
-                "columns": ["Keras backend", "Keras LSO steps/s", "polyamp LSO steps/s", "polyamp time ratio"],
+                "columns": ["Keras backend", "Keras LSO steps/s", "polyamp LSO steps/s", "polyamp time ratio", AGAIN],
                 "rows": rows,
-            }
+            },
+            {
+                "caption": "95% bootstrap intervals of the median ratios above (2000 resamplings of the rounds)",
+                "columns": ["Keras backend", AGAIN, "polyamp time ratio"],
+                "rows": interval_rows,
+            },
         ],
         notes=notes,
         raw=raw,

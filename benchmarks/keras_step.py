@@ -128,10 +128,7 @@ def time_fit(width: int, batch: int, depth: int, args: argparse.Namespace) -> di
         models[name] = model
     rounds = 1 if args.quick else args.rounds
     times: dict[str, list[float]] = {name: [] for name in models}
-    for round_index in range(rounds):
-        names = list(models)
-        if round_index % 2:
-            names.reverse()
+    for names in _common.round_orders(list(models), rounds):
         for name in names:
             clock = _clock(args)
             start = clock()

@@ -61,6 +61,22 @@ def test_summarize_pairs_each_round_with_the_baselines() -> None:
     assert summary["slower"]["median_ms"] == pytest.approx(1.1 * statistics.median(native))
 
 
+def test_interleaved_rounds_run_the_variants_in_orders_that_change_each_variants_neighbour() -> None:
+    common = _common()
+    names = ["native", "native again", "polyamp", "polyamp lists"]
+    orders = common.round_orders(names, 41)
+    assert orders == common.round_orders(names, 41)  # seeded: a run repeats
+    assert all(sorted(order) == sorted(names) for order in orders)
+    for name in names:  # every variant runs after each of the others, and first, in some rounds
+        before = {order[order.index(name) - 1] if order.index(name) else None for order in orders}
+        assert before == {None, *names} - {name}, (name, before)
+    ran: list[str] = []
+    variants = {name: (lambda name=name: ran.append(name)) for name in names}
+    times = common.interleaved(variants, iters=1, rounds=5, warmup=0)
+    assert [len(times[name]) for name in names] == [5] * 4
+    assert [ran[index : index + 4] for index in range(0, 20, 4)] == common.round_orders(names, 5)
+
+
 def run(run_bounded: RunBounded, *args: str) -> str:
     result = run_bounded([sys.executable, str(RUNNER), *args], cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
