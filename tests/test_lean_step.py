@@ -190,9 +190,15 @@ def _train(*, general: bool, loop: str) -> tuple[Any, ...]:
         torch.optim.SGD(models[0].parameters(), lr=0.1, momentum=0.9),
         torch.optim.Adam(models[1].parameters(), lr=0.01),
     ]
-    if loop != "two optimizers":
+    if loop == "fused Adam":
+        optimizers = [torch.optim.Adam(models[0].parameters(), lr=0.01, fused=True)]
+    elif loop not in ("two optimizers", "fused and host-decided"):
         optimizers = optimizers[:1]
-    scaler = polyamp.LossScaler(enabled=True, init_scale=2.0**16, growth_interval=3, history=16)
+    if loop == "fused and host-decided":
+        optimizers[1] = torch.optim.Adam(models[1].parameters(), lr=0.01, fused=True)
+    scaler = polyamp.LossScaler(
+        enabled=True, init_scale=2.0**16, growth_interval=3, history=16, skip_on_device=loop == "skip on device"
+    )
     ends = [0]
     original = scaler._end_iteration
 
@@ -214,7 +220,7 @@ def _train(*, general: bool, loop: str) -> tuple[Any, ...]:
         for optimizer in optimizers:
             optimizer.zero_grad()
         loss = models[1](models[0](x)).pow(2).mean() if len(optimizers) == 2 else models[0](x).pow(2).mean()
-        if i in (5, 6, 20):
+        if i in (5, 6, 20, 33):
             loss = loss * float("inf")
         scaler.scale(loss).backward()
         for optimizer in optimizers:
@@ -228,10 +234,24 @@ def _train(*, general: bool, loop: str) -> tuple[Any, ...]:
             scaler.update()
         outcomes.append((bool(scaler.step_skipped()), *(bool(scaler.step_skipped(o)) for o in optimizers)))
     params = [p.detach().clone() for m in models for p in m.parameters()]
-    return params, scaler.state_dict(), scaler.records(), outcomes, scaler.get_scale(), ends[0]
+    skipped = int(scaler.skipped_steps())
+    return params, scaler.state_dict(), scaler.records(), outcomes, scaler.get_scale(), skipped, ends[0]
 
 
-@pytest.mark.parametrize("loop", ["one optimizer", "two optimizers", "unscale and clip", "new scale"])
+#: Per loop: how many of its 40 iterations end the general way: only `update(new_scale=...)` does; overflows,
+#: read to the host or decided on the device, end in the steady way.
+GENERAL_ENDS = {
+    "one optimizer": 0,
+    "two optimizers": 0,
+    "unscale and clip": 0,
+    "new scale": 1,
+    "fused Adam": 0,
+    "skip on device": 0,
+    "fused and host-decided": 0,
+}
+
+
+@pytest.mark.parametrize("loop", list(GENERAL_ENDS))
 def test_the_steady_state_end_equals_the_general_end_bit_for_bit(loop: str) -> None:
     *fast, fast_general = _train(general=False, loop=loop)
     *slow, slow_general = _train(general=True, loop=loop)
@@ -239,9 +259,10 @@ def test_the_steady_state_end_equals_the_general_end_bit_for_bit(loop: str) -> N
     assert fast[1:] == slow[1:]
     assert [r.skipped for r in fast[2]][-16:] == [r.skipped for r in slow[2]][-16:]
     assert slow_general == 40  # every iteration ended the general way there
-    # here only the overflows (and update(new_scale=...)) did
-    assert fast_general == 3 + (loop == "new scale")
-    assert sum(skipped for skipped, *_ in fast[3]) == 3
+    assert fast_general == GENERAL_ENDS[loop]
+    assert sum(skipped for skipped, *_ in fast[3]) == 4
+    assert fast[5] == 4  # skipped_steps()
+    assert [r.iteration for r in fast[2] if r.skipped] == [33]  # the records kept: the last 16
 
 
 def test_an_iteration_counts_the_optimizers_with_a_flag_as_found_infs_lists_them() -> None:
@@ -288,3 +309,46 @@ def test_an_iteration_ended_by_another_thread_still_raises_and_changes_nothing()
     assert scaler.records() == [] and scaler.get_scale() == 2.0**16
     scaler.update()  # this thread ends it
     assert [r.skipped for r in scaler.records()] == [False]
+
+
+@pytest.mark.parametrize("loop", ["fused Adam", "skip on device", "host-decided SGD"])
+def test_the_skip_count_is_exact_whether_read_every_iteration_or_once(loop: str) -> None:
+    """Skips decided on the device are counted in batches (`TorchDevice._count`): read every iteration, read
+    once after 150 iterations (two batches and a part) or as a snapshot held across them, the count is the
+    number of iterations the records say were skipped, and the flags kept stay fewer than a batch."""
+    from polyamp_torch._device import _COUNT_BATCH
+
+    overflows = {i for i in range(150) if i % 7 == 3 or i in (64, 65, 128)}
+
+    def train(read_each: bool) -> tuple[list[int], Any, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01, fused=loop == "fused Adam")
+        if loop == "host-decided SGD":
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scaler = polyamp.LossScaler(
+            enabled=True, growth_interval=2, history=200, skip_on_device=loop == "skip on device"
+        )
+        x = torch.randn(8, 4)
+        counts = []
+        held = None
+        for i in range(150):
+            optimizer.zero_grad()
+            loss = model(x).pow(2).mean()
+            scaler.scale(loss * float("inf") if i in overflows else loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            if i == 9:
+                held = scaler.skipped_steps()
+            if read_each:
+                counts.append(int(scaler.skipped_steps()))
+            assert len(scaler._device._uncounted) < _COUNT_BATCH
+        return counts, scaler, held
+
+    counts, scaler, held = train(read_each=True)
+    skipped = [r.iteration for r in scaler.records() if r.skipped]
+    assert skipped == sorted(overflows)
+    assert counts == [sum(1 for j in overflows if j <= i) for i in range(150)]
+    assert held.dtype == torch.int64 and int(held) == 1  # the count at iteration 9 (iteration 3), not later ones
+    _, once, _ = train(read_each=False)
+    assert int(once.skipped_steps()) == len(overflows) == int(scaler.skipped_steps())

@@ -147,7 +147,8 @@ class ScalerDevice(Protocol):
         ...
 
     def skipped_steps(self) -> Any:
-        """How many iterations were skipped, as the framework's integer scalar tensor."""
+        """How many iterations were skipped, as the framework's integer scalar tensor: the count when called
+        (the core calls it holding the records' lock, which it also holds while it ends an iteration)."""
         ...
 
 

@@ -893,28 +893,33 @@ class LossScaler(GradScalerSpelling, Pickled):
         sees the device state and the records at one iteration. torch.compile never traces this (`update` runs
         it uncompiled: dynamo cannot trace a lock); ``tf.function`` takes the lock only while tracing.
 
-        Training's steady state ends here in few steps: an iteration that scales, opened by this thread, with
-        no ``new_scale``, spike rule or process group, that the host knows was finite (`_known_finite`). Its
-        end is what `_end_iteration` makes of the same iteration: the rule advanced on the device's finite flag,
-        that flag as the last outcome, the iteration closed and recorded as a "scaling" iteration not skipped.
-        (Between a step's kernels, each call the host makes costs several times its price in a tight loop.)
-        `_end_iteration` ends every other iteration."""
+        Training's steady state ends here in few steps: an iteration that scales, opened by this thread, in
+        which some optimizer has a flag, with no ``new_scale``, spike rule or process group. Its end is what
+        `_end_iteration` makes of the same iteration: the rule advanced on the iteration's flag (the device's
+        finite flag when the host knows it was finite, `_known_finite`; else the steps' flags combined, which
+        the device decided), that flag as the last outcome, the iteration closed and recorded as a "scaling"
+        iteration, skipped as its flag says. (Between a step's kernels, each call the host makes costs several
+        times its price in a tight loop.) `_end_iteration` ends every other iteration."""
         with self._history.lock:
             iteration = self._iteration
+            flagged = iteration.flagged
             if (
-                new_scale is None
+                flagged
+                and new_scale is None
                 and iteration.enabled
                 and iteration.thread == get_ident()
                 and self._spikes.rule is None
                 and self._process_group is None
-                and self._known_finite(iteration.flagged)
             ):
-                flag = device.finite_flag()
+                if self._known_finite(flagged):
+                    flag, recorded = device.finite_flag(), None
+                else:
+                    flag = recorded = device.combine(iteration.found_infs())
                 device.update(flag, None)
                 self._outcomes.write_last(device, flag, None)
                 iteration.close()
                 history = self._history
-                history.write("scaling", None, history.host_skip)
+                history.write("scaling", recorded, history.host_skip)
                 return
             self._end_iteration(device, new_scale, method)
 
@@ -1132,13 +1137,18 @@ class LossScaler(GradScalerSpelling, Pickled):
         return record.host
 
     def skipped_steps(self) -> Any:
-        """How many iterations had a skipped step since this scaler was created, as a device integer tensor.
+        """How many iterations had a skipped step since this scaler was created, as a device integer tensor: the
+        count as of this call (no host read; a tensor returned earlier does not follow later iterations). Safe
+        from any thread: read between two updates.
 
         Before the scaler is bound this is the Python int 0.
         """
         if self._device is None:
             return 0
-        return self._device.skipped_steps()
+        if self._compiling():  # a compiler cannot trace the lock; the traced call runs in the training thread
+            return self._device.skipped_steps()
+        with self._history.lock:
+            return self._device.skipped_steps()
 
     # -- state -------------------------------------------------------------------------------------------
 

@@ -126,6 +126,7 @@ class TorchDevice:
         self._state_traced = False  # made inside torch.compile's trace: a CUDA graph may own its tensors
         self._warned_bfloat16 = False
         self._ones: dict[torch.device, torch.Tensor] = {}  # the guard's inverse scale, per device
+        self._uncounted: list[torch.Tensor] = []  # skip flags not yet added to the state's count (`_count`)
         self._finite_flags: dict[torch.device, torch.Tensor] = {}
         # The finite flag of the state's device, once both exist (the state never moves): `_finite_flags`'s entry
         # for that device, kept where `update` finds it without building a torch.device.
@@ -328,12 +329,16 @@ class TorchDevice:
         """The guard's check, without scaling: the same fused kernel with inverse scale 1, which leaves
         the gradients bitwise unchanged; None when no parameter has a gradient."""
         device = self._state_near(optimizer).scale.device
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        flag, _ = self._check_and_unscale(optimizer, self._one(device), found_inf, allow_fp16=True, warn_bfloat16=False)
+        return flag
+
+    def _one(self, device: torch.device) -> torch.Tensor:
+        """An inverse scale of 1 on ``device`` (the kernel then only checks), made once: it is only read."""
         one = self._ones.get(device)
         if one is None:
             one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
-        found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        flag, _ = self._check_and_unscale(optimizer, one, found_inf, allow_fp16=True, warn_bfloat16=False)
-        return flag
+        return one
 
     def non_finite_gradients(self, optimizer: Any) -> list[tuple[str, int, int, int, int]]:
         """(name, +inf, -inf, NaN, size) counts of each gradient of ``optimizer``, read in one host transfer.
@@ -361,7 +366,24 @@ class TorchDevice:
     def count_skip(self, found_inf: torch.Tensor) -> None:
         """Count a guarded iteration as skipped when ``found_inf`` is set; the rule does not run."""
         state = self._state or self._materialize(found_inf.device)
-        state.skipped.add_(found_inf.to(state.skipped.device, non_blocking=True) > 0)
+        self._count(state, found_inf.to(state.skipped.device, non_blocking=True))
+
+    def _count(self, state: DeviceState, found_inf: torch.Tensor) -> None:
+        """Count the iteration as skipped when ``found_inf`` (on the state's device) is set: the flags are kept
+        and added to ``state.skipped`` in one go every `_COUNT_BATCH` iterations and when the count is read
+        (`skipped_steps`), not one by one (two operations each iteration)."""
+        uncounted = self._uncounted
+        kept = _kept(found_inf)  # (a CUDA graph's output is overwritten by the next replay)
+        assert kept is not None
+        uncounted.append(kept)
+        if len(uncounted) >= _COUNT_BATCH:
+            self._add_uncounted(state)
+
+    def _add_uncounted(self, state: DeviceState) -> None:
+        uncounted = self._uncounted
+        if uncounted:
+            state.skipped.add_(torch.stack(uncounted).gt(0).sum())
+            uncounted.clear()
 
     def _check_and_unscale(
         self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, **options: bool
@@ -409,15 +431,20 @@ class TorchDevice:
             state = self._state_near(optimizer)
             if found_inf is None:
                 # Check only (inverse scale 1): the fused kernel unscales by grad_scale itself, as with GradScaler.
-                one = torch.ones((), dtype=torch.float32, device=state.scale.device)
-                zero = torch.zeros((), dtype=torch.float32, device=state.scale.device)
-                found_inf, _ = self._check_and_unscale(optimizer, one, zero, allow_fp16=True, warn_bfloat16=False)
+                device = state.scale.device
+                zero = torch.zeros((), dtype=torch.float32, device=device)
+                found_inf, _ = self._check_and_unscale(
+                    optimizer, self._one(device), zero, allow_fp16=True, warn_bfloat16=False
+                )
                 if found_inf is None:
                     raise no_gradients_error()
                 grad_scale: Any = state.scale * getattr(optimizer, "grad_scale", 1)
+                # The kernel wrote 1.0 or left 0.0 in `zero`: a flag the fused kernel takes as it is.
+                binary = found_inf is zero
             else:
                 grad_scale = getattr(optimizer, "grad_scale", None)
-            return StepOutcome(fused_step(optimizer, grad_scale, found_inf, args, kwargs), found_inf, None)
+                binary = False
+            return StepOutcome(fused_step(optimizer, grad_scale, found_inf, args, kwargs, binary), found_inf, None)
         assert found_inf is not None, "the core unscales before a non-fused step"
         skipped = bool(found_inf.item())  # the one host read GradScaler also makes
         return StepOutcome(None if skipped else optimizer.step(*args, **kwargs), found_inf, skipped)
@@ -477,7 +504,7 @@ class TorchDevice:
         elif found_inf is not None:
             advance(state, found_inf, self._config, finite=finite)
         if found_inf is not None and not finite:
-            state.skipped.add_(found_inf > 0)
+            self._count(state, found_inf)
 
     def read_new_scale(self, new_scale: Any) -> float | None:
         if (
@@ -649,9 +676,16 @@ class TorchDevice:
             state.on(device)
 
     def skipped_steps(self) -> torch.Tensor:
-        if self._state is None:
+        """The count as of this call: a tensor of its own on the state's device (no host read)."""
+        state = self._state
+        if state is None:
             return torch.zeros((), dtype=torch.int64)
-        return self._state.skipped
+        self._add_uncounted(state)
+        return state.skipped.clone()
+
+
+#: How many skip flags `TorchDevice._count` keeps before adding them to the count.
+_COUNT_BATCH = 64
 
 
 def _inverse(scale: torch.Tensor) -> torch.Tensor:

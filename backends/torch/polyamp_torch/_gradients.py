@@ -265,14 +265,17 @@ def fused_amp_capable(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and not takes_grad_scaler(type(optimizer))
 
 
-def _fused_step(optimizer: Any, grad_scale: Any, found_inf: torch.Tensor, args: Any, kwargs: Any) -> Any:
+def _fused_step(
+    optimizer: Any, grad_scale: Any, found_inf: torch.Tensor, args: Any, kwargs: Any, binary: bool = False
+) -> Any:
     # torch's Optimizer.step breaks the graph twice under torch.compile (pytorch#104053), so the step is
     # never part of a graph; running this block eagerly as one unit keeps the attribute hand-over exact.
     optimizer.grad_scale = grad_scale
     # torch's fused kernels skip only when found_inf == 1.0 and subtract it from the step counters, while a
     # polyamp flag is "set" when > 0: a sum of flags (the guard's check and the spike rule's decision, or
-    # several devices' checks) can be 2.0, which would apply the step and count it back. Hand over 0.0 or 1.0.
-    optimizer.found_inf = (found_inf > 0).to(found_inf.dtype)
+    # several devices' checks) can be 2.0, which would apply the step and count it back. Hand over 0.0 or 1.0
+    # (``binary``: ``found_inf`` is one already, as the check kernel writes it).
+    optimizer.found_inf = found_inf if binary else (found_inf > 0).to(found_inf.dtype)
     fresh = _fresh_momentum_buffers(optimizer)
     try:
         return optimizer.step(*args, **kwargs)
