@@ -895,9 +895,8 @@ class LossScaler(GradScalerSpelling, Pickled):
 
         Training's steady state ends here in few steps: an iteration that scales, opened by this thread, in
         which some optimizer has a flag, with no ``new_scale``, spike rule or process group. Its end is what
-        `_end_iteration` makes of the same iteration: the rule advanced on the iteration's flag (the device's
-        finite flag when the host knows it was finite, `_known_finite`; else the steps' flags combined, which
-        the device decided), that flag as the last outcome, the iteration closed and recorded as a "scaling"
+        `_end_iteration` makes of the same iteration: the rule advanced on the iteration's flag
+        (`_iteration_flag`), that flag as the last outcome, the iteration closed and recorded as a "scaling"
         iteration, skipped as its flag says. (Between a step's kernels, each call the host makes costs several
         times its price in a tight loop.) `_end_iteration` ends every other iteration."""
         with self._history.lock:
@@ -911,15 +910,12 @@ class LossScaler(GradScalerSpelling, Pickled):
                 and self._spikes.rule is None
                 and self._process_group is None
             ):
-                if self._known_finite(flagged):
-                    flag, recorded = device.finite_flag(), None
-                else:
-                    flag = recorded = device.combine(iteration.found_infs())
+                clean, flag = self._iteration_flag(device, iteration)
                 device.update(flag, None)
                 self._outcomes.write_last(device, flag, None)
                 iteration.close()
                 history = self._history
-                history.write("scaling", recorded, history.host_skip)
+                history.write("scaling", None if clean else flag, history.host_skip)
                 return
             self._end_iteration(device, new_scale, method)
 
@@ -927,9 +923,8 @@ class LossScaler(GradScalerSpelling, Pickled):
         iteration = self._iteration
         history = self._history
         if not self._begin(None, iteration) and new_scale is None:
-            found_infs = iteration.found_infs() if iteration.guarding else []
-            if found_infs:
-                clean, combined = self._iteration_flag(device, found_infs)
+            if iteration.guarding and iteration.flagged:
+                clean, combined = self._iteration_flag(device, iteration)
                 if not clean:
                     device.count_skip(combined)
                 spike_only = self._finish_spike(device, combined)
@@ -945,14 +940,13 @@ class LossScaler(GradScalerSpelling, Pickled):
             return
         # the value for the device, and the scale as a float when the host knows it (a tensor read eagerly)
         value, known = (None, None) if new_scale is None else self._checked_new_scale(new_scale)
-        found_infs = iteration.found_infs()
-        if value is None and not found_infs:
+        if value is None and not iteration.flagged:
             iteration.check_update(method)
             raise ScalerUsageError(
                 f"{method} was called but none of the optimizers unscaled in this iteration had gradients, "
                 "so there is nothing to base the update on. Call scaler.scale(loss).backward() first."
             )
-        clean, combined = self._iteration_flag(device, found_infs)
+        clean, combined = self._iteration_flag(device, iteration)
         skipped_on_host = history.host_skip
         device.update(combined, value)
         spike_only = None if self._spikes.rule is None else self._finish_spike(device, combined)
@@ -968,16 +962,17 @@ class LossScaler(GradScalerSpelling, Pickled):
         elif combined is not None:
             history.write("scaling", None if clean else combined, skipped_on_host, spike_only)
 
-    def _iteration_flag(self, device: Any, found_infs: list[Any]) -> tuple[bool, Any]:
+    def _iteration_flag(self, device: Any, iteration: Iteration) -> tuple[bool, Any]:
         """Whether the host knows the iteration was finite, and the flag standing for the iteration (None
-        without any step's flag). Known finite (`_known_finite`): the flag is the device's finite flag
-        (nothing to combine, the device may leave out what only an overflow needs, and the record needs no flag
-        read back later); else the steps' flags combined."""
-        if not found_infs:
+        when no step has a flag). Known finite (`_known_finite`): the flag is the device's finite flag (nothing
+        to combine, the device may leave out what only an overflow needs, and the record needs no flag read back
+        later); else the steps' flags combined."""
+        flagged = iteration.flagged
+        if not flagged:
             return False, None
-        if self._known_finite(len(found_infs)):
+        if self._known_finite(flagged):
             return True, device.finite_flag()
-        return False, device.combine(found_infs)
+        return False, device.combine(iteration.found_infs())
 
     def _known_finite(self, flags: int) -> bool:
         """Whether the host knows the iteration was finite, given how many of its optimizers have a flag: some
