@@ -1140,10 +1140,16 @@ class LossScaler(GradScalerSpelling, Pickled):
         """
         if self._device is None:
             return 0
-        if self._compiling():  # a compiler cannot trace the lock; the traced call runs in the training thread
-            return self._device.skipped_steps()
+        return self._between_updates(self._device.skipped_steps)
+
+    def _between_updates(self, read: Callable[[], Any]) -> Any:
+        """``read()`` under the records' lock, which `update` holds while it ends an iteration: a reader in
+        another thread never sees the device state halfway through one. (A compiler cannot trace the lock; a
+        traced function runs in one thread, so it reads without it.)"""
+        if self._compiling():
+            return read()
         with self._history.lock:
-            return self._device.skipped_steps()
+            return read()
 
     # -- state -------------------------------------------------------------------------------------------
 
@@ -1152,10 +1158,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         state is read between two updates, never halfway through one."""
         if self._device is None:
             return self._host_state
-        if self._compiling():  # a compiler cannot trace the lock; a traced function runs in one thread
-            return self._device.read_state()  # type: ignore[no-any-return]
-        with self._history.lock:
-            return self._device.read_state()  # type: ignore[no-any-return]
+        return self._between_updates(self._device.read_state)  # type: ignore[no-any-return]
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). Reading a device scale synchronises."""

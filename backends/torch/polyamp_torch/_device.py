@@ -125,7 +125,7 @@ class TorchDevice:
         self._state: DeviceState | None = None
         self._state_traced = False  # made inside torch.compile's trace: a CUDA graph may own its tensors
         self._warned_bfloat16 = False
-        self._ones: dict[torch.device, torch.Tensor] = {}  # the guard's inverse scale, per device
+        self._ones: dict[torch.device, torch.Tensor] = {}  # inverse scale 1 for check-only passes (`_one`)
         self._uncounted: list[torch.Tensor] = []  # skip flags not yet added to the state's count (`_count`)
         self._finite_flags: dict[torch.device, torch.Tensor] = {}
         # The finite flag of the state's device, once both exist (the state never moves): `_finite_flags`'s entry
