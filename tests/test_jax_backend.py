@@ -575,6 +575,61 @@ def test_records_name_the_gradients_of_a_skipped_step_in_the_functional_form() -
         fn.update(state, jnp.asarray(0.0), grads=[jnp.ones(3)])
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_non_finite_counts_and_the_finite_check_are_exact(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counts of +inf, -inf and NaN per gradient, and all_finite, equal numpy's on planted values, for
+    every float dtype and a 0-d leaf; leaves too large for int32 counts take the plain isfinite check, which
+    agrees."""
+    from polyamp_jax import _functional
+
+    rng = np.random.default_rng(7)
+    leaves = []
+    for shape in [(), (5,), (17, 9), (3, 4, 6)]:
+        values = rng.normal(size=shape).astype(np.float32)
+        flat = values.reshape(-1)
+        picks = rng.choice(flat.size, size=min(flat.size, 7), replace=False)
+        flat[picks] = rng.choice(np.array([np.inf, -np.inf, np.nan, 1.0], np.float32), size=picks.size)
+        leaves.append(jnp.asarray(values).astype(dtype))
+    leaves.append(jnp.ones((4,), jnp.int32))  # not floating: counted as finite
+    leaves.append(jnp.asarray(rng.normal(size=(6,)).astype(np.float32)).astype(dtype))  # finite
+    expected = []
+    for leaf in leaves:
+        data = np.asarray(leaf.astype(jnp.float32))
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            expected.append([0, 0, 0, data.size])
+            continue
+        expected.append(
+            [int(np.sum(data == np.inf)), int(np.sum(data == -np.inf)), int(np.sum(np.isnan(data))), data.size]
+        )
+    assert np.asarray(jax.jit(_functional._counts)(leaves)).tolist() == expected
+    for limit in (_functional._COUNTABLE, 1):  # 1: every leaf takes the plain check
+        monkeypatch.setattr(_functional, "_COUNTABLE", limit)
+        for leaf, row in zip(leaves, expected, strict=True):
+            assert bool(jax.jit(polyamp_jax.all_finite)([leaf])) is (sum(row[:3]) == 0)
+        assert bool(polyamp_jax.all_finite(leaves)) is False
+        assert bool(polyamp_jax.all_finite(leaves[-2:])) is True
+
+
+def test_the_check_and_the_counts_of_a_skipped_step_are_one_pass_over_each_gradient() -> None:
+    """A loss_scaled step that counts which gradients held inf/NaN reads each gradient once for the finite
+    check and the counts together: XLA compiles the step to one three-count reduction per gradient and no
+    conditional (a conditional over the gradients costs a copy of them on XLA's CPU backend)."""
+    params = {"a": jnp.ones((64, 32)), "b": jnp.ones(32), "c": {"d": jnp.ones((8, 8, 2))}}
+    with polyamp.policy_scope("mixed_float16"):
+        tx = polyamp_jax.loss_scaled(optax.adam(1e-3))
+    hlo = jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
+    reductions = [line for line in hlo.splitlines() if " reduce(" in line]
+    assert sum("(s32[], s32[], s32[]) reduce(" in line for line in reductions) == 3
+    # The only reductions over all of a 2-d or 3-d gradient are those counts (the check reads no gradient again).
+    assert [line.split("reduce(")[0].split("= ")[1] for line in reductions if "dimensions={0,1}" in line] == [
+        "(s32[], s32[], s32[]) "
+    ]
+    assert [line.split("reduce(")[0].split("= ")[1] for line in reductions if "dimensions={0,1,2}" in line] == [
+        "(s32[], s32[], s32[]) "
+    ]
+    assert "conditional(" not in hlo
+
+
 def test_loss_scaled_records_name_the_overflowing_parameter() -> None:
     params = {"dense": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}}
     with polyamp.policy_scope("mixed_float16"):

@@ -43,10 +43,44 @@ def _counter_dtype() -> Any:
 
 def all_finite(tree: Any) -> Any:
     """A boolean scalar: no floating leaf of ``tree`` holds inf or NaN."""
-    checks = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(tree) if _floating(leaf)]
+    checks = [_finite(leaf) for leaf in jax.tree_util.tree_leaves(tree) if _floating(leaf)]
     if not checks:
         return jnp.asarray(True)
     return jnp.all(jnp.stack(checks))
+
+
+def _finite(leaf: Any) -> Any:
+    """A boolean scalar: the floating array ``leaf`` holds no inf or NaN (its `_non_finite` counts are 0)."""
+    if int(np.prod(jnp.shape(leaf))) >= _COUNTABLE:  # counts that could wrap: the plain check
+        return jnp.all(jnp.isfinite(leaf))
+    return jnp.all(_non_finite(leaf) == 0)
+
+
+_COUNTABLE = 2**31  # a leaf with fewer elements has int32 counts that cannot wrap
+
+
+def _non_finite(leaf: Any) -> Any:
+    """int32[3]: how many +inf, -inf and NaN values the floating array ``leaf`` holds, in one pass over it (one
+    variadic reduction).
+
+    The finite check and the counts of a skipped step's gradients both build this from the same leaf, so XLA
+    computes it once for both (it merges the common subexpression): the counts cost no second pass over the
+    gradients, and no conditional, whose operands XLA's CPU backend copies. On XLA's CPU backend this pass is
+    also faster than ``jnp.all(jnp.isfinite(leaf))``.
+    """
+    value = jnp.asarray(leaf)
+    zero = jnp.int32(0)
+    sums = jax.lax.reduce(
+        (
+            (value == jnp.inf).astype(jnp.int32),
+            (value == -jnp.inf).astype(jnp.int32),
+            jnp.isnan(value).astype(jnp.int32),
+        ),
+        (zero, zero, zero),
+        lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2]),
+        tuple(range(value.ndim)),
+    )
+    return jnp.stack(sums)
 
 
 def _floating(leaf: Any) -> bool:
@@ -107,17 +141,7 @@ def _counts(leaves: list[Any]) -> Any:
         if not _floating(leaf):
             rows.append(jnp.stack([jnp.int32(0), jnp.int32(0), jnp.int32(0), size]))
             continue
-        value = jnp.asarray(leaf)
-        rows.append(
-            jnp.stack(
-                [
-                    jnp.sum(value == jnp.inf, dtype=jnp.int32),
-                    jnp.sum(value == -jnp.inf, dtype=jnp.int32),
-                    jnp.sum(jnp.isnan(value), dtype=jnp.int32),
-                    size,
-                ]
-            )
-        )
+        rows.append(jnp.concatenate([_non_finite(leaf), size[None]]))
     if not rows:
         return jnp.zeros((0, 4), jnp.int32)
     return jnp.stack(rows)
@@ -275,7 +299,8 @@ class JaxFunctional:
                 "of the tree init(grads=...) was given."
             )
         skipped = _set(flag)
-        new["counts"] = jax.lax.cond(skipped, lambda: _counts(leaves), lambda: provenance["counts"])
+        # Counted on every step and kept on a skip: the counts are the finite check's own pass (`_non_finite`).
+        new["counts"] = jnp.where(skipped, _counts(leaves), provenance["counts"])
         new["at"] = jnp.where(skipped, provenance["seen"], provenance["at"])
         return new
 
