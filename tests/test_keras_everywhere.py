@@ -325,6 +325,43 @@ def test_jax_stateless_step_under_jit_skips_and_updates() -> None:
     assert not all(np.array_equal(a, np.array(b)) for a, b in zip(start, trainable, strict=True))
 
 
+def test_jax_stateless_step_counts_non_finite_gradients_in_the_checks_own_pass() -> None:
+    """On JAX, the jitted stateless step reads each gradient once for the finite check and a skip's
+    (+inf, -inf, NaN) counts together (XLA merges the two: one three-count reduction per gradient), and the
+    counts take no conditional of their own (the one left is the inner step's apply-or-skip); the record of a
+    skipped step still names the gradient."""
+    if BACKEND != "jax":
+        pytest.skip("the jitted stateless step is JAX's")
+    import jax
+
+    model = _model()
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.Adam(0.01))
+    optimizer.build(model.trainable_variables)
+    trainable = [v.value for v in model.trainable_variables]
+    opt_values = [v.value for v in optimizer.variables]
+    step = jax.jit(optimizer.stateless_apply)
+    grads = [jax.numpy.ones_like(t) for t in trainable]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # gradients given directly: no scale_loss() call
+        hlo = step.lower(opt_values, grads, trainable).compile().as_text()
+        bad = [g.at[(0,) * g.ndim].set(-math.inf) if i == 2 else g for i, g in enumerate(grads)]
+        _, opt_values = step(opt_values, bad, trainable)
+    reductions = [line for line in hlo.splitlines() if " reduce(" in line]
+    assert sum("(s32[], s32[], s32[]) reduce(" in line for line in reductions) == len(trainable)
+    # The two kernels' only whole-gradient reductions are those counts (the check reads no gradient again).
+    assert {line.split("reduce(")[0].split("= ")[1] for line in reductions if "dimensions={0,1}" in line} == {
+        "(s32[], s32[], s32[]) "
+    }
+    assert hlo.count(" conditional(") == 1
+    for variable, value in zip(optimizer.variables, opt_values, strict=True):
+        variable.assign(value)
+    (record,) = optimizer.records()
+    kernel = model.trainable_variables[2]
+    assert record.skipped and [(g.name, g.inf, g.neg_inf, g.nan, g.size) for g in record.gradients] == [
+        (kernel.path, 0, 1, 0, 24)
+    ]
+
+
 def test_gradient_counts_are_exact_per_gradient_eagerly_and_compiled() -> None:
     """The skip branch's provenance counts: (+inf, -inf, NaN, size) per gradient, None as zeros, float16 and
     float64 values by their own classes (1e300 is finite in float64), exact eagerly and compiled."""

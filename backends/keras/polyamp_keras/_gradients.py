@@ -31,6 +31,8 @@ __all__ = [
 
 ops = keras.ops
 
+_COUNTABLE = 2**31  # a tensor with fewer elements has int32 counts that cannot wrap
+
 
 #: Per type: whether its objects are sparse gradients (asked once per type: steps ask for every gradient).
 _SPARSE_TYPES: dict[type, bool] = {}
@@ -86,7 +88,28 @@ def unscale(grads: Sequence[Any], scale: Any, skip: Sequence[bool] | None = None
 
 
 def non_finite_counts(tensor: Any) -> Any:
-    """How many elements of ``tensor`` are +inf, -inf and NaN: an int32 tensor of 3."""
+    """How many elements of ``tensor`` are +inf, -inf and NaN: an int32 tensor of 3.
+
+    On Keras's JAX backend, in one pass over ``tensor`` (one variadic reduction): `all_finite` and
+    `gradient_counts` both build it from the same gradient, so XLA computes it once for both, and the counts
+    of a skipped step cost a compiled step no second pass and no conditional (whose operands XLA's CPU backend
+    copies). There, XLA's CPU backend also runs this pass faster than ``all(isfinite(tensor))``.
+    """
+    if keras.backend.backend() == "jax":
+        jax = sys.modules["jax"]  # imported: it is Keras's backend
+        value = jax.numpy.asarray(tensor)
+        zero = jax.numpy.int32(0)
+        sums = jax.lax.reduce(
+            (
+                (value == np.inf).astype("int32"),
+                (value == -np.inf).astype("int32"),
+                jax.numpy.isnan(value).astype("int32"),
+            ),
+            (zero, zero, zero),
+            lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2]),
+            tuple(range(value.ndim)),
+        )
+        return jax.numpy.stack(sums)
     infinite = ops.isinf(tensor)
     return ops.stack(
         [
@@ -101,16 +124,16 @@ def gradient_counts(grads: Sequence[Any]) -> Any:
     """Per gradient, (+inf, -inf, NaN, size) as an int32 tensor of shape (len(grads), 4); None gives zeros,
     a sparse gradient is counted on its values (for `polyamp.NonFiniteGradient`).
 
-    On JAX and TensorFlow, with static shapes, all gradients are counted in one pass: flattened, joined,
-    classified element by element and summed per gradient with one segment sum. A compiled step (``jax.jit``,
-    XLA) then holds a handful of operations for the counts instead of a dozen per gradient, and on XLA's CPU
-    runtime every operation of a ``cond`` branch costs a little on each call, the branch that does not run
-    included. Keras's PyTorch segment sum adds in float32 (inexact past 2**24 elements), and that backend
-    runs eagerly, so it counts gradient by gradient, as any backend does for a shape known only at run time.
+    On TensorFlow, with static shapes, all gradients are counted in one pass: flattened, joined, classified
+    element by element and summed per gradient with one segment sum, a handful of operations in a graph (or an
+    XLA ``cond`` branch) instead of a dozen per gradient. On JAX each gradient is counted in the one pass that
+    `all_finite` makes over it (`non_finite_counts`). Keras's PyTorch segment sum adds in float32 (inexact past
+    2**24 elements), and that backend runs eagerly, so it counts gradient by gradient, as any backend does for
+    a shape known only at run time.
     """
     values = [None if grad is None else sparse_values(grad) for grad in grads]
     known = [0 if v is None else _static_size(v) for v in values]
-    if keras.backend.backend() not in ("jax", "tensorflow") or None in known:
+    if keras.backend.backend() != "tensorflow" or None in known:
         return _counts_each(values, known)
     sizes = [int(size) for size in known if size is not None]  # all of them
     present = [(index, v) for index, v in enumerate(values) if v is not None and sizes[index]]
@@ -160,13 +183,18 @@ def _counts_each(values: Sequence[Any], sizes: Sequence[int | None]) -> Any:
 
 
 def all_finite(grads: Sequence[Any]) -> Any:
-    """A boolean scalar: no gradient holds inf or NaN."""
+    """A boolean scalar: no gradient holds inf or NaN (on Keras's JAX backend, from `non_finite_counts`)."""
+    jax_counts = keras.backend.backend() == "jax"
     checks = []
     for grad in grads:
         if grad is None:
             continue
         values = sparse_values(grad)
-        checks.append(ops.all(ops.isfinite(values)))
+        size = _static_size(values) if jax_counts else None
+        if size is not None and size < _COUNTABLE:  # int32 counts that cannot wrap
+            checks.append(ops.all(ops.equal(non_finite_counts(values), 0)))
+        else:
+            checks.append(ops.all(ops.isfinite(values)))
     if not checks:
         return ops.convert_to_tensor(True)
     return ops.all(ops.stack(checks))

@@ -583,8 +583,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         scale: Any = None,
     ) -> list[Any]:
         """This optimizer's own variables' new values: the functional state's, the last step's outcome, and a
-        skipped step's non-finite counts (computed only in the branch that skips; of ``grads`` divided by
-        ``scale`` when it is given)."""
+        skipped step's non-finite counts (of ``grads`` divided by ``scale`` when it is given). The counts are
+        computed in a branch that runs only on a skip; on JAX, of the gradients the check read (no ``scale``),
+        on every step from the check's own pass, and kept on a skip."""
         new = dict(values)
         for part, variables in (
             ("scaler", device.scale_variables()),
@@ -607,7 +608,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             def named() -> list[Any]:
                 return grads if scale is None else unscale(grads, scale)
 
-            new[id(counts)] = ops.cond(overflow, lambda: gradient_counts(named()), lambda: old_counts)
+            if scale is None and keras.backend.backend() == "jax":
+                # The gradients the check counted (`non_finite_counts`): XLA computes the counts once for both.
+                new[id(counts)] = ops.where(overflow, gradient_counts(grads), old_counts)
+            else:
+                new[id(counts)] = ops.cond(overflow, lambda: gradient_counts(named()), lambda: old_counts)
             new[id(at)] = ops.where(overflow, ops.cast(index, "int32"), old_at)
         return [new[id(variable)] for variable in self._variables]
 
