@@ -1,7 +1,7 @@
 """Target: ``model.fit`` on Keras's JAX and PyTorch backends, polyamp's LossScaleOptimizer against Keras's own.
 
-The same model (4 x (Dense gelu + LayerNorm), width 64, batch 32, sparse cross-entropy on float32 logits),
-the same inner Adam, the ``mixed_float16`` policy. Keras picks its backend once per process, so each backend
+The same model (4 x (Dense gelu + LayerNorm), width 64 and batch 32, and width 1024 and batch 256, sparse
+cross-entropy on float32 logits), the same inner Adam, the ``mixed_float16`` policy. Keras picks its backend once per process, so each backend
 runs in a worker process of its own (``KERAS_BACKEND``); in it, one epoch per variant per round, the variants
 interleaved in a new random order each round. A second Keras model built like the first (A/A) shows what two
 identical runs differ by. Keras's JAX backend compiles the train step (``jax.jit``); its PyTorch backend runs it
@@ -29,7 +29,7 @@ BACKENDS = ("jax", "torch")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _worker(rounds: int, steps: int) -> dict[str, list[float]]:
+def _worker(rounds: int, steps: int, width: int = 64, batch: int = 32) -> dict[str, list[float]]:
     """In a process whose KERAS_BACKEND is set: ms per step of each variant, one value per round."""
     import polyamp
     from benchmarks import _common
@@ -40,7 +40,7 @@ def _worker(rounds: int, steps: int) -> dict[str, list[float]]:
 
     import polyamp_keras
 
-    width, batch, depth = 64, 32, 4
+    depth = 4
     rng = np.random.default_rng(0)
     x = rng.normal(size=(steps * batch, width)).astype("float32")
     y = rng.integers(0, width, size=(steps * batch,)).astype("int32")
@@ -73,15 +73,20 @@ def _worker(rounds: int, steps: int) -> dict[str, list[float]]:
 def run(args: Any) -> dict[str, Any]:
     from benchmarks import _common
 
-    rounds, steps = (1, 2) if args.quick else (args.rounds, 100)
+    rounds = 1 if args.quick else args.rounds
+    # (width, batch, steps per epoch): the small model, where per-step overhead shows, and a wide one, where the
+    # work on the gradients does
+    shapes = [(64, 32, 2)] if args.quick else [(64, 32, 100), (1024, 256, 10)]
     rows, interval_rows, raw, missing = [], [], [], []
-    for backend in BACKENDS:
+    for backend, (width, batch, steps) in [(b, shape) for b in BACKENDS for shape in shapes]:
         if importlib.util.find_spec(backend) is None:
-            missing.append(backend)
+            if backend not in missing:
+                missing.append(backend)
             continue
+        model = f"4 x (Dense {width} gelu + LayerNorm), batch {batch}"
         env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
         code = f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks import keras_backends as k; "
-        code += f"print('RESULT', json.dumps(k._worker({rounds}, {steps})))"
+        code += f"print('RESULT', json.dumps(k._worker({rounds}, {steps}, {width}, {batch})))"
         done = subprocess.run(
             [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800
         )
@@ -95,17 +100,20 @@ def run(args: Any) -> dict[str, Any]:
         rows.append(
             [
                 backend,
+                model,
                 f"{keras_rate:.1f}",
                 f"{ours_rate:.1f}",
                 _common.fmt_ratio(summary[POLYAMP]["ratio"]),
                 _common.fmt_ratio(summary[AGAIN]["ratio"]),
             ]
         )
-        interval_rows.append([backend, *_common.fmt_intervals(summary, (AGAIN, POLYAMP))])
-        raw.append({"backend": backend, "steps_per_epoch": steps, "summary": summary, "times_ms": times})
-        print(backend, {k: round(v["ratio"], 3) for k, v in summary.items()}, flush=True)
+        interval_rows.append([backend, model, *_common.fmt_intervals(summary, (AGAIN, POLYAMP))])
+        raw.append(
+            {"backend": backend, "model": model, "steps_per_epoch": steps, "summary": summary, "times_ms": times}
+        )
+        print(backend, model, {k: round(v["ratio"], 3) for k, v in summary.items()}, flush=True)
     notes = [
-        f"4 x (Dense 64 gelu + LayerNorm), batch 32, {steps} steps per epoch, {rounds} interleaved rounds; ratio: "
+        f"Steps per epoch: {', '.join(f'{s} at width {w}' for w, _, s in shapes)}; {rounds} interleaved rounds; ratio: "
         "median over rounds of (the variant's epoch time / Keras's in the same round), the variants in a new "
         "random order each round. Wall time.",
         f"{AGAIN}: a second Keras model built like the first; its ratio is what two identical runs differ by. A "
@@ -121,12 +129,19 @@ def run(args: Any) -> dict[str, Any]:
         tables=[
             {
                 "caption": "model.fit, mixed_float16, inner Adam: steps/s, and polyamp's time ratio",
-                "columns": ["Keras backend", "Keras LSO steps/s", "polyamp LSO steps/s", "polyamp time ratio", AGAIN],
+                "columns": [
+                    "Keras backend",
+                    "model",
+                    "Keras LSO steps/s",
+                    "polyamp LSO steps/s",
+                    "polyamp time ratio",
+                    AGAIN,
+                ],
                 "rows": rows,
             },
             {
                 "caption": "95% bootstrap intervals of the median ratios above (2000 resamplings of the rounds)",
-                "columns": ["Keras backend", AGAIN, "polyamp time ratio"],
+                "columns": ["Keras backend", "model", AGAIN, "polyamp time ratio"],
                 "rows": interval_rows,
             },
         ],
