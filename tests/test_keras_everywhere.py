@@ -337,8 +337,9 @@ def test_jax_stateless_step_counts_non_finite_gradients_in_the_checks_own_pass()
     model = _model()
     optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.Adam(0.01))
     optimizer.build(model.trainable_variables)
-    trainable = [v.value for v in model.trainable_variables]
-    opt_values = [v.value for v in optimizer.variables]
+    cpu = jax.devices("cpu")[0]  # the HLO of XLA's CPU backend, on any machine
+    trainable = jax.device_put([v.value for v in model.trainable_variables], cpu)
+    opt_values = jax.device_put([v.value for v in optimizer.variables], cpu)
     step = jax.jit(optimizer.stateless_apply)
     grads = [jax.numpy.ones_like(t) for t in trainable]
     with warnings.catch_warnings():
