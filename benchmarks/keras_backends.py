@@ -1,9 +1,9 @@
 """Target: ``model.fit`` on Keras's JAX and PyTorch backends, polyamp's LossScaleOptimizer against Keras's own.
 
 The same model (4 x (Dense gelu + LayerNorm), width 64 and batch 32, and width 1024 and batch 256, sparse
-cross-entropy on float32 logits), the same inner Adam, the ``mixed_float16`` policy. Keras picks its backend once per process, so each backend
-runs in a worker process of its own (``KERAS_BACKEND``); in it, one epoch per variant per round, the variants
-interleaved in a new random order each round. A second Keras model built like the first (A/A) shows what two
+cross-entropy on float32 logits), the same inner Adam, the ``mixed_float16`` policy. Keras picks its backend once
+per process, so each backend and model runs in a worker process of its own (``KERAS_BACKEND``); in it, one epoch
+per variant per round, the variants interleaved in a new random order each round. A second Keras model built like the first (A/A) shows what two
 identical runs differ by. Keras's JAX backend compiles the train step (``jax.jit``); its PyTorch backend runs it
 eagerly, as ``fit`` does by default there. TensorFlow's numbers are the ``keras`` target's.
 
@@ -77,12 +77,9 @@ def run(args: Any) -> dict[str, Any]:
     # (width, batch, steps per epoch): the small model, where per-step overhead shows, and a wide one, where the
     # work on the gradients does
     shapes = [(64, 32, 2)] if args.quick else [(64, 32, 100), (1024, 256, 10)]
-    rows, interval_rows, raw, missing = [], [], [], []
-    for backend, (width, batch, steps) in [(b, shape) for b in BACKENDS for shape in shapes]:
-        if importlib.util.find_spec(backend) is None:
-            if backend not in missing:
-                missing.append(backend)
-            continue
+    rows, interval_rows, raw = [], [], []
+    missing = [backend for backend in BACKENDS if importlib.util.find_spec(backend) is None]
+    for backend, (width, batch, steps) in [(b, shape) for b in BACKENDS if b not in missing for shape in shapes]:
         model = f"4 x (Dense {width} gelu + LayerNorm), batch {batch}"
         env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
         code = f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks import keras_backends as k; "
@@ -113,8 +110,8 @@ def run(args: Any) -> dict[str, Any]:
         )
         print(backend, model, {k: round(v["ratio"], 3) for k, v in summary.items()}, flush=True)
     notes = [
-        f"Steps per epoch: {', '.join(f'{s} at width {w}' for w, _, s in shapes)}; {rounds} interleaved rounds; ratio: "
-        "median over rounds of (the variant's epoch time / Keras's in the same round), the variants in a new "
+        f"Steps per epoch: {', '.join(f'{s} at width {w}' for w, _, s in shapes)}; {rounds} interleaved rounds; "
+        "ratio: median over rounds of (the variant's epoch time / Keras's in the same round), the variants in a new "
         "random order each round. Wall time.",
         f"{AGAIN}: a second Keras model built like the first; its ratio is what two identical runs differ by. A "
         "ratio is 1.00x within noise when its interval overlaps the A/A interval.",

@@ -41,6 +41,9 @@ def _counter_dtype() -> Any:
     return jnp.int64 if _x64() else jnp.int32
 
 
+_COUNTABLE = 2**31  # a leaf with fewer elements has int32 counts that cannot wrap
+
+
 def all_finite(tree: Any) -> Any:
     """A boolean scalar: no floating leaf of ``tree`` holds inf or NaN."""
     checks = [_finite(leaf) for leaf in jax.tree_util.tree_leaves(tree) if _floating(leaf)]
@@ -54,9 +57,6 @@ def _finite(leaf: Any) -> Any:
     if int(np.prod(jnp.shape(leaf))) >= _COUNTABLE:  # counts that could wrap: the plain check
         return jnp.all(jnp.isfinite(leaf))
     return jnp.all(_non_finite(leaf) == 0)
-
-
-_COUNTABLE = 2**31  # a leaf with fewer elements has int32 counts that cannot wrap
 
 
 def _non_finite(leaf: Any) -> Any:
