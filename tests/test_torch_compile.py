@@ -269,6 +269,25 @@ def test_a_hundred_compiled_steps_with_overflows_recompile_nothing(fused: bool, 
     assert all(r.reason == "overflow" for r in scaler.records() if r.skipped)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused_adam"])
+def test_a_step_compiled_from_the_start_leaves_no_tensor_of_its_graph_in_the_device(fused: bool) -> None:
+    """A tensor made inside a compiled step lives in the graph's memory; under ``mode="reduce-overhead"`` a later
+    replay overwrites it. The device keeps no such tensor from one call to the next: its inverse scale 1 (the
+    check-only pass of a fused step and of the guard) is cached when made eagerly, never when traced."""
+    polyamp.set_policy("mixed_float16")
+    step, _, scaler = make_step(fused)
+    dynamo.reset()
+    compiled = torch.compile(step, backend="eager")
+    for index, (x, y) in enumerate(DATA[:4]):
+        compiled(x, y, PATTERN[index])
+    device: Any = scaler.device_form
+    assert device._ones == {}
+    x, y = DATA[4]
+    step(x, y, False)  # eagerly: the fused step's check-only pass caches its inverse scale 1
+    assert list(device._ones) == ([torch.device("cpu")] if fused else [])
+    assert [r.skipped for r in scaler.records()] == [False, True, False, False, False]
+
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

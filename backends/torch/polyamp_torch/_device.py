@@ -334,7 +334,11 @@ class TorchDevice:
         return flag
 
     def _one(self, device: torch.device) -> torch.Tensor:
-        """An inverse scale of 1 on ``device`` (the kernel then only checks), made once: it is only read."""
+        """An inverse scale of 1 on ``device`` (the kernel then only checks), made once: it is only read.
+        Under torch.compile it is a constant of the graph and is not kept: a tensor the graph made lives in
+        the graph's memory, which ``mode="reduce-overhead"`` overwrites at its next replay."""
+        if torch.compiler.is_compiling():
+            return torch.ones((), dtype=torch.float32, device=device)
         one = self._ones.get(device)
         if one is None:
             one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
