@@ -204,7 +204,7 @@ SUMMARY: dict[str, tuple[str, list[tuple[int, str, str]]]] = {
         [(0, "vs native", "polyamp")],
     ),
     "jax-cuda": (
-        "jitted JAX step on an H200: `polyamp_jax.loss_scaled` vs a jmp-style step",
+        "jitted JAX step on a GPU: `polyamp_jax.loss_scaled` vs a jmp-style step",
         [(0, "polyamp", "polyamp vs jmp-style"), (0, "float32 optax", "float32 optax vs jmp-style")],
     ),
     "scale": (
