@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -322,3 +323,68 @@ def test_a_graph_step_reads_the_scale_once_to_unscale_every_gradient() -> None:
     assert len(divisors) == 1
     (read,) = divisors
     assert read.type == "ReadVariableOp"
+
+
+def _graph_source(by_name: dict[str, Any], name: str) -> Any:
+    """The node an input (``name``, ``name:output``, ``^name``) comes from, in one graph or function body."""
+    return by_name.get(name.lstrip("^").split(":")[0])
+
+
+def _counter_writes_and_cast_round_trips(graph_def: Any) -> tuple[list[str], list[str]]:
+    """Over a step graph and its functions (``cond`` branches): the variables written as read, add, assign
+    (what a Keras variable's own ``assign_add`` builds; ``AssignAddVariableOp`` is one operation), and the casts
+    of a cast."""
+    read_add_assign, round_trips = [], []
+    for nodes in [list(graph_def.node)] + [list(f.node_def) for f in graph_def.library.function]:
+        by_name = {n.name: n for n in nodes}
+        source = functools.partial(_graph_source, by_name)
+        for node in nodes:
+            if node.op == "AssignVariableOp":
+                value = source(node.input[1])
+                if value is not None and value.op == "AddV2":
+                    reads = [source(i) for i in value.input]
+                    if any(r is not None and r.op == "ReadVariableOp" and r.input[0] == node.input[0] for r in reads):
+                        read_add_assign.append(node.name)
+            if node.op == "Cast" and source(node.input[0]) is not None and source(node.input[0]).op == "Cast":
+                round_trips.append(node.name)
+    return read_add_assign, round_trips
+
+
+@pytest.mark.parametrize("optimizer_kind", ["keras", "polyamp"])
+def test_a_loss_scale_optimizer_step_counts_with_assign_add_and_keeps_the_tracker_in_its_dtype(
+    optimizer_kind: str,
+) -> None:
+    """Each graph operation of a ``tf.function`` step costs about as much as a small kernel on a CPU. Keras's
+    LossScaleOptimizer keeps its step counter (polyamp's growth tracker) in int64, and its variables are Keras
+    variables, whose own ``assign_add`` is a read, an add and an assign. polyamp's optimizer writes the tracker
+    in the tracker's dtype (no int32 round trip: two casts per step) and increments its counters (the records'
+    count, the skip count) through the optimizer's ``assign_add``, one ``AssignAddVariableOp`` on TensorFlow.
+    Keras's own graph, built the same way, shows both patterns: its step counter is a read-add-assign."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    inner = keras.optimizers.SGD(0.01)
+    make = (
+        polyamp_tensorflow.LossScaleOptimizer
+        if optimizer_kind == "polyamp"
+        else keras.mixed_precision.LossScaleOptimizer
+    )
+    optimizer = make(inner)
+    optimizer.build(model.trainable_variables)
+
+    @tf.function  # type: ignore[untyped-decorator]
+    def step(x: Any) -> None:
+        with tf.GradientTape() as tape:
+            loss = optimizer.scale_loss(tf.reduce_mean(tf.cast(model(x), tf.float32)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    read_add_assign, round_trips = _counter_writes_and_cast_round_trips(
+        step.get_concrete_function(tf.zeros((2, 4))).graph.as_graph_def()
+    )
+    assert round_trips == []
+    # One is Keras's own, in both: the inner optimizer's ``iterations.assign_add(1)`` in the applying branch.
+    assert len(read_add_assign) == (1 if optimizer_kind == "polyamp" else 2)
+    for _ in range(3):  # and the step runs: three finite steps counted once each
+        step(tf.fill((2, 4), 1e-3))  # gradients float16 holds at either initial scale
+    assert int(optimizer.step_counter.numpy()) == 3
+    if optimizer_kind == "polyamp":
+        assert [r.skipped for r in optimizer.records()] == [False, False, False]

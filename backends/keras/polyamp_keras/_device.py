@@ -77,6 +77,8 @@ class KerasDevice:
         add_variable: None: the device makes its own variables when first used. Else an optimizer's
             ``add_variable`` (Keras's signature): the variables are made by `build`, and are the optimizer's.
         assign: How an owned variable is written (the optimizer's ``assign``); None: ``variable.assign``.
+        assign_add: How a counter is incremented (the optimizer's ``assign_add``); None:
+            ``variable.assign_add``.
         scale_variables: With ``add_variable``: a function giving the variables of the scale and growth
             tracker to use (an optimizer that already has them, e.g. Keras's ``dynamic_scale`` and
             ``step_counter``), called by `build`; None makes them.
@@ -89,6 +91,7 @@ class KerasDevice:
         *,
         add_variable: AddVariable | None = None,
         assign: Callable[[Any, Any], Any] | None = None,
+        assign_add: Callable[[Any, Any], Any] | None = None,
         scale_variables: Callable[[], tuple[Any, Any]] | None = None,
     ) -> None:
         self._config = config
@@ -96,6 +99,7 @@ class KerasDevice:
         self._owned = add_variable is not None
         self._add_variable: AddVariable = add_variable or self._make_standalone
         self._assign = assign
+        self._assign_add = assign_add
         self._scale_variables = scale_variables
         self._variables: ScaleState | None = None
         self._traced = False
@@ -130,6 +134,15 @@ class KerasDevice:
             (variable.value if isinstance(variable, keras.Variable) else variable).scatter_update(value)
         else:
             variable.assign(value)
+
+    def _add(self, variable: Any, value: Any) -> None:
+        """``variable += value``, through the optimizer's ``assign_add`` when it has one: on TensorFlow that is
+        one ``AssignAddVariableOp`` on the backing variable, where a Keras variable's own ``assign_add`` reads,
+        adds and assigns."""
+        if self._assign_add is not None:
+            self._assign_add(variable, value)
+        else:
+            variable.assign_add(value)
 
     @property
     def built(self) -> bool:
@@ -504,9 +517,9 @@ class KerasDevice:
         state = self._state()
         if new_scale is None:
             if found_inf is not None and found_inf is self._finite:  # known finite on the host: one half
-                advance(state, False, self._config)
+                advance(state, False, self._config, self._add)
             else:
-                advance_on_flag(state, found_inf, self._config)
+                advance_on_flag(state, found_inf, self._config, self._add)
             return
         if isinstance(new_scale, float):
             state.scale.assign(new_scale)
@@ -558,7 +571,7 @@ class KerasDevice:
     def count_skip(self, found_inf: Any) -> None:
         """Count a guarded iteration as skipped when ``found_inf`` is set; the rule does not run."""
         skipped = self._state().skipped_steps
-        skipped.assign_add(ops.cast(ops.greater(found_inf, 0), skipped.dtype))
+        self._add(skipped, ops.cast(ops.greater(found_inf, 0), skipped.dtype))
 
     def compiling(self) -> bool:
         """Whether a step is being compiled (records are read eagerly only)."""
@@ -588,7 +601,7 @@ class KerasDevice:
     def write_history(self, history: _Slot, base: int, found_inf: Any, spike: Any = None) -> None:
         codes, count = history.value
         write_ring_entry(codes, ops.convert_to_tensor(count), record_code(base, found_inf, spike), self._write)
-        count.assign_add(ops.convert_to_tensor(1, dtype=count.dtype))
+        self._add(count, ops.convert_to_tensor(1, dtype=count.dtype))
 
     def read_history(self, history: _Slot) -> tuple[int, list[int]]:
         if history.value is None:

@@ -131,7 +131,7 @@ def _listed(result: tuple[Any, Any]) -> tuple[list[Any], list[Any]]:
 
 class _OptimizerDevice(KerasDevice):
     """`polyamp_keras.KerasDevice` over a `LossScaleOptimizer`'s own variables (made by its ``add_variable``,
-    written by its ``assign``; the scale and growth tracker are Keras's ``dynamic_scale`` and
+    written by its ``assign`` and ``assign_add``; the scale and growth tracker are Keras's ``dynamic_scale`` and
     ``step_counter``), speaking the optimizer's names in its messages."""
 
     def __init__(self, optimizer: Any, config: LossScaleConfig, state: LossScaleState) -> None:
@@ -140,6 +140,7 @@ class _OptimizerDevice(KerasDevice):
             state,
             add_variable=optimizer.add_variable,
             assign=optimizer.assign,
+            assign_add=optimizer.assign_add,
             scale_variables=lambda: (optimizer.dynamic_scale, optimizer.step_counter),
         )
 

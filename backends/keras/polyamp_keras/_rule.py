@@ -27,6 +27,8 @@ ops = keras.ops
 
 #: ``make(name, dtype, initial_value)`` -> a variable with ``assign`` / ``assign_add``.
 VariableFactory = Callable[[str, str, Any], Any]
+#: ``add(variable, value)``: ``variable += value`` (an optimizer's ``assign_add``).
+Adder = Callable[[Any, Any], Any]
 
 
 @dataclass
@@ -101,14 +103,19 @@ def _times(scale: Any, factor: float) -> Any:
         return ops.cast(product, "float32")
 
 
-def advance(state: ScaleState, overflow: bool, config: LossScaleConfig) -> None:
+def advance(state: ScaleState, overflow: bool, config: LossScaleConfig, add: Adder | None = None) -> None:
     """One update of ``config``'s rule, for a step that overflowed or not, and the skip count.
 
     ``overflow`` is a Python bool: callers run this inside the two branches of a ``cond`` on the device
-    flag, where it is known, so each branch builds only its half of the rule (a few scalar ops).
+    flag, where it is known, so each branch builds only its half of the rule (a few scalar ops). ``add``
+    increments the skip count (an optimizer's ``assign_add``); None: the variable's own ``assign_add``.
     """
     if overflow:
-        state.skipped_steps.assign_add(ops.cast(1, state.skipped_steps.dtype))  # int32 on JAX without x64
+        one = ops.cast(1, state.skipped_steps.dtype)  # int32 on JAX without x64
+        if add is None:
+            state.skipped_steps.assign_add(one)
+        else:
+            add(state.skipped_steps, one)
     if not config.dynamic:
         return
     scale = ops.convert_to_tensor(state.scale)
@@ -129,22 +136,24 @@ def advance(state: ScaleState, overflow: bool, config: LossScaleConfig) -> None:
     if config.max_scale_f32 is not None:
         grown = ops.minimum(grown, config.max_scale_f32)
     state.scale.assign(ops.where(ops.logical_and(grow, ops.isfinite(grown)), grown, scale))
-    state.growth_tracker.assign(ops.cast(ops.where(grow, 0, next_tracker), "int32"))
+    # In the tracker's own dtype: Keras's LossScaleOptimizer keeps its step counter in int64, and a round trip
+    # through int32 would be two casts per step.
+    state.growth_tracker.assign(ops.cast(ops.where(grow, 0, next_tracker), state.growth_tracker.dtype))
     if config.hysteresis > 1:
         state.hysteresis_left.assign(
             ops.cast(ops.where(grow, config.hysteresis, ops.convert_to_tensor(state.hysteresis_left)), "int32")
         )
 
 
-def advance_on_flag(state: ScaleState, found_inf: Any, config: LossScaleConfig) -> None:
+def advance_on_flag(state: ScaleState, found_inf: Any, config: LossScaleConfig, add: Adder | None = None) -> None:
     """`advance` decided on the device: ``found_inf`` is a float32 flag (``> 0``: a gradient was non-finite)."""
 
     def on_overflow() -> Any:
-        advance(state, True, config)
+        advance(state, True, config, add)
         return ops.convert_to_tensor(True)
 
     def on_finite() -> Any:
-        advance(state, False, config)
+        advance(state, False, config, add)
         return ops.convert_to_tensor(False)
 
     device_cond(ops.greater(found_inf, 0.0), on_overflow, on_finite)
