@@ -358,8 +358,9 @@ def test_a_loss_scale_optimizer_step_counts_with_assign_add_and_keeps_the_tracke
     LossScaleOptimizer keeps its step counter (polyamp's growth tracker) in int64, and its variables are Keras
     variables, whose own ``assign_add`` is a read, an add and an assign. polyamp's optimizer writes the tracker
     in the tracker's dtype (no int32 round trip: two casts per step) and increments its counters (the records'
-    count, the skip count) through the optimizer's ``assign_add``, one ``AssignAddVariableOp`` on TensorFlow.
-    Keras's own graph, built the same way, shows both patterns: its step counter is a read-add-assign."""
+    count, the skip count, the tracker) through the optimizer's ``assign_add``, one ``AssignAddVariableOp`` on
+    TensorFlow. Keras's own graph, built the same way, shows both patterns: its step counter is a
+    read-add-assign."""
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     inner = keras.optimizers.SGD(0.01)
     make = (
@@ -377,12 +378,21 @@ def test_a_loss_scale_optimizer_step_counts_with_assign_add_and_keeps_the_tracke
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
-    read_add_assign, round_trips = _counter_writes_and_cast_round_trips(
-        step.get_concrete_function(tf.zeros((2, 4))).graph.as_graph_def()
-    )
+    graph_def = step.get_concrete_function(tf.zeros((2, 4))).graph.as_graph_def()
+    read_add_assign, round_trips = _counter_writes_and_cast_round_trips(graph_def)
     assert round_trips == []
     # One is Keras's own, in both: the inner optimizer's ``iterations.assign_add(1)`` in the applying branch.
     assert len(read_add_assign) == (1 if optimizer_kind == "polyamp" else 2)
+    if optimizer_kind == "polyamp":
+        # The rule's finite half branches on the growth test (`polyamp_keras._rule.advance`'s ``branch``): a
+        # step that does not grow runs a branch that is one increment, where the select form would compute the
+        # growth (a product, its finiteness, selects) every step.
+        bodies = [
+            [n.op for n in f.node_def if n.op not in ("Const", "Cast", "Identity", "NoOp")]
+            for f in graph_def.library.function
+        ]
+        assert ["AssignAddVariableOp"] in bodies
+        assert not [ops for ops in bodies if "GreaterEqual" in ops and "SelectV2" in ops]
     for _ in range(3):  # and the step runs: three finite steps counted once each
         step(tf.fill((2, 4), 1e-3))  # gradients float16 holds at either initial scale
     assert int(optimizer.step_counter.numpy()) == 3

@@ -100,6 +100,9 @@ class KerasDevice:
         self._add_variable: AddVariable = add_variable or self._make_standalone
         self._assign = assign
         self._assign_add = assign_add
+        # The rule's finite half as a branch on TensorFlow, where a branch is an operation of the step
+        # (see `advance`); Keras's other backends select.
+        self._branch = _tensorflow() is not None
         self._scale_variables = scale_variables
         self._variables: ScaleState | None = None
         self._traced = False
@@ -517,9 +520,9 @@ class KerasDevice:
         state = self._state()
         if new_scale is None:
             if found_inf is not None and found_inf is self._finite:  # known finite on the host: one half
-                advance(state, False, self._config, self._add)
+                advance(state, False, self._config, self._add, branch=self._branch)
             else:
-                advance_on_flag(state, found_inf, self._config, self._add)
+                advance_on_flag(state, found_inf, self._config, self._add, branch=self._branch)
             return
         if isinstance(new_scale, float):
             state.scale.assign(new_scale)

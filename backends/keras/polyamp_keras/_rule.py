@@ -103,19 +103,23 @@ def _times(scale: Any, factor: float) -> Any:
         return ops.cast(product, "float32")
 
 
-def advance(state: ScaleState, overflow: bool, config: LossScaleConfig, add: Adder | None = None) -> None:
+def advance(
+    state: ScaleState, overflow: bool, config: LossScaleConfig, add: Adder | None = None, *, branch: bool = False
+) -> None:
     """One update of ``config``'s rule, for a step that overflowed or not, and the skip count.
 
     ``overflow`` is a Python bool: callers run this inside the two branches of a ``cond`` on the device
     flag, where it is known, so each branch builds only its half of the rule (a few scalar ops). ``add``
-    increments the skip count (an optimizer's ``assign_add``); None: the variable's own ``assign_add``.
+    increments a counter (an optimizer's ``assign_add``); None: the variable's own ``assign_add``.
+
+    ``branch``: the finite half branches on the growth test, so that the steps that do not grow (all but
+    one in ``growth_interval``) run one increment of the tracker; else it selects, with no branch, every
+    step. For a backend whose branch is an operation of the step (TensorFlow), where each operation costs a
+    few microseconds; the values are the same either way. Not under a ``StatelessScope`` (an assignment inside
+    a traced branch would leave it) nor where a branch reads its predicate to the host (PyTorch).
     """
     if overflow:
-        one = ops.cast(1, state.skipped_steps.dtype)  # int32 on JAX without x64
-        if add is None:
-            state.skipped_steps.assign_add(one)
-        else:
-            add(state.skipped_steps, one)
+        _increment(state.skipped_steps, add)
     if not config.dynamic:
         return
     scale = ops.convert_to_tensor(state.scale)
@@ -129,6 +133,9 @@ def advance(state: ScaleState, overflow: bool, config: LossScaleConfig, add: Add
         back_off = hysteresis_after <= 0
         state.scale.assign(ops.where(back_off, backed, scale))
         state.hysteresis_left.assign(ops.where(back_off, config.hysteresis, hysteresis_after))
+        return
+    if branch:
+        _branch_on_growth(state, config, add)
         return
     next_tracker = ops.convert_to_tensor(state.growth_tracker) + 1
     grow = next_tracker >= config.growth_interval
@@ -145,7 +152,40 @@ def advance(state: ScaleState, overflow: bool, config: LossScaleConfig, add: Add
         )
 
 
-def advance_on_flag(state: ScaleState, found_inf: Any, config: LossScaleConfig, add: Adder | None = None) -> None:
+def _increment(variable: Any, add: Adder | None) -> None:
+    one = ops.cast(1, variable.dtype)  # int32 on JAX without x64
+    if add is None:
+        variable.assign_add(one)
+    else:
+        add(variable, one)
+
+
+def _branch_on_growth(state: ScaleState, config: LossScaleConfig, add: Adder | None) -> None:
+    """The finite half of `advance` as a branch: grow at the interval (the scale multiplied unless the product
+    is not finite, the tracker reset, the hysteresis refilled), else count the step."""
+
+    def grow() -> Any:
+        scale = ops.convert_to_tensor(state.scale)
+        grown = _times(scale, config.growth_factor)
+        if config.max_scale_f32 is not None:
+            grown = ops.minimum(grown, config.max_scale_f32)
+        state.scale.assign(ops.where(ops.isfinite(grown), grown, scale))
+        state.growth_tracker.assign(ops.cast(0, state.growth_tracker.dtype))
+        if config.hysteresis > 1:
+            state.hysteresis_left.assign(ops.cast(config.hysteresis, "int32"))
+        return ops.convert_to_tensor(True)
+
+    def count() -> Any:
+        _increment(state.growth_tracker, add)
+        return ops.convert_to_tensor(False)
+
+    # tracker + 1 >= interval, without the addition (the tracker stays below the interval).
+    ops.cond(ops.greater_equal(state.growth_tracker, config.growth_interval - 1), grow, count)
+
+
+def advance_on_flag(
+    state: ScaleState, found_inf: Any, config: LossScaleConfig, add: Adder | None = None, *, branch: bool = False
+) -> None:
     """`advance` decided on the device: ``found_inf`` is a float32 flag (``> 0``: a gradient was non-finite)."""
 
     def on_overflow() -> Any:
@@ -153,7 +193,7 @@ def advance_on_flag(state: ScaleState, found_inf: Any, config: LossScaleConfig, 
         return ops.convert_to_tensor(True)
 
     def on_finite() -> Any:
-        advance(state, False, config, add)
+        advance(state, False, config, add, branch=branch)
         return ops.convert_to_tensor(False)
 
     device_cond(ops.greater(found_inf, 0.0), on_overflow, on_finite)
