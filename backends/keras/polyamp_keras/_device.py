@@ -111,7 +111,7 @@ class KerasDevice:
         self._record: Any = None  # an owned device's one outcome variable
         self._finite: Any = None  # the finite flag's eager constant (not on TensorFlow, whose graphs make their own)
         # Per list of variables applied: their names, the counts of the last skipped step, and its iteration.
-        self._provenance: dict[tuple[int, ...], tuple[list[Any], list[str], Any, Any]] = {}
+        self._provenance: dict[tuple[int, ...], tuple[list[Any], list[str], Any]] = {}
 
     # -- variables ---------------------------------------------------------------------------------------
 
@@ -205,13 +205,12 @@ class KerasDevice:
         """An owned device's variable holding whether the last step was skipped (None before `build`)."""
         return self._record
 
-    def provenance_variables(self) -> tuple[Any, Any] | None:
-        """An owned device's counts of the last skipped step's non-finite gradients and that step's index (None
-        before `build`)."""
+    def provenance_variable(self) -> Any:
+        """An owned device's counts of the last skipped step's non-finite gradients, with that step's index in
+        their last row (`provenance_rows`; None before `build`)."""
         if not self._provenance:
             return None
-        slot = next(iter(self._provenance.values()))
-        return slot[2], slot[3]
+        return next(iter(self._provenance.values()))[2]
 
     def history_variables(self) -> tuple[Any, Any] | None:
         """The record ring's variables (codes, count), or None before they exist / without records."""
@@ -392,7 +391,7 @@ class KerasDevice:
                 return StepOutcome(optimizer.iterations, ops.cast(ops.logical_not(finite), "float32"), not taken)
         return StepOutcome(optimizer.iterations, ops.cast(ops.logical_not(finite), "float32"), None)
 
-    def _provenance_slot(self, variables: Sequence[Any]) -> tuple[list[Any], list[str], Any, Any]:
+    def _provenance_slot(self, variables: Sequence[Any]) -> tuple[list[Any], list[str], Any]:
         key = tuple(id(v) for v in variables)
         slot = self._provenance.get(key)
         if slot is None:
@@ -400,8 +399,10 @@ class KerasDevice:
             slot = (
                 list(variables),  # held, so the ids in the key stay theirs
                 names,
-                self._variable("non_finite_counts", "int32", 0, shape=(max(1, len(names)), 4)),
-                self._variable("non_finite_at", "int32", -1),
+                # One variable: a compiled step pays for each variable it captures, written or not.
+                self._variable(
+                    "non_finite_counts", "int32", unread_rows(max(1, len(names))), shape=(max(1, len(names)) + 1, 4)
+                ),
             )
             self._provenance[key] = slot
         return slot
@@ -415,8 +416,7 @@ class KerasDevice:
         if self._owned and key not in self._provenance:
             return  # an owned device counts the variables it was built for (no variables made in a step)
         slot = self._provenance_slot(variables)
-        self._write(slot[2], gradient_counts(grads))
-        self._write(slot[3], ops.cast(ops.convert_to_tensor(self._history.value[1]), "int32"))
+        self._write(slot[2], provenance_rows(gradient_counts(grads), self._history.value[1]))
 
     def _counted(self, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
         self._count_non_finite(grads, variables)
@@ -475,12 +475,12 @@ class KerasDevice:
 
     def read_provenance(self) -> list[tuple[int, list[tuple[str, int, int, int, int]]]]:
         found = []
-        for _, names, counts, at in self._provenance.values():
-            index = int(read_scalar(at))
+        for _, names, variable in self._provenance.values():
+            rows = ops.convert_to_numpy(variable).tolist()  # one read: the counts and the index row
+            index = int(rows[-1][0])
             if index >= 0:
-                rows = ops.convert_to_numpy(counts).tolist()
-                found.append((index, [(n, *row) for n, row in zip(names, rows, strict=False)]))
-                self._write(at, ops.convert_to_tensor(-1, dtype="int32"))
+                found.append((index, [(n, *row) for n, row in zip(names, rows[:-1], strict=False)]))
+                self._write(variable, ops.convert_to_tensor(unread_rows(len(rows) - 1)))
         return found
 
     def replica(self) -> int | None:
@@ -614,6 +614,20 @@ class KerasDevice:
         return total, ring_codes(total, ops.convert_to_numpy(codes).tolist())
 
 
+def provenance_rows(counts: Any, index: Any) -> Any:
+    """The value of the provenance variable: ``counts`` (per gradient, +inf, -inf, NaN and size), then one row
+    ``(index, 0, 0, 0)``, the index of the skipped step they are of (-1: none, or read already)."""
+    index_row = ops.concatenate([ops.reshape(ops.cast(index, "int32"), (1, 1)), ops.zeros((1, 3), dtype="int32")], 1)
+    return ops.concatenate([ops.cast(counts, "int32"), index_row], axis=0)
+
+
+def unread_rows(gradients: int) -> np.ndarray:
+    """The provenance variable holding no skipped step: zero counts for ``gradients`` gradients, index -1."""
+    rows = np.zeros((gradients + 1, 4), dtype="int32")
+    rows[-1, 0] = -1
+    return rows
+
+
 def record_code(base: int, flag: Any, spike: Any = None) -> Any:
     """An iteration's record code (`polyamp.backend_api.RecordingDevice.write_history`'s): ``base`` (from
     ``MODE_CODES``), plus 1 when ``flag`` is set, plus ``SPIKE_BIT`` + 1 for a skip by the spike rule alone
@@ -652,7 +666,8 @@ def write_ring_entry(
     index = ops.mod(ops.cast(count, "int32"), capacity)
     tf = _tensorflow()
     if scatter and tf is not None and not tf.distribute.has_strategy():
-        write(codes, tf.IndexedSlices(tf.reshape(tf.cast(code, tf.int32), (1,)), tf.reshape(index, (1,)), (capacity,)))
+        # A scalar index and value: a scatter takes them as they are (no reshape to one element).
+        write(codes, tf.IndexedSlices(tf.cast(code, tf.int32), index, (capacity,)))
         return
     ring = ops.convert_to_tensor(codes)
     write(codes, ops.where(ops.equal(ops.arange(capacity, dtype="int32"), index), code, ring))

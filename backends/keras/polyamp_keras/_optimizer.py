@@ -34,7 +34,7 @@ from polyamp.backend_api import (
     describe,
     detect_backend,
 )
-from polyamp_keras._device import KerasDevice, clipping_folded, folded_clip_norm, is_tracer
+from polyamp_keras._device import KerasDevice, clipping_folded, folded_clip_norm, is_tracer, provenance_rows
 from polyamp_keras._functional import KerasFunctional
 from polyamp_keras._gradients import gradient_counts, refuse_loss_scale_factor, unscale
 from polyamp_keras._keras import keras
@@ -294,7 +294,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         super().build(var_list)  # Keras's step_counter (the growth tracker) and dynamic_scale, the inner slots
         # The scaler's variables, made through add_variable so they are this optimizer's (saved with it): the
         # hysteresis, the skip count, the last step's outcome, the step records' ring and its count, the
-        # skipped step's non-finite counts and its index, and a SpikeRule's window.
+        # skipped step's non-finite counts with its index (one variable), and a SpikeRule's window.
         self._device.build(list(var_list))
         state = self._device.scale_state
         assert state is not None
@@ -598,12 +598,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
                     new[id(variable)] = state[part][key]
         record = self._device.record_variable
         new[id(record)] = ops.convert_to_tensor(False) if skipped is None else ops.greater(skipped, 0)
-        slot = self._device.provenance_variables()
-        if found_inf is not None and slot is not None and len(grads) == len(self._trainable_variables):
-            counts, at = slot
-            old_counts, old_at = values[id(counts)], values[id(at)]
+        counts = self._device.provenance_variable()
+        if found_inf is not None and counts is not None and len(grads) == len(self._trainable_variables):
+            old = values[id(counts)]
             ring = device.ring_variables()
-            index = values[id(ring["count"])] if ring is not None else old_at
+            index = values[id(ring["count"])] if ring is not None else old[-1, 0]
             overflow = ops.greater(found_inf, 0)
 
             def named() -> list[Any]:
@@ -611,10 +610,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
 
             if scale is None and keras.backend.backend() == "jax":
                 # The gradients the check counted (`non_finite_counts`): XLA computes the counts once for both.
-                new[id(counts)] = ops.where(overflow, gradient_counts(grads), old_counts)
+                new[id(counts)] = ops.where(overflow, provenance_rows(gradient_counts(grads), index), old)
             else:
-                new[id(counts)] = ops.cond(overflow, lambda: gradient_counts(named()), lambda: old_counts)
-            new[id(at)] = ops.where(overflow, ops.cast(index, "int32"), old_at)
+                new[id(counts)] = ops.cond(
+                    overflow, lambda: provenance_rows(gradient_counts(named()), index), lambda: old
+                )
         return [new[id(variable)] for variable in self._variables]
 
     # -- serialisation -----------------------------------------------------------------------------------
