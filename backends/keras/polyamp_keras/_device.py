@@ -110,7 +110,8 @@ class KerasDevice:
         self._windows: list[tuple[_Slot, SpikeRule]] = []
         self._record: Any = None  # an owned device's one outcome variable
         self._finite: Any = None  # the finite flag's eager constant (not on TensorFlow, whose graphs make their own)
-        # Per list of variables applied: their names, the counts of the last skipped step, and its iteration.
+        # Per list of variables applied: their names, and the counts of the last skipped step with its iteration
+        # (one variable, `provenance_rows`).
         self._provenance: dict[tuple[int, ...], tuple[list[Any], list[str], Any]] = {}
 
     # -- variables ---------------------------------------------------------------------------------------
