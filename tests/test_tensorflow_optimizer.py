@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -291,6 +292,47 @@ def test_model_save_and_load_keep_scale_counter_and_settings(tmp_path: Path) -> 
     assert loaded.optimizer.state_dict() == saved_state
     assert int(loaded.optimizer.skipped_steps.numpy()) == 2
     assert_same_variables(model.trainable_variables, loaded.trainable_variables)
+
+
+def test_a_file_saved_with_the_counts_and_their_index_as_two_variables_loads_its_state() -> None:
+    """A weights file written while a skipped step's non-finite counts and that step's index were two variables
+    (``non_finite_counts`` one row shorter, then a scalar ``non_finite_at``) holds one entry more than the
+    optimizer has: it is read with the two joined, so the scale, the counters and the provenance load (Keras
+    itself would warn about the count and load nothing). A store of another shape is left to Keras."""
+    model = make_model()
+    optimizer = polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.Adam(1e-2), growth_interval=5, hysteresis=2)
+    model.compile(optimizer=optimizer, loss=LOSS)
+    for step in range(4):  # steps 1 and 2 overflow
+        optimizer.apply_gradients(zip(grads_of(model, optimizer, step), model.trainable_variables))
+    values = [np.asarray(v.numpy()) for v in optimizer.variables]
+    (at,) = [i for i, v in enumerate(optimizer.variables) if v.path.endswith("non_finite_counts")]
+    joined = values[at]
+    assert joined[-1, 0] == 2  # the index of the last skipped iteration
+    old = [*values[:at], joined[:-1], np.asarray(joined[-1, 0], dtype="int32"), *values[at + 1 :]]
+    old_store = {str(i): value for i, value in enumerate(old)}
+
+    fresh_model = make_model()
+    fresh = polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.Adam(1e-2), growth_interval=5, hysteresis=2)
+    fresh_model.compile(optimizer=fresh, loss=LOSS)
+    fresh.build(fresh_model.trainable_variables)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # Keras's "Skipping variable loading" is one
+        fresh.load_own_variables(old_store)
+    assert fresh.state_dict() == optimizer.state_dict()
+    for a, b in zip(fresh.variables, values, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b)
+
+    other = make_model()
+    untouched = polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.Adam(1e-2), growth_interval=5, hysteresis=2)
+    other.compile(optimizer=untouched, loss=LOSS)
+    untouched.build(other.trainable_variables)
+    before = [np.asarray(v.numpy()) for v in untouched.variables]
+    odd = dict(old_store)
+    odd[str(at + 1)] = np.zeros((2,), dtype="int32")  # not a scalar index: not the old layout
+    with pytest.warns(UserWarning, match="Skipping variable loading"):
+        untouched.load_own_variables(odd)
+    for a, b in zip(untouched.variables, before, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b)
 
 
 def test_gradient_accumulation_drops_overflowing_micro_batches() -> None:

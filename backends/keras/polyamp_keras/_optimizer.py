@@ -129,6 +129,15 @@ def _listed(result: tuple[Any, Any]) -> tuple[list[Any], list[Any]]:
     return list(result[0]), list(result[1])
 
 
+class _Store(dict):  # type: ignore[type-arg]
+    """A variable store (``store[str(i)]``) rebuilt from a Keras one, keeping its entry path for messages."""
+
+    def __init__(self, values: dict[str, Any], entry_path: str | None) -> None:
+        super().__init__(values)
+        if entry_path:
+            self._h5_entry_path = entry_path
+
+
 class _OptimizerDevice(KerasDevice):
     """`polyamp_keras.KerasDevice` over a `LossScaleOptimizer`'s own variables (made by its ``add_variable``,
     written by its ``assign`` and ``assign_add``; the scale and growth tracker are Keras's ``dynamic_scale`` and
@@ -357,12 +366,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         ``ValueError`` of ``load_weights`` / ``load_model`` (``skip_mismatch=True`` makes it a warning and loads
         the layers alone).
 
+        A file saved while a skipped step's non-finite counts and its index were two variables (one more entry
+        than this optimizer has) is read with the two joined, as the optimizer now holds them.
+
         Args:
             store: Keras's variable store for this optimizer (``store[str(i)]``: the i-th variable's value).
 
         Raises:
             StateDictError: (a ``ValueError``) the saved state is impossible; the optimizer is left unchanged.
         """
+        store = self._joined_provenance(store)
         if not self.built or len(store.keys()) != len(self.variables):
             super().load_own_variables(store)  # Keras warns and loads nothing
             return
@@ -370,6 +383,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self.records()  # the records so far belong to the state being replaced
         super().load_own_variables(store)
         self._scaler.restored_on_device()
+
+    def _joined_provenance(self, store: Any) -> Any:
+        """``store`` as this optimizer's variables lay out, when it was saved with the non-finite counts and
+        their step's index as two variables (``non_finite_counts`` of one row fewer, then a scalar
+        ``non_finite_at``); any other store as it is."""
+        counts = self._device.provenance_variable() if self.built else None
+        if counts is None or len(store.keys()) != len(self.variables) + 1:
+            return store
+        at = next(i for i, variable in enumerate(self.variables) if variable is counts)
+        old_counts, old_index = np.asarray(store[str(at)]), np.asarray(store[str(at + 1)])
+        if old_counts.shape != (int(counts.shape[0]) - 1, 4) or old_index.size != 1:
+            return store
+        joined = _Store({str(i): store[str(i)] for i in range(at)}, getattr(store, "_h5_entry_path", None))
+        joined[str(at)] = np.concatenate([old_counts, [[int(old_index.reshape(())), 0, 0, 0]]]).astype("int32")
+        for i in range(at + 1, len(self.variables)):
+            joined[str(i)] = store[str(i + 1)]
+        return joined
 
     def _saved_state(self, store: Any) -> tuple[LossScaleState, int]:
         """The loss-scale state and the count of recorded steps a store holds, validated."""
