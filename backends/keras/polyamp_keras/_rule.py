@@ -160,27 +160,36 @@ def _increment(variable: Any, add: Adder | None) -> None:
         add(variable, one)
 
 
-def _branch_on_growth(state: ScaleState, config: LossScaleConfig, add: Adder | None) -> None:
-    """The finite half of `advance` as a branch: grow at the interval (the scale multiplied unless the product
-    is not finite, the tracker reset, the hysteresis refilled), else count the step."""
+def _grow(state: ScaleState, config: LossScaleConfig) -> Any:
+    """The finite half of `advance` at the interval: the scale multiplied (unless the product is not finite),
+    the tracker reset, the hysteresis refilled."""
+    scale = ops.convert_to_tensor(state.scale)
+    grown = _times(scale, config.growth_factor)
+    if config.max_scale_f32 is not None:
+        grown = ops.minimum(grown, config.max_scale_f32)
+    state.scale.assign(ops.where(ops.isfinite(grown), grown, scale))
+    state.growth_tracker.assign(ops.cast(0, state.growth_tracker.dtype))
+    if config.hysteresis > 1:
+        state.hysteresis_left.assign(ops.cast(config.hysteresis, "int32"))
+    return ops.convert_to_tensor(True)
 
-    def grow() -> Any:
-        scale = ops.convert_to_tensor(state.scale)
-        grown = _times(scale, config.growth_factor)
-        if config.max_scale_f32 is not None:
-            grown = ops.minimum(grown, config.max_scale_f32)
-        state.scale.assign(ops.where(ops.isfinite(grown), grown, scale))
-        state.growth_tracker.assign(ops.cast(0, state.growth_tracker.dtype))
-        if config.hysteresis > 1:
-            state.hysteresis_left.assign(ops.cast(config.hysteresis, "int32"))
-        return ops.convert_to_tensor(True)
 
+def _at_interval(state: ScaleState, config: LossScaleConfig) -> Any:
+    # tracker + 1 >= interval, without the addition (equal for every integer, and it cannot overflow).
+    return ops.greater_equal(state.growth_tracker, config.growth_interval - 1)
+
+
+def _counter(state: ScaleState, add: Adder | None) -> Callable[[], Any]:
     def count() -> Any:
         _increment(state.growth_tracker, add)
         return ops.convert_to_tensor(False)
 
-    # tracker + 1 >= interval, without the addition (the tracker stays below the interval).
-    ops.cond(ops.greater_equal(state.growth_tracker, config.growth_interval - 1), grow, count)
+    return count
+
+
+def _branch_on_growth(state: ScaleState, config: LossScaleConfig, add: Adder | None) -> None:
+    """The finite half of `advance` as a branch: grow at the interval, else count the step."""
+    ops.cond(_at_interval(state, config), lambda: _grow(state, config), _counter(state, add))
 
 
 def advance_on_flag(
@@ -196,7 +205,16 @@ def advance_on_flag(
         advance(state, False, config, add, branch=branch)
         return ops.convert_to_tensor(False)
 
-    device_cond(ops.greater(found_inf, 0.0), on_overflow, on_finite)
+    overflow = ops.greater(found_inf, 0.0)
+    if branch and config.dynamic:
+        # One branch for the common step (finite, below the interval: one increment) and one for the rest (an
+        # overflow, or growth), instead of a branch on the flag and another on the growth test inside it.
+        def rare() -> Any:
+            return ops.cond(overflow, on_overflow, lambda: _grow(state, config))
+
+        ops.cond(ops.logical_or(overflow, _at_interval(state, config)), rare, _counter(state, add))
+        return
+    device_cond(overflow, on_overflow, on_finite)
 
 
 def device_cond(pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
