@@ -3,9 +3,10 @@
 The same model (4 x (Dense gelu + LayerNorm), width 64 and batch 32, and width 1024 and batch 256, sparse
 cross-entropy on float32 logits), the same inner Adam, the ``mixed_float16`` policy. Keras picks its backend once
 per process, so each backend and model runs in a worker process of its own (``KERAS_BACKEND``); in it, one epoch
-per variant per round, the variants interleaved in a new random order each round. A second Keras model built like the first (A/A) shows what two
-identical runs differ by. Keras's JAX backend compiles the train step (``jax.jit``); its PyTorch backend runs it
-eagerly, as ``fit`` does by default there. TensorFlow's numbers are the ``keras`` target's.
+per variant per round, the variants interleaved in a new random order each round. A second Keras model built
+like the first (A/A) shows what two identical runs differ by. Keras's JAX backend compiles the train step
+(``jax.jit``); its PyTorch backend runs it eagerly, as ``fit`` does by default there. TensorFlow's numbers are the
+``keras`` target's.
 
 Run: python benchmarks/run.py keras-backends [--quick] [--rounds 11]
 """

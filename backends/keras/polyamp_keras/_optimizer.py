@@ -388,7 +388,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         """``store`` as this optimizer's variables lay out, when it was saved with the non-finite counts and
         their step's index as two variables (``non_finite_counts`` of one row fewer, then a scalar
         ``non_finite_at``); any other store as it is."""
-        counts = self._device.provenance_variable() if self.built else None
+        counts = self._device.provenance_variable()  # None before build
         if counts is None or len(store.keys()) != len(self.variables) + 1:
             return store
         at = next(i for i, variable in enumerate(self.variables) if variable is counts)

@@ -139,9 +139,7 @@ def advance(
         return
     next_tracker = ops.convert_to_tensor(state.growth_tracker) + 1
     grow = next_tracker >= config.growth_interval
-    grown = _times(scale, config.growth_factor)
-    if config.max_scale_f32 is not None:
-        grown = ops.minimum(grown, config.max_scale_f32)
+    grown = _grown(scale, config)
     state.scale.assign(ops.where(ops.logical_and(grow, ops.isfinite(grown)), grown, scale))
     # In the tracker's own dtype: Keras's LossScaleOptimizer keeps its step counter in int64, and a round trip
     # through int32 would be two casts per step.
@@ -160,13 +158,17 @@ def _increment(variable: Any, add: Adder | None) -> None:
         add(variable, one)
 
 
+def _grown(scale: Any, config: LossScaleConfig) -> Any:
+    """The scale after a growth: multiplied by the growth factor, capped at ``max_scale``."""
+    grown = _times(scale, config.growth_factor)
+    return grown if config.max_scale_f32 is None else ops.minimum(grown, config.max_scale_f32)
+
+
 def _grow(state: ScaleState, config: LossScaleConfig) -> Any:
     """The finite half of `advance` at the interval: the scale multiplied (unless the product is not finite),
     the tracker reset, the hysteresis refilled."""
     scale = ops.convert_to_tensor(state.scale)
-    grown = _times(scale, config.growth_factor)
-    if config.max_scale_f32 is not None:
-        grown = ops.minimum(grown, config.max_scale_f32)
+    grown = _grown(scale, config)
     state.scale.assign(ops.where(ops.isfinite(grown), grown, scale))
     state.growth_tracker.assign(ops.cast(0, state.growth_tracker.dtype))
     if config.hysteresis > 1:
@@ -179,17 +181,15 @@ def _at_interval(state: ScaleState, config: LossScaleConfig) -> Any:
     return ops.greater_equal(state.growth_tracker, config.growth_interval - 1)
 
 
-def _counter(state: ScaleState, add: Adder | None) -> Callable[[], Any]:
-    def count() -> Any:
-        _increment(state.growth_tracker, add)
-        return ops.convert_to_tensor(False)
-
-    return count
+def _count(state: ScaleState, add: Adder | None) -> Any:
+    """The finite half of `advance` below the interval: the step counted."""
+    _increment(state.growth_tracker, add)
+    return ops.convert_to_tensor(False)
 
 
 def _branch_on_growth(state: ScaleState, config: LossScaleConfig, add: Adder | None) -> None:
     """The finite half of `advance` as a branch: grow at the interval, else count the step."""
-    ops.cond(_at_interval(state, config), lambda: _grow(state, config), _counter(state, add))
+    ops.cond(_at_interval(state, config), lambda: _grow(state, config), lambda: _count(state, add))
 
 
 def advance_on_flag(
@@ -202,7 +202,7 @@ def advance_on_flag(
         return ops.convert_to_tensor(True)
 
     def on_finite() -> Any:
-        advance(state, False, config, add, branch=branch)
+        advance(state, False, config, add)
         return ops.convert_to_tensor(False)
 
     overflow = ops.greater(found_inf, 0.0)
@@ -212,7 +212,7 @@ def advance_on_flag(
         def rare() -> Any:
             return ops.cond(overflow, on_overflow, lambda: _grow(state, config))
 
-        ops.cond(ops.logical_or(overflow, _at_interval(state, config)), rare, _counter(state, add))
+        ops.cond(ops.logical_or(overflow, _at_interval(state, config)), rare, lambda: _count(state, add))
         return
     device_cond(overflow, on_overflow, on_finite)
 
