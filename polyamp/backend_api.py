@@ -18,7 +18,8 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
   (float16 computation outside polyamp's policy), `UnscaledLossWarningDevice` (the iteration rule warns
   instead of raising, in loops of the framework's own), `OwnScalingDevice` (optimizers that scale by
   themselves), `ClippingDevice` / `TapeClippingDevice` (clipping folded into the unscale) and
-  `DeviceSkippingDevice` (a step that is not fused, skipped on the device: ``skip_on_device=True``).
+  `DeviceSkippingDevice` (a step that is not fused, skipped on the device: ``skip_on_device=True``) and
+  `AdvancingTapeDevice` (a tape step and the loss-scale rule's advance in one device branch).
   The core reads which ones a device implements once, at binding (`DeviceCapabilities`);
 * optionally a conformance harness (see `polyamp.conformance.Harness`) named in the spec;
 * optionally a tensor reader for `polyamp.check_hazards` named in the spec (``tensor_reader``), which checks
@@ -39,6 +40,7 @@ test suite (tests/numpy_backend/).
 """
 
 from polyamp._src.backend import (
+    AdvancingTapeDevice,
     Backend,
     ClippingDevice,
     CompilingDevice,
@@ -172,6 +174,7 @@ __all__ = [
     "REBASE_BIT",
     "SETTING_DOCS",
     "SPIKE_BIT",
+    "AdvancingTapeDevice",
     "Backend",
     "BackendSpec",
     "CheckpointChanges",

@@ -32,6 +32,7 @@ DEVICE_PROTOCOLS = (
     api.ClippingDevice,
     api.TapeClippingDevice,
     api.DeviceSkippingDevice,
+    api.AdvancingTapeDevice,
     api.ProvenanceDevice,
     api.ImperativeProvenanceDevice,
     api.SpikeDevice,

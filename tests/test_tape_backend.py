@@ -1,6 +1,7 @@
 """A third-party backend of the *tape* loop style, written only against polyamp's public API, gets every
 semantic the core owns: the conformance cases its capabilities allow (the guard and records included), the
-spike rule decided as the reference decides, and the iteration rule for scaling.
+spike rule decided as the reference decides, the iteration rule for scaling, and the rule's advance made with
+the step where the device offers it (`AdvancingTapeDevice`).
 
 ``tests/numpy_backend`` holds ``nptape`` (a NumPy stand-in for a framework whose gradients are values, as
 TensorFlow's are) and ``polyamp_nptape``, its backend.
@@ -59,8 +60,16 @@ def test_the_tape_device_implements_the_protocols_it_claims(nptape_backend: Any)
         True,
     )
     assert capabilities.device_provenance and not capabilities.host_provenance
+    assert capabilities.apply_and_advance is not None
     device = scaler.device_form
-    for protocol in (api.TapeDevice, api.GuardingDevice, api.RecordingDevice, api.ProvenanceDevice, api.SpikeDevice):
+    for protocol in (
+        api.TapeDevice,
+        api.GuardingDevice,
+        api.RecordingDevice,
+        api.ProvenanceDevice,
+        api.SpikeDevice,
+        api.AdvancingTapeDevice,
+    ):
         assert isinstance(device, protocol), protocol.__name__
     assert not isinstance(device, api.ImperativeDevice)
 
@@ -147,3 +156,92 @@ def test_every_iteration_that_scales_needs_its_loss_scaled(nptape_backend: Any) 
         assert polyamp.backend_api.NOT_SCALED_RULE in str(raised.value)
     assert all(np.array_equal(a, v.data) for a, v in zip(before, variables, strict=True))
     assert optimizer.iterations == 1
+
+
+class _Calls:
+    """Counts the tape device's calls of the step and the update, by name (on its class: the scaler holds the
+    methods it bound)."""
+
+    def __init__(self, backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.counts: dict[str, int] = {}
+        for name in ("apply", "apply_and_advance", "update"):
+            monkeypatch.setattr(backend.TapeDevice, name, self._counted(name, getattr(backend.TapeDevice, name)))
+
+    def _counted(self, name: str, method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.counts[name] = self.counts.get(name, 0) + 1
+            return method(*args, **kwargs)
+
+        return call
+
+    def take(self) -> dict[str, int]:
+        counts, self.counts = self.counts, {}
+        return counts
+
+
+ADVANCE_OVERFLOWS = {2, 3, 9}
+
+
+@pytest.mark.parametrize("advances", [True, False], ids=["device_advances", "device_declines"])
+def test_an_apply_gradients_iteration_advances_the_rule_once_with_the_step(
+    nptape_backend: Any, monkeypatch: pytest.MonkeyPatch, advances: bool
+) -> None:
+    """An iteration that is one ``apply_gradients`` asks the device for the step and the rule's advance in one
+    call (`AdvancingTapeDevice.apply_and_advance`) and does not advance the rule again; a device that declines
+    gets ``apply`` then ``update``. Either way the state follows the reference rule step by step, with the
+    same records."""
+    import nptape
+
+    calls = _Calls(nptape_backend, monkeypatch)
+    scaler = LossScaler(backend="nptape", enabled=True, init_scale=2.0**10, growth_interval=3, hysteresis=2)
+    variables = nptape.mlp(0)
+    optimizer = nptape.SGD(lr=0.1)
+    grads = nptape.gradient(scaler.scale(_loss(nptape, 1.0, overflow=False)), variables)  # binds the device
+    scaler.apply_gradients(optimizer, zip(grads, variables, strict=True))
+    device = scaler.device_form
+    device.advances = advances
+    calls.take()
+    config, state = scaler.config, scaler.get_state()
+    for index in range(12):
+        overflow = index in ADVANCE_OVERFLOWS
+        grads = nptape.gradient(scaler.scale(_loss(nptape, 1.0, overflow=overflow)), variables)
+        scaler.apply_gradients(optimizer, zip(grads, variables, strict=True))
+        state = config.next_state(state, overflow)
+        assert scaler.get_state() == state, index
+        want = {"apply_and_advance": 1} if advances else {"apply_and_advance": 1, "apply": 1, "update": 1}
+        assert calls.take() == want, index
+    assert [r.skipped for r in scaler.records()][-12:] == [i in ADVANCE_OVERFLOWS for i in range(12)]
+    assert int(scaler.skipped_steps()) == len(ADVANCE_OVERFLOWS)
+
+
+@pytest.mark.parametrize("kind", ["two_optimizers", "spike_rule"])
+def test_an_iteration_of_several_steps_or_with_a_spike_rule_advances_the_rule_at_its_end(
+    nptape_backend: Any, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Where the iteration is more than one ``apply_gradients`` (two optimizers stepped, then ``update``) or a
+    spike rule decides with the overflow, the rule advances once, at the iteration's end, on every flag."""
+    import nptape
+
+    calls = _Calls(nptape_backend, monkeypatch)
+    spike = SpikeRule("loss", window=2) if kind == "spike_rule" else None
+    scaler = LossScaler(backend="nptape", enabled=True, growth_interval=2, spike=spike)
+    variables = nptape.mlp(0)
+    first, second = nptape.SGD(lr=0.1), nptape.SGD(lr=0.1)
+
+    def iteration(overflow: bool) -> None:
+        grads = nptape.gradient(scaler.scale(_loss(nptape, 1.0, overflow=overflow)), variables)
+        if kind == "spike_rule":
+            scaler.apply_gradients(first, zip(grads, variables, strict=True))
+            return
+        scaler.step(first, zip(grads[:2], variables[:2], strict=True))
+        scaler.step(second, zip(grads[2:], variables[2:], strict=True))
+        scaler.update()
+
+    iteration(False)  # binds the device
+    calls.take()
+    config, state = scaler.config, scaler.get_state()
+    for overflow in (False, True, False):
+        iteration(overflow)
+        state = config.next_state(state, overflow)
+        assert scaler.get_state() == state
+        assert calls.take() == {"apply": 1 if kind == "spike_rule" else 2, "update": 1}

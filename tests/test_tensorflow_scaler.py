@@ -350,6 +350,80 @@ def _counter_writes_and_cast_round_trips(graph_def: Any) -> tuple[list[str], lis
     return read_add_assign, round_trips
 
 
+def _graph_step(form: str) -> tuple[Any, Any]:
+    """A ``tf.function`` GradientTape step of a small model with Adam, in one of the three forms: Keras's own
+    LossScaleOptimizer, polyamp's, or polyamp.LossScaler's ``apply_gradients``; with the optimizer or scaler."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+    inner = keras.optimizers.Adam(0.01)
+    scaler = polyamp.LossScaler(backend="tensorflow", enabled=True) if form == "LossScaler" else None
+    if form == "keras":
+        optimizer = keras.mixed_precision.LossScaleOptimizer(inner)
+    elif form == "polyamp":
+        optimizer = polyamp_tensorflow.LossScaleOptimizer(inner)
+    else:
+        optimizer = inner
+    optimizer.build(model.trainable_variables)
+
+    @tf.function  # type: ignore[untyped-decorator]
+    def step(x: Any) -> None:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.cast(model(x), tf.float32))
+            scaled = optimizer.scale_loss(loss) if scaler is None else scaler.scale(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        pairs = zip(grads, model.trainable_variables)
+        optimizer.apply_gradients(pairs) if scaler is None else scaler.apply_gradients(optimizer, pairs)
+
+    return step, optimizer if scaler is None else scaler
+
+
+@pytest.mark.parametrize("form", ["keras", "polyamp", "LossScaler"])
+def test_a_graph_step_branches_once_on_its_flag_as_keras_does(form: str) -> None:
+    """Every operation of a ``tf.function`` step is visited at every call, in a branch taken or not. Keras's
+    LossScaleOptimizer branches once per step: apply and grow, or halve. polyamp's step (either form) does too:
+    the rule advances inside the branch that applies or skips (`polyamp.backend_api.AdvancingTapeDevice`), not
+    in a second branch on the same flag; the records are written from the boolean the flag was made from, with
+    no comparison of the flag; and the skipped step's counting of non-finite gradients is one call of a function
+    kept whole, not some thirty operations in the branch."""
+    step, _ = _graph_step(form)
+    graph_def = step.get_concrete_function(tf.zeros((2, 4))).graph.as_graph_def()
+    top = [n.op for n in graph_def.node]
+    assert sum(op in ("If", "StatelessIf") for op in top) == 1
+    if form == "keras":
+        return
+    assert "Greater" not in top
+    functions = {f.signature.name: f for f in graph_def.library.function}
+    calls = [
+        node
+        for f in functions.values()
+        for node in f.node_def
+        if node.op in ("StatefulPartitionedCall", "PartitionedCall")
+    ]
+    assert len(calls) == 1
+    counting = functions[calls[0].attr["f"].func.name]
+    assert counting.attr["_noinline"].b
+    assert {"UnsortedSegmentSum", "IsNan", "IsInf"} <= {n.op for n in counting.node_def}
+
+
+@pytest.mark.parametrize("form", ["polyamp", "LossScaler"])
+def test_a_graph_step_with_the_rule_in_its_branch_follows_the_reference_and_names_what_overflowed(form: str) -> None:
+    """The same step run: finite steps grow the scale at the interval, an overflow halves it and is recorded
+    with the gradient it came from, read back from the counting function's write."""
+    step, owner = _graph_step(form)
+    scaler = owner if form == "LossScaler" else owner._scaler
+    config, state = scaler.config, scaler.get_state()
+    bad = tf.constant([[np.inf, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    pattern = [False, False, True, False, False, False, True, True, False]
+    for overflow in pattern:
+        step(bad if overflow else tf.fill((2, 4), 1e-3))
+        state = config.next_state(state, overflow)
+        assert scaler.get_state() == state
+    records = scaler.records()[-len(pattern) :]
+    assert [r.skipped for r in records] == pattern
+    named = {g.name for r in records if r.skipped for g in r.gradients}
+    assert named and all("kernel" in name for name in named)
+    assert int(scaler.skipped_steps()) == pattern.count(True)
+
+
 @pytest.mark.parametrize("optimizer_kind", ["keras", "polyamp"])
 def test_a_loss_scale_optimizer_step_counts_with_assign_add_and_keeps_the_tracker_in_its_dtype(
     optimizer_kind: str,

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
 
 __all__ = [
+    "AdvancingTapeDevice",
     "Backend",
     "ClippingDevice",
     "CompilingDevice",
@@ -220,6 +221,25 @@ class TapeClippingDevice(Protocol):
         """``grads`` (None entries stay None) divided by the scale when ``scaled``, and clipped to a global norm of
         ``clip_norm``, in one multiply; and their global norm after the unscale. As ``tf.clip_by_global_norm``,
         a non-finite norm makes every value NaN (the step then skips)."""
+        ...
+
+
+@runtime_checkable
+class AdvancingTapeDevice(Protocol):
+    """Optional, tape devices: the loss-scale rule advanced in the branch that applies or skips the step.
+
+    For an iteration that is one ``apply_gradients`` call and ends there (no other optimizer flagged, no spike
+    rule, no process group, no ``new_scale``), the core asks for the step and the rule's advance together:
+    `TapeDevice.apply` followed by `ScalerDevice.update` ``(found_inf, None)`` on its flag, with the same values,
+    but where a branch is an operation of the step (a ``tf.function`` graph) one branch serves both, as in
+    Keras's own ``LossScaleOptimizer``, instead of a second on the same flag."""
+
+    def apply_and_advance(
+        self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], *, unscaled: bool
+    ) -> StepOutcome | None:
+        """`TapeDevice.apply` (no veto), then the rule's advance on the outcome's ``found_inf``, inside the same
+        device branch. Return None, changing nothing, where that cannot be done (the core then calls
+        ``apply`` and ``update``)."""
         ...
 
 

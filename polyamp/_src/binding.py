@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from polyamp._src import registry
 from polyamp._src.backend import (
+    AdvancingTapeDevice,
     ClippingDevice,
     CompilingDevice,
     DeviceSkippingDevice,
@@ -71,6 +72,8 @@ class DeviceCapabilities:
         unscale_and_clip_values: `TapeClippingDevice.unscale_and_clip_values` (tape only), or None.
         step_on_device: `DeviceSkippingDevice.step_on_device` (imperative only), or None (every step that is
             not fused is decided on the host).
+        apply_and_advance: `AdvancingTapeDevice.apply_and_advance` (tape only), or None (``apply``, then
+            ``update``).
     """
 
     style: LoopStyle
@@ -90,6 +93,7 @@ class DeviceCapabilities:
     unscale_and_clip: Callable[[Any, float, float], Any] | None = None
     unscale_and_clip_values: Callable[..., Any] | None = None
     step_on_device: Callable[..., Any] | None = None
+    apply_and_advance: Callable[..., Any] | None = None
 
     @classmethod
     def of(cls, device: ScalerDevice, backend: str) -> DeviceCapabilities:
@@ -131,6 +135,9 @@ class DeviceCapabilities:
                 device.unscale_and_clip_values if not imperative and isinstance(device, TapeClippingDevice) else None
             ),
             step_on_device=device.step_on_device if imperative and isinstance(device, DeviceSkippingDevice) else None,
+            apply_and_advance=(
+                device.apply_and_advance if not imperative and isinstance(device, AdvancingTapeDevice) else None
+            ),
         )
 
 

@@ -150,6 +150,9 @@ class Iteration:
     scaled: bool = False
     #: How many optimizers have a flag (an unscale or step produced one): the length of `found_infs`, kept.
     flagged: int = 0
+    #: Whether a device advanced the loss-scale rule with the step (`polyamp.backend_api.AdvancingTapeDevice`):
+    #: the iteration's end does not advance it again.
+    advanced: bool = False
     _entries: dict[int, _Entry] = field(default_factory=dict)
 
     @property
@@ -215,6 +218,7 @@ class Iteration:
         """End the iteration: every optimizer is ready again and scaling is decided anew at the next call."""
         self._entries.clear()
         self.flagged = 0
+        self.advanced = False
         if self.stages._pending:  # (ended every step: no call when nothing is pending)
             self.stages.clear()
         self.enabled = None

@@ -810,11 +810,15 @@ class LossScaler(GradScalerSpelling, Pickled):
         graph, with no Python branch on a tensor value. Returns what the optimizer's apply returns.
         """
         device = self._styled("apply_gradients", "tape", optimizer)
-        result = self._apply(device, optimizer, grads_and_vars, "apply_gradients()")
+        result = self._apply(device, optimizer, grads_and_vars, "apply_gradients()", ends=True)
         self._finish(device, None, "apply_gradients()")
         return result
 
-    def _apply(self, device: Any, optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]], method: str) -> Any:
+    def _apply(
+        self, device: Any, optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]], method: str, *, ends: bool = False
+    ) -> Any:
+        """Check, unscale, apply or skip. ``ends``: `_finish` ends the iteration right after, with no
+        ``new_scale`` (``apply_gradients``)."""
         device.check_optimizer(method.removesuffix("()"), optimizer)
         pairs = [tuple(pair) for pair in grads_and_vars]
         grads = [g for g, _ in pairs]
@@ -837,7 +841,15 @@ class LossScaler(GradScalerSpelling, Pickled):
         self._require_scaled(method)
         stage = iteration.stages.check(grads, method)
         veto = self._spikes.decide(lambda: device.spike_grad_norm(grads, unscaled=stage is not None))
-        outcome = device.apply(optimizer, grads, variables, unscaled=stage is not None, veto=veto)
+        outcome = None
+        fused = None if self._capabilities is None else self._capabilities.apply_and_advance
+        if fused is not None and ends and veto is None and not iteration.flagged and self._ends_plainly(None):
+            # The iteration is this step alone and ends in `_finish`'s few steps: the rule advances on this
+            # step's flag there, so the device may advance it in the branch that applies or skips.
+            outcome = fused(optimizer, grads, variables, unscaled=stage is not None)
+            iteration.advanced = outcome is not None and outcome.found_inf is not None
+        if outcome is None:
+            outcome = device.apply(optimizer, grads, variables, unscaled=stage is not None, veto=veto)
         if stage is not None:
             iteration.stages.consume(stage)
         iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)  # overflows only: the rule's input
@@ -893,31 +905,34 @@ class LossScaler(GradScalerSpelling, Pickled):
         sees the device state and the records at one iteration. torch.compile never traces this (`update` runs
         it uncompiled: dynamo cannot trace a lock); ``tf.function`` takes the lock only while tracing.
 
-        Training's steady state ends here in few steps: an iteration that scales, opened by this thread, in
-        which some optimizer has a flag, with no ``new_scale``, spike rule or process group. Its end is what
-        `_end_iteration` makes of the same iteration: the rule advanced on the iteration's flag
-        (`_iteration_flag`), that flag as the last outcome, the iteration closed and recorded as a "scaling"
-        iteration, skipped as its flag says. (Between a step's kernels, each call the host makes costs several
-        times its price in a tight loop.) `_end_iteration` ends every other iteration."""
+        Training's steady state ends here in few steps: an iteration opened by this thread (not in a compiled
+        region) in which some optimizer has a flag and that `_ends_plainly`. Its end is what `_end_iteration`
+        makes of the same iteration: the rule advanced on the iteration's flag (`_iteration_flag`; already, when
+        the device advanced it with an ``apply_gradients`` step), that flag as the last outcome, the iteration
+        closed and recorded as a "scaling" iteration, skipped as its flag says. (Between a step's kernels, each
+        call the host makes costs several times its price in a tight loop.) `_end_iteration` ends every other
+        iteration."""
         with self._history.lock:
             iteration = self._iteration
             flagged = iteration.flagged
-            if (
-                flagged
-                and new_scale is None
-                and iteration.enabled
-                and iteration.thread == get_ident()
-                and self._spikes.rule is None
-                and self._process_group is None
-            ):
+            if flagged and iteration.thread == get_ident() and self._ends_plainly(new_scale):
                 clean, flag = self._iteration_flag(device, iteration)
-                device.update(flag, None)
+                if not iteration.advanced:  # (else the device advanced the rule with the step)
+                    device.update(flag, None)
                 self._outcomes.write_last(device, flag, None)
                 iteration.close()
                 history = self._history
                 history.write("scaling", None if clean else flag, history.host_skip)
                 return
             self._end_iteration(device, new_scale, method)
+
+    def _ends_plainly(self, new_scale: Any) -> bool:
+        """Whether the current iteration, once some optimizer has a flag, ends by advancing the rule on that
+        flag and recording it, nothing more: it scales, and there is no ``new_scale``, spike rule or process
+        group. (`_finish` takes its few steps for it when this thread opened it, out of a compiled region.)"""
+        return bool(
+            new_scale is None and self._iteration.enabled and self._spikes.rule is None and self._process_group is None
+        )
 
     def _end_iteration(self, device: Any, new_scale: Any, method: str) -> None:
         iteration = self._iteration
@@ -948,7 +963,8 @@ class LossScaler(GradScalerSpelling, Pickled):
             )
         clean, combined = self._iteration_flag(device, iteration)
         skipped_on_host = history.host_skip
-        device.update(combined, value)
+        if not iteration.advanced:  # (else the device advanced the rule with the step)
+            device.update(combined, value)
         spike_only = None if self._spikes.rule is None else self._finish_spike(device, combined)
         if combined is not None:
             self._outcomes.write_last(device, self._with_flag(device, combined, spike_only), None)

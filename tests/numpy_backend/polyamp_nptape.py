@@ -3,7 +3,8 @@
 
 Its device form implements `polyamp.backend_api.TapeDevice` and the optional protocols that give a loop the
 guard (`GuardingDevice`), step records (`RecordingDevice`), the non-finite gradients of skipped steps
-(`ProvenanceDevice`) and the spike rule (`SpikeDevice`). It computes on the host, so its "device" flags are
+(`ProvenanceDevice`), the spike rule (`SpikeDevice`) and the step with the rule's advance
+(`AdvancingTapeDevice`). It computes on the host, so its "device" flags are
 NumPy scalars; every semantic (stages, misuse, skips, records, the spike decision's place in the iteration)
 is the core's.
 """
@@ -155,6 +156,23 @@ class TapeDevice:
                     )
                 )
         return StepOutcome(result, np.float32(not finite), None)
+
+    # The step and the update as `apply_and_advance` calls them (not through the class's names, which a test
+    # may wrap to count the core's calls).
+    _apply = apply
+    _update = update
+
+    #: Whether `apply_and_advance` takes the step (False: it declines, and the core calls apply and update).
+    advances = True
+
+    def apply_and_advance(
+        self, optimizer: nptape.Optimizer, grads: Sequence[Any], variables: Sequence[nptape.Variable], *, unscaled: bool
+    ) -> StepOutcome | None:
+        if not self.advances:
+            return None
+        outcome = self._apply(optimizer, grads, variables, unscaled=unscaled)
+        self._update(outcome.found_inf, None)
+        return outcome
 
     def plain_apply(self, optimizer: nptape.Optimizer, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
         return optimizer.apply(list(grads), list(variables))

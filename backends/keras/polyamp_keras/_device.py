@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -110,6 +111,8 @@ class KerasDevice:
         self._windows: list[tuple[_Slot, SpikeRule]] = []
         self._record: Any = None  # an owned device's one outcome variable
         self._finite: Any = None  # the finite flag's eager constant (not on TensorFlow, whose graphs make their own)
+        # The flag of the step last built in a graph and the boolean it was made from (weakly: see `_overflowed`).
+        self._made: tuple[weakref.ref[Any], weakref.ref[Any]] | None = None
         # Per list of variables applied: their names, and the counts of the last skipped step with its iteration
         # (one variable, `provenance_rows`).
         self._provenance: dict[tuple[int, ...], tuple[list[Any], list[str], Any]] = {}
@@ -339,6 +342,33 @@ class KerasDevice:
         """Unscale (unless ``unscaled``; variables overwritten with their gradient keep theirs), check, apply
         unless non-finite or ``veto`` (the spike rule's flag) is set; the returned flag is the overflow alone
         (what the loss-scale rule sees)."""
+        outcome = self._step(optimizer, grads, variables, unscaled=unscaled, veto=veto, advancing=False)
+        assert outcome is not None  # (only an advancing step declines)
+        return outcome
+
+    def apply_and_advance(
+        self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], *, unscaled: bool
+    ) -> StepOutcome | None:
+        """`apply`, with the loss-scale rule advanced in the branch that applies (its finite half) or skips (its
+        overflow half) (`polyamp.backend_api.AdvancingTapeDevice`): one branch per step on the flag, as in
+        Keras's own ``LossScaleOptimizer``, where `update` would branch on it a second time. None under a
+        ``tf.distribute`` strategy, whose apply is not made inside a branch here."""
+        return self._step(optimizer, grads, variables, unscaled=unscaled, veto=None, advancing=True)
+
+    def _step(
+        self,
+        optimizer: Any,
+        grads: Sequence[Any],
+        variables: Sequence[Any],
+        *,
+        unscaled: bool,
+        veto: Any,
+        advancing: bool,
+    ) -> StepOutcome | None:
+        tf = _tensorflow()
+        context = None if tf is None or not tf.distribute.has_strategy() else tf.distribute.get_replica_context()
+        if context is not None and advancing:
+            return None
         state = self._state()
         variables = list(variables)
         if not optimizer.built:  # variables cannot be created inside the cond below
@@ -358,8 +388,6 @@ class KerasDevice:
             unscaled_grads, finite = unscale_and_check(grads, state.scale, keep)
         finite = all_replicas_finite(finite)
         go = finite if veto is None else ops.logical_and(finite, ops.logical_not(ops.greater(veto, 0)))
-        tf = _tensorflow()
-        context = None if tf is None or not tf.distribute.has_strategy() else tf.distribute.get_replica_context()
         if context is not None:
             # Any strategy, one replica included (MirroredStrategy() on a one-GPU machine): the optimizer's
             # apply is a merge_call there too, which TensorFlow refuses inside a cond in a replica context.
@@ -369,6 +397,8 @@ class KerasDevice:
             def apply() -> Any:
                 with clipping_folded(optimizer, clip_norm is not None):
                     optimizer.apply(unscaled_grads, variables)
+                if advancing:
+                    advance(state, False, self._config, self._add, branch=self._branch)
                 return ops.convert_to_tensor(True)
 
             def skip() -> Any:
@@ -378,6 +408,8 @@ class KerasDevice:
                     self._count_non_finite(named, variables)
                 else:  # a spike skips with finite gradients: count only when they are not
                     device_cond(finite, lambda: ops.convert_to_tensor(False), lambda: self._counted(named, variables))
+                if advancing:  # (no veto: a skip is an overflow)
+                    advance(state, True, self._config, self._add)
                 return ops.convert_to_tensor(False)
 
             taken = _host_value(go)
@@ -390,7 +422,21 @@ class KerasDevice:
                 if taken and veto is None:
                     return StepOutcome(optimizer.iterations, self.finite_flag(), False)
                 return StepOutcome(optimizer.iterations, ops.cast(ops.logical_not(finite), "float32"), not taken)
-        return StepOutcome(optimizer.iterations, ops.cast(ops.logical_not(finite), "float32"), None)
+        overflow = ops.logical_not(finite)
+        flag = ops.cast(overflow, "float32")
+        if self._compiling_now():
+            self._made = (weakref.ref(flag), weakref.ref(overflow))
+        return StepOutcome(optimizer.iterations, flag, None)
+
+    def _overflowed(self, flag: Any) -> Any:
+        """``flag > 0``: in a graph, for the flag of the step just built, the boolean it was made from (each
+        record would otherwise compare it again, an operation per step each)."""
+        made = self._made
+        if made is not None and made[0]() is flag:
+            overflow = made[1]()
+            if overflow is not None:
+                return overflow
+        return ops.greater(flag, 0)
 
     def _provenance_slot(self, variables: Sequence[Any]) -> tuple[list[Any], list[str], Any]:
         key = tuple(id(v) for v in variables)
@@ -417,7 +463,18 @@ class KerasDevice:
         if self._owned and key not in self._provenance:
             return  # an owned device counts the variables it was built for (no variables made in a step)
         slot = self._provenance_slot(variables)
-        self._write(slot[2], provenance_rows(gradient_counts(grads), self._history.value[1]))
+
+        def count() -> Any:
+            self._write(slot[2], provenance_rows(gradient_counts(grads), self._history.value[1]))
+            return ops.convert_to_tensor(True)
+
+        tf = _tensorflow()
+        if tf is not None and self._compiling_now():
+            # One call of a function kept whole (not inlined): the operations of a branch not taken are still
+            # visited at every step of a graph (some thirty here, a few microseconds), a call once.
+            tf.function(count, autograph=False, experimental_attributes={"_noinline": True})()
+        else:
+            count()
 
     def _counted(self, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
         self._count_non_finite(grads, variables)
@@ -540,7 +597,7 @@ class KerasDevice:
     # -- records -----------------------------------------------------------------------------------------
 
     def skipped(self, found_inf: Any) -> Any:
-        return ops.greater(found_inf, 0.0)
+        return self._overflowed(found_inf)
 
     def read_flag(self, found_inf: Any) -> bool:
         return bool(ops.convert_to_numpy(ops.greater(found_inf, 0.0)))
@@ -560,7 +617,7 @@ class KerasDevice:
 
     def write_record(self, record: Any, found_inf: Any) -> None:
         if keras.backend.standardize_dtype(record.dtype) == "bool":
-            record.assign(ops.greater(found_inf, 0))
+            record.assign(self._overflowed(found_inf))
         else:
             record.assign(ops.cast(found_inf, "float32"))
 
@@ -575,7 +632,7 @@ class KerasDevice:
     def count_skip(self, found_inf: Any) -> None:
         """Count a guarded iteration as skipped when ``found_inf`` is set; the rule does not run."""
         skipped = self._state().skipped_steps
-        self._add(skipped, ops.cast(ops.greater(found_inf, 0), skipped.dtype))
+        self._add(skipped, ops.cast(self._overflowed(found_inf), skipped.dtype))
 
     def compiling(self) -> bool:
         """Whether a step is being compiled (records are read eagerly only)."""
@@ -604,7 +661,10 @@ class KerasDevice:
 
     def write_history(self, history: _Slot, base: int, found_inf: Any, spike: Any = None) -> None:
         codes, count = history.value
-        write_ring_entry(codes, ops.convert_to_tensor(count), record_code(base, found_inf, spike), self._write)
+        overflow = None if found_inf is None else self._overflowed(found_inf)
+        write_ring_entry(
+            codes, ops.convert_to_tensor(count), record_code(base, found_inf, spike, overflow), self._write
+        )
         self._add(count, ops.convert_to_tensor(1, dtype=count.dtype))
 
     def read_history(self, history: _Slot) -> tuple[int, list[int]]:
@@ -629,14 +689,18 @@ def unread_rows(gradients: int) -> np.ndarray:
     return rows
 
 
-def record_code(base: int, flag: Any, spike: Any = None) -> Any:
+def record_code(base: int, flag: Any, spike: Any = None, overflow: Any = None) -> Any:
     """An iteration's record code (`polyamp.backend_api.RecordingDevice.write_history`'s): ``base`` (from
     ``MODE_CODES``), plus 1 when ``flag`` is set, plus ``SPIKE_BIT`` + 1 for a skip by the spike rule alone
-    (``spike`` > 0), plus ``REBASE_BIT`` when ``spike`` < 0 (a re-based window)."""
+    (``spike`` > 0), plus ``REBASE_BIT`` when ``spike`` < 0 (a re-based window). ``overflow``: ``flag > 0``,
+    when the caller has it."""
     code = ops.convert_to_tensor(base, dtype="int32")
+    if flag is not None and overflow is None:
+        overflow = ops.greater(flag, 0)
     if spike is None:  # (eager steps pay per operation: the common case in two)
-        return code if flag is None else ops.add(code, ops.cast(ops.greater(flag, 0), "int32"))
-    overflow = ops.convert_to_tensor(False) if flag is None else ops.greater(flag, 0)
+        return code if flag is None else ops.add(code, ops.cast(overflow, "int32"))
+    if overflow is None:
+        overflow = ops.convert_to_tensor(False)
     spiked = ops.greater(spike, 0)
     code = ops.add(code, ops.cast(ops.logical_or(overflow, spiked), "int32"))
     code = ops.add(code, ops.cast(ops.logical_and(spiked, ops.logical_not(overflow)), "int32") * SPIKE_BIT)
