@@ -580,7 +580,8 @@ class KerasDevice:
             if found_inf is not None and found_inf is self._finite:  # known finite on the host: one half
                 advance(state, False, self._config, self._add, branch=self._branch)
             else:
-                advance_on_flag(state, found_inf, self._config, self._add, branch=self._branch)
+                overflow = self._overflowed(found_inf)
+                advance_on_flag(state, found_inf, self._config, self._add, branch=self._branch, overflow=overflow)
             return
         if isinstance(new_scale, float):
             state.scale.assign(new_scale)

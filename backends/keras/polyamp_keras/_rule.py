@@ -193,9 +193,16 @@ def _branch_on_growth(state: ScaleState, config: LossScaleConfig, add: Adder | N
 
 
 def advance_on_flag(
-    state: ScaleState, found_inf: Any, config: LossScaleConfig, add: Adder | None = None, *, branch: bool = False
+    state: ScaleState,
+    found_inf: Any,
+    config: LossScaleConfig,
+    add: Adder | None = None,
+    *,
+    branch: bool = False,
+    overflow: Any = None,
 ) -> None:
-    """`advance` decided on the device: ``found_inf`` is a float32 flag (``> 0``: a gradient was non-finite)."""
+    """`advance` decided on the device: ``found_inf`` is a float32 flag (``> 0``: a gradient was non-finite);
+    ``overflow``: ``found_inf > 0``, when the caller has it."""
 
     def on_overflow() -> Any:
         advance(state, True, config, add)
@@ -205,7 +212,8 @@ def advance_on_flag(
         advance(state, False, config, add)
         return ops.convert_to_tensor(False)
 
-    overflow = ops.greater(found_inf, 0.0)
+    if overflow is None:
+        overflow = ops.greater(found_inf, 0.0)
     if branch and config.dynamic:
         # One branch for the common step (finite, below the interval: one increment) and one for the rest (an
         # overflow, or growth), instead of a branch on the flag and another on the growth test inside it.
