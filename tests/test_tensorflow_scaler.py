@@ -350,7 +350,7 @@ def _counter_writes_and_cast_round_trips(graph_def: Any) -> tuple[list[str], lis
     return read_add_assign, round_trips
 
 
-def _graph_step(form: str) -> tuple[Any, Any]:
+def _graph_step(form: str, *, jit_compile: bool = False) -> tuple[Any, Any]:
     """A ``tf.function`` GradientTape step of a small model with Adam, in one of the three forms: Keras's own
     LossScaleOptimizer, polyamp's, or polyamp.LossScaler's ``apply_gradients``; with the optimizer or scaler."""
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
@@ -364,7 +364,7 @@ def _graph_step(form: str) -> tuple[Any, Any]:
         optimizer = inner
     optimizer.build(model.trainable_variables)
 
-    @tf.function  # type: ignore[untyped-decorator]
+    @tf.function(jit_compile=jit_compile)  # type: ignore[untyped-decorator]
     def step(x: Any) -> None:
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.cast(model(x), tf.float32))
@@ -404,11 +404,15 @@ def test_a_graph_step_branches_once_on_its_flag_as_keras_does(form: str) -> None
     assert {"UnsortedSegmentSum", "IsNan", "IsInf"} <= {n.op for n in counting.node_def}
 
 
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 @pytest.mark.parametrize("form", ["polyamp", "LossScaler"])
-def test_a_graph_step_with_the_rule_in_its_branch_follows_the_reference_and_names_what_overflowed(form: str) -> None:
-    """The same step run: finite steps grow the scale at the interval, an overflow halves it and is recorded
-    with the gradient it came from, read back from the counting function's write."""
-    step, owner = _graph_step(form)
+def test_a_graph_step_with_the_rule_in_its_branch_follows_the_reference_and_names_what_overflowed(
+    form: str, jit_compile: bool
+) -> None:
+    """The same step run (also compiled by XLA, which takes the counting function into its cluster): finite
+    steps grow the scale at the interval, an overflow halves it and is recorded with the gradient it came from,
+    read back from the counting function's write."""
+    step, owner = _graph_step(form, jit_compile=jit_compile)
     scaler = owner if form == "LossScaler" else owner._scaler
     config, state = scaler.config, scaler.get_state()
     bad = tf.constant([[np.inf, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
