@@ -428,6 +428,26 @@ def test_a_graph_step_with_the_rule_in_its_branch_follows_the_reference_and_name
     assert int(scaler.skipped_steps()) == pattern.count(True)
 
 
+def test_a_tensorflow_that_refuses_the_kept_whole_attribute_counts_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_noinline`` is an attribute TensorFlow's ``tf.function`` lists as allowed today; one that refused it
+    (a ``ValueError`` when the function is made) gets the counting inline in the branch, with the same
+    records."""
+    real = tf.function
+
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        if "experimental_attributes" in kwargs:
+            raise ValueError("`_noinline is not supported by tf.function as an attribute.")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tf, "function", refusing)
+    step, scaler = _graph_step("LossScaler")
+    graph_def = step.get_concrete_function(tf.zeros((2, 4))).graph.as_graph_def()
+    assert not [n for f in graph_def.library.function for n in f.node_def if n.op == "StatefulPartitionedCall"]
+    step(tf.constant([[np.inf, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+    (record,) = scaler.records()[-1:]
+    assert record.skipped and record.gradients and all("kernel" in g.name for g in record.gradients)
+
+
 @pytest.mark.parametrize("optimizer_kind", ["keras", "polyamp"])
 def test_a_loss_scale_optimizer_step_counts_with_assign_add_and_keeps_the_tracker_in_its_dtype(
     optimizer_kind: str,

@@ -469,12 +469,15 @@ class KerasDevice:
             return ops.convert_to_tensor(True)
 
         tf = _tensorflow()
+        outlined = None
         if tf is not None and self._compiling_now():
             # One call of a function kept whole (not inlined): the operations of a branch not taken are still
             # visited at every step of a graph (some thirty here, a few microseconds), a call once.
-            tf.function(count, autograph=False, experimental_attributes={"_noinline": True})()
-        else:
-            count()
+            try:
+                outlined = tf.function(count, autograph=False, experimental_attributes={"_noinline": True})
+            except (TypeError, ValueError):  # a TensorFlow that no longer takes the attribute: inline
+                outlined = None
+        (outlined or count)()
 
     def _counted(self, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
         self._count_non_finite(grads, variables)
