@@ -350,16 +350,23 @@ def _counter_writes_and_cast_round_trips(graph_def: Any) -> tuple[list[str], lis
     return read_add_assign, round_trips
 
 
-def _graph_step(form: str, *, jit_compile: bool = False) -> tuple[Any, Any]:
+def _graph_step(form: str, *, jit_compile: bool = False, growth: int = 2000) -> tuple[Any, Any]:
     """A ``tf.function`` GradientTape step of a small model with Adam, in one of the three forms: Keras's own
-    LossScaleOptimizer, polyamp's, or polyamp.LossScaler's ``apply_gradients``; with the optimizer or scaler."""
+    LossScaleOptimizer, polyamp's, or polyamp.LossScaler's ``apply_gradients`` (``growth``: the growth
+    interval); with the optimizer or scaler."""
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
     inner = keras.optimizers.Adam(0.01)
-    scaler = polyamp.LossScaler(backend="tensorflow", enabled=True) if form == "LossScaler" else None
+    # A small initial scale: grown, it still leaves float16 gradients finite under a mixed policy.
+    settings = {"initial_scale": 2.0**8, "dynamic_growth_steps": growth}
+    scaler = (
+        polyamp.LossScaler(backend="tensorflow", enabled=True, init_scale=2.0**8, growth_interval=growth)
+        if form == "LossScaler"
+        else None
+    )
     if form == "keras":
-        optimizer = keras.mixed_precision.LossScaleOptimizer(inner)
+        optimizer = keras.mixed_precision.LossScaleOptimizer(inner, **settings)
     elif form == "polyamp":
-        optimizer = polyamp_tensorflow.LossScaleOptimizer(inner)
+        optimizer = polyamp_tensorflow.LossScaleOptimizer(inner, **settings)
     else:
         optimizer = inner
     optimizer.build(model.trainable_variables)
@@ -412,15 +419,17 @@ def test_a_graph_step_with_the_rule_in_its_branch_follows_the_reference_and_name
     """The same step run (also compiled by XLA, which takes the counting function into its cluster): finite
     steps grow the scale at the interval, an overflow halves it and is recorded with the gradient it came from,
     read back from the counting function's write."""
-    step, owner = _graph_step(form, jit_compile=jit_compile)
+    step, owner = _graph_step(form, jit_compile=jit_compile, growth=2)
     scaler = owner if form == "LossScaler" else owner._scaler
     config, state = scaler.config, scaler.get_state()
+    assert config.growth_interval == 2
     bad = tf.constant([[np.inf, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     pattern = [False, False, True, False, False, False, True, True, False]
     for overflow in pattern:
         step(bad if overflow else tf.fill((2, 4), 1e-3))
         state = config.next_state(state, overflow)
         assert scaler.get_state() == state
+    assert state.scale == 2.0**7  # grown twice from 2**8, halved three times: both halves ran
     records = scaler.records()[-len(pattern) :]
     assert [r.skipped for r in records] == pattern
     named = {g.name for r in records if r.skipped for g in r.gradients}
