@@ -491,9 +491,10 @@ def test_a_loss_scale_optimizer_step_counts_with_assign_add_and_keeps_the_tracke
     # One is Keras's own, in both: the inner optimizer's ``iterations.assign_add(1)`` in the applying branch.
     assert len(read_add_assign) == (1 if optimizer_kind == "polyamp" else 2)
     if optimizer_kind == "polyamp":
-        # The rule branches on "an overflow or the growth interval" (`polyamp_keras._rule.advance_on_flag`'s
-        # ``branch``): a finite step below the interval runs a branch that is one increment, where the select
-        # form would compute the growth (a product, its finiteness, selects) every step.
+        # The rule's finite half, inside the applying branch (`apply_and_advance`), branches on the growth test
+        # (`polyamp_keras._rule.advance`'s ``branch``): a finite step below the interval runs a branch that is
+        # one increment, where the select form would compute the growth (a product, its finiteness, selects)
+        # every step.
         bodies = [
             [n.op for n in f.node_def if n.op not in ("Const", "Cast", "Identity", "NoOp")]
             for f in graph_def.library.function
