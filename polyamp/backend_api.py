@@ -39,6 +39,7 @@ wording and the same numerics as the core. A complete worked example is the NumP
 test suite (tests/numpy_backend/).
 """
 
+from polyamp._src import rules
 from polyamp._src.backend import (
     AdvancingTapeDevice,
     Backend,
@@ -122,6 +123,7 @@ from polyamp._src.registry import (
     register_backend,
     wrong_object_error,
 )
+from polyamp._src.rules import ArrayOps
 from polyamp._src.scaling import (
     INT32_MAX,
     NOT_GIVEN,
@@ -175,6 +177,7 @@ __all__ = [
     "SETTING_DOCS",
     "SPIKE_BIT",
     "AdvancingTapeDevice",
+    "ArrayOps",
     "Backend",
     "BackendSpec",
     "CheckpointChanges",
@@ -254,6 +257,7 @@ __all__ = [
     "ring_codes",
     "ring_values",
     "round_to",
+    "rules",
     "stochastic_round_bfloat16",
     "to_float32",
     "to_state_dict",
