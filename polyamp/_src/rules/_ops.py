@@ -109,9 +109,13 @@ class ArrayOps:
     def stack(self, arrays: Sequence[Any]) -> Any:
         return self.xp.stack(list(arrays))
 
-    def arange(self, n: int, dtype: Any) -> Any:
-        """``0, 1, ..., n - 1`` as an array of ``dtype``."""
-        return self.xp.arange(n, dtype=self.dtype(dtype))
+    def arange_like(self, n: int, like: Any) -> Any:
+        """``0, 1, ..., n - 1`` as an array of ``like``'s dtype (and device)."""
+        return self.xp.arange(n, dtype=self.dtype(like.dtype))
+
+    def global_norm(self, arrays: Sequence[Any]) -> Any:
+        """The L2 norm of all the elements of ``arrays`` (at least one, of one dtype), in their dtype."""
+        return self.sqrt(self.sum(self.stack([self.sum(self.square(array)) for array in arrays])))
 
     def stop_gradient(self, x: Any) -> Any:
         """``x`` without its gradient (the statistics a rule watches are not differentiated)."""

@@ -33,13 +33,12 @@ def record_code(ops: ArrayOps, base: Any, overflow: Any = None, spike: Any = Non
         overflow: None (nothing was checked), or booleans: a gradient was inf or NaN.
         spike: None (no spike rule), or `spike_flag`'s floats.
     """
-    code = ops.asarray(base, "int32")
     if spike is None:
-        return code if overflow is None else code + ops.astype(overflow, "int32")
+        return ops.asarray(base, "int32") if overflow is None else ops.astype(overflow, "int32") + base
     spiked = spike > 0
     if overflow is None:
         overflow = ops.logical_and(spiked, ops.logical_not(spiked))
-    code = code + ops.astype(ops.logical_or(overflow, spiked), "int32")
+    code = ops.astype(ops.logical_or(overflow, spiked), "int32") + base
     code = code + ops.astype(ops.logical_and(spiked, ops.logical_not(overflow)), "int32") * SPIKE_BIT
     return code + ops.astype(spike < 0, "int32") * REBASE_BIT
 

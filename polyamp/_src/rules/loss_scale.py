@@ -46,9 +46,9 @@ def times(ops: ArrayOps, scale: Any, factor: float) -> Any:
     float64).
     """
     if to_float32(factor) == factor or not ops.has_float64:
-        return scale * ops.asarray(factor, "float32")
+        return scale * factor  # (a Python float takes the array's dtype in every framework)
     with ops.float64():
-        return ops.astype(ops.astype(scale, "float64") * ops.asarray(factor, "float64"), "float32")
+        return ops.astype(ops.astype(scale, "float64") * factor, "float32")
 
 
 def grown(ops: ArrayOps, config: LossScaleConfig, scale: Any) -> Any:

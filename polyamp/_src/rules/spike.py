@@ -42,10 +42,8 @@ def loss_statistic(ops: ArrayOps, loss: Any) -> Any:
 def grad_norm(ops: ArrayOps, grads: Iterable[Any]) -> Any:
     """The global L2 norm of the gradients (None entries left out) in `statistic_dtype`."""
     dtype = statistic_dtype(ops)
-    squares = [ops.sum(ops.square(ops.astype(grad, dtype))) for grad in grads if grad is not None]
-    if not squares:
-        return ops.asarray(0.0, dtype)
-    return ops.sqrt(ops.sum(ops.stack(squares)))
+    present = [ops.astype(grad, dtype) for grad in grads if grad is not None]
+    return ops.global_norm(present) if present else ops.asarray(0.0, dtype)
 
 
 def is_spike(ops: ArrayOps, rule: SpikeRule, window: SpikeWindowArrays, x: Any) -> Any:
@@ -56,7 +54,7 @@ def is_spike(ops: ArrayOps, rule: SpikeRule, window: SpikeWindowArrays, x: Any) 
     """
     values, count, run = window
     n = ops.minimum(count, ops.full_like(count, rule.window))
-    mask = ops.arange(rule.window, count.dtype) < n
+    mask = ops.arange_like(rule.window, count) < n
     denominator = ops.astype(ops.maximum(n, ops.full_like(n, 1)), values.dtype)
     zero = ops.zeros_like(values)
     mu = ops.sum(ops.where(mask, values, zero)) / denominator
@@ -101,7 +99,7 @@ def finish(
     else:
         rebase = ops.logical_and(accept, run >= limit)
     count = ops.where(rebase, ops.zeros_like(count), count)
-    at = ops.logical_and(ops.arange(rule.window, count.dtype) == ops.remainder(count, rule.window), accept)
+    at = ops.logical_and(ops.arange_like(rule.window, count) == ops.remainder(count, rule.window), accept)
     new = SpikeWindowArrays(
         ops.where(at, ops.astype(x, values.dtype), values),
         count + ops.astype(accept, count.dtype),
