@@ -21,11 +21,18 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarn
 
 
 class _Float32Only(rules.ArrayOps):
-    """A namespace that computes no float64 (as JAX by default)."""
+    """A namespace that computes no 64-bit types (as JAX by default)."""
 
     @property
     def has_float64(self) -> bool:
         return False
+
+    @property
+    def has_int64(self) -> bool:
+        return False
+
+    def float64(self) -> None:
+        return None
 
 
 def _arrays(state: object, tracker_dtype: type = np.int32) -> rules.ScaleArrays:
@@ -205,4 +212,5 @@ def test_non_finite_counts() -> None:
     values = np.asarray([[np.inf, 1.0, np.nan], [-np.inf, np.inf, 0.0]], np.float16)
     counts = rules.non_finite_counts(OPS, values)
     assert counts.tolist() == [2, 1, 1]
-    assert counts.dtype == np.int32
+    assert counts.dtype == np.int64
+    assert rules.non_finite_counts(_Float32Only(np), values).dtype == np.int32

@@ -73,6 +73,9 @@ class _Float32Ops(TorchOps):
     def has_float64(self) -> bool:
         return False
 
+    def float64(self) -> None:
+        return None
+
 
 _MPS_OPS = _Float32Ops()
 

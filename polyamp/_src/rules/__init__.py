@@ -17,6 +17,7 @@ from polyamp._src.rules.loss_scale import (
     after_overflow,
     at_interval,
     backed_off,
+    count_increments,
     grown,
     times,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "after_overflow",
     "at_interval",
     "backed_off",
+    "count_increments",
     "finish",
     "grad_norm",
     "grown",

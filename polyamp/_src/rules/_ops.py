@@ -9,7 +9,8 @@ function differently or has a fused kernel for one.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 __all__ = ["ArrayOps"]
@@ -46,14 +47,19 @@ class ArrayOps:
 
     @property
     def has_float64(self) -> bool:
-        """Whether the namespace computes float64 (inside `float64`)."""
+        """Whether float64 arrays compute in float64 as they are (JAX without ``jax_enable_x64`` computes
+        them in float32)."""
         return True
 
-    @contextlib.contextmanager
-    def float64(self) -> Iterator[None]:
-        """A context in which float64 values are computed as float64 (JAX turns 64-bit types off by
-        default)."""
-        yield
+    @property
+    def has_int64(self) -> bool:
+        """Whether int64 arrays compute in int64 (not on JAX without ``jax_enable_x64``)."""
+        return True
+
+    def float64(self) -> AbstractContextManager[Any] | None:
+        """A context in which float64 arrays compute in float64 (JAX's ``enable_x64``), or None where the
+        device has no float64 (Apple's MPS)."""
+        return contextlib.nullcontext()
 
     # -- elementwise ------------------------------------------------------------------------------------
 

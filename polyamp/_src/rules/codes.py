@@ -44,11 +44,8 @@ def record_code(ops: ArrayOps, base: Any, overflow: Any = None, spike: Any = Non
 
 
 def non_finite_counts(ops: ArrayOps, values: Any) -> Any:
-    """int32[3]: how many +inf, -inf and NaN values the floating array ``values`` holds."""
-    return ops.stack(
-        [
-            ops.astype(ops.sum(ops.astype(values == math.inf, "int32")), "int32"),
-            ops.astype(ops.sum(ops.astype(values == -math.inf, "int32")), "int32"),
-            ops.astype(ops.sum(ops.astype(ops.isnan(values), "int32")), "int32"),
-        ]
-    )
+    """How many +inf, -inf and NaN values the floating array ``values`` holds: three integers, int64 where
+    the namespace has them (a gradient may hold more than 2**31 values), else int32."""
+    dtype = "int64" if ops.has_int64 else "int32"
+    classes = (values == math.inf, values == -math.inf, ops.isnan(values))
+    return ops.stack([ops.astype(ops.sum(ops.astype(found, dtype)), dtype) for found in classes])

@@ -24,6 +24,7 @@ __all__ = [
     "after_overflow",
     "at_interval",
     "backed_off",
+    "count_increments",
     "grown",
     "times",
 ]
@@ -42,12 +43,12 @@ def times(ops: ArrayOps, scale: Any, factor: float) -> Any:
     """The float32 ``scale`` times the Python float ``factor``, correctly rounded to float32.
 
     A float32 product of two float32 values is already the correctly rounded exact product, so only a factor
-    that float32 cannot hold exactly takes the float64 product (a float32 one where the namespace has no
-    float64).
+    that float32 cannot hold exactly takes the float64 product (a float32 one on a device without float64).
     """
-    if to_float32(factor) == factor or not ops.has_float64:
+    context = None if to_float32(factor) == factor else ops.float64()
+    if context is None:
         return scale * factor  # (a Python float takes the array's dtype in every framework)
-    with ops.float64():
+    with context:
         return ops.astype(ops.astype(scale, "float64") * factor, "float32")
 
 
@@ -97,9 +98,16 @@ def after_growth(ops: ArrayOps, config: LossScaleConfig, state: ScaleArrays) -> 
     return ScaleArrays(grown(ops, config, state.scale), ops.zeros_like(state.growth_tracker), hysteresis)
 
 
+def count_increments(config: LossScaleConfig) -> ScaleArrays:
+    """What a finite step below the interval adds to each value (one to the tracker, nothing else), as
+    numbers: a backend whose variables add in place (``assign_add``) applies them as such."""
+    return ScaleArrays(0, 1, 0)
+
+
 def after_count(ops: ArrayOps, config: LossScaleConfig, state: ScaleArrays) -> ScaleArrays:
-    """The state after a finite step below the interval: the step counted."""
-    return ScaleArrays(state.scale, state.growth_tracker + 1, state.hysteresis_left)
+    """The state after a finite step below the interval: the step counted (`count_increments`)."""
+    increments = count_increments(config)
+    return ScaleArrays(*(value + step if step else value for value, step in zip(state, increments, strict=True)))
 
 
 def after_finite(ops: ArrayOps, config: LossScaleConfig, state: ScaleArrays) -> ScaleArrays:
