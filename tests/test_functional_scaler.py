@@ -144,26 +144,37 @@ class Stateful:
 
 
 class Functional:
-    """The same loop through the functional form: SGD with momentum as a pure function."""
+    """The same loop through the functional form: SGD with momentum as a pure function, stepped by
+    `FunctionalLossScaler.step` (or, ``by_parts``, by its parts in the same order)."""
 
-    def __init__(self, npfw: Any, options: dict[str, Any]) -> None:
+    def __init__(self, npfw: Any, options: dict[str, Any], *, by_parts: bool = False) -> None:
         self.fn = polyamp.LossScaler(**options).functional(backend="npfw")
         self.state = self.fn.init()
         self.params = [p.data.copy() for p in npfw.mlp(0)]
         self.momentum = [np.zeros_like(a) for a in self.params]
+        self.by_parts = by_parts
+
+    def _sgd(self, grads: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        momentum = [(np.float32(0.9) * m + g).astype(np.float32) for m, g in zip(self.momentum, grads)]
+        params = [(a - np.float32(0.1) * m).astype(np.float32) for a, m in zip(self.params, momentum)]
+        return params, momentum
 
     def step(self, value: float, magnitude: float, planted: str | None) -> bool:
         fn, state = self.fn, self.state
         upstream = float(fn.scale(state, 1.0))  # d(scaled loss)/d(loss)
-        grads, found_inf = fn.unscale(state, _grads(magnitude, planted, upstream))
-        spike = fn.spike(state, loss=value, grads=grads)
-        momentum = [(np.float32(0.9) * m + g).astype(np.float32) for m, g in zip(self.momentum, grads)]
-        params = [(a - np.float32(0.1) * m).astype(np.float32) for a, m in zip(self.params, momentum)]
-        self.params, self.momentum = fn.apply_if_finite(
-            found_inf, (params, momentum), (self.params, self.momentum), spike=spike
-        )
-        self.state = fn.update(state, found_inf, spike=spike)
-        skipped = fn.skipped(found_inf, spike)
+        scaled = _grads(magnitude, planted, upstream)
+        if self.by_parts:
+            grads, found_inf = fn.unscale(state, scaled)
+            spike = fn.spike(state, loss=value, grads=grads)
+            self.params, self.momentum = fn.apply_if_finite(
+                found_inf, self._sgd(grads), (self.params, self.momentum), spike=spike
+            )
+            self.state = fn.update(state, found_inf, spike=spike)
+            skipped = fn.skipped(found_inf, spike)
+        else:
+            old = (self.params, self.momentum)
+            out = fn.step(state, scaled, self._sgd, lambda applied: old, loss=value)
+            (self.params, self.momentum), self.state, skipped = out.result, out.state, out.skipped
         return skipped is not None and bool(skipped > 0)
 
     def arrays(self) -> list[np.ndarray]:
@@ -179,17 +190,23 @@ def _leaves(tree: Any) -> list[Any]:
 
 
 def _run_both(npfw: Any, options: dict[str, Any], steps: list[Step]) -> tuple[Stateful, Functional, list[bool]]:
+    """The stateful loop and the functional one (`FunctionalLossScaler.step`, and its parts composed by hand)
+    over ``steps``, checked equal at every step."""
     stateful, functional = Stateful(npfw, options), Functional(npfw, options)
+    parts = Functional(npfw, options, by_parts=True)
     skips = []
     for value, magnitude, planted in steps:
         before = functional.arrays()
         skipped = stateful.step(value, magnitude, planted)
         assert functional.step(value, magnitude, planted) == skipped
+        assert parts.step(value, magnitude, planted) == skipped
         skips.append(skipped)
         assert functional.fn.state_dict(functional.state) == stateful.scaler.state_dict()
+        assert parts.fn.state_dict(parts.state) == stateful.scaler.state_dict()
         after = functional.arrays()
-        for mine, theirs in zip(after, stateful.arrays()):
+        for mine, by_hand, theirs in zip(after, parts.arrays(), stateful.arrays()):
             np.testing.assert_array_equal(mine, theirs)
+            np.testing.assert_array_equal(by_hand, theirs)
         if skipped:
             for mine, old in zip(after, before):
                 np.testing.assert_array_equal(mine, old)

@@ -19,7 +19,7 @@ spike skip counted as a skip) is decided here, once, when `polyamp.LossScaler.fu
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Final, Literal, cast
+from typing import Any, Final, Literal, NamedTuple, cast
 
 from polyamp._src.backend import (
     Flag,
@@ -42,11 +42,22 @@ from polyamp._src.state_dict import (
     to_state_dict,
 )
 
-__all__ = ["FunctionalLossScaler"]
+__all__ = ["FunctionalLossScaler", "FunctionalStep"]
 
 #: What an iteration of a functional scaler does: scale, check without scaling, or neither.
 FunctionalMode = Literal["scaling", "guarding", "off"]
 _STATE_KEYS: Final = ("scaler", "ring", "window", "provenance")
+
+
+class FunctionalStep(NamedTuple):
+    """What `FunctionalLossScaler.step` returns: the inner step's ``result`` (or what ``keep`` gave on a
+    skipped step), the new ``state``, and the iteration's flags: ``found_inf`` (a gradient was inf or NaN)
+    and ``skipped`` (that or the spike rule), None when nothing was checked."""
+
+    result: Any
+    state: Any
+    found_inf: Flag | None = None
+    skipped: Flag | None = None
 
 
 class FunctionalLossScaler:
@@ -428,6 +439,69 @@ class FunctionalLossScaler:
             else:
                 new["ring"] = recording.ring_write(state["ring"], MODE_CODES[mode], found_inf, only)
         return new
+
+    def step(
+        self,
+        state: Any,
+        grads: Any,
+        inner: Callable[[Any], Any],
+        keep: Callable[[Any], Any],
+        *,
+        loss: Any = None,
+        unscale: Callable[[Any, Any], tuple[Any, Flag]] | None = None,
+        lazy: bool = False,
+    ) -> FunctionalStep:
+        """One iteration after the backward pass, in polyamp's order: unscale (or check) the gradients, ask
+        the spike rule, take the inner step, keep the old values on a skip, advance the state.
+
+        Example (a jitted step; ``loss_fn`` and ``apply`` are the framework's)::
+
+            def train_step(params, opt_state, state, batch):
+                grads = grad(lambda p: fn.scale(state, loss_fn(p, batch)))(params)
+                out = fn.step(
+                    state,
+                    grads,
+                    lambda g: apply(g, params, opt_state),  # the inner step, on the unscaled gradients
+                    lambda applied: (params, opt_state),  # what a skipped step gives instead
+                )
+                (params, opt_state), state = out.result, out.state
+                return params, opt_state, state
+
+        Args:
+            state: The iteration's state.
+            grads: The gradients of the scaled loss (`scale`), or of the loss when the functions do not scale.
+            inner: The inner step: a function of the unscaled gradients returning its result (new parameters
+                and optimizer state, or an optax transformation's updates and state).
+            keep: A function of ``inner``'s result returning what a skipped step gives instead, of the same
+                structure (the old values; optax: zero updates and the old state). With ``lazy`` it is called
+                with None.
+            loss: The iteration's unscaled loss, for a `polyamp.SpikeRule` on ``"loss"``.
+            unscale: None, or a function ``(scaler tree, grads) -> (unscaled grads, flag)`` that stands for the
+                device's `unscale` (a backend's unscale with clipping folded in).
+            lazy: Run ``inner`` only when the step is applied (the device's ``cond``), instead of computing it
+                and selecting; for a device whose functional form has ``cond``.
+
+        Returns:
+            A `FunctionalStep`: the result, the new state, and the iteration's flags.
+        """
+        tree = self._scaler(state, "step()")
+        counting = "provenance" in state
+        if self._mode == "off":
+            return FunctionalStep(inner(grads), self.update(state, None, grads=grads if counting else None))
+        if unscale is not None and self._mode == "scaling":
+            grads, found_inf = unscale(tree, grads)
+        else:
+            grads, found_inf = self.unscale(state, grads)
+        decision = self.spike(state, loss=loss, grads=grads)
+        skipped = self.skipped(found_inf, decision)
+        cond = getattr(self._device, "cond", None) if lazy else None
+        if cond is not None:
+            result = cond(skipped, lambda: keep(None), lambda: inner(grads))
+        else:
+            applied = inner(grads)
+            result = self._device.select(skipped, keep(applied), applied)
+        new = self.update(state, found_inf, decision, grads=grads if counting else None)
+        return FunctionalStep(result, new, found_inf, skipped)
 
     # -- reading on the host -----------------------------------------------------------------------------
 
