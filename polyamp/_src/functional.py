@@ -51,13 +51,15 @@ _STATE_KEYS: Final = ("scaler", "ring", "window", "provenance")
 
 class FunctionalStep(NamedTuple):
     """What `FunctionalLossScaler.step` returns: the inner step's ``result`` (or what ``keep`` gave on a
-    skipped step), the new ``state``, and the iteration's flags: ``found_inf`` (a gradient was inf or NaN)
-    and ``skipped`` (that or the spike rule), None when nothing was checked."""
+    skipped step), the new ``state``, the iteration's flags, ``found_inf`` (a gradient was inf or NaN) and
+    ``skipped`` (that or the spike rule), None when nothing was checked, and the unscaled ``grads`` the inner
+    step was given."""
 
     result: Any
     state: Any
     found_inf: Flag | None = None
     skipped: Flag | None = None
+    grads: Any = None
 
 
 class FunctionalLossScaler:
@@ -487,7 +489,8 @@ class FunctionalLossScaler:
         tree = self._scaler(state, "step()")
         counting = "provenance" in state
         if self._mode == "off":
-            return FunctionalStep(inner(grads), self.update(state, None, grads=grads if counting else None))
+            new = self.update(state, None, grads=grads if counting else None)
+            return FunctionalStep(inner(grads), new, grads=grads)
         if unscale is not None and self._mode == "scaling":
             grads, found_inf = unscale(tree, grads)
         else:
@@ -501,7 +504,7 @@ class FunctionalLossScaler:
             applied = inner(grads)
             result = self._device.select(skipped, keep(applied), applied)
         new = self.update(state, found_inf, decision, grads=grads if counting else None)
-        return FunctionalStep(result, new, found_inf, skipped)
+        return FunctionalStep(result, new, found_inf, skipped, grads)
 
     # -- reading on the host -----------------------------------------------------------------------------
 

@@ -127,6 +127,10 @@ class KerasFunctional:
         skipped = tree["skipped"]
         return {**new._asdict(), "skipped": ops.add(skipped, ops.cast(overflow, skipped.dtype))}
 
+    def cond(self, found_inf: Any, if_skipped: Callable[[], Any], if_applied: Callable[[], Any]) -> Any:
+        """``if_skipped()`` when ``found_inf`` is set, else ``if_applied()``: only one of them runs."""
+        return ops.cond(ops.logical_not(ops.greater(found_inf, 0)), if_applied, if_skipped)
+
     def select(self, found_inf: Any, if_skipped: Any, if_applied: Any) -> Any:
         flag = ops.greater(found_inf, 0)
         return _map2(lambda a, b: ops.where(flag, _value(a), _value(b)), if_skipped, if_applied)
