@@ -642,3 +642,22 @@ def test_loss_scaled_records_name_the_overflowing_parameter() -> None:
     (record,) = polyamp_jax.records(opt_state)
     assert record.skipped and [(g.name, g.inf, g.size) for g in record.gradients] == [("dense/kernel", 6, 6)]
     assert record.layers == ("dense",)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("scale", [2.0**25, 3 * 2.0**20, 1000.0])
+def test_half_precision_gradients_are_unscaled_as_torchs_kernel_unscales_them(dtype: str, scale: float) -> None:
+    """A float16 or bfloat16 gradient is multiplied by the float32 reciprocal of the scale in float32 and rounded
+    once to its dtype, bit for bit as torch's unscale kernel (GradScaler's) does; the reciprocal rounded to
+    float16 would be 0 at 2**25 and 6% off at 3 * 2**20."""
+    torch = pytest.importorskip("torch")
+    values = [3000.0, 1.0, 65504.0, -7.5, 6.1e-5, 0.0]
+    fn = LossScaler(init_scale=scale, enabled=True).functional(backend="jax")
+    (ours,), found_inf = jax.jit(fn.unscale)(fn.init(), [jnp.asarray(values, dtype)])
+    theirs = torch.tensor(values, dtype=getattr(torch, dtype))
+    found = torch.zeros(1)
+    inverse = torch.tensor(scale, dtype=torch.float64).reciprocal().float()  # GradScaler's reciprocal
+    torch._amp_foreach_non_finite_check_and_unscale_([theirs], found, inverse)
+    assert ours.dtype == jnp.dtype(dtype) and float(found_inf) == float(found) == 0.0
+    assert np.asarray(ours.astype(jnp.float32)).tobytes() == theirs.float().numpy().tobytes()
+    assert np.asarray(ours.astype(jnp.float32))[0] != 0.0

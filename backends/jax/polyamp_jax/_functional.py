@@ -9,7 +9,7 @@ the float32 scale is the correctly rounded product with the float64 factor (a fl
 factor is a float32 value, as the common factors 2 and 0.5 are; else formed in float64 under
 ``jax.enable_x64`` for that product alone), so a run resumes across torch, TensorFlow, Keras and JAX with the
 same scales. Gradients are unscaled by multiplying with the float32 reciprocal of the scale, as jmp and
-torch's kernels do.
+torch's kernels do: a float16 or bfloat16 gradient is multiplied in float32 and rounded once to its dtype.
 """
 
 from __future__ import annotations
@@ -200,7 +200,13 @@ class JaxFunctional:
         inverse = (jnp.float32(1.0) / tree["scale"]).astype(jnp.float32)
 
         def one(grad: Any) -> Any:
-            return grad * inverse.astype(grad.dtype) if _floating(grad) else grad
+            if not _floating(grad):
+                return grad
+            # As torch's kernel: a narrower gradient is multiplied in float32 and rounded once to its dtype (the
+            # reciprocal in float16 would round it, or flush it to zero above a scale of 2**24).
+            if jnp.finfo(grad.dtype).bits < 32:
+                return (grad.astype(jnp.float32) * inverse).astype(grad.dtype)
+            return grad * inverse.astype(grad.dtype)
 
         unscaled = jax.tree_util.tree_map(one, grads)
         return unscaled, self.check(tree, unscaled)
