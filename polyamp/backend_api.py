@@ -9,7 +9,8 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
   stateless steps is also a `FunctionalBackend` (``make_functional(config)`` returning a `FunctionalDevice`,
   which may also implement `FunctionalRecordingDevice`, `FunctionalGuardingDevice`, `FunctionalSpikeDevice` and
   `FunctionalProvenanceDevice`:
-  the records' ring, the guard and the spike window as trees of arrays in the functional state);
+  the records' ring, the guard and the spike window as trees of arrays in the functional state; and
+  `FunctionalCeilingDevice`, a scale kept at or below a ceiling such as `RECIPROCAL_CEILING`);
 * optional protocols a device form may also implement, each one capability: `RecordingDevice` (step records
   on the device), `GuardingDevice` / `ImperativeGuardingDevice` (the guard), `ProvenanceDevice` /
   `ImperativeProvenanceDevice` (which gradients were non-finite), `SpikeDevice` (`polyamp.SpikeRule`),
@@ -49,6 +50,7 @@ from polyamp._src.backend import (
     Float16HintDevice,
     Float16ProbeDevice,
     FunctionalBackend,
+    FunctionalCeilingDevice,
     FunctionalDevice,
     FunctionalGuardingDevice,
     FunctionalProvenanceDevice,
@@ -125,6 +127,7 @@ from polyamp._src.registry import (
 from polyamp._src.scaling import (
     INT32_MAX,
     NOT_GIVEN,
+    RECIPROCAL_CEILING,
     SETTING_DOCS,
     LossScaleConfig,
     LossScaleSettings,
@@ -172,6 +175,7 @@ __all__ = [
     "NOT_GIVEN",
     "NOT_SCALED_RULE",
     "REBASE_BIT",
+    "RECIPROCAL_CEILING",
     "SETTING_DOCS",
     "SPIKE_BIT",
     "AdvancingTapeDevice",
@@ -187,6 +191,7 @@ __all__ = [
     "Float16ProbeDevice",
     "ForwardPass",
     "FunctionalBackend",
+    "FunctionalCeilingDevice",
     "FunctionalDevice",
     "FunctionalGuardingDevice",
     "FunctionalLossScaler",

@@ -661,3 +661,87 @@ def test_half_precision_gradients_are_unscaled_as_torchs_kernel_unscales_them(dt
     assert ours.dtype == jnp.dtype(dtype) and float(found_inf) == float(found) == 0.0
     assert np.asarray(ours.astype(jnp.float32)).tobytes() == theirs.float().numpy().tobytes()
     assert np.asarray(ours.astype(jnp.float32))[0] != 0.0
+
+
+def _ceiling_run(path: str, steps: int) -> tuple[list[float], list[float], list[Any]]:
+    """``steps`` jitted steps of one JAX path growing the scale at every step from 2**120, each on a gradient of
+    1.0 (times the scale): the scales after each step, the unscaled gradients (or SGD's updates, negated) and
+    the records (none for jmp_compat, which keeps none)."""
+    params = jnp.zeros(3)
+    if path == "loss_scaled":
+        tx = polyamp_jax.loss_scaled(optax.sgd(1.0), init_scale=2.0**120, growth_interval=1, enabled=True)
+        opt_state = tx.init(params)
+
+        @jax.jit
+        def step(opt_state: Any) -> tuple[Any, Any]:
+            grads = jax.grad(lambda p: polyamp_jax.scale_loss(opt_state, jnp.sum(p)))(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return -updates, opt_state
+
+        scales, values = [], []
+        for _ in range(steps):
+            update, opt_state = step(opt_state)
+            scales.append(polyamp_jax.state_dict(opt_state)["scale"])
+            values.append(float(update[0]))
+        return scales, values, polyamp_jax.records(opt_state)
+    if path == "functional":
+        fn = LossScaler(init_scale=2.0**120, growth_interval=1, enabled=True).functional(backend="jax")
+
+        @jax.jit
+        def fn_step(state: Any) -> tuple[Any, Any]:
+            grads, found_inf = fn.unscale(state, jax.grad(lambda p: fn.scale(state, jnp.sum(p)))(params))
+            return grads, fn.update(state, found_inf)
+
+        state = fn.init()
+        scales, values = [], []
+        for _ in range(steps):
+            grads, state = fn_step(state)
+            scales.append(fn.read(state).scale)
+            values.append(float(grads[0]))
+        return scales, values, fn.records(state)
+    loss_scale = polyamp_jax.jmp_compat.DynamicLossScale(jnp.float32(2.0**120), period=1)
+
+    @jax.jit
+    def jmp_step(loss_scale: Any) -> tuple[Any, Any]:
+        grads = loss_scale.unscale(jax.grad(lambda p: loss_scale.scale(jnp.sum(p)))(params))
+        return grads, loss_scale.adjust(polyamp_jax.jmp_compat.all_finite(grads))
+
+    scales, values = [], []
+    for _ in range(steps):
+        grads, loss_scale = jmp_step(loss_scale)
+        scales.append(float(loss_scale.loss_scale))
+        values.append(float(grads[0]))
+    return scales, values, []
+
+
+@pytest.mark.parametrize("path", ["loss_scaled", "functional", "jmp_compat"])
+def test_the_scale_stops_where_its_float32_reciprocal_stops_being_normal_on_every_jax_path(path: str) -> None:
+    """Growing at every finite step, each JAX path stops the scale at 2**126 (the core's RECIPROCAL_CEILING),
+    where the float32 reciprocal that unscales is still a normal number: every step's gradient comes back as
+    1.0 (above it XLA on CPU flushes the reciprocal to 0, and every update was -0.0 while the step was recorded
+    as applied). The records replay the same scales."""
+    scales, values, records = _ceiling_run(path, 10)
+    expected = [2.0**121, 2.0**122, 2.0**123, 2.0**124, 2.0**125] + [2.0**126] * 5
+    assert scales == expected
+    assert values == [1.0] * 10
+    if path != "jmp_compat":
+        assert [(r.skipped, r.scale, r.next_scale) for r in records] == list(
+            zip([False] * 10, [2.0**120, *expected[:-1]], expected, strict=True)
+        )
+
+
+def test_a_scale_above_the_ceiling_is_refused_on_every_jax_path() -> None:
+    """A scale JAX cannot unscale by (above 2**126) is refused with what was received and what is allowed: as a
+    setting, as a static scale, and in a state dict (a torch run that grew there), which then changes nothing."""
+    with pytest.raises(polyamp.InvalidConfigError, match=r"`init_scale` must be at most 8\.5070591730234\d*e\+37"):
+        polyamp_jax.loss_scaled(optax.sgd(1.0), init_scale=2.0**127)
+    with pytest.raises(polyamp.InvalidConfigError, match=r"StaticLossScale\(1\.7014118346046923e\+38\) cannot run"):
+        polyamp_jax.jmp_compat.StaticLossScale(2.0**127)
+    fn = LossScaler(growth_interval=4, enabled=True).functional(backend="jax")
+    state = fn.init()
+    saved = {**fn.state_dict(state), "scale": 2.0**127, "growth_interval": 2}
+    with pytest.raises(polyamp.StateDictError, match=r"scale=1\.7014118346046923e\+38 is above 8\.5070591730234"):
+        fn.load_state_dict(saved)
+    assert (
+        fn.config.growth_interval == 4 and fn.read(fn.load_state_dict({**saved, "scale": 2.0**126})).scale == 2.0**126
+    )

@@ -77,6 +77,38 @@ def test_growth_cap_applies_before_the_finite_guard() -> None:
     assert config.trajectory("F") == [FLT_MAX]
 
 
+def test_a_devices_ceiling_stops_growth_and_leaves_the_settings_as_they_are() -> None:
+    """with_ceiling: growth stops at the lower of max_scale and the ceiling (the rule's other halves unchanged),
+    a state above it is refused, and the settings, state dicts and equality stay the config's own; without a
+    ceiling growth goes on to 2**127, as torch's GradScaler grows."""
+    from polyamp.backend_api import RECIPROCAL_CEILING
+
+    plain = LossScaleConfig(init_scale=2.0**124, growth_interval=1)
+    capped = plain.with_ceiling(RECIPROCAL_CEILING)
+    assert RECIPROCAL_CEILING == 2.0**126 and 1 / to_float32(RECIPROCAL_CEILING) == 2.0**-126
+    assert capped.trajectory("FFFOFF") == [2.0**125, 2.0**126, 2.0**126, 2.0**125, 2.0**126, 2.0**126]
+    assert plain.trajectory("FFFOFF") == [2.0**125, 2.0**126, 2.0**127, 2.0**126, 2.0**127, 2.0**127]
+    assert capped.after_finite(plain.initial_state(), 5).scale == 2.0**126
+    assert capped.finite_run(plain.initial_state(), 3)[0] == [2.0**124, 2.0**125, 2.0**126]
+    assert (capped.ceiling_f32, plain.ceiling_f32) == (2.0**126, None)
+    assert capped == plain and capped.settings() == plain.settings() and capped.settings()["max_scale"] is None
+    assert plain.is_standard_rule and not capped.is_standard_rule
+    # Below the ceiling the rule is the config's: a product that would be inf keeps the scale, max_scale caps.
+    guard = LossScaleConfig(init_scale=2.0**100, growth_factor=2.0**10, growth_interval=1)
+    assert (
+        guard.with_ceiling(RECIPROCAL_CEILING).trajectory("FFF")
+        == guard.trajectory("FFF")
+        == [2.0**110, 2.0**120, 2.0**120]
+    )
+    bounded = LossScaleConfig(init_scale=2.0**125, growth_interval=1, max_scale=FLT_MAX)
+    assert bounded.with_ceiling(RECIPROCAL_CEILING).trajectory("FF") == [2.0**126, 2.0**126]
+    with pytest.raises(InvalidConfigError, match=r"scale=1\.7014118346046923e\+38 is above 8\.50705917302346"):
+        capped.check_state(LossScaleState(2.0**127))
+    plain.check_state(LossScaleState(2.0**127))
+    with pytest.raises(InvalidConfigError, match=r"`init_scale` must be at most 8\.507059173023462e\+37 on this"):
+        LossScaleConfig(init_scale=2.0**127).with_ceiling(RECIPROCAL_CEILING)
+
+
 def test_static_scale_never_changes() -> None:
     config = LossScaleConfig(init_scale=128.0, growth_interval=1, dynamic=False)
     states = config.states("FOFOOF")

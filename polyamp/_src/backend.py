@@ -34,6 +34,7 @@ __all__ = [
     "Float16HintDevice",
     "Float16ProbeDevice",
     "FunctionalBackend",
+    "FunctionalCeilingDevice",
     "FunctionalDevice",
     "FunctionalGuardingDevice",
     "FunctionalRecordingDevice",
@@ -561,6 +562,19 @@ class FunctionalGuardingDevice(Protocol):
 
     def count_skip(self, tree: Any, flag: Flag) -> Any:
         """``tree`` with its skip count advanced when ``flag`` is set (> 0), the loss-scale rule not run."""
+        ...
+
+
+@runtime_checkable
+class FunctionalCeilingDevice(Protocol):
+    """Optional, functional devices whose scale has a ceiling below float32's limit: they follow the config
+    they were made with through `polyamp.LossScaleConfig.with_ceiling` (e.g. with `RECIPROCAL_CEILING`, where
+    the float32 reciprocal that unscales is flushed to zero above it), and say so here, so that the records
+    replay the same rule and a state above the ceiling is refused."""
+
+    @property
+    def rule(self) -> LossScaleConfig:
+        """The config whose rule `FunctionalDevice.update` follows: the device's config with its ceiling."""
         ...
 
 

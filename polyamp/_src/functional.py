@@ -23,13 +23,14 @@ from typing import Any, Final, Literal, cast
 
 from polyamp._src.backend import (
     Flag,
+    FunctionalCeilingDevice,
     FunctionalDevice,
     FunctionalGuardingDevice,
     FunctionalProvenanceDevice,
     FunctionalRecordingDevice,
     FunctionalSpikeDevice,
 )
-from polyamp._src.errors import InvalidConfigError, PolyampTypeError, ScalerUsageError, describe
+from polyamp._src.errors import InvalidConfigError, PolyampTypeError, ScalerUsageError, StateDictError, describe
 from polyamp._src.provenance import non_finite_gradients
 from polyamp._src.records import DEFAULT_HISTORY, MODE_CODES, Recorder, StepRecord
 from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
@@ -131,6 +132,7 @@ class FunctionalLossScaler:
         self._make_device = make_device
         self._device = make_device(config)
         self._config = config
+        self._scale_rule = self._device_rule()
         self._enabled = enabled
         self._setting = setting
         self._guard = guard
@@ -143,6 +145,11 @@ class FunctionalLossScaler:
         self._attached = -1  # the iteration whose provenance the records hold
         self._read_capabilities()
         self._recorder = self._new_recorder(config.initial_state())
+
+    def _device_rule(self) -> LossScaleConfig:
+        """The config whose rule the device follows: ``config``, or with the device's ceiling."""
+        device = self._device
+        return device.rule if isinstance(device, FunctionalCeilingDevice) else self._config
 
     def _read_capabilities(self) -> None:
         """Read which optional protocols the device implements, once (and again when it is remade)."""
@@ -228,7 +235,7 @@ class FunctionalLossScaler:
             initial = self._config.initial_state()
         else:
             try:
-                self._config.check_state(state)
+                self._scale_rule.check_state(state)
             except (InvalidConfigError, PolyampTypeError) as exc:
                 raise type(exc)(
                     f"FunctionalLossScaler.init() cannot start from this state: {exc} Pass no state for the "
@@ -466,7 +473,7 @@ class FunctionalLossScaler:
                     self._recorder.amend(at, gradients)
         device = cast(FunctionalRecordingDevice, self._device)
         count, codes = device.ring_read(state["ring"])
-        self._recorder.consume(count, codes, self._config, lambda: self.read(state))
+        self._recorder.consume(count, codes, self._scale_rule, lambda: self.read(state))
         return list(self._recorder.records)
 
     def state_dict(self, state: Any) -> dict[str, Any]:
@@ -505,9 +512,15 @@ class FunctionalLossScaler:
         rule = self._rule
         window = parse_spike_window(state_dict, None if rule is None else rule.window)
         run = parse_spike_run(state_dict)
-        if config != self._config:  # the rule's constants live in the device functions: make new ones
-            self._device = self._make_device(config)
+        device = self._device if config == self._config else self._make_device(config)
+        try:
+            (device.rule if isinstance(device, FunctionalCeilingDevice) else config).check_state(host)
+        except (InvalidConfigError, PolyampTypeError) as exc:
+            raise StateDictError(f"FunctionalLossScaler.load_state_dict() cannot load this state here: {exc}") from exc
+        if device is not self._device:  # the rule's constants live in the device functions: new ones
+            self._device = device
             self._config = config
+            self._scale_rule = self._device_rule()
             self._read_capabilities()
         state = self.init(host)
         if window is not None and rule is not None:

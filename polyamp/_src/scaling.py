@@ -22,6 +22,7 @@ from polyamp._src.errors import InvalidConfigError, PolyampTypeError, describe
 __all__ = [
     "INT32_MAX",
     "NOT_GIVEN",
+    "RECIPROCAL_CEILING",
     "LossScaleConfig",
     "LossScaleSettings",
     "LossScaleState",
@@ -49,6 +50,11 @@ def to_float32(value: float) -> float:
 
 #: float32's smallest normal number. Scales below it would be subnormal, which some kernels flush to zero.
 FLOAT32_TINY: Final = 2.0**-126
+#: The largest power of two whose float32 reciprocal (2**-126) is a normal number. A backend that unscales by
+#: multiplying with the float32 reciprocal of the scale on a device that flushes subnormal numbers to zero
+#: (XLA on CPU) gets a reciprocal of 0 above it, and every unscaled gradient with it: its scale never grows
+#: past this (`LossScaleConfig.with_ceiling`).
+RECIPROCAL_CEILING: Final = 2.0**126
 
 
 def _real(name: str, value: object) -> float:
@@ -248,6 +254,7 @@ class LossScaleConfig:
         object.__setattr__(self, "_checks_unscaled", floor < 1.0)  # asked at every unscale
         object.__setattr__(self, "_min_f32", None if min_scale is None else to_float32(min_scale))
         object.__setattr__(self, "_max_f32", None if max_scale is None else to_float32(max_scale))
+        object.__setattr__(self, "_ceiling_f32", None)  # a device's ceiling (`with_ceiling`); none by default
         # Normalise numeric types (numpy scalars, ints) so equality and serialisation are plain Python.
         for name, value in (
             ("init_scale", init_scale),
@@ -271,6 +278,11 @@ class LossScaleConfig:
     def max_scale_f32(self) -> float | None:
         """``max_scale`` rounded to float32, or None."""
         return self._max_f32  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def ceiling_f32(self) -> float | None:
+        """The device's ceiling this config's rule was given (`with_ceiling`), in float32, or None."""
+        return self._ceiling_f32  # type: ignore[attr-defined,no-any-return]
 
     @property
     def floor_f32(self) -> float:
@@ -299,6 +311,35 @@ class LossScaleConfig:
         keep the scale at `floor_f32`, which those kernels lack.
         """
         return self._standard_rule  # type: ignore[attr-defined,no-any-return]
+
+    def with_ceiling(self, ceiling: float) -> LossScaleConfig:
+        """This config's rule on a device whose scale must stay at or below ``ceiling``.
+
+        A growth that would pass ``ceiling`` stops there, and a scale above it is not a state of the result
+        (`check_state`); below the ceiling the rule is this config's, step for step (a product that would be
+        inf still keeps the scale). polyamp's JAX backend runs its rule this way with `RECIPROCAL_CEILING`:
+        it unscales by the float32 reciprocal of the scale, which XLA on CPU flushes to zero above 2**126.
+        torch, TensorFlow and Keras keep their frameworks' rule, which grows to float32's limit.
+
+        The ceiling belongs to the device, not to the settings: `settings`, state dicts and equality are this
+        config's, so a state dict written under a ceiling loads anywhere.
+
+        Raises:
+            InvalidConfigError: ``init_scale`` or ``min_scale`` is above ``ceiling``.
+        """
+        value = to_float32(_real("ceiling", ceiling))
+        for name in ("init_scale", "min_scale"):
+            setting = getattr(self, name)
+            if setting is not None and to_float32(setting) > value:
+                raise InvalidConfigError(
+                    f"`{name}` must be at most {value!r} on this backend: its scale never exceeds that, the "
+                    "highest scale whose float32 reciprocal (which unscales the gradients) is a normal number "
+                    f"rather than 0. Received: {name}={setting!r}. Pass {name} <= {value!r}, e.g. {name}=2.0**16."
+                )
+        made = dataclasses.replace(self)
+        object.__setattr__(made, "_ceiling_f32", value)
+        object.__setattr__(made, "_standard_rule", False)  # the frameworks' kernels know no ceiling
+        return made
 
     # -- the settings as data --------------------------------------------------------------------------
 
@@ -373,12 +414,15 @@ class LossScaleConfig:
 
     def _grown(self, scale: float) -> float:
         """The scale after one growth: times ``growth_factor`` in float32, capped at ``max_scale``; kept where
-        the product would be inf."""
+        the product would be inf; then not above the device's ceiling (`with_ceiling`)."""
         grown = to_float32(scale * self.growth_factor)
         cap = self.max_scale_f32
         if cap is not None and grown > cap:
             grown = cap
-        return grown if math.isfinite(grown) else scale
+        if not math.isfinite(grown):
+            return scale
+        ceiling = self.ceiling_f32
+        return ceiling if ceiling is not None and grown > ceiling else grown
 
     def finite_run(self, state: LossScaleState, steps: int) -> tuple[list[float], LossScaleState]:
         """`next_state` over ``steps`` consecutive finite steps from ``state``: the scale each step was taken
@@ -464,6 +508,12 @@ class LossScaleConfig:
             )
         if self.max_scale_f32 is not None and scale > self.max_scale_f32:
             raise InvalidConfigError(f"scale={scale!r} is above max_scale={self.max_scale!r}.")
+        if self.ceiling_f32 is not None and scale > self.ceiling_f32:
+            raise InvalidConfigError(
+                f"scale={scale!r} is above {self.ceiling_f32!r}, the highest scale this backend holds: above it the "
+                "float32 reciprocal that unscales the gradients is subnormal, which XLA on CPU flushes to 0. Lower "
+                f"the saved scale to at most {self.ceiling_f32!r} (e.g. saved['scale'] = {self.ceiling_f32!r})."
+            )
         if not 0 <= state.growth_tracker < self.growth_interval:
             raise InvalidConfigError(
                 f"The growth tracker must be in [0, growth_interval={self.growth_interval}). "

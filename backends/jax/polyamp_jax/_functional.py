@@ -10,6 +10,9 @@ factor is a float32 value, as the common factors 2 and 0.5 are; else formed in f
 ``jax.enable_x64`` for that product alone), so a run resumes across torch, TensorFlow, Keras and JAX with the
 same scales. Gradients are unscaled by multiplying with the float32 reciprocal of the scale, as jmp and
 torch's kernels do: a float16 or bfloat16 gradient is multiplied in float32 and rounded once to its dtype.
+XLA on CPU flushes a subnormal reciprocal to zero, so the scale never grows past `RECIPROCAL_CEILING`
+(2**126; the core's `polyamp.LossScaleConfig.with_ceiling`), on every device, so that a run keeps the same
+scales wherever it resumes.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, SpikeRule
-from polyamp.backend_api import REBASE_BIT, SPIKE_BIT, ring_codes, ring_values, to_float32
+from polyamp.backend_api import REBASE_BIT, RECIPROCAL_CEILING, SPIKE_BIT, ring_codes, ring_values, to_float32
 
 __all__ = ["JaxFunctional", "all_finite", "statistic_dtype"]
 
@@ -155,6 +158,9 @@ class JaxFunctional:
     Trees are dicts of arrays: the scaler ``{"scale", "growth_tracker", "hysteresis_left", "skipped"}``, the
     record ring ``{"codes", "count"}`` and the spike window ``{"values", "count", "run"}``.
 
+    The scale never grows past `polyamp.backend_api.RECIPROCAL_CEILING` (2**126), the largest scale whose float32
+    reciprocal is a normal number, which XLA on CPU does not flush to zero.
+
     Args:
         config: The settings of the rule.
         axis_name: None, or the named axis of ``pmap``/``shard_map``/``vmap`` whose replicas hold different
@@ -162,8 +168,14 @@ class JaxFunctional:
     """
 
     def __init__(self, config: LossScaleConfig, axis_name: Any = None) -> None:
-        self._config = config
+        self._config = config.with_ceiling(RECIPROCAL_CEILING)
         self._axis_name = axis_name
+
+    @property
+    def rule(self) -> LossScaleConfig:
+        """The config the rule follows: the one given, with the scale's ceiling `RECIPROCAL_CEILING`
+        (`polyamp.backend_api.FunctionalCeilingDevice`)."""
+        return self._config
 
     # -- FunctionalDevice --------------------------------------------------------------------------------
 
@@ -230,7 +242,10 @@ class JaxFunctional:
         grown = _times(scale, config.growth_factor)
         if config.max_scale_f32 is not None:
             grown = jnp.minimum(grown, jnp.float32(config.max_scale_f32))
-        scale_after_finite = jnp.where(grow & jnp.isfinite(grown), grown, scale)
+        grows = grow & jnp.isfinite(grown)  # a product that would be inf keeps the scale
+        if config.ceiling_f32 is not None:
+            grown = jnp.minimum(grown, jnp.float32(config.ceiling_f32))
+        scale_after_finite = jnp.where(grows, grown, scale)
         tracker_after_finite = jnp.where(grow, jnp.int32(0), next_tracker)
         hysteresis_after_finite = jnp.where(grow, jnp.int32(config.hysteresis), hysteresis)
         return {
