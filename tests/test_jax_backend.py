@@ -745,3 +745,24 @@ def test_a_scale_above_the_ceiling_is_refused_on_every_jax_path() -> None:
     assert (
         fn.config.growth_interval == 4 and fn.read(fn.load_state_dict({**saved, "scale": 2.0**126})).scale == 2.0**126
     )
+
+
+def test_a_flag_that_is_not_one_scalar_is_refused() -> None:
+    """apply_if_finite and update take one flag: an array of flags (which jnp.where would broadcast into the
+    trees, giving a scalar parameter the shape (2,) and mixing both trees element by element) is refused with
+    a PolyampTypeError saying what was received, as jmp_compat's select_tree refuses it. Scalars of any kind
+    are taken."""
+    fn = LossScaler(enabled=True).functional(backend="jax")
+    state = fn.init()
+    applied, current = {"w": jnp.float32(1.0)}, {"w": jnp.float32(2.0)}
+    for flag in (jnp.asarray([0.0, 1.0]), np.asarray([True, False]), [0.0, 1.0]):
+        with pytest.raises(PolyampTypeError, match=r"takes one flag: a scalar.*Received: .*Reduce several flags"):
+            fn.apply_if_finite(flag, applied, current)
+        with pytest.raises(PolyampTypeError, match=r"update\(\) takes one flag"):
+            fn.update(state, flag)
+    with pytest.raises(PolyampTypeError, match=r"of shape \(2,\)"):
+        jax.jit(fn.apply_if_finite)(jnp.asarray([0.0, 1.0]), applied, current)
+    for flag, expected in ((jnp.asarray(1.0), 2.0), (jnp.asarray(False), 1.0), (True, 2.0), (np.float32(0.0), 1.0)):
+        chosen = fn.apply_if_finite(flag, applied, current)
+        assert chosen["w"].shape == () and float(chosen["w"]) == expected
+    assert fn.read(fn.update(state, jnp.asarray(1.0))).scale == 32768.0

@@ -50,6 +50,22 @@ FunctionalMode = Literal["scaling", "guarding", "off"]
 _STATE_KEYS: Final = ("scaler", "ring", "window", "provenance")
 
 
+def _check_flag(flag: Any, method: str) -> None:
+    """Raise unless ``flag`` is one flag: a scalar (0-d) array or a Python bool or number. An array of several
+    flags would be broadcast into the parameters and the scale, mixing two trees element by element."""
+    if flag is None or isinstance(flag, (bool, int, float)):
+        return
+    ndim = getattr(flag, "ndim", None)
+    if isinstance(flag, (list, tuple, Mapping)) or (isinstance(ndim, int) and ndim != 0):
+        shape = getattr(flag, "shape", None)
+        held = "" if shape is None else f" of shape {tuple(shape)}"
+        raise PolyampTypeError(
+            f"FunctionalLossScaler.{method} takes one flag: a scalar, such as the found_inf unscale() returned "
+            f"(> 0: the step is skipped). Received: {describe(flag)}{held}. Reduce several flags to one first, "
+            "e.g. jnp.max(flags), or pass unscale()'s flag."
+        )
+
+
 class FunctionalLossScaler:
     """Loss scaling as pure functions of a state, from `polyamp.LossScaler.functional`.
 
@@ -338,7 +354,12 @@ class FunctionalLossScaler:
 
     def skipped(self, found_inf: Flag | None, spike: Mapping[str, Any] | None = None) -> Flag | None:
         """The flag of whether this iteration's step is skipped: ``found_inf`` (a non-finite gradient) or the
-        spike rule's flag (``spike``, what `spike` returned); None when nothing was checked."""
+        spike rule's flag (``spike``, what `spike` returned); None when nothing was checked.
+
+        Raises:
+            PolyampTypeError: ``found_inf`` is not one flag (a scalar), e.g. an array of per-leaf flags.
+        """
+        _check_flag(found_inf, "skipped()/apply_if_finite()")
         if spike is None:
             return found_inf
         if found_inf is None:
@@ -351,7 +372,11 @@ class FunctionalLossScaler:
     ) -> Any:
         """``applied`` (the values after the optimizer step) unless ``found_inf`` or the spike rule's flag
         (``spike``, what `spike` returned) is set, then ``current``: a skipped step leaves parameters and
-        optimizer state exactly as they were."""
+        optimizer state exactly as they were.
+
+        Raises:
+            PolyampTypeError: ``found_inf`` is not one flag (a scalar), e.g. an array of per-leaf flags.
+        """
         flag = self.skipped(found_inf, spike)
         if flag is None:
             return applied
@@ -378,9 +403,10 @@ class FunctionalLossScaler:
         Raises:
             ScalerUsageError: scaling or guarding without a flag, or a rule's iteration without its decision,
                 or a state that counts non-finite gradients updated without ``grads``.
-            PolyampTypeError: a decision for a scaler without a rule.
+            PolyampTypeError: a decision for a scaler without a rule, or a ``found_inf`` that is not one flag.
         """
         tree = self._scaler(state, "update()")
+        _check_flag(found_inf, "update()")
         new = dict(state)
         mode = self._mode
         if "provenance" in state:
