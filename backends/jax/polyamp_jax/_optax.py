@@ -8,6 +8,9 @@ same as `polyamp.LossScaler`'s on every backend.
 
 from __future__ import annotations
 
+import functools
+import sys
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -26,12 +29,17 @@ __all__ = ["LossScaledState", "load_state_dict", "loss_scaled", "records", "scal
 @jax.tree_util.register_pytree_node_class
 class LossScaledState:
     """The state of `loss_scaled`: ``scaler`` (polyamp's functional state: a dict of arrays), ``inner`` (the
-    wrapped transformation's state), and, as static data, the `polyamp.FunctionalLossScaler` that reads them."""
+    wrapped transformation's state), and, as static data, the `polyamp.FunctionalLossScaler` that reads them.
+
+    It pickles, and once Flax is imported, ``flax.serialization`` (msgpack checkpoints) writes it as
+    ``{"scaler": its arrays, "inner": the inner state's}`` and restores it into a target state."""
 
     def __init__(self, scaler: Any, inner: Any, fn: FunctionalLossScaler) -> None:
         self.scaler = scaler
         self.inner = inner
         self.fn = fn
+        if not _registered:
+            _register_with_flax()
 
     def tree_flatten(self) -> tuple[tuple[Any, Any], FunctionalLossScaler]:
         return (self.scaler, self.inner), self.fn
@@ -42,6 +50,40 @@ class LossScaledState:
 
     def __repr__(self) -> str:
         return f"LossScaledState(mode={self.fn.mode!r}, scaler={self.scaler!r}, inner={self.inner!r})"
+
+
+_registered = False
+
+
+def _arrays(scaler: Mapping[str, Any]) -> dict[str, Any]:
+    """The functional state ``scaler`` without its static parts (the gradients' names), for serialization."""
+    return {key: {k: v for k, v in value.items() if k != "names"} for key, value in scaler.items()}
+
+
+def _register_with_flax() -> None:
+    """Once Flax is imported, its serialization writes a `LossScaledState` as ``{"scaler", "inner"}`` (the
+    scaler's arrays, the inner state's state dict) and restores it into a target state, whose static parts
+    (the functional scaler, the gradients' names) it keeps. Flax is never imported here."""
+    global _registered
+    serialization = sys.modules.get("flax.serialization")
+    if _registered or serialization is None:
+        return
+
+    def to_state(value: LossScaledState) -> dict[str, Any]:
+        return {
+            "scaler": serialization.to_state_dict(_arrays(value.scaler)),
+            "inner": serialization.to_state_dict(value.inner),
+        }
+
+    def from_state(target: LossScaledState, state: Mapping[str, Any]) -> LossScaledState:
+        scaler = serialization.from_state_dict(_arrays(target.scaler), state["scaler"], name="scaler")
+        if "provenance" in target.scaler:
+            scaler["provenance"]["names"] = target.scaler["provenance"]["names"]
+        inner = serialization.from_state_dict(target.inner, state["inner"], name="inner")
+        return LossScaledState(scaler, inner, target.fn)
+
+    serialization.register_serialization_state(LossScaledState, to_state, from_state, override=True)
+    _registered = True
 
 
 def loss_scaled(
@@ -109,7 +151,7 @@ def loss_scaled(
     scaler = LossScaler(
         *positional, enabled=enabled, guard=guard, spike=spike, history=history, on_min_scale=on_min_scale, **settings
     )
-    fn = scaler.functional(backend="jax", make_device=lambda config: JaxFunctional(config, axis_name))
+    fn = scaler.functional(backend="jax", make_device=functools.partial(JaxFunctional, axis_name=axis_name))
     wrapped = optax.with_extra_args_support(inner)
     warned = False
 
