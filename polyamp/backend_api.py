@@ -8,9 +8,9 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
   `ImperativeDevice` (PyTorch-style loops) or `TapeDevice` (TensorFlow-style loops); a backend with jitted,
   stateless steps is also a `FunctionalBackend` (``make_functional(config)`` returning a `FunctionalDevice`,
   which may also implement `FunctionalRecordingDevice`, `FunctionalGuardingDevice`, `FunctionalSpikeDevice` and
-  `FunctionalProvenanceDevice`:
-  the records' ring, the guard and the spike window as trees of arrays in the functional state; and
-  `FunctionalCeilingDevice`, a scale kept at or below a ceiling such as `RECIPROCAL_CEILING`);
+  `FunctionalProvenanceDevice` (the records' ring, the guard and the spike window as trees of arrays in the
+  functional state), `FunctionalCeilingDevice` (a scale kept at or below a ceiling such as
+  `RECIPROCAL_CEILING`) and `FunctionalTracingDevice` (whether a compiler traced the rule's settings));
 * optional protocols a device form may also implement, each one capability: `RecordingDevice` (step records
   on the device), `GuardingDevice` / `ImperativeGuardingDevice` (the guard), `ProvenanceDevice` /
   `ImperativeProvenanceDevice` (which gradients were non-finite), `SpikeDevice` (`polyamp.SpikeRule`),
@@ -56,6 +56,7 @@ from polyamp._src.backend import (
     FunctionalProvenanceDevice,
     FunctionalRecordingDevice,
     FunctionalSpikeDevice,
+    FunctionalTracingDevice,
     GradientCounts,
     GuardingDevice,
     ImperativeDevice,
@@ -198,6 +199,7 @@ __all__ = [
     "FunctionalProvenanceDevice",
     "FunctionalRecordingDevice",
     "FunctionalSpikeDevice",
+    "FunctionalTracingDevice",
     "GradientCounts",
     "GuardingDevice",
     "ImperativeDevice",

@@ -794,3 +794,69 @@ def test_a_loss_scaled_state_pickles() -> None:
     leaves = [np.asarray(leaf).tobytes() for leaf in jax.tree_util.tree_leaves(ours)]
     assert leaves == [np.asarray(leaf).tobytes() for leaf in jax.tree_util.tree_leaves(theirs)]
     assert polyamp_jax.state_dict(ours[1]) == polyamp_jax.state_dict(theirs[1])
+
+
+def test_settings_loaded_after_a_jitted_step_reach_the_step_or_are_refused() -> None:
+    """A state dict with other settings, once a jitted step traced the functional scaler's update: loading it
+    into that scaler raises (the step holds the old growth_interval as a constant) and changes nothing;
+    restore() gives a scaler that follows the dict, whose jitted step grows every 2 steps, and whose state
+    dicts load back. Before any compiled step, load_state_dict adopts the settings as it always did."""
+    fn = LossScaler(growth_interval=4, enabled=True).functional(backend="jax")
+
+    def make_step(fn: Any) -> Any:
+        @jax.jit
+        def step(state: Any) -> Any:
+            _, found_inf = fn.unscale(state, [jnp.ones(3)])
+            return fn.update(state, found_inf)
+
+        return step
+
+    state = make_step(fn)(fn.init())
+    saved = {**fn.state_dict(state), "growth_interval": 2, "_growth_tracker": 0}
+    with pytest.raises(polyamp.ScalerUsageError, match=r"growth_interval: 4 -> 2.*fn\.restore\(state_dict\)"):
+        fn.load_state_dict(saved)
+    assert fn.config.growth_interval == 4 and fn.read(state).growth_tracker == 1
+    resumed, loaded = fn.restore(saved)
+    assert resumed is not fn and resumed.config.growth_interval == 2 and fn.config.growth_interval == 4
+    step = make_step(resumed)
+    scales = []
+    for _ in range(5):
+        loaded = step(loaded)
+        scales.append(resumed.read(loaded).scale)
+    assert scales == LossScaleConfig(growth_interval=2).trajectory("FFFFF")
+    back = LossScaler(enabled=True)
+    back.load_state_dict(resumed.state_dict(loaded))  # a state polyamp's own loader takes
+    assert (back.config.growth_interval, back.get_state().growth_tracker) == (2, 1)
+    assert fn.restore(fn.state_dict(state))[0] is fn  # the same settings: the same scaler
+    fresh = LossScaler(growth_interval=4, enabled=True).functional(backend="jax")
+    adopted = fresh.load_state_dict(saved)  # nothing traced yet: adopted, and a later jit follows it
+    assert fresh.config.growth_interval == 2
+    assert fresh.read(make_step(fresh)(make_step(fresh)(adopted))).scale == 131072.0
+
+
+def test_loss_scaled_settings_loaded_after_a_jitted_step_travel_with_the_state() -> None:
+    """polyamp_jax.load_state_dict with other settings, after the step was jitted: the restored state carries
+    them (its own functional scaler, as Flax's DynamicScale carries its fields), so the same jitted step
+    traces anew and grows every 2 steps; its state dict loads back, and the transformation's fresh states keep
+    growth_interval 4."""
+    params = {"w": jnp.ones(3)}
+    tx = polyamp_jax.loss_scaled(optax.sgd(0.0), enabled=True, growth_interval=4)
+
+    @jax.jit
+    def step(opt_state: Any) -> Any:
+        grads = jax.grad(lambda p: polyamp_jax.scale_loss(opt_state, jnp.sum(p["w"])))(params)
+        return tx.update(grads, opt_state, params)[1]
+
+    opt_state = step(tx.init(params))
+    saved = {**polyamp_jax.state_dict(opt_state), "growth_interval": 2, "_growth_tracker": 0}
+    loaded = polyamp_jax.load_state_dict(opt_state, saved)
+    scales = []
+    for _ in range(5):
+        loaded = step(loaded)
+        scales.append(polyamp_jax.state_dict(loaded)["scale"])
+    assert scales == LossScaleConfig(growth_interval=2).trajectory("FFFFF")
+    written = polyamp_jax.state_dict(loaded)
+    assert (written["growth_interval"], written["_growth_tracker"]) == (2, 1)
+    LossScaler(enabled=True).load_state_dict(written)
+    assert [r.next_scale for r in polyamp_jax.records(loaded)] == scales
+    assert polyamp_jax.state_dict(step(tx.init(params)))["growth_interval"] == 4

@@ -39,6 +39,7 @@ __all__ = [
     "FunctionalGuardingDevice",
     "FunctionalRecordingDevice",
     "FunctionalSpikeDevice",
+    "FunctionalTracingDevice",
     "GradientCounts",
     "GuardingDevice",
     "ImperativeDevice",
@@ -575,6 +576,17 @@ class FunctionalCeilingDevice(Protocol):
     @property
     def rule(self) -> LossScaleConfig:
         """The config whose rule `FunctionalDevice.update` follows: the device's config with its ceiling."""
+        ...
+
+
+@runtime_checkable
+class FunctionalTracingDevice(Protocol):
+    """Optional, functional devices: whether a compiler traced `FunctionalDevice.update` (a jitted or scanned
+    step), which then holds the rule's settings as constants; `polyamp.FunctionalLossScaler.load_state_dict`
+    refuses to change them after that (the compiled step would go on using the old ones)."""
+
+    def traced(self) -> bool:
+        """Whether `FunctionalDevice.update` ran on traced values (under a compiler) since the device was made."""
         ...
 
 

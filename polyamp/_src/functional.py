@@ -29,6 +29,7 @@ from polyamp._src.backend import (
     FunctionalProvenanceDevice,
     FunctionalRecordingDevice,
     FunctionalSpikeDevice,
+    FunctionalTracingDevice,
 )
 from polyamp._src.errors import InvalidConfigError, PolyampTypeError, ScalerUsageError, StateDictError, describe
 from polyamp._src.provenance import non_finite_gradients
@@ -515,9 +516,12 @@ class FunctionalLossScaler:
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *, like: Any = None) -> Any:
         """A state from a `polyamp.LossScaler` (or torch GradScaler) state dict, its spike window and run
-        included; its settings are adopted (re-trace jitted steps that captured the old ones). The records start
-        anew, as after `init`. A scaler made with ``enabled=False`` takes ``{}`` (a disabled GradScaler's dict)
-        as nothing to restore: a fresh state.
+        included. The records start anew, as after `init`. A scaler made with ``enabled=False`` takes ``{}`` (a
+        disabled GradScaler's dict) as nothing to restore: a fresh state.
+
+        The dict's settings are adopted only while no compiled step has traced this scaler's `update` (a
+        jitted or scanned step holds the settings as constants, and would go on using the old ones): after
+        that, a dict with other settings raises, and `restore` gives a new functional scaler for them.
 
         Args:
             state_dict: The state dict.
@@ -525,7 +529,9 @@ class FunctionalLossScaler:
                 gradients (``init(grads=...)``) gives a new state that counts them for the same gradients.
 
         Raises:
-            StateDictError: the dict is malformed (nothing changes).
+            StateDictError: the dict is malformed, or holds a state this backend cannot be in (nothing changes).
+            ScalerUsageError: the dict's settings differ from this scaler's, and a compiled step traced them
+                (nothing changes; use `restore`).
         """
         disabled = self._setting is False
         counting = isinstance(like, Mapping) and "provenance" in like
@@ -538,8 +544,23 @@ class FunctionalLossScaler:
         rule = self._rule
         window = parse_spike_window(state_dict, None if rule is None else rule.window)
         run = parse_spike_run(state_dict)
-        device = self._device if config == self._config else self._make_device(config)
+        if config != self._config and isinstance(self._device, FunctionalTracingDevice) and self._device.traced():
+            changed = ", ".join(
+                f"{name}: {old!r} -> {new!r}"
+                for name, old, new in zip(
+                    config.setting_names(), self._config.settings().values(), config.settings().values(), strict=True
+                )
+                if old != new
+            )
+            raise ScalerUsageError(
+                f"FunctionalLossScaler.load_state_dict() would change the loss-scaling settings ({changed}), but a "
+                "compiled step (jax.jit, lax.scan, ...) has already traced this scaler's update(): the settings are "
+                "constants there, and it would go on using the old ones. Take a functional scaler that follows the "
+                "dict instead, `fn, state = fn.restore(state_dict)`, and step with it (its functions trace anew), "
+                "or load the dict before the first compiled step."
+            )
         try:
+            device = self._device if config == self._config else self._make_device(config)
             (device.rule if isinstance(device, FunctionalCeilingDevice) else config).check_state(host)
         except (InvalidConfigError, PolyampTypeError) as exc:
             raise StateDictError(f"FunctionalLossScaler.load_state_dict() cannot load this state here: {exc}") from exc
@@ -555,3 +576,42 @@ class FunctionalLossScaler:
         if counting:
             state["provenance"] = self._provenance_device("load_state_dict()").provenance_reset(like["provenance"])
         return state
+
+    def restore(self, state_dict: Mapping[str, Any], *, like: Any = None) -> tuple[FunctionalLossScaler, Any]:
+        """The functional scaler that follows ``state_dict``'s settings, and the state loaded from it, leaving
+        this scaler as it is: this scaler when the settings are its own, else a new one with them and this
+        one's options (mode, guard, history, spike rule, ``on_min_scale``, device), whose functions a jitted
+        step traces anew. Use it to resume a dict with other settings once a compiled step traced this one.
+
+        Args:
+            state_dict: The state dict.
+            like: As for `load_state_dict`.
+
+        Returns:
+            ``(fn, state)``: the functional scaler to step with, and its state.
+
+        Raises:
+            StateDictError: the dict is malformed, or holds a state this backend cannot be in.
+        """
+        disabled = self._setting is False
+        if not (disabled and is_disabled_torch_state(state_dict)):
+            config, _ = parse_state_dict(state_dict, self._config, loader_disabled=disabled)
+            if config != self._config:
+                try:
+                    sibling = FunctionalLossScaler(
+                        self._make_device,
+                        config,
+                        self._enabled,
+                        setting=self._setting,
+                        guard=self._guard,
+                        history=self._history,
+                        spike=self._rule,
+                        on_min_scale=self._on_min_scale,
+                        backend=self._backend,
+                    )
+                except InvalidConfigError as exc:
+                    raise StateDictError(
+                        f"FunctionalLossScaler.restore() cannot follow this state dict here: {exc}"
+                    ) from exc
+                return sibling, sibling.load_state_dict(state_dict, like=like)
+        return self, self.load_state_dict(state_dict, like=like)

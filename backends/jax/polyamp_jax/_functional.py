@@ -152,8 +152,9 @@ def _counts(leaves: list[Any]) -> Any:
 
 class JaxFunctional:
     """`polyamp.backend_api.FunctionalDevice` over JAX arrays, with records (`FunctionalRecordingDevice`), the
-    guard (`FunctionalGuardingDevice`), the spike rule (`FunctionalSpikeDevice`) and the counts of non-finite
-    gradients of a skipped step (`FunctionalProvenanceDevice`).
+    guard (`FunctionalGuardingDevice`), the spike rule (`FunctionalSpikeDevice`), the counts of non-finite
+    gradients of a skipped step (`FunctionalProvenanceDevice`), the scale's ceiling (`FunctionalCeilingDevice`)
+    and whether a compiler traced the rule (`FunctionalTracingDevice`).
 
     Trees are dicts of arrays: the scaler ``{"scale", "growth_tracker", "hysteresis_left", "skipped"}``, the
     record ring ``{"codes", "count"}`` and the spike window ``{"values", "count", "run"}``.
@@ -170,6 +171,12 @@ class JaxFunctional:
     def __init__(self, config: LossScaleConfig, axis_name: Any = None) -> None:
         self._config = config.with_ceiling(RECIPROCAL_CEILING)
         self._axis_name = axis_name
+        self._traced = False
+
+    def traced(self) -> bool:
+        """Whether `update` ran under a compiler (``jax.jit``, ``lax.scan``, ...), which then holds this config's
+        constants (`polyamp.backend_api.FunctionalTracingDevice`)."""
+        return self._traced
 
     @property
     def rule(self) -> LossScaleConfig:
@@ -225,6 +232,8 @@ class JaxFunctional:
 
     def update(self, tree: Mapping[str, Any], found_inf: Any) -> dict[str, Any]:
         config = self._config
+        if isinstance(tree["scale"], jax.core.Tracer):
+            self._traced = True
         overflow = _set(found_inf)
         scale, tracker, hysteresis = tree["scale"], tree["growth_tracker"], tree["hysteresis_left"]
         skipped = tree["skipped"] + overflow.astype(tree["skipped"].dtype)

@@ -167,6 +167,7 @@ def loss_scaled(
     def update(updates: Any, state: LossScaledState, params: Any = None, **extra: Any) -> tuple[Any, LossScaledState]:
         loss = extra.pop("loss", None)
         scaler_state = state.scaler
+        fn = _state_scaler(state)  # a loaded state's settings travel with it (load_state_dict)
         if fn.mode == "off":
             new_updates, new_inner = wrapped.update(updates, state.inner, params, **extra)
             return new_updates, LossScaledState(fn.update(scaler_state, None, grads=updates), new_inner, fn)
@@ -182,6 +183,20 @@ def loss_scaled(
         return new_updates, LossScaledState(new_scaler, new_inner, fn)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _state_scaler(state: Any) -> FunctionalLossScaler:
+    """The functional scaler of ``state``, a `LossScaledState`.
+
+    Raises:
+        PolyampTypeError: ``state`` is not one (the state of another transformation).
+    """
+    if not isinstance(state, LossScaledState):
+        raise PolyampTypeError(
+            "The update of polyamp_jax.loss_scaled takes the state its init returned (a LossScaledState). "
+            f"Received: {describe(state)}."
+        )
+    return state.fn
 
 
 def _follows_a_plan(inner_state: Any) -> bool:
@@ -251,8 +266,12 @@ def load_state_dict(opt_state: Any, saved: Any) -> Any:
     """``opt_state`` with its loss-scaler state (a `loss_scaled` state or a `DynamicScale`) restored from a state
     dict of any backend's scaler.
 
+    The dict's settings (``growth_interval``, ...) are the restored state's, carried with it, as Flax's
+    ``DynamicScale`` carries its own: a jitted step given it traces anew and follows them; the transformation
+    and its other states keep theirs.
+
     Raises:
-        StateDictError: the dict is malformed (nothing changes).
+        StateDictError: the dict is malformed, or holds a scale JAX cannot hold (nothing changes).
         InvalidConfigError: a `DynamicScale` cannot follow the dict's settings (hysteresis, a fixed scale).
     """
     node = _find(opt_state, "load_state_dict()")
@@ -260,7 +279,10 @@ def load_state_dict(opt_state: Any, saved: Any) -> Any:
     if isinstance(node, DynamicScale):
         restored = node._loaded(saved)
     else:
-        restored = LossScaledState(node.fn.load_state_dict(saved, like=node.scaler), node.inner, node.fn)
+        # The dict's settings travel with the state: a state with other settings than the transformation's
+        # holds its own functional scaler, and a jitted step traces anew for it.
+        fn, loaded = node.fn.restore(saved, like=node.scaler)
+        restored = LossScaledState(loaded, node.inner, fn)
     return jax.tree_util.tree_map(
         lambda n: restored if n is node else n,
         opt_state,
