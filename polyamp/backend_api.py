@@ -9,7 +9,7 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
   stateless steps is also a `FunctionalBackend` (``make_functional(config)`` returning a `FunctionalDevice`,
   which may also implement `FunctionalRecordingDevice`, `FunctionalGuardingDevice`, `FunctionalSpikeDevice` and
   `FunctionalProvenanceDevice` (the records' ring, the guard and the spike window as trees of arrays in the
-  functional state), `FunctionalCeilingDevice` (a scale kept at or below a ceiling such as
+  functional state), `FunctionalRunDevice` (records per run, its id in the ring), `FunctionalCeilingDevice` (a scale kept at or below a ceiling such as
   `RECIPROCAL_CEILING`) and `FunctionalTracingDevice` (whether a compiler traced the rule's settings));
 * optional protocols a device form may also implement, each one capability: `RecordingDevice` (step records
   on the device), `GuardingDevice` / `ImperativeGuardingDevice` (the guard), `ProvenanceDevice` /
@@ -55,6 +55,7 @@ from polyamp._src.backend import (
     FunctionalGuardingDevice,
     FunctionalProvenanceDevice,
     FunctionalRecordingDevice,
+    FunctionalRunDevice,
     FunctionalSpikeDevice,
     FunctionalTracingDevice,
     GradientCounts,
@@ -198,6 +199,7 @@ __all__ = [
     "FunctionalLossScaler",
     "FunctionalProvenanceDevice",
     "FunctionalRecordingDevice",
+    "FunctionalRunDevice",
     "FunctionalSpikeDevice",
     "FunctionalTracingDevice",
     "GradientCounts",

@@ -860,3 +860,41 @@ def test_loss_scaled_settings_loaded_after_a_jitted_step_travel_with_the_state()
     LossScaler(enabled=True).load_state_dict(written)
     assert [r.next_scale for r in polyamp_jax.records(loaded)] == scales
     assert polyamp_jax.state_dict(step(tx.init(params)))["growth_interval"] == 4
+
+
+def test_records_are_each_states_own() -> None:
+    """The records of a loss_scaled state are its own: two states of one transformation keep theirs (one
+    skipped, the other never did); an older state gives only its own iterations, also when read after a
+    later one; init() starts a new run and leaves the others as they were; a state stepped again from an older
+    one (a rollback) reads its own iterations from where it differs, with the scales its rule gives, and the
+    first branch's states still read theirs."""
+    params = {"w": jnp.ones(3)}
+    tx = polyamp_jax.loss_scaled(optax.sgd(0.1), enabled=True, growth_interval=2)
+
+    @jax.jit
+    def step(opt_state: Any, bad: Any) -> Any:
+        grads = jax.grad(lambda p: polyamp_jax.scale_loss(opt_state, jnp.sum(p["w"])))(params)
+        grads = jax.tree_util.tree_map(lambda g: jnp.where(bad, jnp.inf, g), grads)
+        return tx.update(grads, opt_state, params)[1]
+
+    def seen(opt_state: Any) -> list[tuple[int, bool, float | None, float | None]]:
+        return [(r.iteration, r.skipped, r.scale, r.next_scale) for r in polyamp_jax.records(opt_state)]
+
+    a0, b0 = tx.init(params), tx.init(params)
+    a1 = step(a0, False)
+    a2 = step(a1, True)
+    a3 = step(a2, False)
+    b1 = step(b0, False)
+    first_branch = [(0, False, 65536.0, 65536.0), (1, True, 65536.0, 32768.0), (2, False, 32768.0, 32768.0)]
+    assert seen(a3) == first_branch
+    assert seen(b1) == [(0, False, 65536.0, 65536.0)]
+    assert seen(a1) == first_branch[:1] and seen(a0) == []
+    assert seen(tx.init(params)) == [] and seen(a3) == first_branch and seen(b1) == seen(a1)
+    rolled_back = step(step(a1, False), False)  # iteration 1 again, from a1: finite this time
+    assert seen(rolled_back) == [
+        (0, False, 65536.0, 65536.0),
+        (1, False, 65536.0, 131072.0),
+        (2, False, 131072.0, 131072.0),
+    ]
+    assert seen(a3) == first_branch and seen(a2) == first_branch[:2]
+    assert polyamp_jax.state_dict(rolled_back)["scale"] == 131072.0

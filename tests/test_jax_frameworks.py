@@ -221,6 +221,15 @@ def test_a_loss_scaled_state_checkpoints_with_flax_serialization() -> None:
     assert polyamp_jax.state_dict(ours[1]) == polyamp_jax.state_dict(theirs[1])
     (record,) = [r for r in polyamp_jax.records(ours[1]) if r.skipped and r.iteration == 4]
     assert [g.name for g in record.gradients] == ["dense/bias", "dense/kernel"]
+    assert polyamp_jax.records(ours[1]) == polyamp_jax.records(theirs[1])
+    # Restored where its run was never read (another process): its iterations' records, at unknown scales.
+    elsewhere = polyamp_jax.loss_scaled(optax.adam(1e-2), enabled=True, growth_interval=2)
+    moved = serialization.from_bytes(elsewhere.init(params), serialization.to_bytes(opt_state))
+    assert [(r.iteration, r.skipped, r.scale) for r in polyamp_jax.records(moved)] == [
+        (0, False, None),
+        (1, True, None),
+        (2, False, None),
+    ]
 
 
 # -- Flax TrainState with DynamicScale ----------------------------------------------------------------------

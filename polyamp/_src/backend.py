@@ -38,6 +38,7 @@ __all__ = [
     "FunctionalDevice",
     "FunctionalGuardingDevice",
     "FunctionalRecordingDevice",
+    "FunctionalRunDevice",
     "FunctionalSpikeDevice",
     "FunctionalTracingDevice",
     "GradientCounts",
@@ -548,6 +549,21 @@ class FunctionalRecordingDevice(Protocol):
     def ring_read(self, ring: Any) -> tuple[int, list[int]]:
         """(codes written in all, the most recent ones oldest first): one host read
         (`polyamp.backend_api.ring_codes` orders a ring)."""
+        ...
+
+
+@runtime_checkable
+class FunctionalRunDevice(Protocol):
+    """Optional, functional recording devices: the id of the run (one `polyamp.FunctionalLossScaler.init`, and
+    every state stepped from it) carried in the ring, so that the records of a state are its run's own, not
+    those of every state of one scaler."""
+
+    def ring_tag(self, ring: Any, run: int) -> Any:
+        """``ring`` carrying the run id ``run`` (an int in [0, 2**31)), which `ring_write` keeps."""
+        ...
+
+    def ring_run(self, ring: Any) -> int | None:
+        """The run id ``ring`` carries (one host read), or None where it carries none."""
         ...
 
 

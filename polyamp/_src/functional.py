@@ -18,6 +18,7 @@ spike skip counted as a skip) is decided here, once, when `polyamp.LossScaler.fu
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal, cast
 
@@ -28,12 +29,14 @@ from polyamp._src.backend import (
     FunctionalGuardingDevice,
     FunctionalProvenanceDevice,
     FunctionalRecordingDevice,
+    FunctionalRunDevice,
     FunctionalSpikeDevice,
     FunctionalTracingDevice,
 )
 from polyamp._src.errors import InvalidConfigError, PolyampTypeError, ScalerUsageError, StateDictError, describe
 from polyamp._src.provenance import non_finite_gradients
 from polyamp._src.records import DEFAULT_HISTORY, MODE_CODES, Recorder, StepRecord
+from polyamp._src.run_records import RunBooks
 from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
 from polyamp._src.spikes import SpikeRule
 from polyamp._src.state_dict import (
@@ -159,9 +162,9 @@ class FunctionalLossScaler:
         self._backend = backend
         self._mode: FunctionalMode = "off"
         self._recording = False
-        self._attached = -1  # the iteration whose provenance the records hold
         self._read_capabilities()
-        self._recorder = self._new_recorder(config.initial_state())
+        self._books = RunBooks(self._new_recorder, history)  # the records, per run (per init)
+        self._books.start(None, config.initial_state())
 
     def _device_rule(self) -> LossScaleConfig:
         """The config whose rule the device follows: ``config``, or with the device's ceiling."""
@@ -191,10 +194,8 @@ class FunctionalLossScaler:
             )
         self._mode = "guarding" if guard and supported else "off"
 
-    def _new_recorder(self, state: LossScaleState) -> Recorder:
-        recorder = Recorder(self._history, self._on_min_scale, self._rule.reason if self._rule else "loss_spike")
-        recorder.reanchor(state)
-        return recorder
+    def _new_recorder(self) -> Recorder:
+        return Recorder(self._history, self._on_min_scale, self._rule.reason if self._rule else "loss_spike")
 
     @property
     def config(self) -> LossScaleConfig:
@@ -261,17 +262,22 @@ class FunctionalLossScaler:
             initial = LossScaleState(
                 to_float32(float(state.scale)), int(state.growth_tracker), int(state.hysteresis_left)
             )
-        self._recorder = self._new_recorder(initial)
         tree: dict[str, Any] = {"scaler": self._device.init(initial)}
+        run = None
         if self._recording:
             device = cast(FunctionalRecordingDevice, self._device)
             tree["ring"] = device.ring_init(self._history)
+            if isinstance(device, FunctionalRunDevice):  # this state's records are its run's, not the scaler's
+                run = secrets.randbelow(2**31)
+                while self._books.known(run):
+                    run = secrets.randbelow(2**31)
+                tree["ring"] = device.ring_tag(tree["ring"], run)
+        self._books.start(run, initial)
         if self._rule is not None:
             spikes = cast(FunctionalSpikeDevice, self._device)
             tree["window"] = spikes.window_init(self._rule)
         if grads is not None:
             tree["provenance"] = self._provenance_device("init(grads=...)").provenance_init(grads)
-        self._attached = -1
         return tree
 
     def _provenance_device(self, method: str) -> FunctionalProvenanceDevice:
@@ -478,10 +484,14 @@ class FunctionalLossScaler:
         skipped or not, why, the mode, and the scale replayed from the config, as `polyamp.LossScaler.records`
         gives them (empty when the device keeps no records).
 
-        Reads the codes ``state``'s ring gained since the last call (one host read); the records belong to the
-        run that started at the last `init` or `load_state_dict`, and are kept here, on the host. Read them at
-        least every ``history`` iterations: older codes are overwritten in the ring (a warning says how many
-        were lost).
+        The records are ``state``'s own: those of the run it belongs to (the `init` or `load_state_dict` it was
+        stepped from), up to its own last iteration, so another run's states, later states of its run and
+        states stepped again from an older one never show in them. They are kept here, on the host, per run
+        (the 16 most recently read or started runs; the device keeps the run's id in the ring,
+        `polyamp.backend_api.FunctionalRunDevice`): each read takes the codes ``state``'s ring gained since
+        its run was last read (one host read). Read them at least every ``history`` iterations: older codes are
+        overwritten in the ring (a warning says how many were lost). A device that keeps no run id keeps one
+        run, which each `init` starts anew.
 
         Raises:
             ScaleCollapseError: with ``on_min_scale="raise"``, a record shows the scale reaching its floor.
@@ -489,19 +499,15 @@ class FunctionalLossScaler:
         self._scaler(state, "records()")
         if not self._recording:
             return []
+        provenance = None
         if "provenance" in state:  # the last skip's counts, attached once to its record
             at, entries = self._provenance_device("records()").provenance_read(state["provenance"])
-            if at > self._attached:
-                self._attached = at
-                gradients = non_finite_gradients(entries)
-                if self._recorder.find(at) is None:
-                    self._recorder.attach(at, gradients)
-                else:
-                    self._recorder.amend(at, gradients)
+            if at >= 0:
+                provenance = (at, lambda: non_finite_gradients(entries))
         device = cast(FunctionalRecordingDevice, self._device)
+        run = device.ring_run(state["ring"]) if isinstance(device, FunctionalRunDevice) else None
         count, codes = device.ring_read(state["ring"])
-        self._recorder.consume(count, codes, self._scale_rule, lambda: self.read(state))
-        return list(self._recorder.records)
+        return self._books.read(run, count, codes, self._scale_rule, lambda: self.read(state), provenance)
 
     def state_dict(self, state: Any) -> dict[str, Any]:
         """A state dict interchangeable with `polyamp.LossScaler.state_dict`'s (the spike window and its run

@@ -152,12 +152,14 @@ def _counts(leaves: list[Any]) -> Any:
 
 class JaxFunctional:
     """`polyamp.backend_api.FunctionalDevice` over JAX arrays, with records (`FunctionalRecordingDevice`), the
-    guard (`FunctionalGuardingDevice`), the spike rule (`FunctionalSpikeDevice`), the counts of non-finite
+    guard (`FunctionalGuardingDevice`), a run id in the ring (`FunctionalRunDevice`), the spike rule
+    (`FunctionalSpikeDevice`), the counts of non-finite
     gradients of a skipped step (`FunctionalProvenanceDevice`), the scale's ceiling (`FunctionalCeilingDevice`)
     and whether a compiler traced the rule (`FunctionalTracingDevice`).
 
     Trees are dicts of arrays: the scaler ``{"scale", "growth_tracker", "hysteresis_left", "skipped"}``, the
-    record ring ``{"codes", "count"}`` and the spike window ``{"values", "count", "run"}``.
+    record ring ``{"codes", "count", "run"}`` (the run id: `FunctionalRunDevice`) and the spike window
+    ``{"values", "count", "run"}``.
 
     The scale never grows past `polyamp.backend_api.RECIPROCAL_CEILING` (2**126), the largest scale whose float32
     reciprocal is a normal number, which XLA on CPU does not flush to zero.
@@ -286,6 +288,12 @@ class JaxFunctional:
     def ring_init(self, capacity: int) -> dict[str, Any]:
         return {"codes": jnp.zeros((capacity,), jnp.int32), "count": jnp.zeros((), jnp.int32)}
 
+    def ring_tag(self, ring: Mapping[str, Any], run: int) -> dict[str, Any]:
+        return {**ring, "run": jnp.asarray(run, jnp.int32)}
+
+    def ring_run(self, ring: Mapping[str, Any]) -> int | None:
+        return int(np.asarray(ring["run"])) if "run" in ring else None
+
     def ring_write(self, ring: Mapping[str, Any], base: int, flag: Any, spike: Any = None) -> dict[str, Any]:
         overflow = jnp.asarray(False) if flag is None else _set(flag)
         code = jnp.int32(base)
@@ -297,7 +305,7 @@ class JaxFunctional:
             code = code + (spiked & ~overflow).astype(jnp.int32) * SPIKE_BIT
             code = code + (jnp.asarray(spike) < 0).astype(jnp.int32) * REBASE_BIT
         codes, count = ring["codes"], ring["count"]
-        return {"codes": codes.at[count % codes.shape[0]].set(code), "count": count + 1}
+        return {**ring, "codes": codes.at[count % codes.shape[0]].set(code), "count": count + 1}
 
     def ring_read(self, ring: Mapping[str, Any]) -> tuple[int, list[int]]:
         count = int(np.asarray(ring["count"]))
