@@ -469,6 +469,64 @@ def test_autocast_keeps_explicit_casts_control_flow_and_captured_arrays() -> Non
     assert {o.dtype for o in outputs} == {jnp.dtype(jnp.bfloat16)}
 
 
+def test_autocast_runs_remat_bodies_by_op_class_and_keeps_them_checkpointed() -> None:
+    """A jax.checkpoint (jax.remat) body runs by op class, as the same code outside one does (a softmax's exp in
+    float32, its matmul in float16), and stays a checkpoint; its values and gradients are those without it."""
+    w = jnp.linspace(-1.0, 1.0, 20).reshape(4, 5)
+    x = jnp.linspace(-3.0, 3.0, 12).reshape(3, 4)
+
+    def body(w: jax.Array, x: jax.Array) -> jax.Array:
+        return jax.nn.softmax(x @ w)
+
+    remat = polyamp_jax.autocast(lambda w, x: jax.checkpoint(body)(w, x), policy="mixed_float16")
+    plain = polyamp_jax.autocast(body, policy="mixed_float16")
+    closed = jax.make_jaxpr(remat)(w, x)
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name in ("remat2", "checkpoint")]
+    inner = str(eqn.params["jaxpr"])
+    assert "f32[3,5] = exp" in inner and "f16[3,5] = exp" not in inner and "f16[3,5] = dot_general" in inner
+    assert str(jax.make_jaxpr(plain)(w, x)).count("f32[3,5] = exp") == 1
+    np.testing.assert_array_equal(np.asarray(remat(w, x)), np.asarray(plain(w, x)))
+    grad_remat = jax.jit(jax.grad(lambda w: jnp.sum(remat(w, x)[:, 0])))(w)
+    grad_plain = jax.jit(jax.grad(lambda w: jnp.sum(plain(w, x)[:, 0])))(w)
+    assert grad_remat.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(grad_remat), np.asarray(grad_plain), rtol=1e-6, atol=1e-7)
+
+
+def test_autocast_keeps_custom_derivative_rules() -> None:
+    """jax.nn.relu's custom JVP rule gives 0 at 0, where its body (max(x, 0)) gives 0.5: under autocast the rule
+    is kept (run by class) under grad, jit, vmap, jvp and second derivatives, as without autocast; a
+    jax.custom_vjp function runs as written, with its rule. A custom_jvp defined inside the function, whose rule
+    closes over values traced there, is differentiated through its body, with a warning."""
+    relu = polyamp_jax.autocast(jax.nn.relu, policy="mixed_float16")
+    xs = jnp.asarray([-1.0, 0.0, 2.0])
+    assert np.asarray(jax.vmap(jax.grad(relu))(xs)).tolist() == [0.0, 0.0, 1.0]
+    assert np.asarray(jax.jit(jax.grad(lambda v: jnp.sum(relu(v))))(xs)).tolist() == [0.0, 0.0, 1.0]
+    assert float(jax.grad(relu)(jnp.float32(0.0))) == float(jax.grad(jax.nn.relu)(jnp.float32(0.0))) == 0.0
+    out, tangent = jax.jvp(relu, (xs,), (jnp.ones(3),))
+    assert (out.dtype, tangent.dtype, np.asarray(tangent).tolist()) == (jnp.float32, jnp.float32, [0.0, 0.0, 1.0])
+    square = polyamp_jax.autocast(lambda v: jnp.sum(jax.nn.relu(v) ** 2), policy="mixed_float16")
+    assert np.asarray(jax.hessian(square)(jnp.asarray([0.0, 1.0]))).tolist() == [[0.0, 0.0], [0.0, 2.0]]
+
+    @jax.custom_vjp
+    def sine(v: jax.Array) -> jax.Array:
+        return jnp.sin(v)
+
+    sine.defvjp(lambda v: (jnp.sin(v), v), lambda v, g: (g * 3.0,))
+    assert float(jax.grad(polyamp_jax.autocast(sine, policy="mixed_float16"))(jnp.float32(0.5))) == 3.0
+
+    def closing(v: jax.Array, a: jax.Array) -> jax.Array:
+        @jax.custom_jvp
+        def scaled_exp(u: jax.Array) -> jax.Array:
+            return jnp.exp(u) * a
+
+        scaled_exp.defjvp(lambda primals, tangents: (scaled_exp(primals[0]), 7.0 * tangents[0]))
+        return scaled_exp(v)
+
+    with pytest.warns(UserWarning, match=r"custom JVP rule of 'scaled_exp' uses values traced inside"):
+        slope = jax.grad(polyamp_jax.autocast(closing, policy="mixed_float16"))(jnp.float32(1.0), jnp.float32(2.0))
+    assert float(slope) == pytest.approx(2.0 * math.e, rel=1e-3)
+
+
 def test_replicas_skip_together_over_a_named_axis() -> None:
     """Two replicas (a vmap with an axis name, as pmap/shard_map give one) with different gradients: when one
     overflows, both skip and keep one scale; without the axis name each decides on its own."""
