@@ -301,6 +301,18 @@ def test_jmp_compat_dynamic_loss_scale_follows_polyamps_rule_and_equals_jmp(fact
     assert _adjusted(theirs, pattern) == want
 
 
+def test_jmp_compat_keeps_jmps_floor_of_one_where_polyamps_scalers_floor_at_a_lower_start() -> None:
+    """From a scale of 0.5, an overflow: jmp (and jmp_compat, by its default min_loss_scale of 1) backs off to
+    1.0; polyamp's own scalers, whose floor without min_scale is init_scale when that is below 1, keep 0.5."""
+    jmp = pytest.importorskip("jmp")
+    finite = jnp.asarray(False)
+    theirs = jmp.DynamicLossScale(jnp.float32(0.5)).adjust(finite)
+    ours = polyamp_jax.jmp_compat.DynamicLossScale(jnp.float32(0.5)).adjust(finite)
+    assert float(theirs.loss_scale) == float(ours.loss_scale) == 1.0
+    fn = LossScaler(init_scale=0.5, enabled=True).functional(backend="jax")
+    assert fn.read(fn.update(fn.init(), jnp.asarray(1.0))).scale == 0.5
+
+
 def test_jmp_compat_dynamic_loss_scale_rounds_a_factor_as_polyamp_does() -> None:
     """A factor float32 cannot hold (1.1): polyamp multiplies by the float64 factor (or its reciprocal) and rounds
     once; jmp rounds the factor to float32 first. The documented last-bit difference."""

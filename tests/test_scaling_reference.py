@@ -60,6 +60,15 @@ def test_min_scale_floors_backoff() -> None:
     assert config.trajectory("OOOO") == [4.0, 3.0, 3.0, 3.0]
 
 
+def test_the_default_floor_is_one_or_a_lower_initial_scale() -> None:
+    """Without min_scale a backoff stops at 1.0, or at init_scale when that starts below 1: a backoff never
+    raises the scale (jmp's floor of 1 would take 0.5 up to 1.0 on an overflow)."""
+    assert LossScaleConfig(init_scale=4.0).trajectory("OOOO") == [2.0, 1.0, 1.0, 1.0]
+    assert LossScaleConfig(init_scale=0.5).trajectory("OOFO") == [0.5, 0.5, 0.5, 0.5]
+    assert LossScaleConfig(init_scale=0.5).floor_f32 == 0.5 and LossScaleConfig().floor_f32 == 1.0
+    assert LossScaleConfig(init_scale=0.5, growth_interval=1).trajectory("FO") == [1.0, 0.5]
+
+
 def test_max_scale_caps_growth() -> None:
     config = LossScaleConfig(init_scale=2.0**15, growth_interval=1, max_scale=100_000.0)
     assert config.trajectory("FFF") == [65536.0, 100_000.0, 100_000.0]

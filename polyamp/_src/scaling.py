@@ -136,7 +136,7 @@ SETTING_DOCS: Final = {
     "backoff_factor": "Multiplier after an overflow (once ``hysteresis`` overflows accumulate); in (0, 1).",
     "growth_interval": "Consecutive finite steps before the scale grows; >= 1.",
     "hysteresis": "Overflows needed before the scale backs off; >= 1 (1 backs off on every overflow).",
-    "min_scale": "Floor for the scale after backoff (>= 2**-126); None: 1.0, or init_scale if lower.",
+    "min_scale": "Floor for the scale after backoff (>= 2**-126); None: 1.0, or init_scale if lower (see below).",
     "max_scale": "Cap for the scale after growth, or None for none (growth still never reaches inf).",
     "dynamic": "False keeps the scale at ``init_scale`` forever; non-finite steps are still skipped.",
 }
@@ -178,7 +178,12 @@ class LossScaleConfig:
           ``min(scale * growth_factor, max_scale)`` unless that is not finite, ``growth_tracker`` resets to 0 and
           ``hysteresis_left`` refills to ``hysteresis``;
         * non-finite: the step is skipped, ``growth_tracker`` resets to 0, ``hysteresis_left -= 1``; when it reaches
-          0, the scale becomes ``max(scale * backoff_factor, min_scale)`` and ``hysteresis_left`` refills.
+          0, the scale becomes ``max(scale * backoff_factor, floor)`` and ``hysteresis_left`` refills.
+
+        The floor is ``min_scale``; without one it is 1.0, or ``init_scale`` when that starts below 1, so a
+        backoff never raises the scale (`floor_f32`). jmp's floor is 1 whatever the start, so from 0.5 its first
+        backoff gives 1.0; `polyamp_jax.jmp_compat` keeps jmp's. torch's GradScaler and Keras's
+        LossScaleOptimizer have no floor; polyamp's torch and Keras paths follow them step for step above it.
 
         Each product is rounded to float32 from its double-precision value, as torch's kernel does. With the
         defaults (hysteresis 1, no bounds) this is exactly ``torch.amp.GradScaler``'s rule.
@@ -195,6 +200,12 @@ class LossScaleConfig:
 
         >>> LossScaleConfig(growth_interval=3, hysteresis=2).trajectory("FOFOOO")
         [65536.0, 65536.0, 65536.0, 32768.0, 32768.0, 16384.0]
+
+        Started below 1 without a ``min_scale``, the scale stays at its start on overflows; with one, it backs
+        off to it:
+
+        >>> LossScaleConfig(init_scale=0.5).trajectory("OO"), LossScaleConfig(init_scale=0.5, min_scale=0.125).trajectory("OOO")
+        ([0.5, 0.5], [0.25, 0.125, 0.125])
     """
 
     init_scale: float = 2.0**16
@@ -287,7 +298,7 @@ class LossScaleConfig:
     @property
     def floor_f32(self) -> float:
         """The lowest scale the rule reaches, in float32: ``min_scale``, or else 1.0 (``init_scale`` if that
-        starts lower).
+        starts lower, so that a backoff never raises the scale; jmp's floor is 1 whatever the start).
 
         At or above 1, 1/scale is at most 1, so an unscaled gradient is never larger than its scaled value:
         checking the scaled gradients (what torch's fused kernels do) is enough, and 1/scale is always
