@@ -566,12 +566,12 @@ class FunctionalLossScaler:
                 "or load the dict before the first compiled step."
             )
         try:
-            device = self._device if config == self._config else self._make_device(config)
-            (device.rule if isinstance(device, FunctionalCeilingDevice) else config).check_state(host)
+            made = self._device if config == self._config else self._make_device(config)
+            (made.rule if isinstance(made, FunctionalCeilingDevice) else config).check_state(host)
         except (InvalidConfigError, PolyampTypeError) as exc:
             raise StateDictError(f"FunctionalLossScaler.load_state_dict() cannot load this state here: {exc}") from exc
-        if device is not self._device:  # the rule's constants live in the device functions: new ones
-            self._device = device
+        if made is not self._device:  # the rule's constants live in the device functions: new ones
+            self._device = made
             self._config = config
             self._scale_rule = self._device_rule()
             self._read_capabilities()

@@ -234,7 +234,7 @@ class _Interpreter:
                     UserWarning,
                     stacklevel=2,
                 )
-                return jax.jvp(run_body, primals, tangents)  # type: ignore[no-any-return]
+                return jax.jvp(run_body, primals, tangents)
             nonzero = iter(results[len(out_zeros) :])
             return outputs, [
                 _zero_tangent(output) if zero else _cast(next(nonzero), output.dtype)

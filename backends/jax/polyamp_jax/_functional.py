@@ -224,8 +224,8 @@ class JaxFunctional:
             if not _floating(grad):
                 return grad
             # As torch's kernel: a narrower gradient is multiplied in float32 and rounded once to its dtype (the
-            # reciprocal in float16 would round it, or flush it to zero above a scale of 2**24).
-            if jnp.finfo(grad.dtype).bits < 32:
+            # reciprocal in float16 would be rounded, to 0 from a scale of 2**25).
+            if jnp.dtype(grad.dtype).itemsize < 4:
                 return (grad.astype(jnp.float32) * inverse).astype(grad.dtype)
             return grad * inverse.astype(grad.dtype)
 
