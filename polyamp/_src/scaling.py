@@ -204,8 +204,10 @@ class LossScaleConfig:
         Started below 1 without a ``min_scale``, the scale stays at its start on overflows; with one, it backs
         off to it:
 
-        >>> LossScaleConfig(init_scale=0.5).trajectory("OO"), LossScaleConfig(init_scale=0.5, min_scale=0.125).trajectory("OOO")
-        ([0.5, 0.5], [0.25, 0.125, 0.125])
+        >>> LossScaleConfig(init_scale=0.5).trajectory("OO")
+        [0.5, 0.5]
+        >>> LossScaleConfig(init_scale=0.5, min_scale=0.125).trajectory("OOO")
+        [0.25, 0.125, 0.125]
     """
 
     init_scale: float = 2.0**16

@@ -151,11 +151,11 @@ def _counts(leaves: list[Any]) -> Any:
 
 
 class JaxFunctional:
-    """`polyamp.backend_api.FunctionalDevice` over JAX arrays, with records (`FunctionalRecordingDevice`), the
-    guard (`FunctionalGuardingDevice`), a run id in the ring (`FunctionalRunDevice`), the spike rule
-    (`FunctionalSpikeDevice`), the counts of non-finite
-    gradients of a skipped step (`FunctionalProvenanceDevice`), the scale's ceiling (`FunctionalCeilingDevice`)
-    and whether a compiler traced the rule (`FunctionalTracingDevice`).
+    """`polyamp.backend_api.FunctionalDevice` over JAX arrays, with records (`FunctionalRecordingDevice`) and
+    their run id (`FunctionalRunDevice`), the guard (`FunctionalGuardingDevice`), the spike rule
+    (`FunctionalSpikeDevice`), the counts of non-finite gradients of a skipped step
+    (`FunctionalProvenanceDevice`), the scale's ceiling (`FunctionalCeilingDevice`) and whether a compiler
+    traced the rule (`FunctionalTracingDevice`).
 
     Trees are dicts of arrays: the scaler ``{"scale", "growth_tracker", "hysteresis_left", "skipped"}``, the
     record ring ``{"codes", "count", "run"}`` (the run id: `FunctionalRunDevice`) and the spike window
