@@ -18,20 +18,25 @@ spike skip counted as a skip) is decided here, once, when `polyamp.LossScaler.fu
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal, NamedTuple, cast
 
 from polyamp._src.backend import (
     Flag,
+    FunctionalCeilingDevice,
     FunctionalDevice,
     FunctionalGuardingDevice,
     FunctionalProvenanceDevice,
     FunctionalRecordingDevice,
+    FunctionalRunDevice,
     FunctionalSpikeDevice,
+    FunctionalTracingDevice,
 )
-from polyamp._src.errors import InvalidConfigError, PolyampTypeError, ScalerUsageError, describe
+from polyamp._src.errors import InvalidConfigError, PolyampTypeError, ScalerUsageError, StateDictError, describe
 from polyamp._src.provenance import non_finite_gradients
 from polyamp._src.records import DEFAULT_HISTORY, MODE_CODES, Recorder, StepRecord
+from polyamp._src.run_records import RunBooks
 from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
 from polyamp._src.spikes import SpikeRule
 from polyamp._src.state_dict import (
@@ -60,6 +65,22 @@ class FunctionalStep(NamedTuple):
     found_inf: Flag | None = None
     skipped: Flag | None = None
     grads: Any = None
+
+
+def _check_flag(flag: Any, method: str) -> None:
+    """Raise unless ``flag`` is one flag: a scalar (0-d) array or a Python bool or number. An array of several
+    flags would be broadcast into the parameters and the scale, mixing two trees element by element."""
+    if flag is None or isinstance(flag, (bool, int, float)):
+        return
+    ndim = getattr(flag, "ndim", None)
+    if isinstance(flag, (list, tuple, Mapping)) or (isinstance(ndim, int) and ndim != 0):
+        shape = getattr(flag, "shape", None)
+        held = "" if shape is None else f" of shape {tuple(shape)}"
+        raise PolyampTypeError(
+            f"FunctionalLossScaler.{method} takes one flag: a scalar, such as the found_inf unscale() returned "
+            f"(> 0: the step is skipped). Received: {describe(flag)}{held}. Reduce several flags to one first, "
+            "e.g. jnp.max(flags), or pass unscale()'s flag."
+        )
 
 
 class FunctionalLossScaler:
@@ -144,6 +165,7 @@ class FunctionalLossScaler:
         self._make_device = make_device
         self._device = make_device(config)
         self._config = config
+        self._scale_rule = self._device_rule()
         self._enabled = enabled
         self._setting = setting
         self._guard = guard
@@ -153,9 +175,14 @@ class FunctionalLossScaler:
         self._backend = backend
         self._mode: FunctionalMode = "off"
         self._recording = False
-        self._attached = -1  # the iteration whose provenance the records hold
         self._read_capabilities()
-        self._recorder = self._new_recorder(config.initial_state())
+        self._books = RunBooks(self._new_recorder, history)  # the records, per run (per init)
+        self._books.start(None, config.initial_state())
+
+    def _device_rule(self) -> LossScaleConfig:
+        """The config whose rule the device follows: ``config``, or with the device's ceiling."""
+        device = self._device
+        return device.rule if isinstance(device, FunctionalCeilingDevice) else self._config
 
     def _read_capabilities(self) -> None:
         """Read which optional protocols the device implements, once (and again when it is remade)."""
@@ -180,10 +207,8 @@ class FunctionalLossScaler:
             )
         self._mode = "guarding" if guard and supported else "off"
 
-    def _new_recorder(self, state: LossScaleState) -> Recorder:
-        recorder = Recorder(self._history, self._on_min_scale, self._rule.reason if self._rule else "loss_spike")
-        recorder.reanchor(state)
-        return recorder
+    def _new_recorder(self) -> Recorder:
+        return Recorder(self._history, self._on_min_scale, self._rule.reason if self._rule else "loss_spike")
 
     @property
     def config(self) -> LossScaleConfig:
@@ -241,7 +266,7 @@ class FunctionalLossScaler:
             initial = self._config.initial_state()
         else:
             try:
-                self._config.check_state(state)
+                self._scale_rule.check_state(state)
             except (InvalidConfigError, PolyampTypeError) as exc:
                 raise type(exc)(
                     f"FunctionalLossScaler.init() cannot start from this state: {exc} Pass no state for the "
@@ -250,17 +275,22 @@ class FunctionalLossScaler:
             initial = LossScaleState(
                 to_float32(float(state.scale)), int(state.growth_tracker), int(state.hysteresis_left)
             )
-        self._recorder = self._new_recorder(initial)
         tree: dict[str, Any] = {"scaler": self._device.init(initial)}
+        run = None
         if self._recording:
             device = cast(FunctionalRecordingDevice, self._device)
             tree["ring"] = device.ring_init(self._history)
+            if isinstance(device, FunctionalRunDevice):  # this state's records are its run's, not the scaler's
+                run = secrets.randbelow(2**31)
+                while self._books.known(run):
+                    run = secrets.randbelow(2**31)
+                tree["ring"] = device.ring_tag(tree["ring"], run)
+        self._books.start(run, initial)
         if self._rule is not None:
             spikes = cast(FunctionalSpikeDevice, self._device)
             tree["window"] = spikes.window_init(self._rule)
         if grads is not None:
             tree["provenance"] = self._provenance_device("init(grads=...)").provenance_init(grads)
-        self._attached = -1
         return tree
 
     def _provenance_device(self, method: str) -> FunctionalProvenanceDevice:
@@ -344,7 +374,12 @@ class FunctionalLossScaler:
 
     def skipped(self, found_inf: Flag | None, spike: Mapping[str, Any] | None = None) -> Flag | None:
         """The flag of whether this iteration's step is skipped: ``found_inf`` (a non-finite gradient) or the
-        spike rule's flag (``spike``, what `spike` returned); None when nothing was checked."""
+        spike rule's flag (``spike``, what `spike` returned); None when nothing was checked.
+
+        Raises:
+            PolyampTypeError: ``found_inf`` is not one flag (a scalar), e.g. an array of per-leaf flags.
+        """
+        _check_flag(found_inf, "skipped()/apply_if_finite()")
         if spike is None:
             return found_inf
         if found_inf is None:
@@ -357,7 +392,11 @@ class FunctionalLossScaler:
     ) -> Any:
         """``applied`` (the values after the optimizer step) unless ``found_inf`` or the spike rule's flag
         (``spike``, what `spike` returned) is set, then ``current``: a skipped step leaves parameters and
-        optimizer state exactly as they were."""
+        optimizer state exactly as they were.
+
+        Raises:
+            PolyampTypeError: ``found_inf`` is not one flag (a scalar), e.g. an array of per-leaf flags.
+        """
         flag = self.skipped(found_inf, spike)
         if flag is None:
             return applied
@@ -384,9 +423,10 @@ class FunctionalLossScaler:
         Raises:
             ScalerUsageError: scaling or guarding without a flag, or a rule's iteration without its decision,
                 or a state that counts non-finite gradients updated without ``grads``.
-            PolyampTypeError: a decision for a scaler without a rule.
+            PolyampTypeError: a decision for a scaler without a rule, or a ``found_inf`` that is not one flag.
         """
         tree = self._scaler(state, "update()")
+        _check_flag(found_inf, "update()")
         new = dict(state)
         mode = self._mode
         if "provenance" in state:
@@ -521,10 +561,14 @@ class FunctionalLossScaler:
         skipped or not, why, the mode, and the scale replayed from the config, as `polyamp.LossScaler.records`
         gives them (empty when the device keeps no records).
 
-        Reads the codes ``state``'s ring gained since the last call (one host read); the records belong to the
-        run that started at the last `init` or `load_state_dict`, and are kept here, on the host. Read them at
-        least every ``history`` iterations: older codes are overwritten in the ring (a warning says how many
-        were lost).
+        The records are ``state``'s own: those of the run it belongs to (the `init` or `load_state_dict` it was
+        stepped from), up to its own last iteration, so another run's states, later states of its run and
+        states stepped again from an older one never show in them. They are kept here, on the host, per run
+        (the 16 most recently read or started runs; the device keeps the run's id in the ring,
+        `polyamp.backend_api.FunctionalRunDevice`): each read takes the codes ``state``'s ring gained since
+        its run was last read (one host read). Read them at least every ``history`` iterations: older codes are
+        overwritten in the ring (a warning says how many were lost). A device that keeps no run id keeps one
+        run, which each `init` starts anew.
 
         Raises:
             ScaleCollapseError: with ``on_min_scale="raise"``, a record shows the scale reaching its floor.
@@ -532,19 +576,15 @@ class FunctionalLossScaler:
         self._scaler(state, "records()")
         if not self._recording:
             return []
+        provenance = None
         if "provenance" in state:  # the last skip's counts, attached once to its record
             at, entries = self._provenance_device("records()").provenance_read(state["provenance"])
-            if at > self._attached:
-                self._attached = at
-                gradients = non_finite_gradients(entries)
-                if self._recorder.find(at) is None:
-                    self._recorder.attach(at, gradients)
-                else:
-                    self._recorder.amend(at, gradients)
+            if at >= 0:
+                provenance = (at, lambda: non_finite_gradients(entries))
         device = cast(FunctionalRecordingDevice, self._device)
+        run = device.ring_run(state["ring"]) if isinstance(device, FunctionalRunDevice) else None
         count, codes = device.ring_read(state["ring"])
-        self._recorder.consume(count, codes, self._config, lambda: self.read(state))
-        return list(self._recorder.records)
+        return self._books.read(run, count, codes, self._scale_rule, lambda: self.read(state), provenance)
 
     def state_dict(self, state: Any) -> dict[str, Any]:
         """A state dict interchangeable with `polyamp.LossScaler.state_dict`'s (the spike window and its run
@@ -559,9 +599,12 @@ class FunctionalLossScaler:
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *, like: Any = None) -> Any:
         """A state from a `polyamp.LossScaler` (or torch GradScaler) state dict, its spike window and run
-        included; its settings are adopted (re-trace jitted steps that captured the old ones). The records start
-        anew, as after `init`. A scaler made with ``enabled=False`` takes ``{}`` (a disabled GradScaler's dict)
-        as nothing to restore: a fresh state.
+        included. The records start anew, as after `init`. A scaler made with ``enabled=False`` takes ``{}`` (a
+        disabled GradScaler's dict) as nothing to restore: a fresh state.
+
+        The dict's settings are adopted only while no compiled step has traced this scaler's `update` (a
+        jitted or scanned step holds the settings as constants, and would go on using the old ones): after
+        that, a dict with other settings raises, and `restore` gives a new functional scaler for them.
 
         Args:
             state_dict: The state dict.
@@ -569,7 +612,9 @@ class FunctionalLossScaler:
                 gradients (``init(grads=...)``) gives a new state that counts them for the same gradients.
 
         Raises:
-            StateDictError: the dict is malformed (nothing changes).
+            StateDictError: the dict is malformed, or holds a state this backend cannot be in (nothing changes).
+            ScalerUsageError: the dict's settings differ from this scaler's, and a compiled step traced them
+                (nothing changes; use `restore`).
         """
         disabled = self._setting is False
         counting = isinstance(like, Mapping) and "provenance" in like
@@ -582,9 +627,30 @@ class FunctionalLossScaler:
         rule = self._rule
         window = parse_spike_window(state_dict, None if rule is None else rule.window)
         run = parse_spike_run(state_dict)
-        if config != self._config:  # the rule's constants live in the device functions: make new ones
-            self._device = self._make_device(config)
+        if config != self._config and isinstance(self._device, FunctionalTracingDevice) and self._device.traced():
+            changed = ", ".join(
+                f"{name}: {old!r} -> {new!r}"
+                for name, old, new in zip(
+                    config.setting_names(), self._config.settings().values(), config.settings().values(), strict=True
+                )
+                if old != new
+            )
+            raise ScalerUsageError(
+                f"FunctionalLossScaler.load_state_dict() would change the loss-scaling settings ({changed}), but a "
+                "compiled step (jax.jit, lax.scan, ...) has already traced this scaler's update(): the settings are "
+                "constants there, and it would go on using the old ones. Take a functional scaler that follows the "
+                "dict instead, `fn, state = fn.restore(state_dict)`, and step with it (its functions trace anew), "
+                "or load the dict before the first compiled step."
+            )
+        try:
+            made = self._device if config == self._config else self._make_device(config)
+            (made.rule if isinstance(made, FunctionalCeilingDevice) else config).check_state(host)
+        except (InvalidConfigError, PolyampTypeError) as exc:
+            raise StateDictError(f"FunctionalLossScaler.load_state_dict() cannot load this state here: {exc}") from exc
+        if made is not self._device:  # the rule's constants live in the device functions: new ones
+            self._device = made
             self._config = config
+            self._scale_rule = self._device_rule()
             self._read_capabilities()
         state = self.init(host)
         if window is not None and rule is not None:
@@ -593,3 +659,42 @@ class FunctionalLossScaler:
         if counting:
             state["provenance"] = self._provenance_device("load_state_dict()").provenance_reset(like["provenance"])
         return state
+
+    def restore(self, state_dict: Mapping[str, Any], *, like: Any = None) -> tuple[FunctionalLossScaler, Any]:
+        """The functional scaler that follows ``state_dict``'s settings, and the state loaded from it, leaving
+        this scaler as it is: this scaler when the settings are its own, else a new one with them and this
+        one's options (mode, guard, history, spike rule, ``on_min_scale``, device), whose functions a jitted
+        step traces anew. Use it to resume a dict with other settings once a compiled step traced this one.
+
+        Args:
+            state_dict: The state dict.
+            like: As for `load_state_dict`.
+
+        Returns:
+            ``(fn, state)``: the functional scaler to step with, and its state.
+
+        Raises:
+            StateDictError: the dict is malformed, or holds a state this backend cannot be in.
+        """
+        disabled = self._setting is False
+        if not (disabled and is_disabled_torch_state(state_dict)):
+            config, _ = parse_state_dict(state_dict, self._config, loader_disabled=disabled)
+            if config != self._config:
+                try:
+                    sibling = FunctionalLossScaler(
+                        self._make_device,
+                        config,
+                        self._enabled,
+                        setting=self._setting,
+                        guard=self._guard,
+                        history=self._history,
+                        spike=self._rule,
+                        on_min_scale=self._on_min_scale,
+                        backend=self._backend,
+                    )
+                except InvalidConfigError as exc:
+                    raise StateDictError(
+                        f"FunctionalLossScaler.restore() cannot follow this state dict here: {exc}"
+                    ) from exc
+                return sibling, sibling.load_state_dict(state_dict, like=like)
+        return self, self.load_state_dict(state_dict, like=like)
