@@ -359,10 +359,12 @@ class DynamicScale:
             grads = jax.tree_util.tree_map(lambda g: jnp.asarray(g, jnp.float32), grads)  # Flax's float32
             if axis_name is not None:
                 grads = jax.lax.pmean(grads, axis_name)  # type: ignore[no-untyped-call]
-            grads, found_inf = scaler.unscale(state, grads)
+            # Flax's API leaves the inner step to the caller: the iteration's step has none.
+            out = scaler.step(state, grads, lambda unscaled: unscaled, lambda applied: applied)
+            grads, found_inf = out.grads, out.found_inf
             loss, _ = scaler.unscale(state, scaled_loss)
             assert found_inf is not None  # a DynamicScale always scales
-            new = self._with_functional_state(scaler.update(state, found_inf))
+            new = self._with_functional_state(out.state)
             return DynamicScaleResult(
                 new, jnp.logical_not(jnp.asarray(found_inf) > 0), (loss, aux) if has_aux else loss, grads
             )

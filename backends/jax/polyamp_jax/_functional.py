@@ -4,11 +4,9 @@
 Python branch on an array's value, so every function runs under ``jax.jit``, ``jax.lax.scan``, ``vmap`` and
 ``shard_map`` and returns new arrays. Gradients are any pytree (None leaves stay None).
 
-The loss-scale rule follows `polyamp.LossScaleConfig.next_state` bit for bit: each growth or backoff product of
-the float32 scale is the correctly rounded product with the float64 factor (a float32 product where the
-factor is a float32 value, as the common factors 2 and 0.5 are; else formed in float64 under
-``jax.enable_x64`` for that product alone), so a run resumes across torch, TensorFlow, Keras and JAX with the
-same scales. Gradients are unscaled by multiplying with the float32 reciprocal of the scale, as jmp and
+The loss-scale rule, the spike rule and the record codes are polyamp's device rules
+(`polyamp.backend_api.rules`) over `JaxOps`, the same as every backend's, so a run resumes across torch,
+TensorFlow, Keras and JAX with the same scales. Gradients are unscaled by multiplying with the float32 reciprocal of the scale, as jmp and
 torch's kernels do: a float16 or bfloat16 gradient is multiplied in float32 and rounded once to its dtype.
 XLA on CPU flushes a subnormal reciprocal to zero, so the scale never grows past `RECIPROCAL_CEILING`
 (2**126; the core's `polyamp.LossScaleConfig.with_ceiling`), on every device, so that a run keeps the same
@@ -18,6 +16,7 @@ scales wherever it resumes.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import jax
@@ -25,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, SpikeRule
-from polyamp.backend_api import REBASE_BIT, RECIPROCAL_CEILING, SPIKE_BIT, ring_codes, ring_values, to_float32
+from polyamp.backend_api import RECIPROCAL_CEILING, ArrayOps, ring_codes, ring_values, rules
 
-__all__ = ["JaxFunctional", "all_finite", "statistic_dtype"]
+__all__ = ["OPS", "JaxFunctional", "JaxOps", "all_finite", "statistic_dtype"]
 
 
 def _x64() -> bool:
@@ -90,12 +89,34 @@ def _floating(leaf: Any) -> bool:
     return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
 
 
-def _times(scale: Any, factor: float) -> Any:
-    """The float32 ``scale`` times the Python float ``factor``, correctly rounded to float32."""
-    if to_float32(factor) == factor:  # the float32 product of two float32 values is the rounded exact product
-        return scale * jnp.float32(factor)
-    with jax.enable_x64(True):  # only where JAX has float64: the factor as float64, the product rounded once
-        return (scale.astype(jnp.float64) * jnp.float64(factor)).astype(jnp.float32)
+class JaxOps(ArrayOps):
+    """polyamp's array vocabulary over ``jax.numpy``: float64 only under ``jax_enable_x64``, or inside
+    ``jax.enable_x64`` for the rule's products."""
+
+    def __init__(self) -> None:
+        super().__init__(jnp)
+
+    @property
+    def has_float64(self) -> bool:
+        return _x64()
+
+    @property
+    def has_int64(self) -> bool:
+        return _x64()
+
+    def float64(self) -> AbstractContextManager[Any]:
+        return jax.enable_x64(True)  # type: ignore[no-any-return]
+
+    def stop_gradient(self, x: Any) -> Any:
+        return jax.lax.stop_gradient(x)
+
+
+#: The vocabulary the functional form computes with.
+OPS = JaxOps()
+
+
+def _window(tree: Mapping[str, Any]) -> Any:
+    return rules.SpikeWindowArrays(tree["values"], tree["count"], tree["run"])
 
 
 def _set(flag: Any) -> Any:
@@ -233,40 +254,12 @@ class JaxFunctional:
         return unscaled, self.check(tree, unscaled)
 
     def update(self, tree: Mapping[str, Any], found_inf: Any) -> dict[str, Any]:
-        config = self._config
         if isinstance(tree["scale"], jax.core.Tracer):
             self._traced = True
         overflow = _set(found_inf)
-        scale, tracker, hysteresis = tree["scale"], tree["growth_tracker"], tree["hysteresis_left"]
-        skipped = tree["skipped"] + overflow.astype(tree["skipped"].dtype)
-        if not config.dynamic:
-            return {**tree, "skipped": skipped}
-        # an overflow: back off once the hysteresis is used up, reset the tracker
-        left = hysteresis - 1
-        backed = jnp.maximum(_times(scale, config.backoff_factor), jnp.float32(config.floor_f32))
-        back_off = left <= 0
-        scale_after_overflow = jnp.where(back_off, backed, scale)
-        hysteresis_after_overflow = jnp.where(back_off, jnp.int32(config.hysteresis), left)
-        # a finite step: grow every growth_interval steps (never to inf), reset the hysteresis when growing
-        next_tracker = tracker + 1
-        grow = next_tracker >= config.growth_interval
-        grown = _times(scale, config.growth_factor)
-        if config.max_scale_f32 is not None:
-            grown = jnp.minimum(grown, jnp.float32(config.max_scale_f32))
-        grows = grow & jnp.isfinite(grown)  # a product that would be inf keeps the scale
-        if config.ceiling_f32 is not None:
-            grown = jnp.minimum(grown, jnp.float32(config.ceiling_f32))
-        scale_after_finite = jnp.where(grows, grown, scale)
-        tracker_after_finite = jnp.where(grow, jnp.int32(0), next_tracker)
-        hysteresis_after_finite = jnp.where(grow, jnp.int32(config.hysteresis), hysteresis)
-        return {
-            "scale": jnp.where(overflow, scale_after_overflow, scale_after_finite),
-            "growth_tracker": jnp.where(overflow, jnp.int32(0), tracker_after_finite).astype(jnp.int32),
-            "hysteresis_left": jnp.where(overflow, hysteresis_after_overflow, hysteresis_after_finite).astype(
-                jnp.int32
-            ),
-            "skipped": skipped,
-        }
+        arrays = rules.ScaleArrays(tree["scale"], tree["growth_tracker"], tree["hysteresis_left"])
+        new = rules.advance(OPS, self._config, arrays, overflow)
+        return {**tree, **new._asdict(), "skipped": tree["skipped"] + overflow.astype(tree["skipped"].dtype)}
 
     def select(self, found_inf: Any, if_skipped: Any, if_applied: Any) -> Any:
         skip = _set(found_inf)
@@ -295,15 +288,7 @@ class JaxFunctional:
         return int(np.asarray(ring["run"])) if "run" in ring else None
 
     def ring_write(self, ring: Mapping[str, Any], base: int, flag: Any, spike: Any = None) -> dict[str, Any]:
-        overflow = jnp.asarray(False) if flag is None else _set(flag)
-        code = jnp.int32(base)
-        if spike is None:
-            code = code + overflow.astype(jnp.int32)
-        else:
-            spiked = _set(spike)
-            code = code + (overflow | spiked).astype(jnp.int32)
-            code = code + (spiked & ~overflow).astype(jnp.int32) * SPIKE_BIT
-            code = code + (jnp.asarray(spike) < 0).astype(jnp.int32) * REBASE_BIT
+        code = rules.record_code(OPS, base, None if flag is None else _set(flag), spike)
         codes, count = ring["codes"], ring["count"]
         return {**ring, "codes": codes.at[count % codes.shape[0]].set(code), "count": count + 1}
 
@@ -365,57 +350,23 @@ class JaxFunctional:
         }
 
     def spike_statistic(self, loss: Any) -> Any:
-        dtype = statistic_dtype()
-        leaves = list(loss) if isinstance(loss, (list, tuple)) else [loss]
-        return sum((jnp.sum(jax.lax.stop_gradient(jnp.asarray(v)).astype(dtype)) for v in leaves), jnp.zeros((), dtype))
+        losses = list(loss) if isinstance(loss, (list, tuple)) else [loss]
+        return rules.loss_statistic(OPS, [jnp.asarray(value) for value in losses])
 
     def spike_grad_norm(self, grads: Any) -> Any:
-        dtype = statistic_dtype()
-        squares = [jnp.sum(jnp.square(g.astype(dtype))) for g in jax.tree_util.tree_leaves(grads) if _floating(g)]
-        if not squares:
-            return jnp.zeros((), dtype)
-        return jnp.sqrt(jnp.sum(jnp.stack(squares)))
+        return rules.grad_norm(OPS, [g for g in jax.tree_util.tree_leaves(grads) if _floating(g)])
 
     def spike_check(self, rule: SpikeRule, window: Mapping[str, Any], x: Any) -> Any:
-        values, count, run = window["values"], window["count"], window["run"]
-        dtype = values.dtype
-        n = jnp.minimum(count, rule.window)
-        mask = jnp.arange(rule.window) < n
-        denominator = jnp.maximum(n, 1).astype(dtype)
-        zero = jnp.zeros_like(values)
-        mu = jnp.sum(jnp.where(mask, values, zero)) / denominator
-        sigma = jnp.sqrt(jnp.sum(jnp.where(mask, jnp.square(values - mu), zero)) / denominator)
-        x = jnp.asarray(x, dtype)
-        deviation = x - mu
-        if rule.two_sided:
-            deviation = jnp.abs(deviation)
-        spike = (n >= rule.min_values) & (sigma > 0) & (deviation > rule.threshold * sigma) & jnp.isfinite(x)
-        spike = spike & jnp.isfinite(mu) & jnp.isfinite(sigma)
-        if rule.consecutive_limit is not None:  # a run at the bound: a level shift, accepted
-            spike = spike & (run < rule.consecutive_limit)
-        return spike.astype(jnp.float32)
+        x = jnp.asarray(x, window["values"].dtype)
+        return rules.is_spike(OPS, rule, _window(window), x).astype(jnp.float32)
 
     def spike_finish(
         self, rule: SpikeRule, window: Mapping[str, Any], x: Any, spike: Any, overflow: Any
     ) -> tuple[dict[str, Any], Any]:
-        values, count, run = window["values"], window["count"], window["run"]
-        spiked = _set(spike)
-        overflowed = jnp.asarray(False) if overflow is None else _set(overflow)
-        only = spiked & ~overflowed
-        x = jnp.asarray(x, values.dtype)
-        accept = ~spiked & ~overflowed & jnp.isfinite(x)
-        if rule.consecutive_limit is None:
-            rebase = jnp.asarray(False)
-        else:
-            rebase = accept & (run >= rule.consecutive_limit)
-        count = jnp.where(rebase, jnp.zeros_like(count), count)
-        at = (jnp.arange(rule.window) == count % rule.window) & accept
-        new = {
-            "values": jnp.where(at, x, values),
-            "count": count + accept.astype(count.dtype),
-            "run": jnp.where(accept, jnp.zeros_like(run), run + only.astype(run.dtype)),
-        }
-        return new, only.astype(jnp.float32) - rebase.astype(jnp.float32)
+        x = jnp.asarray(x, window["values"].dtype)
+        overflowed = None if overflow is None else _set(overflow)
+        new, only, rebase = rules.finish(OPS, rule, _window(window), x, _set(spike), overflowed)
+        return new._asdict(), rules.spike_flag(OPS, only, rebase)
 
     def combine(self, first: Any, second: Any) -> Any:
         return jnp.maximum(first, second)

@@ -168,19 +168,16 @@ def loss_scaled(
         loss = extra.pop("loss", None)
         scaler_state = state.scaler
         fn = _state_scaler(state)  # a loaded state's settings travel with it (load_state_dict)
-        if fn.mode == "off":
-            new_updates, new_inner = wrapped.update(updates, state.inner, params, **extra)
-            return new_updates, LossScaledState(fn.update(scaler_state, None, grads=updates), new_inner, fn)
-        grads, found_inf = fn.unscale(scaler_state, updates)
-        decision = fn.spike(scaler_state, loss=loss, grads=grads)
-        new_updates, new_inner = wrapped.update(grads, state.inner, params, **extra)
-        # -0.0, not 0.0: x + -0.0 is x for every x, while -0.0 + 0.0 is +0.0.
-        zeros = jax.tree_util.tree_map(lambda u: jnp.full_like(u, -0.0), new_updates)
-        new_updates, new_inner = fn.apply_if_finite(
-            found_inf, (new_updates, new_inner), (zeros, state.inner), spike=decision
+
+        def keep(applied: tuple[Any, Any]) -> tuple[Any, Any]:
+            # -0.0, not 0.0: x + -0.0 is x for every x, while -0.0 + 0.0 is +0.0.
+            return jax.tree_util.tree_map(lambda u: jnp.full_like(u, -0.0), applied[0]), state.inner
+
+        out = fn.step(
+            scaler_state, updates, lambda grads: wrapped.update(grads, state.inner, params, **extra), keep, loss=loss
         )
-        new_scaler = fn.update(scaler_state, found_inf, spike=decision, grads=grads)
-        return new_updates, LossScaledState(new_scaler, new_inner, fn)
+        new_updates, new_inner = out.result
+        return new_updates, LossScaledState(out.state, new_inner, fn)
 
     return optax.GradientTransformationExtraArgs(init, update)
 

@@ -54,11 +54,14 @@ def times(ops: ArrayOps, scale: Any, factor: float) -> Any:
 
 def grown(ops: ArrayOps, config: LossScaleConfig, scale: Any) -> Any:
     """The scale after one growth: times ``growth_factor``, capped at ``max_scale``, kept where the product
-    is not finite."""
+    is not finite, and not above the device's ceiling (`polyamp.LossScaleConfig.with_ceiling`)."""
     product = times(ops, scale, config.growth_factor)
     if config.max_scale_f32 is not None:
         product = ops.minimum(product, ops.full_like(product, config.max_scale_f32))
-    return ops.where(ops.isfinite(product), product, scale)
+    finite = ops.isfinite(product)
+    if config.ceiling_f32 is not None:
+        product = ops.minimum(product, ops.full_like(product, config.ceiling_f32))
+    return ops.where(finite, product, scale)
 
 
 def backed_off(ops: ArrayOps, config: LossScaleConfig, scale: Any) -> Any:
