@@ -364,6 +364,36 @@ def test_add_param_group_and_zero_grad() -> None:
     assert len(opt.param_groups) == 2
 
 
+@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("inner", [torch.optim.AdamW, torch.optim.Adagrad], ids=["adamw", "adagrad"])
+def test_a_group_added_through_the_inner_optimizer_steps_as_one_added_through_the_wrapper(name, inner) -> None:
+    # Either optimizer's add_param_group works: the inner one's group gets its master copies, compensation
+    # buffers and moved state (Adagrad makes its sums when the group is added) at the next step.
+    runs = []
+    for through in ("wrapper", "inner"):
+        first, second = _params(torch.bfloat16, shapes=((3, 2), (4,)))
+        opt = PrecisionOptimizer(inner([first], lr=1e-2), name, seed=3)
+        target = opt if through == "wrapper" else opt.optimizer
+        target.add_param_group({"params": [second], "lr": 0.5})
+        _train(opt, [first, second], range(3))
+        assert not opt.optimizer.state  # everything lives in the wrapper's state between steps
+        runs.append(_snapshot(opt, [first, second]))
+    assert _bitwise_equal(runs[1], runs[0])
+
+
+def test_a_parameter_of_another_dtype_added_through_the_inner_optimizer_is_refused_at_the_step() -> None:
+    first = _params(torch.bfloat16, shapes=((3,),))[0]
+    opt = PrecisionOptimizer(torch.optim.AdamW([first], lr=1e-2), "bfloat16_kahan")
+    _train(opt, [first], range(1))
+    stray = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    opt.optimizer.add_param_group({"params": [stray]})
+    first.grad, stray.grad = torch.ones_like(first), torch.ones_like(stray)
+    before = _snapshot(opt, [first, stray])
+    with pytest.raises(polyamp.InvalidConfigError, match=r"param_groups\[1\]\['params'\]\[0\].*float16"):
+        opt.step()
+    assert _bitwise_equal(_snapshot(opt, [first, stray]), before)
+
+
 def test_closure_is_called_once_before_the_update() -> None:
     model = _model(torch.bfloat16)
     opt = PrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), "bfloat16_kahan")

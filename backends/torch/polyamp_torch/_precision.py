@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import polyamp
@@ -175,6 +175,10 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         self.seed = seed
         self.chunk_bytes = chunk_bytes
         self._generators: dict[torch.device, torch.Generator] = {}
+        #: The keys of the state this optimizer keeps itself for each bfloat16/float16 parameter, by the plan.
+        self._own_keys = frozenset(
+            key for key, kept in ((MASTER_KEY, plan.keeps_master), (KAHAN_KEY, plan.rounding == "kahan")) if kept
+        )
         # torch's constructor adds each group through add_param_group; here they are the inner optimizer's own.
         self._adopting = True
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -243,23 +247,42 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             self._generators[device] = generator
         return generator
 
-    def _chunks(self) -> Iterator[list[tuple[int, torch.Tensor]]]:
+    def _chunks(self) -> list[list[tuple[int, torch.Tensor]]]:
         """(group index, parameter) pairs with gradients, in order, cut where the float32 working memory
-        (weight, gradient, two slots) would pass ``chunk_bytes``."""
+        (weight, gradient, two slots) would pass ``chunk_bytes``.
+
+        On the way, parameters added through the inner optimizer (``optimizer.optimizer.add_param_group``) since
+        the last step are found, checked and given their state as `add_param_group` gives it, before anything
+        is stepped: their dtype refused if the plan does not take it, the state the inner optimizer made for
+        them moved here, master copies and compensation buffers made from the weights as they are now."""
+        plan = self.policy
+        allowed = (TORCH_DTYPES[plan.param_dtype], torch.float32)
+        own = self._own_keys
+        inner_state = self.optimizer.state
+        added: list[torch.Tensor] = []
+        chunks: list[list[tuple[int, torch.Tensor]]] = []
         chunk: list[tuple[int, torch.Tensor]] = []
         size = 0
         for g, group in enumerate(self.param_groups):
             for param in group["params"]:
+                if param.dtype not in allowed or param in inner_state:
+                    added.append(param)
+                elif own and self._low(param) and not own <= self.state.get(param, {}).keys():
+                    added.append(param)
                 if param.grad is None:
                     continue
                 cost = 16 * param.numel()
                 if chunk and size + cost > self.chunk_bytes:
-                    yield chunk
+                    chunks.append(chunk)
                     chunk, size = [], 0
                 chunk.append((g, param))
                 size += cost
         if chunk:
-            yield chunk
+            chunks.append(chunk)
+        if added:
+            self._check_dtypes(plan, self.param_groups)
+            self._init_own_state(added)
+        return chunks
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
