@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import math
+import pickle
 import warnings
 
 import pytest
@@ -464,6 +466,32 @@ def test_state_dict_round_trip_is_exact(name) -> None:
         assert again.state[resumed[0]][MASTER_KEY].dtype is torch.float32
     _train(again, resumed, range(3, 6))
     assert _bitwise_equal(_snapshot(again, resumed), _snapshot(opt, params))
+
+
+def _copied(how: str, obj):
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(obj))
+    if how == "deepcopy":
+        return copy.deepcopy(obj)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "torch.save"])
+@pytest.mark.parametrize("name", PRESETS)
+def test_a_pickled_or_copied_optimizer_goes_on_as_the_original(name, how) -> None:
+    params = _params(torch.bfloat16)
+    opt = PrecisionOptimizer(torch.optim.AdamW(params, lr=1e-2), name, seed=7, chunk_bytes=64)
+    _train(opt, params, range(2))
+    copied_params, copied = _copied(how, (params, opt))
+    assert copied.param_groups is copied.optimizer.param_groups  # still one list: groups added to either show
+    assert (copied.policy, copied.seed, copied.chunk_bytes) == (opt.policy, 7, 64)
+    _train(opt, params, range(2, 4))
+    _train(copied, copied_params, range(2, 4))
+    assert _bitwise_equal(_snapshot(copied, copied_params), _snapshot(opt, params))
+    assert copied.state_dict()["polyamp"]["generators"].keys() == opt.state_dict()["polyamp"]["generators"].keys()
 
 
 def test_plain_adamw_checkpoint_loads_into_a_bfloat16_state_plan_with_one_note(caplog) -> None:

@@ -85,6 +85,13 @@ def warn_unplanned(optimizer: Any, policy: Policy = _PLAIN, *, name: str | None 
         warnings.warn(message, TrainingStateWarning, stacklevel=stacklevel + 1)
 
 
+def _own_keys(plan: Policy) -> frozenset[str]:
+    """The keys of the state a `PrecisionOptimizer` keeps itself for each bfloat16/float16 parameter."""
+    return frozenset(
+        key for key, kept in ((MASTER_KEY, plan.keeps_master), (KAHAN_KEY, plan.rounding == "kahan")) if kept
+    )
+
+
 def _parameter_name(group: dict[str, Any], g: int, i: int) -> str:
     names = group.get("param_names")
     return repr(names[i]) if names is not None and i < len(names) else f"param_groups[{g}]['params'][{i}]"
@@ -176,9 +183,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         self.chunk_bytes = chunk_bytes
         self._generators: dict[torch.device, torch.Generator] = {}
         #: The keys of the state this optimizer keeps itself for each bfloat16/float16 parameter, by the plan.
-        self._own_keys = frozenset(
-            key for key, kept in ((MASTER_KEY, plan.keeps_master), (KAHAN_KEY, plan.rounding == "kahan")) if kept
-        )
+        self._own_keys = _own_keys(plan)
         # torch's constructor adds each group through add_param_group; here they are the inner optimizer's own.
         self._adopting = True
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -421,6 +426,35 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             [param for param, _ in pairs],
             [piece.view(param.shape) for (param, _), piece in zip(pairs, pieces, strict=True)],
         )
+
+    # -- pickling ------------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle``, ``copy.deepcopy`` and ``torch.save(optimizer)`` keep: torch's entries (``defaults``,
+        ``state``, ``param_groups``, the list the inner optimizer shares), the inner optimizer, the plan, the
+        seed, the chunk size and the random generators' states."""
+        saved = super().__getstate__()
+        saved.update(
+            optimizer=self.optimizer,
+            policy=self.policy,
+            seed=self.seed,
+            chunk_bytes=self.chunk_bytes,
+            generators={str(device): generator.get_state() for device, generator in self._generators.items()},
+        )
+        return saved
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        saved = dict(saved)
+        generators = saved.pop("generators", {})
+        super().__setstate__(saved)
+        self._own_keys = _own_keys(self.policy)
+        self._adopting = False
+        self.param_groups = self.optimizer.param_groups
+        self._generators = {}
+        for name, state in generators.items():
+            generator = torch.Generator(device=name)
+            generator.set_state(state)
+            self._generators[torch.device(name)] = generator
 
     # -- checkpoints ---------------------------------------------------------------------------------
 
