@@ -557,8 +557,44 @@ def test_master_checkpoint_into_a_kahan_plan_and_back_converts_with_a_note(caplo
         (lambda sd: {**sd, "state": {0: {**sd["state"][0], "exp_avg": torch.zeros(2)}}}, r"shape \(2,\)"),
         (lambda sd: {**sd, "state": {0: "oops"}}, "must be a dict with str keys"),
         (lambda sd: {**sd, "polyamp": {"generators": {"cpu": torch.zeros(3)}}}, "get_state"),
+        # Entries the next step could not use, each against what AdamW keeps: the same shape (broadcasting is
+        # not enough), a one-element step counter, a floating moment, a tensor, every key.
+        (
+            lambda sd: _with(sd, "exp_avg", torch.zeros(1)),
+            r"'exp_avg' .*\(shape \(6, 5\)\) must be a floating tensor of shape \(6, 5\), as AdamW keeps it\. "
+            r"Received: a float32 tensor of shape \(1,\)",
+        ),
+        (
+            lambda sd: _with(sd, "exp_avg", torch.zeros(6, 1)),
+            r"'exp_avg' .*Received: a float32 tensor of shape \(6, 1\)",
+        ),
+        (
+            lambda sd: _with(sd, "step", torch.zeros(6, 5)),
+            r"'step' .*must be a floating tensor of shape \(\).*Received: a float32 tensor of shape \(6, 5\)",
+        ),
+        (
+            lambda sd: _with(sd, "exp_avg_sq", torch.zeros(6, 5, dtype=torch.int64)),
+            r"'exp_avg_sq' .*must be a floating tensor.*Received: an int64 tensor of shape \(6, 5\)",
+        ),
+        (lambda sd: _with(sd, "exp_avg", [0.0] * 30), r"'exp_avg' .*must be a floating tensor.*Received: .*list"),
+        (lambda sd: _with(sd, "exp_avg_sq", None), r"'exp_avg_sq' .*must be a floating tensor.*Received: nothing"),
     ],
-    ids=["not-a-dict", "missing-key", "groups", "group-size", "unknown-index", "shape", "entry", "generator"],
+    ids=[
+        "not-a-dict",
+        "missing-key",
+        "groups",
+        "group-size",
+        "unknown-index",
+        "shape",
+        "entry",
+        "generator",
+        "moment-of-one-element",
+        "moment-that-broadcasts",
+        "counter-of-the-weights-shape",
+        "integer-moment",
+        "moment-as-a-list",
+        "moment-missing",
+    ],
 )
 def test_malformed_state_dict_raises_and_leaves_the_optimizer_unchanged(break_it, match) -> None:
     params = _params(torch.bfloat16)
@@ -569,6 +605,55 @@ def test_malformed_state_dict_raises_and_leaves_the_optimizer_unchanged(break_it
     with pytest.raises(polyamp.StateDictError, match=match):
         opt.load_state_dict(break_it(opt.state_dict()))
     assert _bitwise_equal(_snapshot(opt, params), before) and opt.param_groups[0]["lr"] == lr
+    _train(opt, params, range(2, 3))  # and it steps on
+
+
+def _with(state_dict, key: str, value):
+    """``state_dict`` with the first parameter's ``key`` set to ``value`` (None: removed)."""
+    entry = {k: v for k, v in state_dict["state"][0].items() if k != key}
+    if value is not None:
+        entry[key] = value
+    return {**state_dict, "state": {**state_dict["state"], 0: entry}}
+
+
+@pytest.mark.parametrize(
+    ("make", "own_step"),
+    [
+        (lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True), True),
+        (lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), False),
+        (lambda p: torch.optim.NAdam(p, lr=1e-2), True),
+        (lambda p: torch.optim.Adafactor(p, lr=1e-2), True),
+    ],
+    ids=["adamw-fused", "sgd-momentum", "nadam", "adafactor"],
+)
+def test_checkpoints_of_other_optimizers_load_and_mismatched_counters_are_refused(make, own_step) -> None:
+    # What the inner optimizer keeps is found by running its own step on meta tensors (fused kernels off); an
+    # optimizer that cannot run there (Adafactor reads a value to the host) is held to the looser rules, which
+    # still refuse a step counter of the weight's shape.
+    params = _params(torch.bfloat16)
+    opt = PrecisionOptimizer(make(params), "bfloat16_kahan")
+    _train(opt, params, range(2))
+    checkpoint = opt.state_dict()
+    again = PrecisionOptimizer(make(params), "bfloat16_kahan")
+    again.load_state_dict(checkpoint)
+    assert _bitwise_equal(_snapshot(again, params), _snapshot(opt, params))
+    if own_step:
+        before = _snapshot(again, params)
+        with pytest.raises(polyamp.StateDictError, match=r"'step' .*Received: .*tensor of shape \(6, 5\)"):
+            again.load_state_dict(_with(checkpoint, "step", torch.ones(6, 5)))
+        assert _bitwise_equal(_snapshot(again, params), before)
+
+
+def test_the_probe_runs_no_hooks_and_leaves_the_inner_optimizer_as_it_was() -> None:
+    params = _params(torch.bfloat16)
+    opt = PrecisionOptimizer(torch.optim.AdamW(params, lr=1e-2), "bfloat16_kahan")
+    _train(opt, params, range(1))
+    calls = []
+    opt.optimizer.register_step_pre_hook(lambda *args: calls.append("pre"))
+    opt.optimizer.register_step_post_hook(lambda *args: calls.append("post"))
+    groups = opt.optimizer.param_groups
+    opt.load_state_dict(opt.state_dict())
+    assert calls == [] and opt.optimizer.param_groups is groups and not opt.optimizer.state
 
 
 # -- the hazard ----------------------------------------------------------------------------------------
@@ -724,7 +809,7 @@ def test_a_state_tensor_that_does_not_fit_its_parameter_is_refused() -> None:
     checkpoint["state"][0]["exp_avg"] = torch.zeros(shape[0] + 1, *shape[1:])
     fresh = PrecisionOptimizer(torch.optim.AdamW(params, lr=1e-2), "bfloat16_kahan")
     before = _snapshot(fresh, params)
-    with pytest.raises(polyamp.StateDictError, match=r"does not fit the parameter's shape"):
+    with pytest.raises(polyamp.StateDictError, match=r"'exp_avg' .*Received: a float32 tensor of shape \(7, 5\)"):
         fresh.load_state_dict(checkpoint)
     assert _bitwise_equal(_snapshot(fresh, params), before)
 

@@ -28,6 +28,7 @@ from polyamp import InvalidConfigError, MeasuredStateBytes, Policy, PolyampTypeE
 from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, describe, is_state_slot, unplanned_hazard_message
 from polyamp_torch._framework import TORCH_DTYPES, torch
 from polyamp_torch._precision_checkpoint import read_checkpoint
+from polyamp_torch._precision_layout import state_layout
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -483,7 +484,15 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             StateDictError: ``state_dict`` is malformed or does not fit these parameter groups; the optimizer
                 is left unchanged.
         """
-        loaded = read_checkpoint(state_dict, self.param_groups, self.policy, is_moment, _parameter_name)
+        loaded = read_checkpoint(
+            state_dict,
+            self.param_groups,
+            self.policy,
+            is_moment,
+            _parameter_name,
+            lambda values: state_layout(self.optimizer, self.param_groups, values),
+            type(self.optimizer).__name__,
+        )
         self.state.clear()
         self.state.update(loaded.state)
         for group, values in zip(self.param_groups, loaded.groups, strict=True):
