@@ -304,6 +304,75 @@ def test_loss_scaler_skips_an_overflowing_step_of_float16_kahan_leaving_all_stat
     assert opt.state[params[0]][KAHAN_KEY].dtype is torch.float16
 
 
+TINY = (2.0**-27, 3e-6, -(2.0**-30), 1e-3)  # true gradients: below float16's range, subnormal there, normal
+
+
+def _tiny_gradient_step(scaler) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Parameter, PrecisionOptimizer]:
+    """One scaled step of Adam over a float16 weight whose true gradient is `TINY`; the moments (float32) and
+    the gradient as the scaler left it."""
+    weight = torch.nn.Parameter(torch.ones(len(TINY), dtype=torch.float16))
+    opt = PrecisionOptimizer(torch.optim.Adam([weight], lr=1e-3), FLOAT16_KAHAN)
+    loss = (weight.float() * torch.tensor(TINY)).sum()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return opt.state[weight]["exp_avg"], opt.state[weight]["exp_avg_sq"], weight, opt
+
+
+@pytest.mark.parametrize("make", [polyamp.LossScaler, torch.amp.GradScaler], ids=["polyamp", "torch"])
+def test_float16_gradients_are_unscaled_in_float32_inside_the_step(make) -> None:
+    # At scale 2**16 each gradient is a float16 value (2**-27 becomes 2**-11 exactly); unscaled in float16 the
+    # first and third flush to zero and 3e-6 lands on float16's subnormal grid (0.7% off). The step unscales in
+    # float32 as it makes the working copy: Adam's float32 moments get the scaled float16 values times 1/scale,
+    # computed in float32, as torch's fused optimizers do with grad_scale.
+    scaler = make("cpu", init_scale=2.0**16) if make is torch.amp.GradScaler else make(init_scale=2.0**16, enabled=True)
+    exp_avg, exp_avg_sq, weight, _ = _tiny_gradient_step(scaler)
+    scaled = (torch.tensor(TINY) * 2.0**16).to(torch.float16)
+    assert torch.equal(weight.grad, scaled)  # the gradients stay as backward left them: nothing in float16
+    true = scaled.float() * torch.tensor(2.0**-16)
+    assert true[0].item() == 2.0**-27 and true[2].item() == -(2.0**-30)
+    assert abs(true[1].item() / 3e-6 - 1) < 2**-11
+    assert torch.equal(exp_avg, (1 - 0.9) * true)
+    assert torch.equal(exp_avg_sq, (1 - 0.999) * true * true)
+
+
+def test_a_float16_gradient_unscaled_by_hand_keeps_its_float16_value() -> None:
+    # scaler.unscale_ (to clip) unscales in place, in the gradients' dtype, as it does for any optimizer: the
+    # step then takes them as they are.
+    scaler = polyamp.LossScaler(init_scale=2.0**16, enabled=True)
+    weight = torch.nn.Parameter(torch.ones(len(TINY), dtype=torch.float16))
+    opt = PrecisionOptimizer(torch.optim.Adam([weight], lr=1e-3), FLOAT16_KAHAN)
+    scaler.scale((weight.float() * torch.tensor(TINY)).sum()).backward()
+    scaler.unscale_(opt)
+    unscaled = weight.grad.clone()
+    scaler.step(opt)
+    scaler.update()
+    assert unscaled[0].item() == 0.0 and unscaled[3].item() != 0.0
+    assert torch.equal(opt.state[weight]["exp_avg"], (1 - 0.9) * unscaled.float())
+
+
+def test_float32_gradients_unscaled_in_the_step_equal_the_unscaled_ones_bit_for_bit() -> None:
+    # float32 parameters under the plan: the step's float32 unscale is the scaler's kernel's multiply, and the
+    # model's gradients keep their scaled values.
+    runs = []
+    for by_hand in (False, True):
+        model = _model(torch.float32)
+        opt = PrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), "float32")
+        scaler = polyamp.LossScaler(init_scale=2.0**10, enabled=True)
+        for step in range(3):
+            opt.zero_grad()
+            scaler.scale(_loss(model, step)).backward()
+            if by_hand:
+                scaler.unscale_(opt)
+            scaled = [p.grad.clone() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            if not by_hand:
+                assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), scaled))
+        runs.append(_snapshot(opt, list(model.parameters())))
+    assert _bitwise_equal(runs[0], runs[1])
+
+
 def test_guard_skips_a_non_finite_bfloat16_step_leaving_all_state_and_the_stream_intact() -> None:
     model = _model(torch.bfloat16)
     params = list(model.parameters())

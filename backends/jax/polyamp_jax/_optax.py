@@ -128,6 +128,9 @@ def loss_scaled(
         if fn.mode == "off":
             new_updates, new_inner = wrapped.update(updates, state.inner, params, **extra)
             return new_updates, LossScaledState(fn.update(scaler_state, None, grads=updates), new_inner, fn)
+        if _follows_a_plan(state.inner):
+            # A plan forms its update in float32: unscaled there, a float16 gradient below 2**-24 keeps its value.
+            updates = jax.tree_util.tree_map(_float32_if_low, updates)
         grads, found_inf = fn.unscale(scaler_state, updates)
         decision = fn.spike(scaler_state, loss=loss, grads=grads)
         new_updates, new_inner = wrapped.update(grads, state.inner, params, **extra)
@@ -140,6 +143,11 @@ def loss_scaled(
         return new_updates, LossScaledState(new_scaler, new_inner, fn)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _float32_if_low(leaf: Any) -> Any:
+    dtype = getattr(leaf, "dtype", None)
+    return leaf.astype(jnp.float32) if dtype in (jnp.float16, jnp.bfloat16) else leaf
 
 
 def _follows_a_plan(inner_state: Any) -> bool:

@@ -113,10 +113,13 @@ class PrecisionOptimizer(torch.optim.Optimizer):
     and Kahan buffer (``KAHAN_KEY``); `state_dict` / `load_state_dict` carry them in their own dtypes.
     Checkpoint this optimizer, not the inner one, whose ``state`` stays empty between steps.
 
-    With ``polyamp.LossScaler``: ``scaler.step(optimizer)`` unscales the model's gradients (also float16
-    ones: this optimizer forms the update in float32) and calls `step` only when they are finite, so a skipped
-    step (overflow, guard, spike) leaves weights, master copies, moments, compensation buffers, step counters
-    and the random stream bitwise as they were.
+    With ``polyamp.LossScaler`` (or ``torch.amp.GradScaler``): it takes the scale and the found-inf flag as
+    torch's fused optimizers do (``grad_scale``, ``found_inf``), so ``scaler.step(optimizer)`` hands them over
+    and `step` unscales each gradient in float32 as it makes the working copy: a float16 gradient too small for
+    float16 once unscaled (below 2**-24) still reaches the update. A step with a non-finite gradient (overflow,
+    guard, spike) returns at once, leaving weights, master copies, moments, compensation buffers, step counters
+    and the random stream bitwise as they were. Gradients unscaled before the step (``scaler.unscale_``, to
+    clip) are unscaled in their own dtype.
 
     Master copies and compensation buffers are created at construction (and by `add_param_group`), from
     the weights as they are then, so the memory is taken up front and counted by `measure_state_bytes`.
@@ -149,6 +152,11 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         >>> state["exp_avg"].dtype, state["polyamp_compensation"].dtype
         (torch.bfloat16, torch.bfloat16)
     """
+
+    #: torch's protocol of fused optimizers: a loss scaler (polyamp's or ``torch.amp.GradScaler``) sets
+    #: ``grad_scale`` and ``found_inf`` instead of unscaling the gradients, and `step` skips when ``found_inf`` is
+    #: set and otherwise unscales each gradient in float32, as it makes the working copy.
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -304,11 +312,16 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf.item() > 0):  # the one host read GradScaler also makes
+            return loss
+        grad_scale = getattr(self, "grad_scale", None)
+        inverse = None if grad_scale is None else grad_scale.double().reciprocal().float()  # (as GradScaler forms it)
         for chunk in self._chunks():
-            self._step_chunk(chunk)
+            self._step_chunk(chunk, inverse)
         return loss
 
-    def _step_chunk(self, chunk: list[tuple[int, torch.Tensor]]) -> None:
+    def _step_chunk(self, chunk: list[tuple[int, torch.Tensor]], inverse: torch.Tensor | None) -> None:
         plan = self.policy
         inner = self.optimizer
         groups = self.param_groups
@@ -319,6 +332,10 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         to_convert: list[torch.Tensor] = []
         converted: list[torch.Tensor] = []
         slot_lists: list[dict[str, Any]] = []
+        # With ``inverse`` (the scale handed over by a loss scaler), the dense gradients unscaled in float32: the
+        # float32 copies made here in place, float32 gradients into new tensors (working tensor, gradient).
+        copies: list[torch.Tensor] = []
+        float32_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
         for param in params:
             state = self.state.get(param, {})
             if self._low(param):
@@ -327,12 +344,15 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 w32 = param.detach()
             grad = param.grad
             assert grad is not None
-            if grad.dtype == torch.float32:
+            if grad.dtype == torch.float32 and inverse is None:
                 w32.grad = grad
             elif grad.is_sparse:  # (foreach copies are for dense tensors)
-                w32.grad = grad.float()
+                w32.grad = grad.float() if inverse is None else grad.float() * inverse.to(grad.device)
+            elif grad.dtype == torch.float32:  # unscaled into a tensor of its own: param.grad keeps its values
+                float32_grads.append((w32, grad))
             else:
                 w32.grad = _float32_like(grad, to_convert, converted)
+                copies.append(w32.grad)
             slot_lists.append(
                 {
                     key: (
@@ -346,6 +366,8 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             )
             working.append(w32)
         _copy_all(converted, to_convert)
+        if inverse is not None:
+            _unscale(copies, float32_grads, inverse)
         for w32, slots in zip(working, slot_lists, strict=True):
             inner.state[w32] = slots
         saved = [group["params"] for group in groups]
@@ -557,6 +579,32 @@ def _float32_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         _float32_like(tensor, sources, copies)
     _copy_all(copies, sources)
     return copies
+
+
+def _unscale(
+    copies: list[torch.Tensor], float32_grads: list[tuple[torch.Tensor, torch.Tensor]], inverse: torch.Tensor
+) -> None:
+    """Multiply the float32 gradient ``copies`` by ``inverse`` in place, and give each working tensor of
+    ``float32_grads`` its gradient times ``inverse`` as a new tensor: one foreach multiply per device each."""
+    on_device: dict[torch.device, torch.Tensor] = {}
+
+    def near(device: torch.device) -> torch.Tensor:
+        if device not in on_device:
+            on_device[device] = inverse.to(device)
+        return on_device[device]
+
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for copy in copies:
+        by_device.setdefault(copy.device, []).append(copy)
+    for device, tensors in by_device.items():
+        torch._foreach_mul_(tensors, near(device))
+    pairs_by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for w32, grad in float32_grads:
+        pairs_by_device.setdefault(grad.device, []).append((w32, grad))
+    for device, pairs in pairs_by_device.items():
+        unscaled = torch._foreach_mul([grad for _, grad in pairs], near(device))
+        for (w32, _), grad in zip(pairs, unscaled, strict=True):
+            w32.grad = grad
 
 
 def _copy_all(
