@@ -153,7 +153,8 @@ class LossScaler(GradScalerSpelling, Pickled):
             skip_on_device: False (default): a step that is not fused is taken or skipped on the host, which
                 reads the found-inf flag once per step (as ``torch.amp.GradScaler`` does; on a GPU, a sync).
                 True: where the device can (PyTorch: SGD, Adam and AdamW in their for-loop and foreach forms,
-                SGD with momentum past its first step, every state tensor on the gradients' device), the step runs and a
+                SGD with momentum past its first step, every state tensor on the gradients' device, no step hooks,
+                which run only on applied steps as with GradScaler), the step runs and a
                 masked commit on the device keeps the old parameters and optimizer state where the flag is
                 set, so no step reads the flag on the host; it costs a copy of the stepped parameters and
                 their state per step. `step` then returns the optimizer's result either way, and the records
