@@ -94,8 +94,8 @@ def bind_arguments(
 
 
 def _check_norm_bound(name: str, value: object) -> None:
-    """A clipping norm bound: a number > 0 (``inf`` clips nothing)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    """A clipping norm bound: a real number > 0 (``inf`` clips nothing), a NumPy scalar too."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
         raise InvalidConfigError(f"`{name}` must be a number > 0. Received: {describe(value)}.")
 
 
