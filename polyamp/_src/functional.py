@@ -36,6 +36,7 @@ from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
 from polyamp._src.spikes import SpikeRule
 from polyamp._src.state_dict import (
     is_disabled_torch_state,
+    parse_skipped_steps,
     parse_spike_run,
     parse_spike_window,
     parse_state_dict,
@@ -141,6 +142,7 @@ class FunctionalLossScaler:
         self._mode: FunctionalMode = "off"
         self._recording = False
         self._attached = -1  # the iteration whose provenance the records hold
+        self._skipped_before = 0  # the skips before the state's own count began (`init`'s ``skipped_steps``)
         self._read_capabilities()
         self._recorder = self._new_recorder(config.initial_state())
 
@@ -200,7 +202,7 @@ class FunctionalLossScaler:
 
     # -- the state ---------------------------------------------------------------------------------------
 
-    def init(self, state: LossScaleState | None = None, *, grads: Any = None) -> dict[str, Any]:
+    def init(self, state: LossScaleState | None = None, *, grads: Any = None, skipped_steps: int = 0) -> dict[str, Any]:
         """A fresh state: the config's initial state (or ``state``, validated as `load_state_dict` validates a
         state dict's), a zero skip count, an empty record ring (where the device keeps records) and an empty
         spike window (with a `polyamp.SpikeRule`).
@@ -213,17 +215,24 @@ class FunctionalLossScaler:
                 gradients held inf/NaN in a skipped step (on the device, only when it skips), and the record of
                 the most recent such step names them (`polyamp.StepRecord.gradients`); `update` then takes
                 the unscaled gradients as ``grads=``.
+            skipped_steps: The skipped iterations of the run this state continues: `skipped_steps` and
+                `state_dict` count on from it (the state's own count starts at zero).
 
         Returns:
             The state: a dict of the backend's arrays, to pass to the other functions.
 
         Raises:
-            PolyampTypeError: (a ``TypeError``) ``state`` is not a `polyamp.LossScaleState` of numbers, or
-                ``grads`` was given to a backend whose functional form cannot count non-finite gradients.
+            PolyampTypeError: (a ``TypeError``) ``state`` is not a `polyamp.LossScaleState` of numbers,
+                ``grads`` was given to a backend whose functional form cannot count non-finite gradients, or
+                ``skipped_steps`` is not an int >= 0.
             InvalidConfigError: (a ``ValueError``) ``state`` is impossible under this config: a scale that is
                 NaN, infinite, zero, negative, subnormal or outside ``[min_scale, max_scale]`` (without
                 ``min_scale``, the floor is 1.0), or a counter outside its range.
         """
+        if isinstance(skipped_steps, bool) or not isinstance(skipped_steps, int) or skipped_steps < 0:
+            raise PolyampTypeError(
+                f"FunctionalLossScaler.init(): `skipped_steps` must be an int >= 0. Received: {describe(skipped_steps)}."
+            )
         if state is None:
             initial = self._config.initial_state()
         else:
@@ -238,6 +247,7 @@ class FunctionalLossScaler:
                 to_float32(float(state.scale)), int(state.growth_tracker), int(state.hysteresis_left)
             )
         self._recorder = self._new_recorder(initial)
+        self._skipped_before = skipped_steps
         tree: dict[str, Any] = {"scaler": self._device.init(initial)}
         if self._recording:
             device = cast(FunctionalRecordingDevice, self._device)
@@ -436,8 +446,10 @@ class FunctionalLossScaler:
         return self._device.read(self._scaler(state, "read()"))
 
     def skipped_steps(self, state: Any) -> Any:
-        """How many steps were skipped (non-finite gradients and spikes), as the framework's integer scalar."""
-        return self._device.skipped_count(self._scaler(state, "skipped_steps()"))
+        """How many steps were skipped (non-finite gradients and spikes), as the framework's integer scalar: the
+        state's count, plus the run's before it (`init`'s ``skipped_steps``, a loaded state dict's count)."""
+        count = self._device.skipped_count(self._scaler(state, "skipped_steps()"))
+        return count + self._skipped_before if self._skipped_before else count
 
     def records(self, state: Any) -> list[StepRecord]:
         """The most recent iterations' records (at most ``history``), oldest first, as `polyamp.StepRecord`:
@@ -478,13 +490,13 @@ class FunctionalLossScaler:
         if self._rule is not None:
             device = cast(FunctionalSpikeDevice, self._device)
             window, run = device.read_window(state["window"])
-        return to_state_dict(self._config, host, self._setting, window, run)
+        return to_state_dict(self._config, host, self._setting, window, run, int(self.skipped_steps(state)))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *, like: Any = None) -> Any:
         """A state from a `polyamp.LossScaler` (or torch GradScaler) state dict, its spike window and run
         included; its settings are adopted (re-trace jitted steps that captured the old ones). The records start
-        anew, as after `init`. A scaler made with ``enabled=False`` takes ``{}`` (a disabled GradScaler's dict)
-        as nothing to restore: a fresh state.
+        anew, as after `init`, and `skipped_steps` counts on from the dict's count. A scaler made with
+        ``enabled=False`` takes ``{}`` (a disabled GradScaler's dict) as nothing to restore: a fresh state.
 
         Args:
             state_dict: The state dict.
@@ -505,11 +517,12 @@ class FunctionalLossScaler:
         rule = self._rule
         window = parse_spike_window(state_dict, None if rule is None else rule.window)
         run = parse_spike_run(state_dict)
+        skipped = parse_skipped_steps(state_dict)
         if config != self._config:  # the rule's constants live in the device functions: make new ones
             self._device = self._make_device(config)
             self._config = config
             self._read_capabilities()
-        state = self.init(host)
+        state = self.init(host, skipped_steps=skipped)
         if window is not None and rule is not None:
             device = cast(FunctionalSpikeDevice, self._device)
             state["window"] = device.write_window(state["window"], window, run)

@@ -266,8 +266,9 @@ class DynamicScale:
         )
 
     @classmethod
-    def _from_config(cls, config: LossScaleConfig, state: LossScaleState) -> DynamicScale:
-        """The DynamicScale following ``config`` (a loaded state dict's settings) from ``state``.
+    def _from_config(cls, config: LossScaleConfig, state: LossScaleState, skipped_steps: int = 0) -> DynamicScale:
+        """The DynamicScale following ``config`` (a loaded state dict's settings) from ``state``, counting its
+        skipped steps on from ``skipped_steps``.
 
         Raises:
             InvalidConfigError: ``config`` has no Flax equivalent (hysteresis, a fixed scale, a cap below
@@ -292,7 +293,7 @@ class DynamicScale:
         made = cls.__new__(cls)
         for name, value in fields.items():
             object.__setattr__(made, name, value)
-        made._adopt(scaler, scaler.init(state))
+        made._adopt(scaler, scaler.init(state, skipped_steps=skipped_steps))
         return made
 
     def _loaded(self, saved: Any) -> DynamicScale:
@@ -300,7 +301,7 @@ class DynamicScale:
         its settings are adopted where Flax's rule can follow them (`_from_config`)."""
         probe = _functional(self.scaler.config)
         state = probe.load_state_dict(saved)
-        return self._from_config(probe.config, probe.read(state))
+        return self._from_config(probe.config, probe.read(state), int(probe.skipped_steps(state)))
 
     # -- Flax's API --------------------------------------------------------------------------------------
 
