@@ -366,6 +366,10 @@ def test_the_skip_count_goes_on_after_a_resume_and_torchs_scaler_reads_the_same_
         with pytest.raises(StateDictError, match="'skipped_steps' must be an int >= 0"):
             resumed.load_state_dict({**saved, "skipped_steps": bad})
     assert int(resumed.skipped_steps()) == 3
+    # Variables restored by a framework itself (restored_on_device, as Keras's weights loading says) hold the run's
+    # count: what a state dict loaded before added is dropped.
+    resumed.restored_on_device()
+    assert int(resumed.skipped_steps()) == int(resumed.device_form.skipped_steps()) == 2
 
 
 def test_pickle_and_deepcopy_of_a_bound_scaler_continue_its_trajectory() -> None:

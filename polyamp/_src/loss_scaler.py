@@ -1045,6 +1045,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         """
         if self._device is None:
             raise ScalerUsageError("restored_on_device() needs a bound scaler: nothing was restored on a device.")
+        self._skipped_before = 0  # the restored variables hold the run's skip count
         self._history.restart(self._device.read_state())
 
     def discard_iteration(self) -> None:
