@@ -463,23 +463,28 @@ class FunctionalLossScaler:
 
         Raises:
             ScaleCollapseError: with ``on_min_scale="raise"``, a record shows the scale reaching its floor.
+
+        Safe from any thread: reads of the same run at once consume each new entry once, so each skip is logged
+        and a collapse warned once.
         """
         self._scaler(state, "records()")
         if not self._recording:
             return []
-        if "provenance" in state:  # the last skip's counts, attached once to its record
-            at, entries = self._provenance_device("records()").provenance_read(state["provenance"])
-            if at > self._attached:
-                self._attached = at
-                gradients = non_finite_gradients(entries)
-                if self._recorder.find(at) is None:
-                    self._recorder.attach(at, gradients)
-                else:
-                    self._recorder.amend(at, gradients)
-        device = cast(FunctionalRecordingDevice, self._device)
-        count, codes = device.ring_read(state["ring"])
-        self._recorder.consume(count, codes, self._config, lambda: self.read(state))
-        return list(self._recorder.records)
+        recorder = self._recorder
+        with recorder.lock:  # from any thread: each entry becomes one record, each event is reported once
+            if "provenance" in state:  # the last skip's counts, attached once to its record
+                at, entries = self._provenance_device("records()").provenance_read(state["provenance"])
+                if at > self._attached:
+                    self._attached = at
+                    gradients = non_finite_gradients(entries)
+                    if recorder.find(at) is None:
+                        recorder.attach(at, gradients)
+                    else:
+                        recorder.amend(at, gradients)
+            device = cast(FunctionalRecordingDevice, self._device)
+            count, codes = device.ring_read(state["ring"])
+            recorder.consume(count, codes, self._config, lambda: self.read(state))
+            return list(recorder.records)
 
     def state_dict(self, state: Any) -> dict[str, Any]:
         """A state dict interchangeable with `polyamp.LossScaler.state_dict`'s (the spike window and its run
