@@ -29,6 +29,7 @@ from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, describe, is_state_slot, 
 from polyamp_torch._framework import TORCH_DTYPES, torch
 from polyamp_torch._precision_checkpoint import read_checkpoint
 from polyamp_torch._precision_layout import state_layout
+from polyamp_torch._precision_tensors import copy_all, float32_copies, float32_like, unscale
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -339,7 +340,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         for param in params:
             state = self.state.get(param, {})
             if self._low(param):
-                w32 = state[MASTER_KEY] if plan.keeps_master else _float32_like(param, to_convert, converted)
+                w32 = state[MASTER_KEY] if plan.keeps_master else float32_like(param, to_convert, converted)
             else:
                 w32 = param.detach()
             grad = param.grad
@@ -351,12 +352,12 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             elif grad.dtype == torch.float32:  # unscaled into a tensor of its own: param.grad keeps its values
                 float32_grads.append((w32, grad))
             else:
-                w32.grad = _float32_like(grad, to_convert, converted)
+                w32.grad = float32_like(grad, to_convert, converted)
                 copies.append(w32.grad)
             slot_lists.append(
                 {
                     key: (
-                        _float32_like(value, to_convert, converted)
+                        float32_like(value, to_convert, converted)
                         if is_moment(key, value, param) and value.dtype != torch.float32
                         else value
                     )
@@ -365,9 +366,9 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 }
             )
             working.append(w32)
-        _copy_all(converted, to_convert)
+        copy_all(converted, to_convert)
         if inverse is not None:
-            _unscale(copies, float32_grads, inverse)
+            unscale(copies, float32_grads, inverse)
         for w32, slots in zip(working, slot_lists, strict=True):
             inner.state[w32] = slots
         saved = [group["params"] for group in groups]
@@ -399,7 +400,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                     sources.append(value)
                 else:
                     state[key] = value.to(state_dtype)
-        _copy_all(into, sources)
+        copy_all(into, sources)
         self._write(params, working)
 
     def _write(self, params: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
@@ -411,7 +412,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         low = [param for param, _ in pairs]
         results = [target for _, target in pairs]
         if plan.keeps_master or plan.rounding == "nearest":
-            _copy_all(low, results)  # round to nearest, ties to even (a float32 master keeps the result itself)
+            copy_all(low, results)  # round to nearest, ties to even (a float32 master keeps the result itself)
             return
         if plan.rounding == "stochastic":
             by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -422,10 +423,10 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             return
         # Kahan: each line one float32 op, in the reference's order (no fused multiply-add).
         compensations = [self.state[param][KAHAN_KEY] for param in low]
-        weights = _float32_copies(low)
-        y = torch._foreach_add(_float32_copies(compensations), torch._foreach_sub(results, weights))
-        _copy_all(low, torch._foreach_add(weights, y))
-        _copy_all(compensations, torch._foreach_sub(y, torch._foreach_sub(_float32_copies(low), weights)))
+        weights = float32_copies(low)
+        y = torch._foreach_add(float32_copies(compensations), torch._foreach_sub(results, weights))
+        copy_all(low, torch._foreach_add(weights, y))
+        copy_all(compensations, torch._foreach_sub(y, torch._foreach_sub(float32_copies(low), weights)))
 
     def _write_stochastic(self, device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Stochastic rounding of one device's results, in one pass over them all: 16 random bits per element
@@ -445,7 +446,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         bits = (flat.view(torch.int32) + random16) & _HIGH_BITS
         rounded = torch.where(torch.isnan(flat), flat, bits.view(torch.float32))
         pieces = rounded.split(sizes)  # type: ignore[no-untyped-call]
-        _copy_all(
+        copy_all(
             [param for param, _ in pairs],
             [piece.view(param.shape) for (param, _), piece in zip(pairs, pieces, strict=True)],
         )
@@ -561,55 +562,3 @@ def measure_state_bytes(optimizer: torch.optim.Optimizer) -> MeasuredStateBytes:
                 elif is_moment(key, value, param):
                     counts["state"] += size
     return MeasuredStateBytes(parameters=parameters, **counts)
-
-
-def _float32_like(tensor: torch.Tensor, sources: list[torch.Tensor], into: list[torch.Tensor]) -> torch.Tensor:
-    """An empty float32 tensor laid out as ``tensor``, queued to receive its values by `_copy_all`."""
-    copy = torch.empty_like(tensor, dtype=torch.float32)
-    sources.append(tensor)
-    into.append(copy)
-    return copy
-
-
-def _float32_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """float32 copies of ``tensors``, made by one foreach copy."""
-    sources: list[torch.Tensor] = []
-    copies: list[torch.Tensor] = []
-    for tensor in tensors:
-        _float32_like(tensor, sources, copies)
-    _copy_all(copies, sources)
-    return copies
-
-
-def _unscale(
-    copies: list[torch.Tensor], float32_grads: list[tuple[torch.Tensor, torch.Tensor]], inverse: torch.Tensor
-) -> None:
-    """Multiply the float32 gradient ``copies`` by ``inverse`` in place, and give each working tensor of
-    ``float32_grads`` its gradient times ``inverse`` as a new tensor: one foreach multiply per device each."""
-    on_device: dict[torch.device, torch.Tensor] = {}
-
-    def near(device: torch.device) -> torch.Tensor:
-        if device not in on_device:
-            on_device[device] = inverse.to(device)
-        return on_device[device]
-
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for copy in copies:
-        by_device.setdefault(copy.device, []).append(copy)
-    for device, tensors in by_device.items():
-        torch._foreach_mul_(tensors, near(device))
-    pairs_by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for w32, grad in float32_grads:
-        pairs_by_device.setdefault(grad.device, []).append((w32, grad))
-    for device, pairs in pairs_by_device.items():
-        unscaled = torch._foreach_mul([grad for _, grad in pairs], near(device))
-        for (w32, _), grad in zip(pairs, unscaled, strict=True):
-            w32.grad = grad
-
-
-def _copy_all(
-    into: list[torch.Tensor] | tuple[torch.Tensor, ...], sources: list[torch.Tensor] | tuple[torch.Tensor, ...]
-) -> None:
-    """``into[i].copy_(sources[i])`` for every i (converting the dtype), as one foreach copy where torch can."""
-    if into:
-        torch._foreach_copy_(into, sources)
