@@ -9,6 +9,9 @@ The rules are the core's (`polyamp._src.training_state`); this module translates
   ``PrecisionOptimizer.state``, the slots in the plan's state dtype.
 * Where a working tensor would equal the stored one (float32 weights, float32 slots) it *is* the stored one:
   the default plan over float32 parameters hands the inner optimizer its own tensors (a pass-through).
+* A loss scaler hands over ``grad_scale`` and ``found_inf`` as to torch's fused optimizers: a set flag returns
+  before anything changes, and each gradient is unscaled in float32 as its working copy is made (a float16
+  gradient below float16's range once unscaled keeps its value).
 * The write back is the core's `write_update`, in torch ops: one float32 op per step of the reference.
 * Conversions, slot write-backs and writes run as foreach ops over a chunk (one kernel per kind of tensor, not
   one per parameter); stochastic rounding draws its random bits per parameter, in order, and rounds the chunk's
