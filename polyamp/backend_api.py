@@ -8,8 +8,9 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
   `ImperativeDevice` (PyTorch-style loops) or `TapeDevice` (TensorFlow-style loops); a backend with jitted,
   stateless steps is also a `FunctionalBackend` (``make_functional(config)`` returning a `FunctionalDevice`,
   which may also implement `FunctionalRecordingDevice`, `FunctionalGuardingDevice`, `FunctionalSpikeDevice` and
-  `FunctionalProvenanceDevice`:
-  the records' ring, the guard and the spike window as trees of arrays in the functional state);
+  `FunctionalProvenanceDevice` (the records' ring, the guard and the spike window as trees of arrays in the
+  functional state), `FunctionalRunDevice` (records per run, its id in the ring), `FunctionalCeilingDevice` (a scale kept at or below a ceiling such as
+  `RECIPROCAL_CEILING`) and `FunctionalTracingDevice` (whether a compiler traced the rule's settings));
 * optional protocols a device form may also implement, each one capability: `RecordingDevice` (step records
   on the device), `GuardingDevice` / `ImperativeGuardingDevice` (the guard), `ProvenanceDevice` /
   `ImperativeProvenanceDevice` (which gradients were non-finite), `SpikeDevice` (`polyamp.SpikeRule`),
@@ -39,6 +40,7 @@ wording and the same numerics as the core. A complete worked example is the NumP
 test suite (tests/numpy_backend/).
 """
 
+from polyamp._src import rules
 from polyamp._src.backend import (
     AdvancingTapeDevice,
     Backend,
@@ -49,11 +51,14 @@ from polyamp._src.backend import (
     Float16HintDevice,
     Float16ProbeDevice,
     FunctionalBackend,
+    FunctionalCeilingDevice,
     FunctionalDevice,
     FunctionalGuardingDevice,
     FunctionalProvenanceDevice,
     FunctionalRecordingDevice,
+    FunctionalRunDevice,
     FunctionalSpikeDevice,
+    FunctionalTracingDevice,
     GradientCounts,
     GuardingDevice,
     ImperativeDevice,
@@ -122,9 +127,11 @@ from polyamp._src.registry import (
     register_backend,
     wrong_object_error,
 )
+from polyamp._src.rules import ArrayOps
 from polyamp._src.scaling import (
     INT32_MAX,
     NOT_GIVEN,
+    RECIPROCAL_CEILING,
     SETTING_DOCS,
     LossScaleConfig,
     LossScaleSettings,
@@ -174,9 +181,11 @@ __all__ = [
     "NOT_GIVEN",
     "NOT_SCALED_RULE",
     "REBASE_BIT",
+    "RECIPROCAL_CEILING",
     "SETTING_DOCS",
     "SPIKE_BIT",
     "AdvancingTapeDevice",
+    "ArrayOps",
     "Backend",
     "BackendSpec",
     "CheckpointChanges",
@@ -189,12 +198,15 @@ __all__ = [
     "Float16ProbeDevice",
     "ForwardPass",
     "FunctionalBackend",
+    "FunctionalCeilingDevice",
     "FunctionalDevice",
     "FunctionalGuardingDevice",
     "FunctionalLossScaler",
     "FunctionalProvenanceDevice",
     "FunctionalRecordingDevice",
+    "FunctionalRunDevice",
     "FunctionalSpikeDevice",
+    "FunctionalTracingDevice",
     "GradientCounts",
     "GuardingDevice",
     "ImperativeDevice",
@@ -256,6 +268,7 @@ __all__ = [
     "ring_codes",
     "ring_values",
     "round_to",
+    "rules",
     "stochastic_round_bfloat16",
     "to_float32",
     "to_state_dict",

@@ -36,6 +36,22 @@ def test_docs_settings_table_is_the_configs() -> None:
         assert eval(default) == defaults[name], name
 
 
+def test_the_default_floor_is_stated_wherever_min_scale_is_documented() -> None:
+    """Without a min_scale the floor is 1.0, or init_scale if that is lower (a backoff never raises the scale):
+    the setting's line, the guide's settings table and the config's docstring say so, and the docstring says
+    how jmp's floor (1 whatever the start) differs."""
+    from pathlib import Path
+
+    from polyamp.backend_api import SETTING_DOCS
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "guide" / "overview.md").read_text()
+    (row,) = [line for line in page.splitlines() if line.startswith("| `min_scale` |")]
+    assert "None: 1.0, or `init_scale` if lower" in row
+    assert "None: 1.0, or init_scale if lower" in SETTING_DOCS["min_scale"]
+    doc = " ".join((polyamp.LossScaleConfig.__doc__ or "").split())
+    assert "a backoff never raises the scale" in doc and "jmp's floor is 1 whatever the start" in doc
+
+
 def test_no_doc_says_a_loss_scaler_changes_class_when_it_binds() -> None:
     """``polyamp.LossScaler()`` keeps its class when it binds to a framework; the bound subclasses only bind
     up front. No docstring or README line may say that a ``LossScaler()`` "becomes" one of them."""

@@ -145,30 +145,47 @@ class Stateful:
 
 
 class Functional:
-    """The same loop through the functional form: SGD with momentum as a pure function."""
+    """The same loop through the functional form: SGD with momentum as a pure function, stepped by
+    `FunctionalLossScaler.step` (or, ``by_parts``, by its parts in the same order)."""
 
-    def __init__(self, npfw: Any, options: dict[str, Any]) -> None:
+    def __init__(self, npfw: Any, options: dict[str, Any], *, by_parts: bool = False) -> None:
         self.fn = polyamp.LossScaler(**options).functional(backend="npfw")
         self.state = self.fn.init()
         self.params = [p.data.copy() for p in npfw.mlp(0)]
         self.momentum = [np.zeros_like(a) for a in self.params]
+        self.by_parts = by_parts
+
+    def _sgd(self, grads: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        momentum = [(np.float32(0.9) * m + g).astype(np.float32) for m, g in zip(self.momentum, grads)]
+        params = [(a - np.float32(0.1) * m).astype(np.float32) for a, m in zip(self.params, momentum)]
+        return params, momentum
 
     def step(self, value: float, magnitude: float, planted: str | None) -> bool:
         fn, state = self.fn, self.state
         upstream = float(fn.scale(state, 1.0))  # d(scaled loss)/d(loss)
-        grads, found_inf = fn.unscale(state, _grads(magnitude, planted, upstream))
-        spike = fn.spike(state, loss=value, grads=grads)
-        momentum = [(np.float32(0.9) * m + g).astype(np.float32) for m, g in zip(self.momentum, grads)]
-        params = [(a - np.float32(0.1) * m).astype(np.float32) for a, m in zip(self.params, momentum)]
-        self.params, self.momentum = fn.apply_if_finite(
-            found_inf, (params, momentum), (self.params, self.momentum), spike=spike
-        )
-        self.state = fn.update(state, found_inf, spike=spike)
-        skipped = fn.skipped(found_inf, spike)
+        scaled = _grads(magnitude, planted, upstream)
+        if self.by_parts:
+            grads, found_inf = fn.unscale(state, scaled)
+            spike = fn.spike(state, loss=value, grads=grads)
+            self.params, self.momentum = fn.apply_if_finite(
+                found_inf, self._sgd(grads), (self.params, self.momentum), spike=spike
+            )
+            self.state = fn.update(state, found_inf, spike=spike)
+            skipped = fn.skipped(found_inf, spike)
+        else:
+            old = (self.params, self.momentum)
+            out = fn.step(state, scaled, self._sgd, lambda applied: old, loss=value)
+            (self.params, self.momentum), self.state, skipped = out.result, out.state, out.skipped
         return skipped is not None and bool(skipped > 0)
 
     def arrays(self) -> list[np.ndarray]:
         return [a.copy() for a in self.params]
+
+
+def _without_count(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A `polyamp.LossScaler` state dict without its skip count, which the functional form keeps in its state
+    (its state dicts do not carry it)."""
+    return {key: value for key, value in state_dict.items() if key != "skipped_steps"}
 
 
 def _leaves(tree: Any) -> list[Any]:
@@ -180,17 +197,25 @@ def _leaves(tree: Any) -> list[Any]:
 
 
 def _run_both(npfw: Any, options: dict[str, Any], steps: list[Step]) -> tuple[Stateful, Functional, list[bool]]:
+    """The stateful loop and the functional one (`FunctionalLossScaler.step`, and its parts composed by hand)
+    over ``steps``, checked equal at every step."""
     stateful, functional = Stateful(npfw, options), Functional(npfw, options)
+    parts = Functional(npfw, options, by_parts=True)
     skips = []
     for value, magnitude, planted in steps:
         before = functional.arrays()
         skipped = stateful.step(value, magnitude, planted)
         assert functional.step(value, magnitude, planted) == skipped
+        assert parts.step(value, magnitude, planted) == skipped
         skips.append(skipped)
-        assert functional.fn.state_dict(functional.state) == stateful.scaler.state_dict()
+        saved = stateful.scaler.state_dict()
+        assert functional.fn.state_dict(functional.state) == _without_count(saved)
+        assert parts.fn.state_dict(parts.state) == _without_count(saved)
+        assert int(functional.fn.skipped_steps(functional.state)) == saved["skipped_steps"]
         after = functional.arrays()
-        for mine, theirs in zip(after, stateful.arrays()):
+        for mine, by_hand, theirs in zip(after, parts.arrays(), stateful.arrays()):
             np.testing.assert_array_equal(mine, theirs)
+            np.testing.assert_array_equal(by_hand, theirs)
         if skipped:
             for mine, old in zip(after, before):
                 np.testing.assert_array_equal(mine, old)
@@ -255,14 +280,14 @@ def test_a_state_dict_resumes_across_the_two_forms(
         stateful.step(*step)
     functional = Functional(npfw, options)
     functional.state = functional.fn.load_state_dict(stateful.scaler.state_dict())
-    assert functional.fn.state_dict(functional.state) == stateful.scaler.state_dict()
+    assert functional.fn.state_dict(functional.state) == _without_count(stateful.scaler.state_dict())
     functional.params = stateful.arrays()
     for step in steps[half:]:
         functional.step(*step)
-    assert functional.fn.state_dict(functional.state) == whole.scaler.state_dict()
+    assert functional.fn.state_dict(functional.state) == _without_count(whole.scaler.state_dict())
     back = Stateful(npfw, options)
     back.scaler.load_state_dict(functional.fn.state_dict(functional.state))
-    assert back.scaler.state_dict() == whole.scaler.state_dict()
+    assert _without_count(back.scaler.state_dict()) == _without_count(whole.scaler.state_dict())
 
 
 def test_records_of_a_worked_sequence(npfw: Any) -> None:
@@ -319,15 +344,16 @@ def test_records_read_by_many_threads_at_once_report_each_event_once(
 ) -> None:
     # An overflow at scale 2 takes the scale to its floor, 1.0 (the collapse warning); the next steps grow it
     # back (which re-arms the warning). Eight threads, released together, read the records. Each is held at the
-    # first record it reports until every thread has got there or to the records' lock, then they go on one at
-    # a time, in the order they got there: readers that consumed the ring without holding the lock would each
-    # report the same entries, and warn each time.
+    # first record it reports until every thread has got there or to the run books' lock, then they go on one at
+    # a time, in the order they got there: readers that took the ring's codes into the books without holding the
+    # lock would each report the same entries, and warn each time.
     readers = 8
     functional = Functional(npfw, _options("scaling", None, {"init_scale": 2.0, "growth_interval": 1}))
     for step in [(1.0, 0.01, "inf"), (1.0, 0.01, None), (1.0, 0.01, None)]:
         functional.step(*step)
     fn, state = functional.fn, functional.state
-    recorder = fn._recorder
+    books = fn._books
+    (recorder,) = [book.recorder for book in books._books.values() if book.recorder.read_count == 0]
     report = recorder._report
     condition = threading.Condition()
     arrived: set[int] = set()  # the threads at the window or at the lock
@@ -365,7 +391,7 @@ def test_records_read_by_many_threads_at_once_report_each_event_once(
             return self.lock.__exit__(*exc)
 
     monkeypatch.setattr(recorder, "_report", held_report)
-    monkeypatch.setattr(recorder, "lock", CountingLock(getattr(recorder, "lock", threading.RLock())), raising=False)
+    monkeypatch.setattr(books, "_lock", CountingLock(getattr(books, "_lock", threading.RLock())), raising=False)
     warnings: list[str] = []
 
     class Collapses(logging.Handler):

@@ -301,6 +301,18 @@ def test_jmp_compat_dynamic_loss_scale_follows_polyamps_rule_and_equals_jmp(fact
     assert _adjusted(theirs, pattern) == want
 
 
+def test_jmp_compat_keeps_jmps_floor_of_one_where_polyamps_scalers_floor_at_a_lower_start() -> None:
+    """From a scale of 0.5, an overflow: jmp (and jmp_compat, by its default min_loss_scale of 1) backs off to
+    1.0; polyamp's own scalers, whose floor without min_scale is init_scale when that is below 1, keep 0.5."""
+    jmp = pytest.importorskip("jmp")
+    finite = jnp.asarray(False)
+    theirs = jmp.DynamicLossScale(jnp.float32(0.5)).adjust(finite)
+    ours = polyamp_jax.jmp_compat.DynamicLossScale(jnp.float32(0.5)).adjust(finite)
+    assert float(theirs.loss_scale) == float(ours.loss_scale) == 1.0
+    fn = LossScaler(init_scale=0.5, enabled=True).functional(backend="jax")
+    assert fn.read(fn.update(fn.init(), jnp.asarray(1.0))).scale == 0.5
+
+
 def test_jmp_compat_dynamic_loss_scale_rounds_a_factor_as_polyamp_does() -> None:
     """A factor float32 cannot hold (1.1): polyamp multiplies by the float64 factor (or its reciprocal) and rounds
     once; jmp rounds the factor to float32 first. The documented last-bit difference."""
@@ -467,6 +479,64 @@ def test_autocast_keeps_explicit_casts_control_flow_and_captured_arrays() -> Non
     assert (kept.dtype, looped.dtype, promoted.dtype) == (jnp.float32, jnp.float16, jnp.float32)
     outputs = polyamp_jax.autocast(fn, policy="params=float32,compute=float16,output=bfloat16")(params, x)
     assert {o.dtype for o in outputs} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_autocast_runs_remat_bodies_by_op_class_and_keeps_them_checkpointed() -> None:
+    """A jax.checkpoint (jax.remat) body runs by op class, as the same code outside one does (a softmax's exp in
+    float32, its matmul in float16), and stays a checkpoint; its values and gradients are those without it."""
+    w = jnp.linspace(-1.0, 1.0, 20).reshape(4, 5)
+    x = jnp.linspace(-3.0, 3.0, 12).reshape(3, 4)
+
+    def body(w: jax.Array, x: jax.Array) -> jax.Array:
+        return jax.nn.softmax(x @ w)
+
+    remat = polyamp_jax.autocast(lambda w, x: jax.checkpoint(body)(w, x), policy="mixed_float16")
+    plain = polyamp_jax.autocast(body, policy="mixed_float16")
+    closed = jax.make_jaxpr(remat)(w, x)
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name in ("remat2", "checkpoint")]
+    inner = str(eqn.params["jaxpr"])
+    assert "f32[3,5] = exp" in inner and "f16[3,5] = exp" not in inner and "f16[3,5] = dot_general" in inner
+    assert str(jax.make_jaxpr(plain)(w, x)).count("f32[3,5] = exp") == 1
+    np.testing.assert_array_equal(np.asarray(remat(w, x)), np.asarray(plain(w, x)))
+    grad_remat = jax.jit(jax.grad(lambda w: jnp.sum(remat(w, x)[:, 0])))(w)
+    grad_plain = jax.jit(jax.grad(lambda w: jnp.sum(plain(w, x)[:, 0])))(w)
+    assert grad_remat.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(grad_remat), np.asarray(grad_plain), rtol=1e-6, atol=1e-7)
+
+
+def test_autocast_keeps_custom_derivative_rules() -> None:
+    """jax.nn.relu's custom JVP rule gives 0 at 0, where its body (max(x, 0)) gives 0.5: under autocast the rule
+    is kept (run by class) under grad, jit, vmap, jvp and second derivatives, as without autocast; a
+    jax.custom_vjp function runs as written, with its rule. A custom_jvp defined inside the function, whose rule
+    closes over values traced there, is differentiated through its body, with a warning."""
+    relu = polyamp_jax.autocast(jax.nn.relu, policy="mixed_float16")
+    xs = jnp.asarray([-1.0, 0.0, 2.0])
+    assert np.asarray(jax.vmap(jax.grad(relu))(xs)).tolist() == [0.0, 0.0, 1.0]
+    assert np.asarray(jax.jit(jax.grad(lambda v: jnp.sum(relu(v))))(xs)).tolist() == [0.0, 0.0, 1.0]
+    assert float(jax.grad(relu)(jnp.float32(0.0))) == float(jax.grad(jax.nn.relu)(jnp.float32(0.0))) == 0.0
+    out, tangent = jax.jvp(relu, (xs,), (jnp.ones(3),))
+    assert (out.dtype, tangent.dtype, np.asarray(tangent).tolist()) == (jnp.float32, jnp.float32, [0.0, 0.0, 1.0])
+    square = polyamp_jax.autocast(lambda v: jnp.sum(jax.nn.relu(v) ** 2), policy="mixed_float16")
+    assert np.asarray(jax.hessian(square)(jnp.asarray([0.0, 1.0]))).tolist() == [[0.0, 0.0], [0.0, 2.0]]
+
+    @jax.custom_vjp
+    def sine(v: jax.Array) -> jax.Array:
+        return jnp.sin(v)
+
+    sine.defvjp(lambda v: (jnp.sin(v), v), lambda v, g: (g * 3.0,))
+    assert float(jax.grad(polyamp_jax.autocast(sine, policy="mixed_float16"))(jnp.float32(0.5))) == 3.0
+
+    def closing(v: jax.Array, a: jax.Array) -> jax.Array:
+        @jax.custom_jvp
+        def scaled_exp(u: jax.Array) -> jax.Array:
+            return jnp.exp(u) * a
+
+        scaled_exp.defjvp(lambda primals, tangents: (scaled_exp(primals[0]), 7.0 * tangents[0]))
+        return scaled_exp(v)
+
+    with pytest.warns(UserWarning, match=r"custom JVP rule of 'scaled_exp' uses values traced inside"):
+        slope = jax.grad(polyamp_jax.autocast(closing, policy="mixed_float16"))(jnp.float32(1.0), jnp.float32(2.0))
+    assert float(slope) == pytest.approx(2.0 * math.e, rel=1e-3)
 
 
 def test_replicas_skip_together_over_a_named_axis() -> None:
@@ -642,3 +712,259 @@ def test_loss_scaled_records_name_the_overflowing_parameter() -> None:
     (record,) = polyamp_jax.records(opt_state)
     assert record.skipped and [(g.name, g.inf, g.size) for g in record.gradients] == [("dense/kernel", 6, 6)]
     assert record.layers == ("dense",)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("scale", [2.0**25, 3 * 2.0**20, 1000.0])
+def test_half_precision_gradients_are_unscaled_as_torchs_kernel_unscales_them(dtype: str, scale: float) -> None:
+    """A float16 or bfloat16 gradient is multiplied by the float32 reciprocal of the scale in float32 and rounded
+    once to its dtype, bit for bit as torch's unscale kernel (GradScaler's) does; the reciprocal rounded to
+    float16 would be 0 at 2**25 and 6% off at 3 * 2**20."""
+    torch = pytest.importorskip("torch")
+    values = [3000.0, 1.0, 65504.0, -7.5, 6.1e-5, 0.0]
+    fn = LossScaler(init_scale=scale, enabled=True).functional(backend="jax")
+    (ours,), found_inf = jax.jit(fn.unscale)(fn.init(), [jnp.asarray(values, dtype)])
+    theirs = torch.tensor(values, dtype=getattr(torch, dtype))
+    found = torch.zeros(1)
+    inverse = torch.tensor(scale, dtype=torch.float64).reciprocal().float()  # GradScaler's reciprocal
+    torch._amp_foreach_non_finite_check_and_unscale_([theirs], found, inverse)
+    assert ours.dtype == jnp.dtype(dtype) and float(found_inf) == float(found) == 0.0
+    assert np.asarray(ours.astype(jnp.float32)).tobytes() == theirs.float().numpy().tobytes()
+    assert np.asarray(ours.astype(jnp.float32))[0] != 0.0
+
+
+def _ceiling_run(path: str, steps: int) -> tuple[list[float], list[float], list[Any]]:
+    """``steps`` jitted steps of one JAX path growing the scale at every step from 2**120, each on a gradient of
+    1.0 (times the scale): the scales after each step, the unscaled gradients (or SGD's updates, negated) and
+    the records (none for jmp_compat, which keeps none)."""
+    params = jnp.zeros(3)
+    if path == "loss_scaled":
+        tx = polyamp_jax.loss_scaled(optax.sgd(1.0), init_scale=2.0**120, growth_interval=1, enabled=True)
+        opt_state = tx.init(params)
+
+        @jax.jit
+        def step(opt_state: Any) -> tuple[Any, Any]:
+            grads = jax.grad(lambda p: polyamp_jax.scale_loss(opt_state, jnp.sum(p)))(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return -updates, opt_state
+
+        scales, values = [], []
+        for _ in range(steps):
+            update, opt_state = step(opt_state)
+            scales.append(polyamp_jax.state_dict(opt_state)["scale"])
+            values.append(float(update[0]))
+        return scales, values, polyamp_jax.records(opt_state)
+    if path == "functional":
+        fn = LossScaler(init_scale=2.0**120, growth_interval=1, enabled=True).functional(backend="jax")
+
+        @jax.jit
+        def fn_step(state: Any) -> tuple[Any, Any]:
+            grads, found_inf = fn.unscale(state, jax.grad(lambda p: fn.scale(state, jnp.sum(p)))(params))
+            return grads, fn.update(state, found_inf)
+
+        state = fn.init()
+        scales, values = [], []
+        for _ in range(steps):
+            grads, state = fn_step(state)
+            scales.append(fn.read(state).scale)
+            values.append(float(grads[0]))
+        return scales, values, fn.records(state)
+    loss_scale = polyamp_jax.jmp_compat.DynamicLossScale(jnp.float32(2.0**120), period=1)
+
+    @jax.jit
+    def jmp_step(loss_scale: Any) -> tuple[Any, Any]:
+        grads = loss_scale.unscale(jax.grad(lambda p: loss_scale.scale(jnp.sum(p)))(params))
+        return grads, loss_scale.adjust(polyamp_jax.jmp_compat.all_finite(grads))
+
+    scales, values = [], []
+    for _ in range(steps):
+        grads, loss_scale = jmp_step(loss_scale)
+        scales.append(float(loss_scale.loss_scale))
+        values.append(float(grads[0]))
+    return scales, values, []
+
+
+@pytest.mark.parametrize("path", ["loss_scaled", "functional", "jmp_compat"])
+def test_the_scale_stops_where_its_float32_reciprocal_stops_being_normal_on_every_jax_path(path: str) -> None:
+    """Growing at every finite step, each JAX path stops the scale at 2**126 (the core's RECIPROCAL_CEILING),
+    where the float32 reciprocal that unscales is still a normal number: every step's gradient comes back as
+    1.0 (above it XLA on CPU flushes the reciprocal to 0, and every update was -0.0 while the step was recorded
+    as applied). The records replay the same scales."""
+    scales, values, records = _ceiling_run(path, 10)
+    expected = [2.0**121, 2.0**122, 2.0**123, 2.0**124, 2.0**125] + [2.0**126] * 5
+    assert scales == expected
+    assert values == [1.0] * 10
+    if path != "jmp_compat":
+        assert [(r.skipped, r.scale, r.next_scale) for r in records] == list(
+            zip([False] * 10, [2.0**120, *expected[:-1]], expected, strict=True)
+        )
+
+
+def test_a_scale_above_the_ceiling_is_refused_on_every_jax_path() -> None:
+    """A scale JAX cannot unscale by (above 2**126) is refused with what was received and what is allowed: as a
+    setting, as a static scale, and in a state dict (a torch run that grew there), which then changes nothing."""
+    with pytest.raises(polyamp.InvalidConfigError, match=r"`init_scale` must be at most 8\.5070591730234\d*e\+37"):
+        polyamp_jax.loss_scaled(optax.sgd(1.0), init_scale=2.0**127)
+    with pytest.raises(polyamp.InvalidConfigError, match=r"StaticLossScale\(1\.7014118346046923e\+38\) cannot run"):
+        polyamp_jax.jmp_compat.StaticLossScale(2.0**127)
+    fn = LossScaler(growth_interval=4, enabled=True).functional(backend="jax")
+    state = fn.init()
+    saved = {**fn.state_dict(state), "scale": 2.0**127, "growth_interval": 2}
+    with pytest.raises(polyamp.StateDictError, match=r"scale=1\.7014118346046923e\+38 is above 8\.5070591730234"):
+        fn.load_state_dict(saved)
+    assert (
+        fn.config.growth_interval == 4 and fn.read(fn.load_state_dict({**saved, "scale": 2.0**126})).scale == 2.0**126
+    )
+
+
+def test_a_flag_that_is_not_one_scalar_is_refused() -> None:
+    """apply_if_finite and update take one flag: an array of flags (which jnp.where would broadcast into the
+    trees, giving a scalar parameter the shape (2,) and mixing both trees element by element) is refused with
+    a PolyampTypeError saying what was received, as jmp_compat's select_tree refuses it. Scalars of any kind
+    are taken."""
+    fn = LossScaler(enabled=True).functional(backend="jax")
+    state = fn.init()
+    applied, current = {"w": jnp.float32(1.0)}, {"w": jnp.float32(2.0)}
+    for flag in (jnp.asarray([0.0, 1.0]), np.asarray([True, False]), [0.0, 1.0]):
+        with pytest.raises(PolyampTypeError, match=r"takes one flag: a scalar.*Received: .*Reduce several flags"):
+            fn.apply_if_finite(flag, applied, current)
+        with pytest.raises(PolyampTypeError, match=r"update\(\) takes one flag"):
+            fn.update(state, flag)
+    with pytest.raises(PolyampTypeError, match=r"of shape \(2,\)"):
+        jax.jit(fn.apply_if_finite)(jnp.asarray([0.0, 1.0]), applied, current)
+    for flag, expected in ((jnp.asarray(1.0), 2.0), (jnp.asarray(False), 1.0), (True, 2.0), (np.float32(0.0), 1.0)):
+        chosen = fn.apply_if_finite(flag, applied, current)
+        assert chosen["w"].shape == () and float(chosen["w"]) == expected
+    assert fn.read(fn.update(state, jnp.asarray(1.0))).scale == 32768.0
+
+
+def test_a_loss_scaled_state_pickles() -> None:
+    """pickle round-trips a loss_scaled state (its functional scaler included: no local function in it), and
+    training on from the copy gives the same parameters, optimizer state and scale, bit for bit."""
+    import pickle
+
+    params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)}
+    tx = polyamp_jax.loss_scaled(optax.adam(1e-2), enabled=True, growth_interval=2, axis_name=None)
+
+    @jax.jit
+    def step(params: Any, opt_state: Any, bad: Any) -> tuple[Any, Any]:
+        grads = jax.grad(lambda p: polyamp_jax.scale_loss(opt_state, jnp.sum(jnp.sin(p["w"]))))(params)
+        grads = jax.tree_util.tree_map(lambda g: jnp.where(bad, jnp.nan, g), grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = tx.init(params)
+    for bad in (False, True, False):
+        params, opt_state = step(params, opt_state, jnp.asarray(bad))
+    copy = pickle.loads(pickle.dumps(opt_state))
+    assert isinstance(copy, polyamp_jax.LossScaledState) and copy.fn.config == opt_state.fn.config
+    ours, theirs = (params, copy), (params, opt_state)
+    for bad in (False, False, True):
+        ours, theirs = step(*ours, jnp.asarray(bad)), step(*theirs, jnp.asarray(bad))
+    leaves = [np.asarray(leaf).tobytes() for leaf in jax.tree_util.tree_leaves(ours)]
+    assert leaves == [np.asarray(leaf).tobytes() for leaf in jax.tree_util.tree_leaves(theirs)]
+    assert polyamp_jax.state_dict(ours[1]) == polyamp_jax.state_dict(theirs[1])
+
+
+def test_settings_loaded_after_a_jitted_step_reach_the_step_or_are_refused() -> None:
+    """A state dict with other settings, once a jitted step traced the functional scaler's update: loading it
+    into that scaler raises (the step holds the old growth_interval as a constant) and changes nothing;
+    restore() gives a scaler that follows the dict, whose jitted step grows every 2 steps, and whose state
+    dicts load back. Before any compiled step, load_state_dict adopts the settings as it always did."""
+    fn = LossScaler(growth_interval=4, enabled=True).functional(backend="jax")
+
+    def make_step(fn: Any) -> Any:
+        @jax.jit
+        def step(state: Any) -> Any:
+            _, found_inf = fn.unscale(state, [jnp.ones(3)])
+            return fn.update(state, found_inf)
+
+        return step
+
+    state = make_step(fn)(fn.init())
+    saved = {**fn.state_dict(state), "growth_interval": 2, "_growth_tracker": 0}
+    with pytest.raises(polyamp.ScalerUsageError, match=r"growth_interval: 4 -> 2.*fn\.restore\(state_dict\)"):
+        fn.load_state_dict(saved)
+    assert fn.config.growth_interval == 4 and fn.read(state).growth_tracker == 1
+    resumed, loaded = fn.restore(saved)
+    assert resumed is not fn and resumed.config.growth_interval == 2 and fn.config.growth_interval == 4
+    step = make_step(resumed)
+    scales = []
+    for _ in range(5):
+        loaded = step(loaded)
+        scales.append(resumed.read(loaded).scale)
+    assert scales == LossScaleConfig(growth_interval=2).trajectory("FFFFF")
+    back = LossScaler(enabled=True)
+    back.load_state_dict(resumed.state_dict(loaded))  # a state polyamp's own loader takes
+    assert (back.config.growth_interval, back.get_state().growth_tracker) == (2, 1)
+    assert fn.restore(fn.state_dict(state))[0] is fn  # the same settings: the same scaler
+    fresh = LossScaler(growth_interval=4, enabled=True).functional(backend="jax")
+    adopted = fresh.load_state_dict(saved)  # nothing traced yet: adopted, and a later jit follows it
+    assert fresh.config.growth_interval == 2
+    assert fresh.read(make_step(fresh)(make_step(fresh)(adopted))).scale == 131072.0
+
+
+def test_loss_scaled_settings_loaded_after_a_jitted_step_travel_with_the_state() -> None:
+    """polyamp_jax.load_state_dict with other settings, after the step was jitted: the restored state carries
+    them (its own functional scaler, as Flax's DynamicScale carries its fields), so the same jitted step
+    traces anew and grows every 2 steps; its state dict loads back, and the transformation's fresh states keep
+    growth_interval 4."""
+    params = {"w": jnp.ones(3)}
+    tx = polyamp_jax.loss_scaled(optax.sgd(0.0), enabled=True, growth_interval=4)
+
+    @jax.jit
+    def step(opt_state: Any) -> Any:
+        grads = jax.grad(lambda p: polyamp_jax.scale_loss(opt_state, jnp.sum(p["w"])))(params)
+        return tx.update(grads, opt_state, params)[1]
+
+    opt_state = step(tx.init(params))
+    saved = {**polyamp_jax.state_dict(opt_state), "growth_interval": 2, "_growth_tracker": 0}
+    loaded = polyamp_jax.load_state_dict(opt_state, saved)
+    scales = []
+    for _ in range(5):
+        loaded = step(loaded)
+        scales.append(polyamp_jax.state_dict(loaded)["scale"])
+    assert scales == LossScaleConfig(growth_interval=2).trajectory("FFFFF")
+    written = polyamp_jax.state_dict(loaded)
+    assert (written["growth_interval"], written["_growth_tracker"]) == (2, 1)
+    LossScaler(enabled=True).load_state_dict(written)
+    assert [r.next_scale for r in polyamp_jax.records(loaded)] == scales
+    assert polyamp_jax.state_dict(step(tx.init(params)))["growth_interval"] == 4
+
+
+def test_records_are_each_states_own() -> None:
+    """The records of a loss_scaled state are its own: two states of one transformation keep theirs (one
+    skipped, the other never did); an older state gives only its own iterations, also when read after a
+    later one; init() starts a new run and leaves the others as they were; a state stepped again from an older
+    one (a rollback) reads its own iterations from where it differs, with the scales its rule gives, and the
+    first branch's states still read theirs."""
+    params = {"w": jnp.ones(3)}
+    tx = polyamp_jax.loss_scaled(optax.sgd(0.1), enabled=True, growth_interval=2)
+
+    @jax.jit
+    def step(opt_state: Any, bad: Any) -> Any:
+        grads = jax.grad(lambda p: polyamp_jax.scale_loss(opt_state, jnp.sum(p["w"])))(params)
+        grads = jax.tree_util.tree_map(lambda g: jnp.where(bad, jnp.inf, g), grads)
+        return tx.update(grads, opt_state, params)[1]
+
+    def seen(opt_state: Any) -> list[tuple[int, bool, float | None, float | None]]:
+        return [(r.iteration, r.skipped, r.scale, r.next_scale) for r in polyamp_jax.records(opt_state)]
+
+    a0, b0 = tx.init(params), tx.init(params)
+    a1 = step(a0, False)
+    a2 = step(a1, True)
+    a3 = step(a2, False)
+    b1 = step(b0, False)
+    first_branch = [(0, False, 65536.0, 65536.0), (1, True, 65536.0, 32768.0), (2, False, 32768.0, 32768.0)]
+    assert seen(a3) == first_branch
+    assert seen(b1) == [(0, False, 65536.0, 65536.0)]
+    assert seen(a1) == first_branch[:1] and seen(a0) == []
+    assert seen(tx.init(params)) == [] and seen(a3) == first_branch and seen(b1) == seen(a1)
+    rolled_back = step(step(a1, False), False)  # iteration 1 again, from a1: finite this time
+    assert seen(rolled_back) == [
+        (0, False, 65536.0, 65536.0),
+        (1, False, 65536.0, 131072.0),
+        (2, False, 131072.0, 131072.0),
+    ]
+    assert seen(a3) == first_branch and seen(a2) == first_branch[:2]
+    assert polyamp_jax.state_dict(rolled_back)["scale"] == 131072.0

@@ -180,6 +180,58 @@ def test_a_linen_training_loop_with_loss_scaled_skips_an_injected_overflow() -> 
     assert losses[-1] < losses[0]
 
 
+def _loss_scaled_run() -> tuple[Any, Any, Any, Any]:
+    """A loss_scaled Adam (growth interval 2) and a jitted step that injects an inf gradient when asked; the
+    parameters and state after three steps, the second one skipped."""
+    params = {"dense": {"kernel": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), "bias": jnp.zeros(3)}}
+    tx = polyamp_jax.loss_scaled(optax.adam(1e-2), enabled=True, growth_interval=2)
+    x = jnp.linspace(-2.0, 2.0, 20).reshape(5, 4)
+
+    @jax.jit
+    def step(params: Any, opt_state: Any, bad: Any) -> tuple[Any, Any]:
+        def loss_fn(p: Any) -> Any:
+            return polyamp_jax.scale_loss(opt_state, jnp.mean(jnp.tanh(x @ p["dense"]["kernel"] + p["dense"]["bias"])))
+
+        grads = jax.tree_util.tree_map(lambda g: jnp.where(bad, jnp.inf, g), jax.grad(loss_fn)(params))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = tx.init(params)
+    for bad in (False, True, False):
+        params, opt_state = step(params, opt_state, jnp.asarray(bad))
+    return tx, step, params, opt_state
+
+
+def test_a_loss_scaled_state_checkpoints_with_flax_serialization() -> None:
+    """flax.serialization writes a loss_scaled state (msgpack, as a TrainState's optimizer state) and restores it
+    into a fresh tx.init(params): every array bit for bit, the gradients' names kept, and training on from it
+    gives the same parameters, optimizer state and scale as training on from the original."""
+    serialization = pytest.importorskip("flax.serialization")
+    tx, step, params, opt_state = _loss_scaled_run()
+    written = serialization.to_state_dict(opt_state)
+    assert written.keys() == {"scaler", "inner"} and "names" not in written["scaler"]["provenance"]
+    restored = serialization.from_bytes(tx.init(params), serialization.to_bytes(opt_state))
+    assert isinstance(restored, polyamp_jax.LossScaledState)
+    assert _bytes(restored) == _bytes(opt_state)
+    assert polyamp_jax.state_dict(restored) == polyamp_jax.state_dict(opt_state)
+    ours, theirs = (params, restored), (params, opt_state)
+    for bad in (False, True, False, False):
+        ours, theirs = step(*ours, jnp.asarray(bad)), step(*theirs, jnp.asarray(bad))
+    assert _bytes(ours) == _bytes(theirs)
+    assert polyamp_jax.state_dict(ours[1]) == polyamp_jax.state_dict(theirs[1])
+    (record,) = [r for r in polyamp_jax.records(ours[1]) if r.skipped and r.iteration == 4]
+    assert [g.name for g in record.gradients] == ["dense/bias", "dense/kernel"]
+    assert polyamp_jax.records(ours[1]) == polyamp_jax.records(theirs[1])
+    # Restored where its run was never read (another process): its iterations' records, at unknown scales.
+    elsewhere = polyamp_jax.loss_scaled(optax.adam(1e-2), enabled=True, growth_interval=2)
+    moved = serialization.from_bytes(elsewhere.init(params), serialization.to_bytes(opt_state))
+    assert [(r.iteration, r.skipped, r.scale) for r in polyamp_jax.records(moved)] == [
+        (0, False, None),
+        (1, True, None),
+        (2, False, None),
+    ]
+
+
 # -- Flax TrainState with DynamicScale ----------------------------------------------------------------------
 
 train_state = pytest.importorskip("flax.training.train_state")
@@ -405,7 +457,7 @@ def test_dynamic_scale_state_dicts_are_torchs_format() -> None:
     assert (native.get_scale(), native.get_growth_interval(), native.state_dict()["_growth_tracker"]) == (1024.0, 3, 1)
     core = polyamp.LossScaler(enabled=True)
     core.load_state_dict(saved)
-    assert core.state_dict() == saved
+    assert core.state_dict() == {**saved, "skipped_steps": 0}  # (the functional form's dicts carry no skip count)
 
     # the rest of the run, in torch (a linear model, an inf gradient where the pattern says) and here
     model = torch.nn.Linear(2, 1)

@@ -60,6 +60,15 @@ def test_min_scale_floors_backoff() -> None:
     assert config.trajectory("OOOO") == [4.0, 3.0, 3.0, 3.0]
 
 
+def test_the_default_floor_is_one_or_a_lower_initial_scale() -> None:
+    """Without min_scale a backoff stops at 1.0, or at init_scale when that starts below 1: a backoff never
+    raises the scale (jmp's floor of 1 would take 0.5 up to 1.0 on an overflow)."""
+    assert LossScaleConfig(init_scale=4.0).trajectory("OOOO") == [2.0, 1.0, 1.0, 1.0]
+    assert LossScaleConfig(init_scale=0.5).trajectory("OOFO") == [0.5, 0.5, 0.5, 0.5]
+    assert LossScaleConfig(init_scale=0.5).floor_f32 == 0.5 and LossScaleConfig().floor_f32 == 1.0
+    assert LossScaleConfig(init_scale=0.5, growth_interval=1).trajectory("FO") == [1.0, 0.5]
+
+
 def test_max_scale_caps_growth() -> None:
     config = LossScaleConfig(init_scale=2.0**15, growth_interval=1, max_scale=100_000.0)
     assert config.trajectory("FFF") == [65536.0, 100_000.0, 100_000.0]
@@ -75,6 +84,38 @@ def test_growth_never_reaches_inf() -> None:
 def test_growth_cap_applies_before_the_finite_guard() -> None:
     config = LossScaleConfig(init_scale=2.0**127, growth_interval=1, max_scale=FLT_MAX)
     assert config.trajectory("F") == [FLT_MAX]
+
+
+def test_a_devices_ceiling_stops_growth_and_leaves_the_settings_as_they_are() -> None:
+    """with_ceiling: growth stops at the lower of max_scale and the ceiling (the rule's other halves unchanged),
+    a state above it is refused, and the settings, state dicts and equality stay the config's own; without a
+    ceiling growth goes on to 2**127, as torch's GradScaler grows."""
+    from polyamp.backend_api import RECIPROCAL_CEILING
+
+    plain = LossScaleConfig(init_scale=2.0**124, growth_interval=1)
+    capped = plain.with_ceiling(RECIPROCAL_CEILING)
+    assert RECIPROCAL_CEILING == 2.0**126 and 1 / to_float32(RECIPROCAL_CEILING) == 2.0**-126
+    assert capped.trajectory("FFFOFF") == [2.0**125, 2.0**126, 2.0**126, 2.0**125, 2.0**126, 2.0**126]
+    assert plain.trajectory("FFFOFF") == [2.0**125, 2.0**126, 2.0**127, 2.0**126, 2.0**127, 2.0**127]
+    assert capped.after_finite(plain.initial_state(), 5).scale == 2.0**126
+    assert capped.finite_run(plain.initial_state(), 3)[0] == [2.0**124, 2.0**125, 2.0**126]
+    assert (capped.ceiling_f32, plain.ceiling_f32) == (2.0**126, None)
+    assert capped == plain and capped.settings() == plain.settings() and capped.settings()["max_scale"] is None
+    assert plain.is_standard_rule and not capped.is_standard_rule
+    # Below the ceiling the rule is the config's: a product that would be inf keeps the scale, max_scale caps.
+    guard = LossScaleConfig(init_scale=2.0**100, growth_factor=2.0**10, growth_interval=1)
+    assert (
+        guard.with_ceiling(RECIPROCAL_CEILING).trajectory("FFF")
+        == guard.trajectory("FFF")
+        == [2.0**110, 2.0**120, 2.0**120]
+    )
+    bounded = LossScaleConfig(init_scale=2.0**125, growth_interval=1, max_scale=FLT_MAX)
+    assert bounded.with_ceiling(RECIPROCAL_CEILING).trajectory("FF") == [2.0**126, 2.0**126]
+    with pytest.raises(InvalidConfigError, match=r"scale=1\.7014118346046923e\+38 is above 8\.50705917302346"):
+        capped.check_state(LossScaleState(2.0**127))
+    plain.check_state(LossScaleState(2.0**127))
+    with pytest.raises(InvalidConfigError, match=r"`init_scale` must be at most 8\.507059173023462e\+37 on this"):
+        LossScaleConfig(init_scale=2.0**127).with_ceiling(RECIPROCAL_CEILING)
 
 
 def test_static_scale_never_changes() -> None:

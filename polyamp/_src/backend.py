@@ -34,10 +34,13 @@ __all__ = [
     "Float16HintDevice",
     "Float16ProbeDevice",
     "FunctionalBackend",
+    "FunctionalCeilingDevice",
     "FunctionalDevice",
     "FunctionalGuardingDevice",
     "FunctionalRecordingDevice",
+    "FunctionalRunDevice",
     "FunctionalSpikeDevice",
+    "FunctionalTracingDevice",
     "GradientCounts",
     "GuardingDevice",
     "ImperativeDevice",
@@ -550,6 +553,21 @@ class FunctionalRecordingDevice(Protocol):
 
 
 @runtime_checkable
+class FunctionalRunDevice(Protocol):
+    """Optional, functional recording devices: the id of the run (one `polyamp.FunctionalLossScaler.init`, and
+    every state stepped from it) carried in the ring, so that the records of a state are its run's own, not
+    those of every state of one scaler."""
+
+    def ring_tag(self, ring: Any, run: int) -> Any:
+        """``ring`` carrying the run id ``run`` (an int in [0, 2**31)), which `ring_write` keeps."""
+        ...
+
+    def ring_run(self, ring: Any) -> int | None:
+        """The run id ``ring`` carries (one host read), or None where it carries none."""
+        ...
+
+
+@runtime_checkable
 class FunctionalGuardingDevice(Protocol):
     """Optional, functional devices: the guard (steps without scaling skipped when a gradient is non-finite),
     the functional form of `GuardingDevice`."""
@@ -561,6 +579,30 @@ class FunctionalGuardingDevice(Protocol):
 
     def count_skip(self, tree: Any, flag: Flag) -> Any:
         """``tree`` with its skip count advanced when ``flag`` is set (> 0), the loss-scale rule not run."""
+        ...
+
+
+@runtime_checkable
+class FunctionalCeilingDevice(Protocol):
+    """Optional, functional devices whose scale has a ceiling below float32's limit: they follow the config
+    they were made with through `polyamp.LossScaleConfig.with_ceiling` (e.g. with `RECIPROCAL_CEILING`, where
+    the float32 reciprocal that unscales is flushed to zero above it), and say so here, so that the records
+    replay the same rule and a state above the ceiling is refused."""
+
+    @property
+    def rule(self) -> LossScaleConfig:
+        """The config whose rule `FunctionalDevice.update` follows: the device's config with its ceiling."""
+        ...
+
+
+@runtime_checkable
+class FunctionalTracingDevice(Protocol):
+    """Optional, functional devices: whether a compiler traced `FunctionalDevice.update` (a jitted or scanned
+    step), which then holds the rule's settings as constants; `polyamp.FunctionalLossScaler.load_state_dict`
+    refuses to change them after that (the compiled step would go on using the old ones)."""
+
+    def traced(self) -> bool:
+        """Whether `FunctionalDevice.update` ran on traced values (under a compiler) since the device was made."""
         ...
 
 

@@ -18,36 +18,69 @@ spike skip counted as a skip) is decided here, once, when `polyamp.LossScaler.fu
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Mapping
-from typing import Any, Final, Literal, cast
+from typing import Any, Final, Literal, NamedTuple, cast
 
 from polyamp._src.backend import (
     Flag,
+    FunctionalCeilingDevice,
     FunctionalDevice,
     FunctionalGuardingDevice,
     FunctionalProvenanceDevice,
     FunctionalRecordingDevice,
+    FunctionalRunDevice,
     FunctionalSpikeDevice,
+    FunctionalTracingDevice,
 )
-from polyamp._src.errors import InvalidConfigError, PolyampTypeError, ScalerUsageError, describe
+from polyamp._src.errors import InvalidConfigError, PolyampTypeError, ScalerUsageError, StateDictError, describe
 from polyamp._src.provenance import non_finite_gradients
 from polyamp._src.records import DEFAULT_HISTORY, MODE_CODES, Recorder, StepRecord
+from polyamp._src.run_records import RunBooks
 from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
 from polyamp._src.spikes import SpikeRule
 from polyamp._src.state_dict import (
     is_disabled_torch_state,
-    parse_skipped_steps,
     parse_spike_run,
     parse_spike_window,
     parse_state_dict,
     to_state_dict,
 )
 
-__all__ = ["FunctionalLossScaler"]
+__all__ = ["FunctionalLossScaler", "FunctionalStep"]
 
 #: What an iteration of a functional scaler does: scale, check without scaling, or neither.
 FunctionalMode = Literal["scaling", "guarding", "off"]
 _STATE_KEYS: Final = ("scaler", "ring", "window", "provenance")
+
+
+class FunctionalStep(NamedTuple):
+    """What `FunctionalLossScaler.step` returns: the inner step's ``result`` (or what ``keep`` gave on a
+    skipped step), the new ``state``, the iteration's flags, ``found_inf`` (a gradient was inf or NaN) and
+    ``skipped`` (that or the spike rule), None when nothing was checked, and the unscaled ``grads`` the inner
+    step was given."""
+
+    result: Any
+    state: Any
+    found_inf: Flag | None = None
+    skipped: Flag | None = None
+    grads: Any = None
+
+
+def _check_flag(flag: Any, method: str) -> None:
+    """Raise unless ``flag`` is one flag: a scalar (0-d) array or a Python bool or number. An array of several
+    flags would be broadcast into the parameters and the scale, mixing two trees element by element."""
+    if flag is None or isinstance(flag, (bool, int, float)):
+        return
+    ndim = getattr(flag, "ndim", None)
+    if isinstance(flag, (list, tuple, Mapping)) or (isinstance(ndim, int) and ndim != 0):
+        shape = getattr(flag, "shape", None)
+        held = "" if shape is None else f" of shape {tuple(shape)}"
+        raise PolyampTypeError(
+            f"FunctionalLossScaler.{method} takes one flag: a scalar, such as the found_inf unscale() returned "
+            f"(> 0: the step is skipped). Received: {describe(flag)}{held}. Reduce several flags to one first, "
+            "e.g. jnp.max(flags), or pass unscale()'s flag."
+        )
 
 
 class FunctionalLossScaler:
@@ -132,6 +165,7 @@ class FunctionalLossScaler:
         self._make_device = make_device
         self._device = make_device(config)
         self._config = config
+        self._scale_rule = self._device_rule()
         self._enabled = enabled
         self._setting = setting
         self._guard = guard
@@ -141,10 +175,14 @@ class FunctionalLossScaler:
         self._backend = backend
         self._mode: FunctionalMode = "off"
         self._recording = False
-        self._attached = -1  # the iteration whose provenance the records hold
-        self._skipped_before = 0  # the skips before the state's own count began (`init`'s ``skipped_steps``)
         self._read_capabilities()
-        self._recorder = self._new_recorder(config.initial_state())
+        self._books = RunBooks(self._new_recorder, history)  # the records, per run (per init)
+        self._books.start(None, config.initial_state())
+
+    def _device_rule(self) -> LossScaleConfig:
+        """The config whose rule the device follows: ``config``, or with the device's ceiling."""
+        device = self._device
+        return device.rule if isinstance(device, FunctionalCeilingDevice) else self._config
 
     def _read_capabilities(self) -> None:
         """Read which optional protocols the device implements, once (and again when it is remade)."""
@@ -169,10 +207,8 @@ class FunctionalLossScaler:
             )
         self._mode = "guarding" if guard and supported else "off"
 
-    def _new_recorder(self, state: LossScaleState) -> Recorder:
-        recorder = Recorder(self._history, self._on_min_scale, self._rule.reason if self._rule else "loss_spike")
-        recorder.reanchor(state)
-        return recorder
+    def _new_recorder(self) -> Recorder:
+        return Recorder(self._history, self._on_min_scale, self._rule.reason if self._rule else "loss_spike")
 
     @property
     def config(self) -> LossScaleConfig:
@@ -202,7 +238,7 @@ class FunctionalLossScaler:
 
     # -- the state ---------------------------------------------------------------------------------------
 
-    def init(self, state: LossScaleState | None = None, *, grads: Any = None, skipped_steps: int = 0) -> dict[str, Any]:
+    def init(self, state: LossScaleState | None = None, *, grads: Any = None) -> dict[str, Any]:
         """A fresh state: the config's initial state (or ``state``, validated as `load_state_dict` validates a
         state dict's), a zero skip count, an empty record ring (where the device keeps records) and an empty
         spike window (with a `polyamp.SpikeRule`).
@@ -215,29 +251,22 @@ class FunctionalLossScaler:
                 gradients held inf/NaN in a skipped step (on the device, only when it skips), and the record of
                 the most recent such step names them (`polyamp.StepRecord.gradients`); `update` then takes
                 the unscaled gradients as ``grads=``.
-            skipped_steps: The skipped iterations of the run this state continues: `skipped_steps` and
-                `state_dict` count on from it (the state's own count starts at zero).
 
         Returns:
             The state: a dict of the backend's arrays, to pass to the other functions.
 
         Raises:
-            PolyampTypeError: (a ``TypeError``) ``state`` is not a `polyamp.LossScaleState` of numbers,
-                ``grads`` was given to a backend whose functional form cannot count non-finite gradients, or
-                ``skipped_steps`` is not an int >= 0.
+            PolyampTypeError: (a ``TypeError``) ``state`` is not a `polyamp.LossScaleState` of numbers, or
+                ``grads`` was given to a backend whose functional form cannot count non-finite gradients.
             InvalidConfigError: (a ``ValueError``) ``state`` is impossible under this config: a scale that is
                 NaN, infinite, zero, negative, subnormal or outside ``[min_scale, max_scale]`` (without
                 ``min_scale``, the floor is 1.0), or a counter outside its range.
         """
-        if isinstance(skipped_steps, bool) or not isinstance(skipped_steps, int) or skipped_steps < 0:
-            raise PolyampTypeError(
-                f"FunctionalLossScaler.init(): `skipped_steps` must be an int >= 0. Received: {describe(skipped_steps)}."
-            )
         if state is None:
             initial = self._config.initial_state()
         else:
             try:
-                self._config.check_state(state)
+                self._scale_rule.check_state(state)
             except (InvalidConfigError, PolyampTypeError) as exc:
                 raise type(exc)(
                     f"FunctionalLossScaler.init() cannot start from this state: {exc} Pass no state for the "
@@ -246,18 +275,22 @@ class FunctionalLossScaler:
             initial = LossScaleState(
                 to_float32(float(state.scale)), int(state.growth_tracker), int(state.hysteresis_left)
             )
-        self._recorder = self._new_recorder(initial)
-        self._skipped_before = skipped_steps
         tree: dict[str, Any] = {"scaler": self._device.init(initial)}
+        run = None
         if self._recording:
             device = cast(FunctionalRecordingDevice, self._device)
             tree["ring"] = device.ring_init(self._history)
+            if isinstance(device, FunctionalRunDevice):  # this state's records are its run's, not the scaler's
+                run = secrets.randbelow(2**31)
+                while self._books.known(run):
+                    run = secrets.randbelow(2**31)
+                tree["ring"] = device.ring_tag(tree["ring"], run)
+        self._books.start(run, initial)
         if self._rule is not None:
             spikes = cast(FunctionalSpikeDevice, self._device)
             tree["window"] = spikes.window_init(self._rule)
         if grads is not None:
             tree["provenance"] = self._provenance_device("init(grads=...)").provenance_init(grads)
-        self._attached = -1
         return tree
 
     def _provenance_device(self, method: str) -> FunctionalProvenanceDevice:
@@ -341,7 +374,12 @@ class FunctionalLossScaler:
 
     def skipped(self, found_inf: Flag | None, spike: Mapping[str, Any] | None = None) -> Flag | None:
         """The flag of whether this iteration's step is skipped: ``found_inf`` (a non-finite gradient) or the
-        spike rule's flag (``spike``, what `spike` returned); None when nothing was checked."""
+        spike rule's flag (``spike``, what `spike` returned); None when nothing was checked.
+
+        Raises:
+            PolyampTypeError: ``found_inf`` is not one flag (a scalar), e.g. an array of per-leaf flags.
+        """
+        _check_flag(found_inf, "skipped()/apply_if_finite()")
         if spike is None:
             return found_inf
         if found_inf is None:
@@ -354,7 +392,11 @@ class FunctionalLossScaler:
     ) -> Any:
         """``applied`` (the values after the optimizer step) unless ``found_inf`` or the spike rule's flag
         (``spike``, what `spike` returned) is set, then ``current``: a skipped step leaves parameters and
-        optimizer state exactly as they were."""
+        optimizer state exactly as they were.
+
+        Raises:
+            PolyampTypeError: ``found_inf`` is not one flag (a scalar), e.g. an array of per-leaf flags.
+        """
         flag = self.skipped(found_inf, spike)
         if flag is None:
             return applied
@@ -381,9 +423,10 @@ class FunctionalLossScaler:
         Raises:
             ScalerUsageError: scaling or guarding without a flag, or a rule's iteration without its decision,
                 or a state that counts non-finite gradients updated without ``grads``.
-            PolyampTypeError: a decision for a scaler without a rule.
+            PolyampTypeError: a decision for a scaler without a rule, or a ``found_inf`` that is not one flag.
         """
         tree = self._scaler(state, "update()")
+        _check_flag(found_inf, "update()")
         new = dict(state)
         mode = self._mode
         if "provenance" in state:
@@ -439,6 +482,70 @@ class FunctionalLossScaler:
                 new["ring"] = recording.ring_write(state["ring"], MODE_CODES[mode], found_inf, only)
         return new
 
+    def step(
+        self,
+        state: Any,
+        grads: Any,
+        inner: Callable[[Any], Any],
+        keep: Callable[[Any], Any],
+        *,
+        loss: Any = None,
+        unscale: Callable[[Any, Any], tuple[Any, Flag]] | None = None,
+        lazy: bool = False,
+    ) -> FunctionalStep:
+        """One iteration after the backward pass, in polyamp's order: unscale (or check) the gradients, ask
+        the spike rule, take the inner step, keep the old values on a skip, advance the state.
+
+        Example (a jitted step; ``loss_fn`` and ``apply`` are the framework's)::
+
+            def train_step(params, opt_state, state, batch):
+                grads = grad(lambda p: fn.scale(state, loss_fn(p, batch)))(params)
+                out = fn.step(
+                    state,
+                    grads,
+                    lambda g: apply(g, params, opt_state),  # the inner step, on the unscaled gradients
+                    lambda applied: (params, opt_state),  # what a skipped step gives instead
+                )
+                (params, opt_state), state = out.result, out.state
+                return params, opt_state, state
+
+        Args:
+            state: The iteration's state.
+            grads: The gradients of the scaled loss (`scale`), or of the loss when the functions do not scale.
+            inner: The inner step: a function of the unscaled gradients returning its result (new parameters
+                and optimizer state, or an optax transformation's updates and state).
+            keep: A function of ``inner``'s result returning what a skipped step gives instead, of the same
+                structure (the old values; optax: zero updates and the old state). With ``lazy`` it is called
+                with None.
+            loss: The iteration's unscaled loss, for a `polyamp.SpikeRule` on ``"loss"``.
+            unscale: None, or a function ``(scaler tree, grads) -> (unscaled grads, flag)`` that stands for the
+                device's `unscale` (a backend's unscale with clipping folded in).
+            lazy: Run ``inner`` only when the step is applied (the device's ``cond``), instead of computing it
+                and selecting; for a device whose functional form has ``cond``.
+
+        Returns:
+            A `FunctionalStep`: the result, the new state, and the iteration's flags.
+        """
+        tree = self._scaler(state, "step()")
+        counting = "provenance" in state
+        if self._mode == "off":
+            new = self.update(state, None, grads=grads if counting else None)
+            return FunctionalStep(inner(grads), new, grads=grads)
+        if unscale is not None and self._mode == "scaling":
+            grads, found_inf = unscale(tree, grads)
+        else:
+            grads, found_inf = self.unscale(state, grads)
+        decision = self.spike(state, loss=loss, grads=grads)
+        skipped = self.skipped(found_inf, decision)
+        cond = getattr(self._device, "cond", None) if lazy else None
+        if cond is not None:
+            result = cond(skipped, lambda: keep(None), lambda: inner(grads))
+        else:
+            applied = inner(grads)
+            result = self._device.select(skipped, keep(applied), applied)
+        new = self.update(state, found_inf, decision, grads=grads if counting else None)
+        return FunctionalStep(result, new, found_inf, skipped, grads)
+
     # -- reading on the host -----------------------------------------------------------------------------
 
     def read(self, state: Any) -> LossScaleState:
@@ -446,45 +553,40 @@ class FunctionalLossScaler:
         return self._device.read(self._scaler(state, "read()"))
 
     def skipped_steps(self, state: Any) -> Any:
-        """How many steps were skipped (non-finite gradients and spikes), as the framework's integer scalar: the
-        state's count, plus the run's before it (`init`'s ``skipped_steps``, a loaded state dict's count)."""
-        count = self._device.skipped_count(self._scaler(state, "skipped_steps()"))
-        return count + self._skipped_before if self._skipped_before else count
+        """How many steps were skipped (non-finite gradients and spikes), as the framework's integer scalar."""
+        return self._device.skipped_count(self._scaler(state, "skipped_steps()"))
 
     def records(self, state: Any) -> list[StepRecord]:
         """The most recent iterations' records (at most ``history``), oldest first, as `polyamp.StepRecord`:
         skipped or not, why, the mode, and the scale replayed from the config, as `polyamp.LossScaler.records`
         gives them (empty when the device keeps no records).
 
-        Reads the codes ``state``'s ring gained since the last call (one host read); the records belong to the
-        run that started at the last `init` or `load_state_dict`, and are kept here, on the host. Read them at
-        least every ``history`` iterations: older codes are overwritten in the ring (a warning says how many
-        were lost).
+        The records are ``state``'s own: those of the run it belongs to (the `init` or `load_state_dict` it was
+        stepped from), up to its own last iteration, so another run's states, later states of its run and
+        states stepped again from an older one never show in them. They are kept here, on the host, per run
+        (the 16 most recently read or started runs; the device keeps the run's id in the ring,
+        `polyamp.backend_api.FunctionalRunDevice`): each read takes the codes ``state``'s ring gained since
+        its run was last read (one host read). Read them at least every ``history`` iterations: older codes are
+        overwritten in the ring (a warning says how many were lost). A device that keeps no run id keeps one
+        run, which each `init` starts anew. Safe from any thread: threads reading at once (a monitoring thread
+        beside the training loop) take each code into the records once, so each skip is logged and a collapse
+        warned once.
 
         Raises:
             ScaleCollapseError: with ``on_min_scale="raise"``, a record shows the scale reaching its floor.
-
-        Safe from any thread: reads of the same run at once consume each new entry once, so each skip is logged
-        and a collapse warned once.
         """
         self._scaler(state, "records()")
         if not self._recording:
             return []
-        recorder = self._recorder
-        with recorder.lock:  # from any thread: each entry becomes one record, each event is reported once
-            if "provenance" in state:  # the last skip's counts, attached once to its record
-                at, entries = self._provenance_device("records()").provenance_read(state["provenance"])
-                if at > self._attached:
-                    self._attached = at
-                    gradients = non_finite_gradients(entries)
-                    if recorder.find(at) is None:
-                        recorder.attach(at, gradients)
-                    else:
-                        recorder.amend(at, gradients)
-            device = cast(FunctionalRecordingDevice, self._device)
-            count, codes = device.ring_read(state["ring"])
-            recorder.consume(count, codes, self._config, lambda: self.read(state))
-            return list(recorder.records)
+        provenance = None
+        if "provenance" in state:  # the last skip's counts, attached once to its record
+            at, entries = self._provenance_device("records()").provenance_read(state["provenance"])
+            if at >= 0:
+                provenance = (at, lambda: non_finite_gradients(entries))
+        device = cast(FunctionalRecordingDevice, self._device)
+        run = device.ring_run(state["ring"]) if isinstance(device, FunctionalRunDevice) else None
+        count, codes = device.ring_read(state["ring"])
+        return self._books.read(run, count, codes, self._scale_rule, lambda: self.read(state), provenance)
 
     def state_dict(self, state: Any) -> dict[str, Any]:
         """A state dict interchangeable with `polyamp.LossScaler.state_dict`'s (the spike window and its run
@@ -495,13 +597,16 @@ class FunctionalLossScaler:
         if self._rule is not None:
             device = cast(FunctionalSpikeDevice, self._device)
             window, run = device.read_window(state["window"])
-        return to_state_dict(self._config, host, self._setting, window, run, int(self.skipped_steps(state)))
+        return to_state_dict(self._config, host, self._setting, window, run)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *, like: Any = None) -> Any:
         """A state from a `polyamp.LossScaler` (or torch GradScaler) state dict, its spike window and run
-        included; its settings are adopted (re-trace jitted steps that captured the old ones). The records start
-        anew, as after `init`, and `skipped_steps` counts on from the dict's count. A scaler made with
-        ``enabled=False`` takes ``{}`` (a disabled GradScaler's dict) as nothing to restore: a fresh state.
+        included. The records start anew, as after `init`. A scaler made with ``enabled=False`` takes ``{}`` (a
+        disabled GradScaler's dict) as nothing to restore: a fresh state.
+
+        The dict's settings are adopted only while no compiled step has traced this scaler's `update` (a
+        jitted or scanned step holds the settings as constants, and would go on using the old ones): after
+        that, a dict with other settings raises, and `restore` gives a new functional scaler for them.
 
         Args:
             state_dict: The state dict.
@@ -509,7 +614,9 @@ class FunctionalLossScaler:
                 gradients (``init(grads=...)``) gives a new state that counts them for the same gradients.
 
         Raises:
-            StateDictError: the dict is malformed (nothing changes).
+            StateDictError: the dict is malformed, or holds a state this backend cannot be in (nothing changes).
+            ScalerUsageError: the dict's settings differ from this scaler's, and a compiled step traced them
+                (nothing changes; use `restore`).
         """
         disabled = self._setting is False
         counting = isinstance(like, Mapping) and "provenance" in like
@@ -522,15 +629,74 @@ class FunctionalLossScaler:
         rule = self._rule
         window = parse_spike_window(state_dict, None if rule is None else rule.window)
         run = parse_spike_run(state_dict)
-        skipped = parse_skipped_steps(state_dict)
-        if config != self._config:  # the rule's constants live in the device functions: make new ones
-            self._device = self._make_device(config)
+        if config != self._config and isinstance(self._device, FunctionalTracingDevice) and self._device.traced():
+            changed = ", ".join(
+                f"{name}: {old!r} -> {new!r}"
+                for name, old, new in zip(
+                    config.setting_names(), self._config.settings().values(), config.settings().values(), strict=True
+                )
+                if old != new
+            )
+            raise ScalerUsageError(
+                f"FunctionalLossScaler.load_state_dict() would change the loss-scaling settings ({changed}), but a "
+                "compiled step (jax.jit, lax.scan, ...) has already traced this scaler's update(): the settings are "
+                "constants there, and it would go on using the old ones. Take a functional scaler that follows the "
+                "dict instead, `fn, state = fn.restore(state_dict)`, and step with it (its functions trace anew), "
+                "or load the dict before the first compiled step."
+            )
+        try:
+            made = self._device if config == self._config else self._make_device(config)
+            (made.rule if isinstance(made, FunctionalCeilingDevice) else config).check_state(host)
+        except (InvalidConfigError, PolyampTypeError) as exc:
+            raise StateDictError(f"FunctionalLossScaler.load_state_dict() cannot load this state here: {exc}") from exc
+        if made is not self._device:  # the rule's constants live in the device functions: new ones
+            self._device = made
             self._config = config
+            self._scale_rule = self._device_rule()
             self._read_capabilities()
-        state = self.init(host, skipped_steps=skipped)
+        state = self.init(host)
         if window is not None and rule is not None:
             device = cast(FunctionalSpikeDevice, self._device)
             state["window"] = device.write_window(state["window"], window, run)
         if counting:
             state["provenance"] = self._provenance_device("load_state_dict()").provenance_reset(like["provenance"])
         return state
+
+    def restore(self, state_dict: Mapping[str, Any], *, like: Any = None) -> tuple[FunctionalLossScaler, Any]:
+        """The functional scaler that follows ``state_dict``'s settings, and the state loaded from it, leaving
+        this scaler as it is: this scaler when the settings are its own, else a new one with them and this
+        one's options (mode, guard, history, spike rule, ``on_min_scale``, device), whose functions a jitted
+        step traces anew. Use it to resume a dict with other settings once a compiled step traced this one.
+
+        Args:
+            state_dict: The state dict.
+            like: As for `load_state_dict`.
+
+        Returns:
+            ``(fn, state)``: the functional scaler to step with, and its state.
+
+        Raises:
+            StateDictError: the dict is malformed, or holds a state this backend cannot be in.
+        """
+        disabled = self._setting is False
+        if not (disabled and is_disabled_torch_state(state_dict)):
+            config, _ = parse_state_dict(state_dict, self._config, loader_disabled=disabled)
+            if config != self._config:
+                try:
+                    sibling = FunctionalLossScaler(
+                        self._make_device,
+                        config,
+                        self._enabled,
+                        setting=self._setting,
+                        guard=self._guard,
+                        history=self._history,
+                        spike=self._rule,
+                        on_min_scale=self._on_min_scale,
+                        backend=self._backend,
+                    )
+                except InvalidConfigError as exc:
+                    raise StateDictError(
+                        f"FunctionalLossScaler.restore() cannot follow this state dict here: {exc}"
+                    ) from exc
+                return sibling, sibling.load_state_dict(state_dict, like=like)
+        return self, self.load_state_dict(state_dict, like=like)

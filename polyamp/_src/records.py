@@ -42,6 +42,7 @@ __all__ = [
     "ScaleCollapseError",
     "SkipReason",
     "StepRecord",
+    "advance",
     "check_guard",
     "check_history",
     "check_on_min_scale",
@@ -219,6 +220,16 @@ def check_history(value: object) -> int:
     return value
 
 
+def advance(config: LossScaleConfig, state: LossScaleState, code: int) -> LossScaleState:
+    """The rule's state after an iteration whose ring code is ``code``, from ``state`` before it: a scaling
+    iteration runs the rule (a skip by the spike rule alone counts as finite); the other modes leave it."""
+    spiked = bool(code & SPIKE_BIT)
+    code &= SPIKE_BIT - 1
+    if _MODE_NAMES[code - code % 2] != "scaling":
+        return state
+    return config.next_state(state, code % 2 == 1 and not spiked)
+
+
 class _Run:
     """Consecutive scaling iterations that stepped, kept unmade until the records are read: ``steps`` of them
     from iteration ``first``, the first taken at ``state`` (None: unknown), replayed under ``config``.
@@ -269,9 +280,9 @@ class Recorder:
     ``read_state`` reads the device state (a host sync), used only when the replay cannot tell the scale.
 
     Threads: `lock` makes each `consume` one step, so whichever threads read the records at once, every ring
-    entry becomes one record, each skip is logged once and a collapse warns once. A caller that reads the
-    ring before consuming it (`polyamp.LossScaler`'s history, `polyamp.FunctionalLossScaler.records`) holds
-    the lock around both.
+    entry becomes one record, each skip is logged once and a collapse warns once. A caller that keeps more
+    beside the recorder (`polyamp.LossScaler`'s history shares this lock; a functional scaler's run books hold
+    their own around each read) holds its lock around the whole read.
 
     Skipped steps are logged (``"overflow"`` at INFO, the other reasons at WARNING) one line each for the first
     `LOGGED_SKIPS` of each reason; after that, one line when the reason's count reaches a power of two, saying
@@ -374,12 +385,23 @@ class Recorder:
         """The state is now ``state`` (loaded, set or read), or unknown (None)."""
         self.anchor = state
 
-    def restart(self, count: int, state: LossScaleState) -> None:
+    def restart(self, count: int, state: LossScaleState | None) -> None:
         """The device's ring was replaced (variables loaded from a checkpoint): its ``count`` entries belong to the
-        run that wrote them, not to this one, and the state is now ``state``."""
+        run that wrote them, not to this one, and the state is now ``state`` (None: unknown)."""
         self.read_count = count
         self.anchor = state
         self.gradients.clear()
+
+    def rewind(self, iteration: int, state: LossScaleState | None) -> None:
+        """Forget the records from ``iteration`` on (their iterations ran again otherwise, from an older state):
+        the ring is read again from ``iteration``, where the rule's state was ``state`` (None: unknown)."""
+        kept = [record for record in self.records if record.iteration < iteration]
+        self._kept = deque(kept)
+        self._size = len(kept)
+        self.read_count = iteration
+        self.anchor = state
+        for stale in [i for i in self.gradients if i >= iteration]:
+            del self.gradients[stale]
 
     def consume(
         self,
@@ -439,15 +461,15 @@ class Recorder:
                 continue
             iteration = first + offset
             offset += 1
+            before = state
+            if state is not None:
+                state = advance(config, state, code)
             rebased = bool(code & REBASE_BIT)
             spiked = bool(code & SPIKE_BIT)
             code &= SPIKE_BIT - 1
             base = code - code % 2
             mode = _MODE_NAMES[base]
             flagged = code % 2 == 1
-            before = state
-            if mode == "scaling" and state is not None:
-                state = config.next_state(state, flagged and not spiked)
             scaled = mode in ("scaling", "set")
             record = StepRecord(
                 iteration=iteration,

@@ -22,6 +22,7 @@ from polyamp._src.errors import InvalidConfigError, PolyampTypeError, describe
 __all__ = [
     "INT32_MAX",
     "NOT_GIVEN",
+    "RECIPROCAL_CEILING",
     "LossScaleConfig",
     "LossScaleSettings",
     "LossScaleState",
@@ -49,6 +50,11 @@ def to_float32(value: float) -> float:
 
 #: float32's smallest normal number. Scales below it would be subnormal, which some kernels flush to zero.
 FLOAT32_TINY: Final = 2.0**-126
+#: The largest power of two whose float32 reciprocal (2**-126) is a normal number. A backend that unscales by
+#: multiplying with the float32 reciprocal of the scale on a device that flushes subnormal numbers to zero
+#: (XLA on CPU) gets a reciprocal of 0 above it, and every unscaled gradient with it: its scale never grows
+#: past this (`LossScaleConfig.with_ceiling`).
+RECIPROCAL_CEILING: Final = 2.0**126
 
 
 def _real(name: str, value: object) -> float:
@@ -130,7 +136,7 @@ SETTING_DOCS: Final = {
     "backoff_factor": "Multiplier after an overflow (once ``hysteresis`` overflows accumulate); in (0, 1).",
     "growth_interval": "Consecutive finite steps before the scale grows; >= 1.",
     "hysteresis": "Overflows needed before the scale backs off; >= 1 (1 backs off on every overflow).",
-    "min_scale": "Floor for the scale after backoff (>= 2**-126); None: 1.0, or init_scale if lower.",
+    "min_scale": "Floor for the scale after backoff (>= 2**-126); None: 1.0, or init_scale if lower (see below).",
     "max_scale": "Cap for the scale after growth, or None for none (growth still never reaches inf).",
     "dynamic": "False keeps the scale at ``init_scale`` forever; non-finite steps are still skipped.",
 }
@@ -172,7 +178,12 @@ class LossScaleConfig:
           ``min(scale * growth_factor, max_scale)`` unless that is not finite, ``growth_tracker`` resets to 0 and
           ``hysteresis_left`` refills to ``hysteresis``;
         * non-finite: the step is skipped, ``growth_tracker`` resets to 0, ``hysteresis_left -= 1``; when it reaches
-          0, the scale becomes ``max(scale * backoff_factor, min_scale)`` and ``hysteresis_left`` refills.
+          0, the scale becomes ``max(scale * backoff_factor, floor)`` and ``hysteresis_left`` refills.
+
+        The floor is ``min_scale``; without one it is 1.0, or ``init_scale`` when that starts below 1, so a
+        backoff never raises the scale (`floor_f32`). jmp's floor is 1 whatever the start, so from 0.5 its first
+        backoff gives 1.0; `polyamp_jax.jmp_compat` keeps jmp's. torch's GradScaler and Keras's
+        LossScaleOptimizer have no floor; polyamp's torch and Keras paths follow them step for step above it.
 
         Each product is rounded to float32 from its double-precision value, as torch's kernel does. With the
         defaults (hysteresis 1, no bounds) this is exactly ``torch.amp.GradScaler``'s rule.
@@ -189,6 +200,14 @@ class LossScaleConfig:
 
         >>> LossScaleConfig(growth_interval=3, hysteresis=2).trajectory("FOFOOO")
         [65536.0, 65536.0, 65536.0, 32768.0, 32768.0, 16384.0]
+
+        Started below 1 without a ``min_scale``, the scale stays at its start on overflows; with one, it backs
+        off to it:
+
+        >>> LossScaleConfig(init_scale=0.5).trajectory("OO")
+        [0.5, 0.5]
+        >>> LossScaleConfig(init_scale=0.5, min_scale=0.125).trajectory("OOO")
+        [0.25, 0.125, 0.125]
     """
 
     init_scale: float = 2.0**16
@@ -248,6 +267,7 @@ class LossScaleConfig:
         object.__setattr__(self, "_checks_unscaled", floor < 1.0)  # asked at every unscale
         object.__setattr__(self, "_min_f32", None if min_scale is None else to_float32(min_scale))
         object.__setattr__(self, "_max_f32", None if max_scale is None else to_float32(max_scale))
+        object.__setattr__(self, "_ceiling_f32", None)  # a device's ceiling (`with_ceiling`); none by default
         # Normalise numeric types (numpy scalars, ints) so equality and serialisation are plain Python.
         for name, value in (
             ("init_scale", init_scale),
@@ -273,9 +293,14 @@ class LossScaleConfig:
         return self._max_f32  # type: ignore[attr-defined,no-any-return]
 
     @property
+    def ceiling_f32(self) -> float | None:
+        """The device's ceiling this config's rule was given (`with_ceiling`), in float32, or None."""
+        return self._ceiling_f32  # type: ignore[attr-defined,no-any-return]
+
+    @property
     def floor_f32(self) -> float:
         """The lowest scale the rule reaches, in float32: ``min_scale``, or else 1.0 (``init_scale`` if that
-        starts lower).
+        starts lower, so that a backoff never raises the scale; jmp's floor is 1 whatever the start).
 
         At or above 1, 1/scale is at most 1, so an unscaled gradient is never larger than its scaled value:
         checking the scaled gradients (what torch's fused kernels do) is enough, and 1/scale is always
@@ -299,6 +324,35 @@ class LossScaleConfig:
         keep the scale at `floor_f32`, which those kernels lack.
         """
         return self._standard_rule  # type: ignore[attr-defined,no-any-return]
+
+    def with_ceiling(self, ceiling: float) -> LossScaleConfig:
+        """This config's rule on a device whose scale must stay at or below ``ceiling``.
+
+        A growth that would pass ``ceiling`` stops there, and a scale above it is not a state of the result
+        (`check_state`); below the ceiling the rule is this config's, step for step (a product that would be
+        inf still keeps the scale). polyamp's JAX backend runs its rule this way with `RECIPROCAL_CEILING`:
+        it unscales by the float32 reciprocal of the scale, which XLA on CPU flushes to zero above 2**126.
+        torch, TensorFlow and Keras keep their frameworks' rule, which grows to float32's limit.
+
+        The ceiling belongs to the device, not to the settings: `settings`, state dicts and equality are this
+        config's, so a state dict written under a ceiling loads anywhere.
+
+        Raises:
+            InvalidConfigError: ``init_scale`` or ``min_scale`` is above ``ceiling``.
+        """
+        value = to_float32(_real("ceiling", ceiling))
+        for name in ("init_scale", "min_scale"):
+            setting = getattr(self, name)
+            if setting is not None and to_float32(setting) > value:
+                raise InvalidConfigError(
+                    f"`{name}` must be at most {value!r} on this backend: its scale never exceeds that, the "
+                    "highest scale whose float32 reciprocal (which unscales the gradients) is a normal number "
+                    f"rather than 0. Received: {name}={setting!r}. Pass {name} <= {value!r}, e.g. {name}=2.0**16."
+                )
+        made = dataclasses.replace(self)
+        object.__setattr__(made, "_ceiling_f32", value)
+        object.__setattr__(made, "_standard_rule", False)  # the frameworks' kernels know no ceiling
+        return made
 
     # -- the settings as data --------------------------------------------------------------------------
 
@@ -373,12 +427,15 @@ class LossScaleConfig:
 
     def _grown(self, scale: float) -> float:
         """The scale after one growth: times ``growth_factor`` in float32, capped at ``max_scale``; kept where
-        the product would be inf."""
+        the product would be inf; then not above the device's ceiling (`with_ceiling`)."""
         grown = to_float32(scale * self.growth_factor)
         cap = self.max_scale_f32
         if cap is not None and grown > cap:
             grown = cap
-        return grown if math.isfinite(grown) else scale
+        if not math.isfinite(grown):
+            return scale
+        ceiling = self.ceiling_f32
+        return ceiling if ceiling is not None and grown > ceiling else grown
 
     def finite_run(self, state: LossScaleState, steps: int) -> tuple[list[float], LossScaleState]:
         """`next_state` over ``steps`` consecutive finite steps from ``state``: the scale each step was taken
@@ -464,6 +521,12 @@ class LossScaleConfig:
             )
         if self.max_scale_f32 is not None and scale > self.max_scale_f32:
             raise InvalidConfigError(f"scale={scale!r} is above max_scale={self.max_scale!r}.")
+        if self.ceiling_f32 is not None and scale > self.ceiling_f32:
+            raise InvalidConfigError(
+                f"scale={scale!r} is above {self.ceiling_f32!r}, the highest scale this backend holds: above it the "
+                "float32 reciprocal that unscales the gradients is subnormal, which XLA on CPU flushes to 0. Lower "
+                f"the saved scale to at most {self.ceiling_f32!r} (e.g. saved['scale'] = {self.ceiling_f32!r})."
+            )
         if not 0 <= state.growth_tracker < self.growth_interval:
             raise InvalidConfigError(
                 f"The growth tracker must be in [0, growth_interval={self.growth_interval}). "

@@ -21,12 +21,12 @@ import numpy as np
 import polyamp
 from polyamp import LossScaleConfig, LossScaler, LossScaleState, Policy, PolyampTypeError, SpikeRule, StepRecord
 from polyamp.backend_api import (
-    REBASE_BIT,
-    SPIKE_BIT,
+    ArrayOps,
     BackendSpec,
     StepOutcome,
     ring_codes,
     ring_values,
+    rules,
     wrong_object_error,
 )
 from polyamp.conformance import HarnessUnavailable
@@ -53,7 +53,37 @@ def _non_finite(grads: Sequence[Any]) -> np.float32:
     return np.float32(not all(bool(np.isfinite(g).all()) for g in grads if g is not None))
 
 
-# -- the array work of records, guard and spike rule, as pure functions of trees of NumPy arrays ------------
+# -- the array work of the rule, records and spike rule: polyamp's device rules over NumPy ------------------
+
+OPS = ArrayOps(np)
+
+
+def _tree(state: LossScaleState) -> dict[str, Any]:
+    return {
+        "scale": np.float32(state.scale),
+        "growth_tracker": np.int32(state.growth_tracker),
+        "hysteresis_left": np.int32(state.hysteresis_left),
+        "skipped": np.int64(0),
+    }
+
+
+def _read(tree: Mapping[str, Any]) -> LossScaleState:
+    return LossScaleState(float(tree["scale"]), int(tree["growth_tracker"]), int(tree["hysteresis_left"]))
+
+
+def _counted(tree: Mapping[str, Any], flag: Any) -> dict[str, Any]:
+    return {**tree, "skipped": tree["skipped"] + np.int64(_is_set(flag))}
+
+
+def _arrays(tree: Mapping[str, Any]) -> rules.ScaleArrays:
+    return rules.ScaleArrays(tree["scale"], tree["growth_tracker"], tree["hysteresis_left"])
+
+
+def _advance(config: LossScaleConfig, tree: Mapping[str, Any], found_inf: Any) -> dict[str, Any]:
+    overflow = np.asarray(found_inf) > 0
+    with np.errstate(over="ignore"):  # a product beyond float32 is inf, which the rule does not keep
+        arrays = rules.advance(OPS, config, _arrays(tree), overflow)
+    return {**tree, **arrays._asdict(), "skipped": tree["skipped"] + overflow.astype(np.int64)}
 
 
 def _ring_init(capacity: int) -> dict[str, Any]:
@@ -61,12 +91,9 @@ def _ring_init(capacity: int) -> dict[str, Any]:
 
 
 def _ring_write(ring: Mapping[str, Any], base: int, flag: Any, spike: Any = None) -> dict[str, Any]:
-    overflow = _is_set(flag)
-    spiked = _is_set(spike)
-    code = base + int(overflow or spiked) + (SPIKE_BIT if spiked and not overflow else 0)
-    code += REBASE_BIT if spike is not None and spike < 0 else 0
+    overflow = None if flag is None else np.asarray(flag) > 0
     codes = np.array(ring["codes"])
-    codes[int(ring["count"]) % len(codes)] = code
+    codes[int(ring["count"]) % len(codes)] = rules.record_code(OPS, base, overflow, spike)
     return {"codes": codes, "count": ring["count"] + np.int64(1)}
 
 
@@ -79,29 +106,25 @@ def _window_init(rule: SpikeRule) -> dict[str, Any]:
     return {"values": np.zeros(rule.window, np.float64), "count": np.int64(0), "run": np.int64(0)}
 
 
+def _window(window: Mapping[str, Any]) -> rules.SpikeWindowArrays:
+    return rules.SpikeWindowArrays(window["values"], window["count"], window["run"])
+
+
 def _window_values(window: Mapping[str, Any]) -> list[float]:
     return [float(v) for v in ring_values(int(window["count"]), list(window["values"]))]
 
 
 def _spike_check(rule: SpikeRule, window: Mapping[str, Any], x: Any) -> np.float32:
-    return np.float32(rule.is_spike(_window_values(window), float(x), int(window["run"])))
+    with np.errstate(over="ignore", invalid="ignore"):  # an inf window's mean and spread, as on a device
+        return np.float32(rules.is_spike(OPS, rule, _window(window), np.float64(x)))
 
 
 def _spike_finish(
     rule: SpikeRule, window: Mapping[str, Any], x: Any, spike: Any, overflow: Any
 ) -> tuple[dict[str, Any], np.float32]:
-    only = _is_set(spike) and not _is_set(overflow)
-    values, count, run = np.array(window["values"]), window["count"], window["run"]
-    rebase = False
-    if not _is_set(spike) and not _is_set(overflow) and math.isfinite(float(x)):
-        rebase = rule.rebases(int(run))
-        if rebase:
-            count = np.int64(0)
-        values[int(count) % len(values)] = float(x)
-        count, run = count + np.int64(1), np.int64(0)
-    elif only:
-        run = run + np.int64(1)
-    return {"values": values, "count": count, "run": run}, np.float32(-1.0 if rebase else float(only))
+    overflowed = None if overflow is None else np.asarray(overflow) > 0
+    new, only, rebase = rules.finish(OPS, rule, _window(window), np.float64(x), np.asarray(spike) > 0, overflowed)
+    return new._asdict(), np.float32(rules.spike_flag(OPS, only, rebase))
 
 
 def _write_window(window: Mapping[str, Any], values: Sequence[float], run: int) -> dict[str, Any]:
@@ -112,9 +135,12 @@ def _write_window(window: Mapping[str, Any], values: Sequence[float], run: int) 
 
 
 def _grad_norm(grads: Sequence[Any]) -> np.float64:
-    return np.float64(
-        math.sqrt(math.fsum(float((np.asarray(g, np.float64) ** 2).sum()) for g in grads if g is not None))
-    )
+    with np.errstate(over="ignore"):
+        return np.float64(rules.grad_norm(OPS, grads))
+
+
+def _loss_statistic(losses: Sequence[Any]) -> np.float64:
+    return np.float64(rules.loss_statistic(OPS, [np.float64(loss) for loss in losses]))
 
 
 class NumpyDevice:
@@ -122,33 +148,32 @@ class NumpyDevice:
 
     def __init__(self, config: LossScaleConfig, state: LossScaleState) -> None:
         self._config = config
-        self._state = state
-        self._skipped = np.int64(0)
+        self._tree = _tree(state)
 
     def check_optimizer(self, method: str, optimizer: object) -> None:
         if not isinstance(optimizer, npfw.Optimizer):
             raise wrong_object_error("npfw", method, optimizer, "an npfw.Optimizer")
 
     def read_state(self) -> LossScaleState:
-        return self._state
+        return _read(self._tree)
 
     def write_state(self, config: LossScaleConfig, state: LossScaleState | None) -> None:
         self._config = config
         if state is not None:
-            self._state = state
+            self._tree = {**_tree(state), "skipped": self._tree["skipped"]}
 
     def scale(self, loss: Any) -> Any:
         if isinstance(loss, (list, tuple)):
             return type(loss)(self.scale(item) for item in loss)
         if not isinstance(loss, npfw.Tensor):
             raise wrong_object_error("npfw", "scale", loss, "an npfw.Tensor")
-        return loss * self._state.scale
+        return loss * float(self._tree["scale"])
 
     def unscale_gradients(self, optimizer: npfw.Optimizer) -> np.float32 | None:
         grads = [p for p in optimizer.params if p.grad is not None]
         if not grads:
             return None
-        inverse = _inverse(self._state.scale)
+        inverse = _inverse(float(self._tree["scale"]))
         found = False
         for param in grads:
             assert param.grad is not None
@@ -175,15 +200,13 @@ class NumpyDevice:
         raise PolyampTypeError(f"npfw's update(new_scale) takes a float, not {type(new_scale).__name__}")
 
     def update(self, found_inf: Any, new_scale: Any) -> None:
-        if new_scale is not None:
-            if not isinstance(new_scale, float):
-                raise PolyampTypeError(f"npfw's update(new_scale) takes a float, not {type(new_scale).__name__}")
-            self._state = LossScaleState(new_scale, self._state.growth_tracker, self._state.hysteresis_left)
-        else:
-            # The device rule: this backend computes on the host, so it runs the reference itself.
-            self._state = self._config.next_state(self._state, bool(found_inf > 0))
-        if found_inf is not None and found_inf > 0:
-            self._skipped += 1
+        if new_scale is None:
+            self._tree = _advance(self._config, self._tree, found_inf)
+            return
+        if not isinstance(new_scale, float):
+            raise PolyampTypeError(f"npfw's update(new_scale) takes a float, not {type(new_scale).__name__}")
+        self._tree = {**self._tree, "scale": np.float32(new_scale)}
+        self.count_skip(found_inf)
 
     def skipped(self, found_inf: Any) -> np.bool_:
         return np.bool_(found_inf > 0)
@@ -204,7 +227,7 @@ class NumpyDevice:
         return record[0]
 
     def skipped_steps(self) -> np.int64:
-        return self._skipped
+        return np.int64(self._tree["skipped"])
 
     # -- ImperativeGuardingDevice ------------------------------------------------------------------------
 
@@ -213,8 +236,7 @@ class NumpyDevice:
         return _non_finite(grads) if grads else None
 
     def count_skip(self, flag: Any) -> None:
-        if _is_set(flag):
-            self._skipped += 1
+        self._tree = _counted(self._tree, flag)
 
     # -- RecordingDevice ---------------------------------------------------------------------------------
 
@@ -234,7 +256,7 @@ class NumpyDevice:
 
     def spike_statistic(self, loss: Any) -> np.float64:
         losses = loss if isinstance(loss, (list, tuple)) else [loss]
-        return np.float64(math.fsum(item.value for item in losses))
+        return _loss_statistic([item.value for item in losses])
 
     def spike_grad_norm(self, optimizer: npfw.Optimizer) -> np.float64:
         return _grad_norm([p.grad for p in optimizer.params])
@@ -263,15 +285,10 @@ class NumpyFunctional:
         self._config = config
 
     def init(self, state: LossScaleState) -> dict[str, Any]:
-        return {
-            "scale": np.float32(state.scale),
-            "growth_tracker": np.int32(state.growth_tracker),
-            "hysteresis_left": np.int32(state.hysteresis_left),
-            "skipped": np.int64(0),
-        }
+        return _tree(state)
 
     def read(self, tree: Mapping[str, Any]) -> LossScaleState:
-        return LossScaleState(float(tree["scale"]), int(tree["growth_tracker"]), int(tree["hysteresis_left"]))
+        return _read(tree)
 
     def skipped_count(self, tree: Mapping[str, Any]) -> Any:
         return tree["skipped"]
@@ -285,10 +302,7 @@ class NumpyFunctional:
         return unscaled, _non_finite(unscaled)
 
     def update(self, tree: Mapping[str, Any], found_inf: Any) -> dict[str, Any]:
-        state = self._config.next_state(self.read(tree), bool(found_inf > 0))
-        new = self.init(state)
-        new["skipped"] = tree["skipped"] + np.int64(found_inf > 0)
-        return new
+        return _advance(self._config, tree, found_inf)
 
     def select(self, found_inf: Any, if_skipped: Any, if_applied: Any) -> Any:
         return if_skipped if found_inf > 0 else if_applied
@@ -299,7 +313,7 @@ class NumpyFunctional:
         return _non_finite(grads)
 
     def count_skip(self, tree: Mapping[str, Any], flag: Any) -> dict[str, Any]:
-        return {**tree, "skipped": tree["skipped"] + np.int64(_is_set(flag))}
+        return _counted(tree, flag)
 
     # -- FunctionalRecordingDevice -----------------------------------------------------------------------
 
@@ -318,8 +332,7 @@ class NumpyFunctional:
         return _window_init(rule)
 
     def spike_statistic(self, loss: Any) -> np.float64:
-        losses = loss if isinstance(loss, (list, tuple)) else [loss]
-        return np.float64(math.fsum(float(item) for item in losses))
+        return _loss_statistic(loss if isinstance(loss, (list, tuple)) else [loss])
 
     def spike_grad_norm(self, grads: list[np.ndarray]) -> np.float64:
         return _grad_norm(grads)

@@ -20,7 +20,7 @@ import numpy as np
 
 import polyamp
 from polyamp import LossScaleConfig, LossScaler, LossScaleState, Policy, PolyampTypeError, SpikeRule
-from polyamp.backend_api import REBASE_BIT, SPIKE_BIT, BackendSpec, StepOutcome, ring_codes, wrong_object_error
+from polyamp.backend_api import ArrayOps, BackendSpec, StepOutcome, ring_codes, ring_values, rules, wrong_object_error
 from polyamp.conformance import HarnessUnavailable
 
 SPEC = BackendSpec(
@@ -36,22 +36,21 @@ def _inverse(scale: float) -> np.float32:
     return np.float32(1.0 / scale)
 
 
+#: polyamp's device rules compute over NumPy here.
+OPS = ArrayOps(np)
+
+
 def _counts(grad: np.ndarray) -> tuple[int, int, int, int]:
-    return (
-        int(np.isposinf(grad).sum()),
-        int(np.isneginf(grad).sum()),
-        int(np.isnan(grad).sum()),
-        int(grad.size),
-    )
+    positive, negative, nan = rules.non_finite_counts(OPS, grad).tolist()
+    return positive, negative, nan, int(grad.size)
 
 
 class _Window:
-    """The spike rule's window: the last ``rule.window`` statistics of applied iterations."""
+    """The spike rule and its window (`polyamp.backend_api.rules.SpikeWindowArrays`)."""
 
     def __init__(self, rule: SpikeRule) -> None:
         self.rule = rule
-        self.values: list[float] = []
-        self.run = 0  # spikes since a statistic last entered the window
+        self.arrays = rules.SpikeWindowArrays(np.zeros(rule.window), np.int64(0), np.int64(0))
 
 
 class TapeDevice:
@@ -59,7 +58,7 @@ class TapeDevice:
 
     def __init__(self, config: LossScaleConfig, state: LossScaleState) -> None:
         self._config = config
-        self._state = state
+        self._arrays = _arrays(state)
         self._skipped = np.int64(0)
         self._codes: list[int] = []
         self._count = 0
@@ -72,19 +71,20 @@ class TapeDevice:
             raise wrong_object_error("nptape", method, optimizer, "an nptape.Optimizer")
 
     def read_state(self) -> LossScaleState:
-        return self._state
+        scale, tracker, hysteresis_left = self._arrays
+        return LossScaleState(float(scale), int(tracker), int(hysteresis_left))
 
     def write_state(self, config: LossScaleConfig, state: LossScaleState | None) -> None:
         self._config = config
         if state is not None:
-            self._state = state
+            self._arrays = _arrays(state)
 
     def scale(self, loss: Any) -> Any:
         if isinstance(loss, (list, tuple)):
             return type(loss)(self.scale(item) for item in loss)
         if not isinstance(loss, nptape.Tensor):
             raise wrong_object_error("nptape", "scale", loss, "an nptape.Tensor")
-        return loss * self._state.scale
+        return loss * float(self._arrays.scale)
 
     def combine(self, flags: Sequence[Any]) -> np.float32:
         return np.float32(max(flags))
@@ -94,11 +94,11 @@ class TapeDevice:
 
     def update(self, found_inf: Any, new_scale: Any) -> None:
         if new_scale is not None:
-            self._state = LossScaleState(float(new_scale), self._state.growth_tracker, self._state.hysteresis_left)
+            self._arrays = self._arrays._replace(scale=np.float32(new_scale))
         else:
-            self._state = self._config.next_state(self._state, bool(found_inf > 0))
-        if found_inf is not None and found_inf > 0:
-            self._skipped += 1
+            with np.errstate(over="ignore"):  # a product beyond float32 is inf, which the rule does not keep
+                self._arrays = rules.advance(OPS, self._config, self._arrays, np.asarray(found_inf) > 0)
+        self.count_skip(found_inf)
 
     def skipped(self, found_inf: Any) -> np.bool_:
         return np.bool_(found_inf > 0)
@@ -129,7 +129,7 @@ class TapeDevice:
                 raise wrong_object_error("nptape", method, grad, "NumPy arrays (None for no gradient)")
 
     def unscale(self, grads: Sequence[Any]) -> list[Any]:
-        inverse = _inverse(self._state.scale)
+        inverse = _inverse(float(self._arrays.scale))
         return [None if g is None else (g * inverse).astype(np.float32) for g in grads]
 
     def apply(
@@ -180,7 +180,7 @@ class TapeDevice:
     # -- GuardingDevice ----------------------------------------------------------------------------------
 
     def count_skip(self, flag: Any) -> None:
-        if flag > 0:
+        if flag is not None and flag > 0:
             self._skipped += 1
 
     # -- RecordingDevice ---------------------------------------------------------------------------------
@@ -191,11 +191,8 @@ class TapeDevice:
         return self._codes
 
     def write_history(self, history: list[int], base: int, flag: Any, spike: Any = None) -> None:
-        overflow = flag is not None and flag > 0
-        spiked = spike is not None and spike > 0
-        code = base + int(overflow or spiked) + (SPIKE_BIT if spiked and not overflow else 0)
-        code += REBASE_BIT if spike is not None and spike < 0 else 0
-        history[self._count % len(history)] = code
+        overflow = None if flag is None else np.asarray(flag) > 0
+        history[self._count % len(history)] = int(rules.record_code(OPS, base, overflow, spike))
         self._count += 1
 
     def read_history(self, history: list[int]) -> tuple[int, list[int]]:
@@ -214,40 +211,40 @@ class TapeDevice:
 
     def spike_statistic(self, loss: Any) -> np.float64:
         losses = loss if isinstance(loss, (list, tuple)) else [loss]
-        return np.float64(math.fsum(item.value for item in losses))
+        return np.float64(rules.loss_statistic(OPS, [np.float64(item.value) for item in losses]))
 
     def spike_grad_norm(self, grads: Sequence[Any], *, unscaled: bool) -> np.float64:
-        total = math.fsum(float((np.asarray(g, np.float64) ** 2).sum()) for g in grads if g is not None)
-        norm = math.sqrt(total)
-        return np.float64(norm if unscaled else norm / self._state.scale)
+        with np.errstate(over="ignore"):
+            norm = rules.grad_norm(OPS, grads)
+        return np.float64(norm if unscaled else norm / float(self._arrays.scale))
 
     def spike_check(self, state: _Window, x: Any) -> np.float32:
-        return np.float32(state.rule.is_spike(state.values, float(x), state.run))
+        with np.errstate(over="ignore", invalid="ignore"):  # an inf window's mean and spread, as on a device
+            return np.float32(rules.is_spike(OPS, state.rule, state.arrays, np.float64(x)))
 
     def spike_finish(self, state: _Window, x: Any, spike: Any, overflow: Any) -> np.float32:
-        blocked = spike > 0 or (overflow is not None and overflow > 0)
-        only = spike > 0 and not (overflow is not None and overflow > 0)
-        rebase = False
-        if not blocked and math.isfinite(float(x)):
-            rebase = state.rule.rebases(state.run)
-            if rebase:
-                state.values.clear()
-            state.values.append(float(x))
-            del state.values[: -state.rule.window]
-            state.run = 0
-        elif only:
-            state.run += 1
-        return np.float32(-1.0 if rebase else float(only))
+        overflowed = None if overflow is None else np.asarray(overflow) > 0
+        state.arrays, only, rebase = rules.finish(
+            OPS, state.rule, state.arrays, np.float64(x), np.asarray(spike) > 0, overflowed
+        )
+        return np.float32(rules.spike_flag(OPS, only, rebase))
 
     def read_spike_window(self, state: _Window) -> list[float]:
-        return list(state.values)
+        values, count, _ = state.arrays
+        return [float(v) for v in ring_values(int(count), values.tolist())]
 
     def read_spike_run(self, state: _Window) -> int:
-        return state.run
+        return int(state.arrays.run)
 
     def write_spike_window(self, state: _Window, values: list[float], run: int = 0) -> None:
-        state.values = list(values)[-state.rule.window :]
-        state.run = run
+        kept = list(values)[-state.rule.window :]
+        ring = np.zeros(state.rule.window)
+        ring[: len(kept)] = kept
+        state.arrays = rules.SpikeWindowArrays(ring, np.int64(len(kept)), np.int64(run))
+
+
+def _arrays(state: LossScaleState) -> rules.ScaleArrays:
+    return rules.ScaleArrays(np.float32(state.scale), np.int32(state.growth_tracker), np.int32(state.hysteresis_left))
 
 
 class TapeBackend:

@@ -19,9 +19,12 @@ and each primitive then runs by class, the classes torch's autocast and polyamp'
 Outputs leave in the policy's output dtype. The interpretation happens while ``fn`` is traced, so it costs
 nothing per step under ``jax.jit`` and ``jax.grad`` differentiates the result as usual. Explicit casts
 written in ``fn`` (``x.astype(jnp.float32)``) are kept. Control flow (``lax.cond``, ``while_loop``,
-``scan``) runs as ``fn`` wrote it, on operands cast back to the dtypes it was traced with; calls of jitted
-functions and of functions with custom derivatives are interpreted too (their primal operations run by class
-and are differentiated as written, without the custom rule).
+``scan``) runs as ``fn`` wrote it, on operands cast back to the dtypes it was traced with. Calls of jitted
+functions are interpreted too, and so are ``jax.checkpoint`` (``jax.remat``) bodies, which stay checkpoints
+with their policy. A function with a custom JVP (``jax.custom_jvp``, e.g. ``jax.nn.relu``) runs by class and
+keeps its rule, which runs by class too (a rule closing over values traced inside ``fn`` cannot be traced
+again: that function is differentiated through its body, with a warning); a function with a custom VJP
+(``jax.custom_vjp``) runs as written, on the dtypes it was traced with, with its rule.
 
 Models are arguments like any other: ``fn`` may itself be a pytree holding arrays (an Equinox module, or a bound
 method of one), whose arrays then enter as arguments do. A Flax Linen module's bound ``apply``
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -83,9 +87,9 @@ COMPUTE_PRIMITIVES = frozenset(p for p, op in PRIMITIVE_OPS.items() if op_class(
 FLOAT32_PRIMITIVES = frozenset(p for p, op in PRIMITIVE_OPS.items() if op_class(op, strict=True) is OpClass.FLOAT32)
 #: Call-like primitives whose body is interpreted by class; the closed jaxpr is under one of these params.
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-_CALL_PRIMITIVES = frozenset(
-    {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
-)
+_CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call"})
+#: ``jax.checkpoint`` (``jax.remat``): its body is interpreted by class inside a new checkpoint.
+_REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint", "remat"})
 #: Params that name a result dtype, reset when the operands' dtype changes.
 _DTYPE_PARAMS = ("preferred_element_type", "out_dtype")
 
@@ -142,13 +146,18 @@ class _Interpreter:
             body = next((params[key] for key in _CALLS if key in params), None)
             if isinstance(body, jcore.ClosedJaxpr):
                 return self.run(body.jaxpr, list(body.consts), values)
+        if name in _REMAT_PRIMITIVES and isinstance(params.get("jaxpr"), jcore.Jaxpr) and not params["jaxpr"].constvars:
+            return self.remat(params, values)
+        if name == "custom_jvp_call" and isinstance(params.get("call_jaxpr"), jcore.ClosedJaxpr):
+            if hasattr(params.get("jvp_jaxpr_fun"), "call_wrapped"):
+                return self.custom_jvp(params, values)
         if any(isinstance(value, jcore.ClosedJaxpr | jcore.Jaxpr) for value in params.values()):
-            # control flow: run as written, on the dtypes it was traced with
+            # control flow, and functions with a custom VJP: run as written, on the dtypes they were traced with
             values = [
                 _cast(value, var.aval.dtype) if hasattr(var, "aval") else value
                 for value, var in zip(values, eqn.invars, strict=True)
             ]
-            return primitive.bind(*values, **params)
+            return primitive.bind(*values, **primitive.get_bind_params(params))
         if name == "convert_element_type":
             value = values[0]
             new = jnp.dtype(params["new_dtype"])
@@ -181,6 +190,66 @@ class _Interpreter:
                 if params.get(key) is not None and _floating(params[key]):
                     params[key] = None
         return primitive.bind(*values, **params)
+
+    def remat(self, params: dict[str, Any], values: list[Any]) -> list[Any]:
+        """A ``jax.checkpoint`` body, interpreted by class inside a checkpoint with the same policy, so its
+        residuals are still recomputed in the backward pass."""
+        jaxpr = params["jaxpr"]
+
+        def body(*operands: Any) -> list[Any]:
+            return self.run(jaxpr, [], list(operands))
+
+        checkpointed = jax.checkpoint(body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))
+        return list(checkpointed(*values))
+
+    def custom_jvp(self, params: dict[str, Any], values: list[Any]) -> list[Any]:
+        """A function with a custom JVP (``jax.custom_jvp``, e.g. ``jax.nn.relu``): its body runs by class, and
+        it is differentiated by its own rule, whose jaxpr runs by class too; each tangent leaves in the dtype of
+        the value it belongs to. The leading ``num_consts`` operands (values the function closed over) have no
+        tangent in the rule, as in JAX.
+
+        A rule that uses values traced inside ``fn`` (a ``custom_jvp`` defined in ``fn``, closing over them)
+        cannot be traced again once ``fn``'s trace has ended: such a function is differentiated through its
+        body, as written, with a warning."""
+        body, rule, skip = params["call_jaxpr"], params["jvp_jaxpr_fun"], params["num_consts"]
+
+        def run_body(*operands: Any) -> list[Any]:
+            return self.run(body.jaxpr, list(body.consts), list(operands))
+
+        name = getattr(body.jaxpr.debug_info, "func_name", None) or "a custom_jvp function"
+        run_body.__name__ = name.split(" ")[0]  # the name jaxprs show: the function's own
+        call = jax.custom_jvp(run_body)
+
+        def call_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
+            outputs = call(*primals)
+            try:
+                jaxpr, consts, out_zeros = rule.call_wrapped(*([False] * (len(primals) - skip)))
+                results = self.run(jaxpr, list(consts), [*primals[skip:], *tangents[skip:]])
+            except jax.errors.UnexpectedTracerError:
+                warnings.warn(
+                    f"polyamp_jax.autocast: the custom JVP rule of {run_body.__name__!r} uses values traced inside the function "
+                    "autocast wraps (a jax.custom_jvp defined there, closing over them), and cannot be traced again "
+                    "after that trace ended; it is differentiated through its body, as written. Define the "
+                    "custom_jvp function outside, taking those values as arguments, to keep its rule.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                return jax.jvp(run_body, primals, tangents)
+            nonzero = iter(results[len(out_zeros) :])
+            return outputs, [
+                _zero_tangent(output) if zero else _cast(next(nonzero), output.dtype)
+                for output, zero in zip(outputs, out_zeros, strict=True)
+            ]
+
+        call.defjvp(call_jvp)
+        return list(call(*values))
+
+
+def _zero_tangent(value: Any) -> Any:
+    """The zero tangent of ``value``: zeros of its dtype, or float0 for an integer or boolean value."""
+    if _floating(value.dtype):
+        return jnp.zeros_like(value)
+    return np.zeros(np.shape(value), dtype=jax.dtypes.float0)
 
 
 def _is_array(leaf: Any) -> bool:

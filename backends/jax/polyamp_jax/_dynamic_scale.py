@@ -12,10 +12,12 @@ settings translated into polyamp's once, when the object is made:
   whose products polyamp rounds the same way.
 * Flax's ``minimum_scale`` is polyamp's ``min_scale``; ``None`` (no floor in Flax, where the scale can fall to
   float32's subnormals and zero) keeps polyamp's lowest floor, float32's smallest normal number 2**-126.
-* Flax caps a growing scale at float32's largest value; here ``max_scale`` is 2**126, the largest power of two
-  whose float32 reciprocal is a normal number. polyamp unscales by multiplying with that reciprocal, and XLA
-  (on CPU) flushes a subnormal one to zero, which would turn every gradient into zero; Flax divides, so its scale can
-  go on to float32's largest value. The two differ only there.
+* Flax caps a growing scale at float32's largest value: polyamp's ``max_scale``, so a product that would be
+  inf grows to it, as in Flax. The scale then stops at 2**126, the ceiling of every JAX scale in polyamp
+  (`polyamp.backend_api.RECIPROCAL_CEILING`, the largest power of two whose float32 reciprocal is a normal
+  number). polyamp unscales by multiplying with that reciprocal, and XLA (on CPU) flushes a subnormal one to
+  zero, which would turn every gradient into zero; Flax divides, so its scale can go on to float32's largest
+  value. The two differ only there.
 
 The gradients come back in float32, as Flax gives them. polyamp unscales them by multiplying with the float32
 reciprocal of the scale (its rule on every backend); Flax divides. The two are equal bit for bit whenever the
@@ -46,14 +48,14 @@ from polyamp import (
     PolyampTypeError,
     PolyampValueError,
 )
-from polyamp.backend_api import INT32_MAX, describe, to_float32
+from polyamp.backend_api import INT32_MAX, RECIPROCAL_CEILING, describe, to_float32
 
 __all__ = ["DynamicScale", "DynamicScaleResult"]
 
 #: float32's smallest normal number: Flax's default ``minimum_scale`` and the lowest floor polyamp keeps.
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)
-#: The cap on a growing scale: the largest power of two whose float32 reciprocal is a normal number.
-MAX_SCALE = 2.0**126
+#: float32's largest value, Flax's cap on a growing scale (a product that would be inf grows to it).
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 _STATIC = ("growth_factor", "backoff_factor", "growth_interval", "minimum_scale")
 
 
@@ -107,7 +109,7 @@ def _settings(
         floor = FLOAT32_TINY
     else:
         floor = _number("minimum_scale", minimum_scale)
-        if not (math.isfinite(floor) and FLOAT32_TINY <= floor <= MAX_SCALE):
+        if not (math.isfinite(floor) and FLOAT32_TINY <= floor <= RECIPROCAL_CEILING):
             raise _error(
                 "minimum_scale",
                 minimum_scale,
@@ -121,7 +123,7 @@ def _settings(
         "growth_interval": int(growth_interval) + 1,
         "hysteresis": 1,
         "min_scale": floor,
-        "max_scale": MAX_SCALE,
+        "max_scale": FLOAT32_MAX,  # Flax's jnp.minimum(scale * growth_factor, float32's max)
         "dynamic": True,
     }
 
@@ -210,7 +212,7 @@ class DynamicScale:
         scale = _concrete("scale", self.scale)
         fin_steps = _concrete("fin_steps", self.fin_steps)
         start = _number("scale", scale)
-        if not (math.isfinite(start) and settings["min_scale"] <= start <= MAX_SCALE):
+        if not (math.isfinite(start) and settings["min_scale"] <= start <= RECIPROCAL_CEILING):
             raise _error(
                 "scale",
                 scale,
@@ -266,15 +268,18 @@ class DynamicScale:
         )
 
     @classmethod
-    def _from_config(cls, config: LossScaleConfig, state: LossScaleState, skipped_steps: int = 0) -> DynamicScale:
-        """The DynamicScale following ``config`` (a loaded state dict's settings) from ``state``, counting its
-        skipped steps on from ``skipped_steps``.
+    def _from_config(cls, config: LossScaleConfig, state: LossScaleState) -> DynamicScale:
+        """The DynamicScale following ``config`` (a loaded state dict's settings) from ``state``.
 
         Raises:
             InvalidConfigError: ``config`` has no Flax equivalent (hysteresis, a fixed scale, a cap below
                 2**126).
         """
-        if not config.dynamic or config.hysteresis != 1 or (config.max_scale or MAX_SCALE) < MAX_SCALE:
+        if (
+            not config.dynamic
+            or config.hysteresis != 1
+            or (config.max_scale or RECIPROCAL_CEILING) < RECIPROCAL_CEILING
+        ):
             raise InvalidConfigError(
                 "Flax's DynamicScale has no hysteresis, no fixed scale and no cap on the scale below 2**126, so it "
                 f"cannot follow these settings: dynamic={config.dynamic!r}, hysteresis="
@@ -287,13 +292,13 @@ class DynamicScale:
             "growth_interval": config.growth_interval - 1,
             "minimum_scale": config.floor_f32,
         }
-        start = min(max(config.init_scale, config.floor_f32), MAX_SCALE)
+        start = min(max(config.init_scale, config.floor_f32), RECIPROCAL_CEILING)
         mapped = LossScaleConfig(init_scale=start, **_settings(**fields))
         scaler = _functional(mapped)
         made = cls.__new__(cls)
         for name, value in fields.items():
             object.__setattr__(made, name, value)
-        made._adopt(scaler, scaler.init(state, skipped_steps=skipped_steps))
+        made._adopt(scaler, scaler.init(state))
         return made
 
     def _loaded(self, saved: Any) -> DynamicScale:
@@ -301,7 +306,7 @@ class DynamicScale:
         its settings are adopted where Flax's rule can follow them (`_from_config`)."""
         probe = _functional(self.scaler.config)
         state = probe.load_state_dict(saved)
-        return self._from_config(probe.config, probe.read(state), int(probe.skipped_steps(state)))
+        return self._from_config(probe.config, probe.read(state))
 
     # -- Flax's API --------------------------------------------------------------------------------------
 

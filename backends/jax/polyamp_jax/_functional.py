@@ -9,7 +9,10 @@ the float32 scale is the correctly rounded product with the float64 factor (a fl
 factor is a float32 value, as the common factors 2 and 0.5 are; else formed in float64 under
 ``jax.enable_x64`` for that product alone), so a run resumes across torch, TensorFlow, Keras and JAX with the
 same scales. Gradients are unscaled by multiplying with the float32 reciprocal of the scale, as jmp and
-torch's kernels do.
+torch's kernels do: a float16 or bfloat16 gradient is multiplied in float32 and rounded once to its dtype.
+XLA on CPU flushes a subnormal reciprocal to zero, so the scale never grows past `RECIPROCAL_CEILING`
+(2**126; the core's `polyamp.LossScaleConfig.with_ceiling`), on every device, so that a run keeps the same
+scales wherever it resumes.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, SpikeRule
-from polyamp.backend_api import REBASE_BIT, SPIKE_BIT, ring_codes, ring_values, to_float32
+from polyamp.backend_api import REBASE_BIT, RECIPROCAL_CEILING, SPIKE_BIT, ring_codes, ring_values, to_float32
 
 __all__ = ["JaxFunctional", "all_finite", "statistic_dtype"]
 
@@ -148,12 +151,18 @@ def _counts(leaves: list[Any]) -> Any:
 
 
 class JaxFunctional:
-    """`polyamp.backend_api.FunctionalDevice` over JAX arrays, with records (`FunctionalRecordingDevice`), the
-    guard (`FunctionalGuardingDevice`), the spike rule (`FunctionalSpikeDevice`) and the counts of non-finite
-    gradients of a skipped step (`FunctionalProvenanceDevice`).
+    """`polyamp.backend_api.FunctionalDevice` over JAX arrays, with records (`FunctionalRecordingDevice`) and
+    their run id (`FunctionalRunDevice`), the guard (`FunctionalGuardingDevice`), the spike rule
+    (`FunctionalSpikeDevice`), the counts of non-finite gradients of a skipped step
+    (`FunctionalProvenanceDevice`), the scale's ceiling (`FunctionalCeilingDevice`) and whether a compiler
+    traced the rule (`FunctionalTracingDevice`).
 
     Trees are dicts of arrays: the scaler ``{"scale", "growth_tracker", "hysteresis_left", "skipped"}``, the
-    record ring ``{"codes", "count"}`` and the spike window ``{"values", "count", "run"}``.
+    record ring ``{"codes", "count", "run"}`` (the run id: `FunctionalRunDevice`) and the spike window
+    ``{"values", "count", "run"}``.
+
+    The scale never grows past `polyamp.backend_api.RECIPROCAL_CEILING` (2**126), the largest scale whose float32
+    reciprocal is a normal number, which XLA on CPU does not flush to zero.
 
     Args:
         config: The settings of the rule.
@@ -162,8 +171,20 @@ class JaxFunctional:
     """
 
     def __init__(self, config: LossScaleConfig, axis_name: Any = None) -> None:
-        self._config = config
+        self._config = config.with_ceiling(RECIPROCAL_CEILING)
         self._axis_name = axis_name
+        self._traced = False
+
+    def traced(self) -> bool:
+        """Whether `update` ran under a compiler (``jax.jit``, ``lax.scan``, ...), which then holds this config's
+        constants (`polyamp.backend_api.FunctionalTracingDevice`)."""
+        return self._traced
+
+    @property
+    def rule(self) -> LossScaleConfig:
+        """The config the rule follows: the one given, with the scale's ceiling `RECIPROCAL_CEILING`
+        (`polyamp.backend_api.FunctionalCeilingDevice`)."""
+        return self._config
 
     # -- FunctionalDevice --------------------------------------------------------------------------------
 
@@ -200,13 +221,21 @@ class JaxFunctional:
         inverse = (jnp.float32(1.0) / tree["scale"]).astype(jnp.float32)
 
         def one(grad: Any) -> Any:
-            return grad * inverse.astype(grad.dtype) if _floating(grad) else grad
+            if not _floating(grad):
+                return grad
+            # As torch's kernel: a narrower gradient is multiplied in float32 and rounded once to its dtype (the
+            # reciprocal in float16 would be rounded, to 0 from a scale of 2**25).
+            if jnp.dtype(grad.dtype).itemsize < 4:
+                return (grad.astype(jnp.float32) * inverse).astype(grad.dtype)
+            return grad * inverse.astype(grad.dtype)
 
         unscaled = jax.tree_util.tree_map(one, grads)
         return unscaled, self.check(tree, unscaled)
 
     def update(self, tree: Mapping[str, Any], found_inf: Any) -> dict[str, Any]:
         config = self._config
+        if isinstance(tree["scale"], jax.core.Tracer):
+            self._traced = True
         overflow = _set(found_inf)
         scale, tracker, hysteresis = tree["scale"], tree["growth_tracker"], tree["hysteresis_left"]
         skipped = tree["skipped"] + overflow.astype(tree["skipped"].dtype)
@@ -224,7 +253,10 @@ class JaxFunctional:
         grown = _times(scale, config.growth_factor)
         if config.max_scale_f32 is not None:
             grown = jnp.minimum(grown, jnp.float32(config.max_scale_f32))
-        scale_after_finite = jnp.where(grow & jnp.isfinite(grown), grown, scale)
+        grows = grow & jnp.isfinite(grown)  # a product that would be inf keeps the scale
+        if config.ceiling_f32 is not None:
+            grown = jnp.minimum(grown, jnp.float32(config.ceiling_f32))
+        scale_after_finite = jnp.where(grows, grown, scale)
         tracker_after_finite = jnp.where(grow, jnp.int32(0), next_tracker)
         hysteresis_after_finite = jnp.where(grow, jnp.int32(config.hysteresis), hysteresis)
         return {
@@ -256,6 +288,12 @@ class JaxFunctional:
     def ring_init(self, capacity: int) -> dict[str, Any]:
         return {"codes": jnp.zeros((capacity,), jnp.int32), "count": jnp.zeros((), jnp.int32)}
 
+    def ring_tag(self, ring: Mapping[str, Any], run: int) -> dict[str, Any]:
+        return {**ring, "run": jnp.asarray(run, jnp.int32)}
+
+    def ring_run(self, ring: Mapping[str, Any]) -> int | None:
+        return int(np.asarray(ring["run"])) if "run" in ring else None
+
     def ring_write(self, ring: Mapping[str, Any], base: int, flag: Any, spike: Any = None) -> dict[str, Any]:
         overflow = jnp.asarray(False) if flag is None else _set(flag)
         code = jnp.int32(base)
@@ -267,7 +305,7 @@ class JaxFunctional:
             code = code + (spiked & ~overflow).astype(jnp.int32) * SPIKE_BIT
             code = code + (jnp.asarray(spike) < 0).astype(jnp.int32) * REBASE_BIT
         codes, count = ring["codes"], ring["count"]
-        return {"codes": codes.at[count % codes.shape[0]].set(code), "count": count + 1}
+        return {**ring, "codes": codes.at[count % codes.shape[0]].set(code), "count": count + 1}
 
     def ring_read(self, ring: Mapping[str, Any]) -> tuple[int, list[int]]:
         count = int(np.asarray(ring["count"]))

@@ -8,6 +8,9 @@ same as `polyamp.LossScaler`'s on every backend.
 
 from __future__ import annotations
 
+import functools
+import sys
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -26,12 +29,17 @@ __all__ = ["LossScaledState", "load_state_dict", "loss_scaled", "records", "scal
 @jax.tree_util.register_pytree_node_class
 class LossScaledState:
     """The state of `loss_scaled`: ``scaler`` (polyamp's functional state: a dict of arrays), ``inner`` (the
-    wrapped transformation's state), and, as static data, the `polyamp.FunctionalLossScaler` that reads them."""
+    wrapped transformation's state), and, as static data, the `polyamp.FunctionalLossScaler` that reads them.
+
+    It pickles, and once Flax is imported, ``flax.serialization`` (msgpack checkpoints) writes it as
+    ``{"scaler": its arrays, "inner": the inner state's}`` and restores it into a target state."""
 
     def __init__(self, scaler: Any, inner: Any, fn: FunctionalLossScaler) -> None:
         self.scaler = scaler
         self.inner = inner
         self.fn = fn
+        if not _registered:
+            _register_with_flax()
 
     def tree_flatten(self) -> tuple[tuple[Any, Any], FunctionalLossScaler]:
         return (self.scaler, self.inner), self.fn
@@ -42,6 +50,40 @@ class LossScaledState:
 
     def __repr__(self) -> str:
         return f"LossScaledState(mode={self.fn.mode!r}, scaler={self.scaler!r}, inner={self.inner!r})"
+
+
+_registered = False
+
+
+def _arrays(scaler: Mapping[str, Any]) -> dict[str, Any]:
+    """The functional state ``scaler`` without its static parts (the gradients' names), for serialization."""
+    return {key: {k: v for k, v in value.items() if k != "names"} for key, value in scaler.items()}
+
+
+def _register_with_flax() -> None:
+    """Once Flax is imported, its serialization writes a `LossScaledState` as ``{"scaler", "inner"}`` (the
+    scaler's arrays, the inner state's state dict) and restores it into a target state, whose static parts
+    (the functional scaler, the gradients' names) it keeps. Flax is never imported here."""
+    global _registered
+    serialization = sys.modules.get("flax.serialization")
+    if _registered or serialization is None:
+        return
+
+    def to_state(value: LossScaledState) -> dict[str, Any]:
+        return {
+            "scaler": serialization.to_state_dict(_arrays(value.scaler)),
+            "inner": serialization.to_state_dict(value.inner),
+        }
+
+    def from_state(target: LossScaledState, state: Mapping[str, Any]) -> LossScaledState:
+        scaler = serialization.from_state_dict(_arrays(target.scaler), state["scaler"], name="scaler")
+        if "provenance" in target.scaler:
+            scaler["provenance"]["names"] = target.scaler["provenance"]["names"]
+        inner = serialization.from_state_dict(target.inner, state["inner"], name="inner")
+        return LossScaledState(scaler, inner, target.fn)
+
+    serialization.register_serialization_state(LossScaledState, to_state, from_state, override=True)
+    _registered = True
 
 
 def loss_scaled(
@@ -109,7 +151,7 @@ def loss_scaled(
     scaler = LossScaler(
         *positional, enabled=enabled, guard=guard, spike=spike, history=history, on_min_scale=on_min_scale, **settings
     )
-    fn = scaler.functional(backend="jax", make_device=lambda config: JaxFunctional(config, axis_name))
+    fn = scaler.functional(backend="jax", make_device=functools.partial(JaxFunctional, axis_name=axis_name))
     wrapped = optax.with_extra_args_support(inner)
     warned = False
 
@@ -125,6 +167,7 @@ def loss_scaled(
     def update(updates: Any, state: LossScaledState, params: Any = None, **extra: Any) -> tuple[Any, LossScaledState]:
         loss = extra.pop("loss", None)
         scaler_state = state.scaler
+        fn = _state_scaler(state)  # a loaded state's settings travel with it (load_state_dict)
         if fn.mode == "off":
             new_updates, new_inner = wrapped.update(updates, state.inner, params, **extra)
             return new_updates, LossScaledState(fn.update(scaler_state, None, grads=updates), new_inner, fn)
@@ -148,6 +191,20 @@ def loss_scaled(
 def _float32_if_low(leaf: Any) -> Any:
     dtype = getattr(leaf, "dtype", None)
     return leaf.astype(jnp.float32) if dtype in (jnp.float16, jnp.bfloat16) else leaf
+
+
+def _state_scaler(state: Any) -> FunctionalLossScaler:
+    """The functional scaler of ``state``, a `LossScaledState`.
+
+    Raises:
+        PolyampTypeError: ``state`` is not one (the state of another transformation).
+    """
+    if not isinstance(state, LossScaledState):
+        raise PolyampTypeError(
+            "The update of polyamp_jax.loss_scaled takes the state its init returned (a LossScaledState). "
+            f"Received: {describe(state)}."
+        )
+    return state.fn
 
 
 def _follows_a_plan(inner_state: Any) -> bool:
@@ -217,8 +274,12 @@ def load_state_dict(opt_state: Any, saved: Any) -> Any:
     """``opt_state`` with its loss-scaler state (a `loss_scaled` state or a `DynamicScale`) restored from a state
     dict of any backend's scaler.
 
+    The dict's settings (``growth_interval``, ...) are the restored state's, carried with it, as Flax's
+    ``DynamicScale`` carries its own: a jitted step given it traces anew and follows them; the transformation
+    and its other states keep theirs.
+
     Raises:
-        StateDictError: the dict is malformed (nothing changes).
+        StateDictError: the dict is malformed, or holds a scale JAX cannot hold (nothing changes).
         InvalidConfigError: a `DynamicScale` cannot follow the dict's settings (hysteresis, a fixed scale).
     """
     node = _find(opt_state, "load_state_dict()")
@@ -226,7 +287,10 @@ def load_state_dict(opt_state: Any, saved: Any) -> Any:
     if isinstance(node, DynamicScale):
         restored = node._loaded(saved)
     else:
-        restored = LossScaledState(node.fn.load_state_dict(saved, like=node.scaler), node.inner, node.fn)
+        # The dict's settings travel with the state: a state with other settings than the transformation's
+        # holds its own functional scaler, and a jitted step traces anew for it.
+        fn, loaded = node.fn.restore(saved, like=node.scaler)
+        restored = LossScaledState(loaded, node.inner, fn)
     return jax.tree_util.tree_map(
         lambda n: restored if n is node else n,
         opt_state,

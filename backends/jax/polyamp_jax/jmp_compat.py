@@ -29,6 +29,9 @@ Where it differs from jmp (tests/test_upstream_jax.py runs jmp's own tests again
   cannot hold (1.1, say) they can differ in their last bits.
 * ``min_loss_scale`` is kept through ``jax.jit`` and other tree maps (jmp's flattening drops it, so it
   returns to 1 there).
+* The scale grows to 2**126 at most (jmp's goes on to float32's largest power of two, whose float32
+  reciprocal XLA on CPU flushes to zero, so that every unscaled gradient is zero), and a `StaticLossScale`
+  above 2**126 is refused.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import numpy as np
 
 import polyamp
 from polyamp import FunctionalLossScaler, InvalidConfigError, InvalidPolicyError, LossScaler, PolyampTypeError
-from polyamp.backend_api import INT32_MAX, describe, to_float32
+from polyamp.backend_api import INT32_MAX, RECIPROCAL_CEILING, describe, to_float32
 from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree
 from polyamp_jax._functional import all_finite as _all_finite
 
@@ -220,18 +223,17 @@ _TRANSLATION = (
     "(polyamp's init_scale is jmp's loss_scale, growth_interval its period, growth_factor its factor and "
     "backoff_factor 1/factor, min_scale its min_loss_scale.)"
 )
-#: The config's initial scale where the scale travels in the loss scale itself: the largest float32, so that
-#: it is never below ``min_scale`` (polyamp's check) whatever ``min_loss_scale`` is.
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
+#: The config's initial scale where the scale travels in the loss scale itself: the highest a JAX scale holds,
+#: so that it is never below ``min_scale`` (polyamp's check) whatever ``min_loss_scale`` is.
+_HIGHEST_SCALE = RECIPROCAL_CEILING
 
 
 def _functional(call: str, **arguments: Any) -> tuple[FunctionalLossScaler, dict[str, Any]]:
     """A JAX `polyamp.FunctionalLossScaler` with these settings and a fresh state, errors in jmp's names."""
     try:
-        scaler = LossScaler(history=1, **arguments)
+        fn = LossScaler(history=1, **arguments).functional(backend="jax")
     except (InvalidConfigError, PolyampTypeError) as exc:
         raise type(exc)(f"{call} cannot run on polyamp's loss scaler: {exc} {_TRANSLATION}") from exc
-    fn = scaler.functional(backend="jax")
     return fn, fn.init()
 
 
@@ -250,7 +252,7 @@ def _dynamic_rule(period: int, factor: float, min_loss_scale: float) -> tuple[Fu
     return _functional(
         f"DynamicLossScale(period={period!r}, factor={factor!r}, min_loss_scale={min_loss_scale!r})",
         enabled=True,
-        init_scale=_FLOAT32_MAX,
+        init_scale=_HIGHEST_SCALE,
         growth_interval=period,
         growth_factor=factor,
         backoff_factor=1.0 / factor if factor > 1 else 0.5,  # factor <= 1 is refused as growth_factor
@@ -392,11 +394,12 @@ class StaticLossScale(_Scaling):
     setting, not an array: an empty pytree.
 
     Args:
-        loss_scale: The scale, a positive number representable in float32 (``2**-126`` to ``3.4e38``): a Python
-            number or a concrete scalar array.
+        loss_scale: The scale, a positive number from ``2**-126`` to ``2**126`` (the highest a JAX scale holds:
+            above it, XLA on CPU flushes its float32 reciprocal to zero): a Python number or a concrete scalar
+            array.
 
     Raises:
-        InvalidConfigError: the scale is 0, negative, or out of float32's normal range.
+        InvalidConfigError: the scale is 0, negative, below 2**-126 or above 2**126.
         PolyampTypeError: the scale is not a number, or a traced value.
     """
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError, SpikeRule
-from polyamp.backend_api import REBASE_BIT, SPIKE_BIT, StepOutcome, describe, ring_codes, wrong_object_error
+from polyamp.backend_api import StepOutcome, describe, ring_codes, rules, wrong_object_error
 from polyamp_keras._gradients import (
     all_finite,
     all_replicas_finite,
@@ -38,7 +38,7 @@ from polyamp_keras._gradients import (
     unscale_and_check,
 )
 from polyamp_keras._keras import keras
-from polyamp_keras._rule import ScaleState, advance, advance_on_flag, counter_dtype, device_cond, read_scalar
+from polyamp_keras._rule import OPS, ScaleState, advance, advance_on_flag, counter_dtype, device_cond, read_scalar
 from polyamp_keras._spikes import SpikeWindow, grad_norm, loss_statistic
 
 __all__ = ["KerasDevice", "clipping_folded", "folded_clip_norm"]
@@ -694,34 +694,17 @@ def unread_rows(gradients: int) -> np.ndarray:
 
 
 def record_code(base: int, flag: Any, spike: Any = None, overflow: Any = None) -> Any:
-    """An iteration's record code (`polyamp.backend_api.RecordingDevice.write_history`'s): ``base`` (from
-    ``MODE_CODES``), plus 1 when ``flag`` is set, plus ``SPIKE_BIT`` + 1 for a skip by the spike rule alone
-    (``spike`` > 0), plus ``REBASE_BIT`` when ``spike`` < 0 (a re-based window). ``overflow``: ``flag > 0``,
-    when the caller has it."""
-    code = ops.convert_to_tensor(base, dtype="int32")
+    """An iteration's record code (`polyamp.backend_api.rules.record_code`) from its float32 flags: ``flag``
+    (> 0: skipped) and ``spike`` (the spike rule's); ``overflow``: ``flag > 0``, when the caller has it."""
     if flag is not None and overflow is None:
         overflow = ops.greater(flag, 0)
-    if spike is None:  # (eager steps pay per operation: the common case in two)
-        return code if flag is None else ops.add(code, ops.cast(overflow, "int32"))
-    if overflow is None:
-        overflow = ops.convert_to_tensor(False)
-    spiked = ops.greater(spike, 0)
-    code = ops.add(code, ops.cast(ops.logical_or(overflow, spiked), "int32"))
-    code = ops.add(code, ops.cast(ops.logical_and(spiked, ops.logical_not(overflow)), "int32") * SPIKE_BIT)
-    return ops.add(code, ops.cast(ops.less(spike, 0), "int32") * REBASE_BIT)
+    return rules.record_code(OPS, base, overflow, spike)
 
 
 def finish_window(window: SpikeWindow, x: Any, spike: Any, overflow: Any) -> Any:
     """End an iteration for the spike rule (`polyamp.backend_api.SpikeDevice.spike_finish`): the statistic
     enters ``window`` when the step was applied; returns 1 for a skip by the rule alone, -1 for a re-base."""
-    spiked = ops.greater(spike, 0)
-    blocked, only = spiked, spiked
-    if overflow is not None:
-        overflowed = ops.greater(overflow, 0)
-        blocked = ops.logical_or(spiked, overflowed)
-        only = ops.logical_and(spiked, ops.logical_not(overflowed))
-    rebased = window.push(x, applied=ops.logical_not(blocked), spiked=only)
-    return ops.subtract(ops.cast(only, "float32"), ops.cast(rebased, "float32"))
+    return window.finish(x, spike, overflow)
 
 
 def write_ring_entry(

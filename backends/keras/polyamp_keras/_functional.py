@@ -19,15 +19,16 @@ from typing import Any
 import numpy as np
 
 from polyamp import LossScaleConfig, LossScaleState, SpikeRule
-from polyamp.backend_api import ring_codes, ring_values
-from polyamp_keras._device import KerasDevice, finish_window, record_code
+from polyamp.backend_api import ring_codes, ring_values, rules
+from polyamp_keras._device import KerasDevice, record_code
 from polyamp_keras._gradients import all_finite, unscale
 from polyamp_keras._keras import keras
-from polyamp_keras._rule import ScaleState, advance
+from polyamp_keras._rule import OPS
 
 __all__ = ["KerasFunctional"]
 
 ops = keras.ops
+ScaleArrays = rules.ScaleArrays
 
 
 def _run(pairs: Sequence[tuple[Any, Any]], fn: Callable[[], Any]) -> tuple[list[Any], Any]:
@@ -120,17 +121,15 @@ class KerasFunctional:
         return clipped, ops.cast(ops.logical_not(ops.isfinite(norm)), "float32")
 
     def update(self, tree: Mapping[str, Any], found_inf: Any) -> dict[str, Any]:
-        variables = self.scale_variables()
-        pairs = self._pairs(variables, tree)
-        config = self._config
+        overflow = ops.greater(found_inf, 0)
+        arrays = ScaleArrays(tree["scale"], tree["growth_tracker"], tree["hysteresis_left"])
+        new = rules.advance(OPS, self._config, arrays, overflow)
+        skipped = tree["skipped"]
+        return {**new._asdict(), "skipped": ops.add(skipped, ops.cast(overflow, skipped.dtype))}
 
-        def half(overflow: bool) -> list[Any]:
-            state = ScaleState(*variables.values())
-            return _run(pairs, lambda: advance(state, overflow, config))[0]
-
-        overflowed, finite = half(True), half(False)
-        flag = ops.greater(found_inf, 0)
-        return self._tree(variables, [ops.where(flag, a, b) for a, b in zip(overflowed, finite, strict=True)])
+    def cond(self, found_inf: Any, if_skipped: Callable[[], Any], if_applied: Callable[[], Any]) -> Any:
+        """``if_skipped()`` when ``found_inf`` is set, else ``if_applied()``: only one of them runs."""
+        return ops.cond(ops.logical_not(ops.greater(found_inf, 0)), if_applied, if_skipped)
 
     def select(self, found_inf: Any, if_skipped: Any, if_applied: Any) -> Any:
         flag = ops.greater(found_inf, 0)
@@ -176,21 +175,14 @@ class KerasFunctional:
         return self._device.spike_grad_norm(list(grads), unscaled=True)
 
     def spike_check(self, rule: SpikeRule, window: Mapping[str, Any], x: Any) -> Any:
-        spikes = self._device.spike_window()
-        assert spikes is not None
-        variables = self.window_variables()
-        assert variables is not None
-        return _run(self._pairs(variables, window), lambda: ops.cast(spikes.is_spike(x), "float32"))[1]
+        return ops.cast(rules.is_spike(OPS, rule, _window(window), x), "float32")
 
     def spike_finish(
         self, rule: SpikeRule, window: Mapping[str, Any], x: Any, spike: Any, overflow: Any
     ) -> tuple[dict[str, Any], Any]:
-        spikes = self._device.spike_window()
-        assert spikes is not None
-        variables = self.window_variables()
-        assert variables is not None
-        values, flag = _run(self._pairs(variables, window), lambda: finish_window(spikes, x, spike, overflow))
-        return self._tree(variables, values), flag
+        overflowed = None if overflow is None else ops.greater(overflow, 0)
+        new, only, rebase = rules.finish(OPS, rule, _window(window), x, ops.greater(spike, 0), overflowed)
+        return new._asdict(), rules.spike_flag(OPS, only, rebase)
 
     def combine(self, first: Any, second: Any) -> Any:
         return ops.maximum(first, second)
@@ -210,6 +202,10 @@ class KerasFunctional:
             "count": ops.convert_to_tensor(len(values), dtype=window["count"].dtype),
             "run": ops.convert_to_tensor(run, dtype=window["run"].dtype),
         }
+
+
+def _window(tree: Mapping[str, Any]) -> Any:
+    return rules.SpikeWindowArrays(tree["values"], tree["count"], tree["run"])
 
 
 def _value(x: Any) -> Any:

@@ -532,44 +532,38 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         values = {id(variable): value for variable, value in zip(own, optimizer_variables, strict=False)}
         inner_values = optimizer_variables[len(own) :]
         state = self._functional_state(device, values)
-        if mode == "off":
-            new_trainable, new_inner = self.inner_optimizer.stateless_apply(inner_values, grads, trainable)
-            state = fn.update(state, None)
-            return list(new_trainable), self._own_values(device, state, values, None, grads) + list(new_inner)
         clip_norm = None
         if mode == "scaling" and not unscaled and self._scaler.spike is None:  # a rule watches unclipped norms
             clip_norm = folded_clip_norm(self.inner_optimizer, grads, self._trainable_variables)
-        scaled_grads, scale = grads, None
+        scaled_grads, scale, unscale_with = grads, None, None
         if clip_norm is not None:  # the inner optimizer's global-norm clip, in the unscale's multiply
             scale = state["scaler"]["scale"]
-            grads, found_inf = device.unscale_and_clip(state["scaler"], grads, clip_norm)
-        elif mode == "scaling" and not unscaled:
-            grads, found_inf = fn.unscale(state, grads)
-        else:
-            found_inf = device.check(state["scaler"], grads)
-        spike = fn.spike(state, grads=grads)
-        skipped = fn.skipped(found_inf, spike)
-        if mode == "guarding" and keras.backend.backend() == "jax":
-            # Guarding, the inner step runs as it would without polyamp (a cond around it compiles differently
-            # under jit and can change the last bit): a select keeps its values, or the old ones when skipped.
-            new_trainable, new_inner = self.inner_optimizer.stateless_apply(inner_values, grads, trainable)
-            new_trainable, new_inner = fn.apply_if_finite(
-                found_inf, (list(new_trainable), list(new_inner)), (trainable, inner_values), spike=spike
+            unscale_with = lambda tree, given: device.unscale_and_clip(tree, given, clip_norm)  # noqa: E731
+        elif unscaled:  # handed unscaled gradients: checked only
+            unscale_with = lambda tree, given: (given, device.check(tree, given))  # noqa: E731
+        # Guarding on JAX, the inner step runs as it would without polyamp (a cond around it compiles differently
+        # under jit and can change the last bit) and a select keeps its values, or the old ones when skipped;
+        # elsewhere it runs only when the step is applied (lazy): a skipped step costs no update and no select
+        # over every parameter and slot, and an inner step that writes into the arrays it is given (Keras's
+        # torch optimizers update in place) leaves a skipped step's arrays alone.
+        lazy = not (mode == "guarding" and keras.backend.backend() == "jax")
+        with clipping_folded(self.inner_optimizer, clip_norm is not None):
+            out = fn.step(
+                state,
+                grads,
+                lambda unscaled_grads: _listed(
+                    self.inner_optimizer.stateless_apply(inner_values, unscaled_grads, trainable)
+                ),
+                lambda applied: (list(trainable), list(inner_values)),
+                unscale=unscale_with,
+                lazy=lazy,
             )
-        else:
-            # The inner step runs only when the step is applied: a skipped step costs no update and no select
-            # over every parameter and slot, and an inner step that writes into the arrays it is given (Keras's
-            # torch optimizers update in place) leaves a skipped step's arrays alone.
-            with clipping_folded(self.inner_optimizer, clip_norm is not None):
-                new_trainable, new_inner = ops.cond(
-                    ops.logical_not(ops.greater(skipped, 0)),
-                    lambda: _listed(self.inner_optimizer.stateless_apply(inner_values, grads, trainable)),
-                    lambda: (list(trainable), list(inner_values)),
-                )
-        state = fn.update(state, found_inf, spike=spike)
+        new_trainable, new_inner = out.result
+        if mode == "off":
+            return list(new_trainable), self._own_values(device, out.state, values, None, grads) + list(new_inner)
         # Provenance (which gradients were not finite) counts the unscaled ones: a folded clip made them all NaN.
-        named = grads if scale is None else scaled_grads
-        own_values = self._own_values(device, state, values, skipped, named, found_inf, scale)
+        named = out.grads if scale is None else scaled_grads
+        own_values = self._own_values(device, out.state, values, out.skipped, named, out.found_inf, scale)
         return list(new_trainable), own_values + list(new_inner)
 
     def _functional_form(self, mode: str) -> FunctionalLossScaler:

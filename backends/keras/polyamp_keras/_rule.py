@@ -2,11 +2,9 @@
 
 `ScaleState` holds the state (scale, growth tracker, hysteresis, skip count) for the Keras
 `LossScaleOptimizer` on every Keras backend and for the TensorFlow `LossScaler` device form; the functions
-apply `polyamp.LossScaleConfig`'s rule to it with Keras ops and no Python branch on a tensor value, so they
-run eagerly, in ``tf.function`` (also ``jit_compile=True``), under ``jax.jit`` (inside Keras's
-``StatelessScope``) and on torch. Each product is formed in float64 and rounded to float32, as polyamp's
-reference and torch's kernel do (on JAX with float64 enabled for that product only, since JAX computes in
-float32 by default), so trajectories agree bit for bit across backends.
+advance it with polyamp's device rule (`polyamp.backend_api.rules`) over `KerasOps`, with no Python branch on
+a tensor value, so they run eagerly, in ``tf.function`` (also ``jit_compile=True``), under ``jax.jit``
+(inside Keras's ``StatelessScope``) and on torch, with the same values as every other backend.
 """
 
 from __future__ import annotations
@@ -14,16 +12,28 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 from polyamp import LossScaleConfig, LossScaleState
-from polyamp.backend_api import to_float32
+from polyamp.backend_api import ArrayOps, rules
 from polyamp_keras._keras import keras
 
-__all__ = ["ScaleState", "advance", "advance_on_flag", "counter_dtype", "device_cond", "read_scalar"]
+__all__ = [
+    "OPS",
+    "KerasOps",
+    "ScaleState",
+    "advance",
+    "advance_on_flag",
+    "counter_dtype",
+    "device_cond",
+    "read_scalar",
+    "values",
+]
 
 ops = keras.ops
+ScaleArrays = rules.ScaleArrays
 
 #: ``make(name, dtype, initial_value)`` -> a variable with ``assign`` / ``assign_add``.
 VariableFactory = Callable[[str, str, Any], Any]
@@ -83,38 +93,81 @@ def counter_dtype() -> str:
     return "int64"
 
 
-def _float64() -> Any:
-    """A context in which the backend computes float64: JAX turns it off by default (and would silently
-    compute the detour below in float32); the other backends have it."""
-    if keras.backend.backend() == "jax":
-        return sys.modules["jax"].enable_x64(True)  # jax is imported: it is Keras's backend
-    return contextlib.nullcontext()
+class KerasOps(ArrayOps):
+    """polyamp's array vocabulary over ``keras.ops``, which runs on every Keras backend (dtypes are Keras's
+    names)."""
+
+    def __init__(self) -> None:
+        super().__init__(ops)
+
+    def dtype(self, spec: Any) -> str:
+        return str(keras.backend.standardize_dtype(spec))
+
+    def asarray(self, value: Any, dtype: Any) -> Any:
+        return ops.convert_to_tensor(value, dtype=self.dtype(dtype))
+
+    def astype(self, x: Any, dtype: Any) -> Any:
+        return ops.cast(x, self.dtype(dtype))
+
+    def remainder(self, x: Any, y: Any) -> Any:
+        return ops.mod(x, y)
+
+    def arange_like(self, n: int, like: Any) -> Any:
+        return ops.arange(n, dtype=self.dtype(like.dtype))
+
+    def stop_gradient(self, x: Any) -> Any:
+        return ops.stop_gradient(x)
+
+    @property
+    def has_float64(self) -> bool:
+        """False on JAX without ``jax_enable_x64``, which computes float64 arrays in float32."""
+        return keras.backend.backend() != "jax" or bool(sys.modules["jax"].config.jax_enable_x64)
+
+    @property
+    def has_int64(self) -> bool:
+        return self.has_float64
+
+    def float64(self) -> AbstractContextManager[Any]:
+        if keras.backend.backend() == "jax":
+            return sys.modules["jax"].enable_x64(True)  # type: ignore[no-any-return]  # jax: Keras's backend
+        return contextlib.nullcontext()
 
 
-def _times(scale: Any, factor: float) -> Any:
-    # A float32 product of two float32 values is the correctly rounded exact product, which is what
-    # rounding the float64 product gives; only factors float32 cannot hold exactly need the float64 detour.
-    if to_float32(factor) == factor:
-        return ops.multiply(scale, ops.cast(factor, "float32"))
-    with _float64():
-        # The factor as a float64 tensor: a bare Python float would become Keras's floatx (float32) on some
-        # backends, rounding the factor before the product.
-        product = ops.multiply(ops.cast(scale, "float64"), ops.convert_to_tensor(factor, dtype="float64"))
-        return ops.cast(product, "float32")
+#: The vocabulary every Keras device computes with.
+OPS = KerasOps()
+
+
+def values(state: ScaleState) -> ScaleArrays:
+    """The current values of ``state``'s rule variables."""
+    return ScaleArrays(
+        ops.convert_to_tensor(state.scale),
+        ops.convert_to_tensor(state.growth_tracker),
+        ops.convert_to_tensor(state.hysteresis_left),
+    )
+
+
+def _store(state: ScaleState, old: ScaleArrays, new: ScaleArrays) -> None:
+    """Assign to ``state``'s variables the values of ``new`` that are not ``old``'s."""
+    for variable, before, after in zip(
+        (state.scale, state.growth_tracker, state.hysteresis_left), old, new, strict=True
+    ):
+        if after is not before:
+            variable.assign(ops.cast(after, variable.dtype))
 
 
 def advance(
     state: ScaleState, overflow: bool, config: LossScaleConfig, add: Adder | None = None, *, branch: bool = False
 ) -> None:
-    """One update of ``config``'s rule, for a step that overflowed or not, and the skip count.
+    """One update of ``config``'s rule (`polyamp.backend_api.rules`), for a step that overflowed or not, and
+    the skip count.
 
     ``overflow`` is a Python bool: callers run this inside the two branches of a ``cond`` on the device
     flag, where it is known, so each branch builds only its half of the rule (a few scalar ops). ``add``
     increments a counter (an optimizer's ``assign_add``); None: the variable's own ``assign_add``.
 
-    ``branch``: the finite half branches on the growth test, so that the steps that do not grow (all but
-    one in ``growth_interval``) run one increment of the tracker; else it selects, with no branch, every
-    step. For a backend whose branch is an operation of the step (TensorFlow), where each operation costs a
+    ``branch``: the finite half branches on the growth test (`rules.at_interval`), so that the steps that do
+    not grow (all but one in ``growth_interval``) run only the tracker's count; else it selects, with no
+    branch. For a backend whose branch is an operation of the step (TensorFlow), where each operation costs a
     few microseconds; the values are the same either way. Not under a ``StatelessScope`` (an assignment inside
     a traced branch would leave it) nor where a branch reads its predicate to the host (PyTorch).
     """
@@ -122,74 +175,48 @@ def advance(
         _increment(state.skipped_steps, add)
     if not config.dynamic:
         return
-    scale = ops.convert_to_tensor(state.scale)
+    old = values(state)
     if overflow:
-        state.growth_tracker.assign(ops.cast(0, "int32"))
-        backed = ops.maximum(_times(scale, config.backoff_factor), config.floor_f32)
-        if config.hysteresis == 1:
-            state.scale.assign(backed)
-            return
-        hysteresis_after = ops.convert_to_tensor(state.hysteresis_left) - 1
-        back_off = hysteresis_after <= 0
-        state.scale.assign(ops.where(back_off, backed, scale))
-        state.hysteresis_left.assign(ops.where(back_off, config.hysteresis, hysteresis_after))
-        return
-    if branch:
+        _store(state, old, rules.after_overflow(OPS, config, old))
+    elif branch:
         _branch_on_growth(state, config, add)
-        return
-    next_tracker = ops.convert_to_tensor(state.growth_tracker) + 1
-    grow = next_tracker >= config.growth_interval
-    grown = _grown(scale, config)
-    state.scale.assign(ops.where(ops.logical_and(grow, ops.isfinite(grown)), grown, scale))
-    # In the tracker's own dtype: Keras's LossScaleOptimizer keeps its step counter in int64, and a round trip
-    # through int32 would be two casts per step.
-    state.growth_tracker.assign(ops.cast(ops.where(grow, 0, next_tracker), state.growth_tracker.dtype))
-    if config.hysteresis > 1:
-        state.hysteresis_left.assign(
-            ops.cast(ops.where(grow, config.hysteresis, ops.convert_to_tensor(state.hysteresis_left)), "int32")
-        )
-
-
-def _increment(variable: Any, add: Adder | None) -> None:
-    one = ops.cast(1, variable.dtype)  # int32 on JAX without x64
-    if add is None:
-        variable.assign_add(one)
     else:
-        add(variable, one)
+        _store(state, old, rules.after_finite(OPS, config, old))
 
 
-def _grown(scale: Any, config: LossScaleConfig) -> Any:
-    """The scale after a growth: multiplied by the growth factor, capped at ``max_scale``."""
-    grown = _times(scale, config.growth_factor)
-    return grown if config.max_scale_f32 is None else ops.minimum(grown, config.max_scale_f32)
+def _increment(variable: Any, add: Adder | None, step: int = 1) -> None:
+    value = ops.cast(step, variable.dtype)  # int32 on JAX without x64
+    if add is None:
+        variable.assign_add(value)
+    else:
+        add(variable, value)
 
 
 def _grow(state: ScaleState, config: LossScaleConfig) -> Any:
-    """The finite half of `advance` at the interval: the scale multiplied (unless the product is not finite),
-    the tracker reset, the hysteresis refilled."""
-    scale = ops.convert_to_tensor(state.scale)
-    grown = _grown(scale, config)
-    state.scale.assign(ops.where(ops.isfinite(grown), grown, scale))
-    state.growth_tracker.assign(ops.cast(0, state.growth_tracker.dtype))
-    if config.hysteresis > 1:
-        state.hysteresis_left.assign(ops.cast(config.hysteresis, "int32"))
+    """The finite half of the rule at the interval (`rules.after_growth`)."""
+    old = values(state)
+    _store(state, old, rules.after_growth(OPS, config, old))
     return ops.convert_to_tensor(True)
 
 
-def _at_interval(state: ScaleState, config: LossScaleConfig) -> Any:
-    # tracker + 1 >= interval, without the addition (equal for every integer, and it cannot overflow).
-    return ops.greater_equal(state.growth_tracker, config.growth_interval - 1)
-
-
-def _count(state: ScaleState, add: Adder | None) -> Any:
-    """The finite half of `advance` below the interval: the step counted."""
-    _increment(state.growth_tracker, add)
+def _count(state: ScaleState, config: LossScaleConfig, add: Adder | None) -> Any:
+    """The finite half of the rule below the interval (`rules.after_count`), as additions in place
+    (`rules.count_increments`): one ``AssignAddVariableOp`` per counter on TensorFlow, where a Keras variable's
+    own ``assign_add`` is a read, an add and an assign."""
+    variables = (state.scale, state.growth_tracker, state.hysteresis_left)
+    for variable, step in zip(variables, rules.count_increments(config), strict=True):
+        if step:
+            _increment(variable, add, step)
     return ops.convert_to_tensor(False)
+
+
+def _at_interval(state: ScaleState, config: LossScaleConfig) -> Any:
+    return rules.at_interval(OPS, config, ScaleArrays(None, ops.convert_to_tensor(state.growth_tracker), None))
 
 
 def _branch_on_growth(state: ScaleState, config: LossScaleConfig, add: Adder | None) -> None:
     """The finite half of `advance` as a branch: grow at the interval, else count the step."""
-    ops.cond(_at_interval(state, config), lambda: _grow(state, config), lambda: _count(state, add))
+    ops.cond(_at_interval(state, config), lambda: _grow(state, config), lambda: _count(state, config, add))
 
 
 def advance_on_flag(
@@ -215,12 +242,12 @@ def advance_on_flag(
     if overflow is None:
         overflow = ops.greater(found_inf, 0.0)
     if branch and config.dynamic:
-        # One branch for the common step (finite, below the interval: one increment) and one for the rest (an
+        # One branch for the common step (finite, below the interval: the count) and one for the rest (an
         # overflow, or growth), instead of a branch on the flag and another on the growth test inside it.
         def rare() -> Any:
             return ops.cond(overflow, on_overflow, lambda: _grow(state, config))
 
-        ops.cond(ops.logical_or(overflow, _at_interval(state, config)), rare, lambda: _count(state, add))
+        ops.cond(ops.logical_or(overflow, _at_interval(state, config)), rare, lambda: _count(state, config, add))
         return
     device_cond(overflow, on_overflow, on_finite)
 

@@ -3,7 +3,7 @@
 `polyamp.LossScaler` drives it and decides every step semantic (stages, misuse, skip records). What it adds to
 the Keras device form: variables made outside any function graph (``tf.init_scope``), so first use may be
 inside ``tf.function``; TensorFlow's tensor types in the checks; a new scale given as a symbolic tensor is
-checked in the graph; the spike statistics in float64 with TensorFlow's own norm. Replicas under
+checked in the graph; clipping folded into the unscale with TensorFlow's own global norm. Replicas under
 ``tf.distribute`` are the Keras device form's (on Keras's TensorFlow backend).
 """
 
@@ -55,18 +55,6 @@ class TensorFlowDevice(KerasDevice):
         """``tf.clip_by_global_norm``'s factor, op for op: NaN when ``norm`` is not finite."""
         finite = clip_norm * tf.minimum(1.0 / norm, tf.constant(1.0, dtype=norm.dtype) / clip_norm)
         return finite + (norm - norm)
-
-    def spike_statistic(self, loss: Any) -> Any:
-        if isinstance(loss, (list, tuple)):
-            return tf.add_n([tf.reduce_sum(tf.cast(value, tf.float64)) for value in loss])
-        return tf.reduce_sum(tf.cast(tf.stop_gradient(loss), tf.float64))
-
-    def spike_grad_norm(self, grads: Sequence[Any], *, unscaled: bool) -> Any:
-        values = [
-            tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g, tf.float64) for g in grads if g is not None
-        ]
-        norm = tf.linalg.global_norm(values)
-        return norm if unscaled else norm / tf.cast(self._state().scale, tf.float64)
 
     def plain_apply(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
         return optimizer.apply_gradients(zip(grads, variables, strict=True))

@@ -27,13 +27,12 @@ from typing import Any
 
 from polyamp import InvalidConfigError, LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
 from polyamp.backend_api import (
-    REBASE_BIT,
-    SPIKE_BIT,
     StepOutcome,
     backend_name_for,
     describe,
     no_gradients_error,
     ring_values,
+    rules,
     wrong_object_error,
 )
 from polyamp_torch._autocast import float16_regions_entered
@@ -50,11 +49,12 @@ from polyamp_torch._gradients import (
 )
 from polyamp_torch._masked_step import masked_step
 from polyamp_torch._precision import is_precision_optimizer, warn_unplanned
-from polyamp_torch._rule import DeviceState, advance
+from polyamp_torch._rule import OPS, DeviceState, advance, ops_for
 
 __all__ = ["TorchDevice"]
 
 _CPU = torch.device("cpu")
+SpikeWindowArrays = rules.SpikeWindowArrays
 
 
 class _History:
@@ -592,15 +592,14 @@ class TorchDevice:
             history.entries.clear()
             return history.count, [base for base, _, _ in entries]
         values = iter(_read_flags(flags))
-        codes = []
+        bases, overflows, spikes = [], [], []
         for base, found, spike in entries:
-            overflow = found is not None and next(values) > 0
-            only = next(values) if spike is not None else 0.0
-            spiked = only > 0
-            code = base + int(overflow or spiked) + (SPIKE_BIT if spiked and not overflow else 0)
-            codes.append(code + (REBASE_BIT if only < 0 else 0))
+            bases.append(base)
+            overflows.append(found is not None and next(values) > 0)
+            spikes.append(next(values) if spike is not None else 0.0)
         history.entries.clear()
-        return history.count, codes
+        codes = rules.record_code(OPS, torch.tensor(bases), torch.tensor(overflows), torch.tensor(spikes))
+        return history.count, codes.tolist()
 
     # -- the spike rule ----------------------------------------------------------------------------------
 
@@ -609,34 +608,21 @@ class TorchDevice:
 
     def spike_statistic(self, loss: Any) -> torch.Tensor:
         """The loss as a float64 scalar (a list of losses: their sum), detached."""
-        if isinstance(loss, torch.Tensor):
-            return loss.detach().double().sum()
-        return torch.stack([value.detach().double().sum() for value in loss]).sum()
+        first = loss if isinstance(loss, torch.Tensor) else loss[0]
+        statistic: torch.Tensor = rules.loss_statistic(ops_for(first), loss)
+        return statistic
 
     def spike_grad_norm(self, optimizer: Any) -> torch.Tensor:
         """The global L2 norm of ``optimizer``'s (unscaled) gradients, in float64."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             raise no_gradients_error()
-        norms = torch._foreach_norm([g.double() if g.dtype != torch.float64 else g for g in grads])
-        total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]))
-        return total
+        norm: torch.Tensor = rules.grad_norm(ops_for(grads[0]), grads)
+        return norm
 
     def spike_check(self, state: _SpikeState, x: torch.Tensor) -> torch.Tensor:
         """The rule's decision for ``x`` as a float32 flag (1.0: a spike), on the device, no host read."""
-        rule = state.rule
-        ring, count, run = state.on(x.device)
-        n = torch.clamp(count, max=rule.window)
-        mask = torch.arange(rule.window, device=x.device) < n
-        denominator = torch.clamp(n, min=1).double()
-        mu = torch.where(mask, ring, 0.0).sum() / denominator
-        sigma = torch.sqrt(torch.where(mask, (ring - mu) ** 2, 0.0).sum() / denominator)
-        deviation = (x - mu).abs() if rule.two_sided else x - mu
-        spike: torch.Tensor = (
-            (n >= rule.min_values) & (sigma > 0) & (deviation > rule.threshold * sigma) & torch.isfinite(x)
-        )
-        if rule.consecutive_limit is not None:
-            spike = spike & (run < rule.consecutive_limit)
+        spike: torch.Tensor = rules.is_spike(ops_for(x), state.rule, SpikeWindowArrays(*state.on(x.device)), x)
         return spike.float()
 
     def spike_finish(
@@ -645,22 +631,13 @@ class TorchDevice:
         """After the iteration: ``x`` enters the window when the step was applied (emptying it first when the
         run of spikes reached the rule's bound: a re-base); returns the flag of a skip by the spike rule alone
         (counted by the core), or -1 when the iteration re-based (`polyamp.backend_api.SpikeDevice`)."""
-        rule = state.rule
-        ring, count, run = state.on(x.device)
-        blocked = spike > 0 if overflow is None else (spike > 0) | (overflow.to(x.device) > 0)
-        accept = ~blocked & torch.isfinite(x)
-        only = spike > 0 if overflow is None else (spike > 0) & ~(overflow.to(x.device) > 0)
-        if rule.consecutive_limit is not None:
-            rebase = accept & (run >= rule.consecutive_limit)
-            count.copy_(torch.where(rebase, 0, count))
-        else:
-            rebase = torch.zeros_like(accept)
-        index = torch.remainder(count, rule.window).reshape(1)
-        # (index_select, not ring[index]: indexing by a 0-dim tensor reads the index to the host)
-        ring.index_copy_(0, index, torch.where(accept, x, ring.index_select(0, index).reshape(())).reshape(1))
-        count.add_(accept.long())
-        run.copy_(torch.where(accept, 0, run + only.long()))
-        flag: torch.Tensor = only.float() - rebase.float()
+        ops = ops_for(x)
+        window = SpikeWindowArrays(*state.on(x.device))
+        overflowed = None if overflow is None else overflow.to(x.device) > 0
+        new, only, rebase = rules.finish(ops, state.rule, window, x, spike > 0, overflowed)
+        for variable, value in zip(window, new, strict=True):
+            variable.copy_(value)
+        flag: torch.Tensor = rules.spike_flag(ops, only, rebase)
         return flag
 
     def read_spike_window(self, state: _SpikeState) -> list[float]:

@@ -15,7 +15,9 @@ import warnings
 from typing import Any
 
 from polyamp import ScalerUsageError
+from polyamp.backend_api import rules
 from polyamp_torch._framework import torch
+from polyamp_torch._rule import ops_for
 
 __all__ = [
     "PerDevice",
@@ -29,9 +31,11 @@ __all__ = [
 
 
 def non_finite_counts(tensor: torch.Tensor) -> torch.Tensor:
-    """How many elements of ``tensor`` are +inf, -inf and NaN: an int64 tensor of 3, on its device."""
+    """How many elements of ``tensor`` are +inf, -inf and NaN (`polyamp.backend_api.rules.non_finite_counts`):
+    an int64 tensor of 3, on its device."""
     with torch.no_grad():
-        return torch.stack([torch.isposinf(tensor).sum(), torch.isneginf(tensor).sum(), torch.isnan(tensor).sum()])
+        counts: torch.Tensor = rules.non_finite_counts(ops_for(tensor), tensor)
+        return counts
 
 
 class PerDevice:

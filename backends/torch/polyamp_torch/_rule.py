@@ -1,18 +1,24 @@
-"""The loss-scale state machine on the device: polyamp's rule as tensor ops, never read to the host.
+"""The loss-scale state on the device and its update, never read to the host.
 
 With the standard rule (dynamic, hysteresis 1, no bounds: `LossScaleConfig.is_standard_rule`) torch's own fused
-``_amp_update_scale_`` kernel does the update, and one clamp keeps the scale at polyamp's floor. Otherwise the same rule, plus hysteresis and the min/max
-bounds, is a handful of elementwise ops with ``torch.where`` instead of Python branches, so it never
-synchronises and traces under ``torch.compile``. Products are formed in float64 and rounded to float32,
-as torch's kernel and polyamp's reference do (MPS has no float64; there they are float32 products).
+``_amp_update_scale_`` kernel does the update, and one clamp keeps the scale at polyamp's floor. Otherwise
+polyamp's device rule (`polyamp.backend_api.rules.advance`) computes it over `TorchOps`, with no Python branch
+on a tensor, so it never synchronises and traces under ``torch.compile`` (MPS has no float64; there the
+products are float32 ones).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from polyamp import LossScaleConfig
+from polyamp.backend_api import ArrayOps, rules
 from polyamp_torch._framework import torch
 
-__all__ = ["DeviceState", "advance"]
+__all__ = ["OPS", "DeviceState", "TorchOps", "advance", "ops_for"]
+
+ScaleArrays = rules.ScaleArrays
 
 
 class DeviceState:
@@ -32,10 +38,51 @@ class DeviceState:
         self.hysteresis_left.fill_(hysteresis_left)
 
 
-def _times(scale: torch.Tensor, factor: float) -> torch.Tensor:
-    if scale.device.type == "mps":
-        return scale * factor
-    return (scale.double() * factor).float()
+class TorchOps(ArrayOps):
+    """polyamp's array vocabulary over torch: torch's own functions (array-api-compat's torch namespace adds
+    type-promotion checks to every call of the eager step), with torch's spelling of the casts."""
+
+    def __init__(self) -> None:
+        super().__init__(torch)
+
+    def asarray(self, value: Any, dtype: Any) -> torch.Tensor:
+        return torch.tensor(value, dtype=self.dtype(dtype))
+
+    def astype(self, x: torch.Tensor, dtype: Any) -> torch.Tensor:
+        return x.to(self.dtype(dtype))
+
+    def arange_like(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.arange(n, dtype=like.dtype, device=like.device)
+
+    def global_norm(self, arrays: Sequence[torch.Tensor]) -> torch.Tensor:
+        """torch's fused per-tensor norms, then the norm of those (on the first tensor's device)."""
+        norms = torch._foreach_norm(list(arrays))
+        total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(arrays[0].device) for n in norms]))
+        return total
+
+    def stop_gradient(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+
+#: The vocabulary on every device but MPS, which has no float64.
+OPS = TorchOps()
+
+
+class _Float32Ops(TorchOps):
+    @property
+    def has_float64(self) -> bool:
+        return False
+
+    def float64(self) -> None:
+        return None
+
+
+_MPS_OPS = _Float32Ops()
+
+
+def ops_for(tensor: torch.Tensor) -> TorchOps:
+    """The vocabulary for computing on ``tensor``'s device."""
+    return _MPS_OPS if tensor.device.type == "mps" else OPS
 
 
 def advance(state: DeviceState, found_inf: torch.Tensor, config: LossScaleConfig, *, finite: bool = False) -> None:
@@ -58,19 +105,8 @@ def advance(state: DeviceState, found_inf: torch.Tensor, config: LossScaleConfig
         if not finite:
             state.scale.clamp_(min=config.floor_f32)  # torch's kernel has no floor; polyamp's rule stops at it
         return
-    scale, tracker, hysteresis_left = state.scale, state.growth_tracker, state.hysteresis_left
-    overflow = found_inf > 0
-    next_tracker = tracker + 1
-    grow = ~overflow & (next_tracker >= config.growth_interval)
-    grown = _times(scale, config.growth_factor)
-    if config.max_scale_f32 is not None:
-        grown = torch.clamp(grown, max=config.max_scale_f32)
-    hysteresis_after = hysteresis_left - 1
-    back_off = overflow & (hysteresis_after <= 0)
-    backed = torch.clamp(_times(scale, config.backoff_factor), min=config.floor_f32)
-    new_scale = torch.where(grow & torch.isfinite(grown), grown, torch.where(back_off, backed, scale))
-    refill = back_off | grow
-    new_hysteresis = torch.where(refill, config.hysteresis, torch.where(overflow, hysteresis_after, hysteresis_left))
-    tracker.copy_(torch.where(overflow | grow, 0, next_tracker))
-    hysteresis_left.copy_(new_hysteresis)
-    scale.copy_(new_scale)
+    arrays = ScaleArrays(state.scale, state.growth_tracker, state.hysteresis_left)
+    new = rules.advance(ops_for(state.scale), config, arrays, found_inf > 0)
+    for variable, value in zip(arrays, new, strict=True):
+        if value is not variable:
+            variable.copy_(value)
