@@ -96,7 +96,7 @@ def bind_arguments(
 
 def _check_norm_bound(name: str, value: object) -> None:
     """A clipping norm bound: a real number > 0 (``inf`` clips nothing), a NumPy scalar too."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
         raise InvalidConfigError(f"`{name}` must be a number > 0. Received: {describe(value)}.")
 
 
