@@ -148,6 +148,7 @@ from polyamp._src.state_dict import (
     to_state_dict,
 )
 from polyamp._src.training_state import (
+    COUNTER_KEYS,
     ITEMSIZE,
     KAHAN_KEY,
     MASTER_KEY,
@@ -165,6 +166,7 @@ from polyamp._src.versions import warn_if_untested
 __all__ = [
     "CHUNK_BYTES",
     "COMPUTE_OPS",
+    "COUNTER_KEYS",
     "DEFAULT_MAX_BYTES",
     "ENTRY_POINT_GROUP",
     "FLOAT32_OPS",

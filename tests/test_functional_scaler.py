@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,12 @@ class Functional:
         return [a.copy() for a in self.params]
 
 
+def _without_count(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A `polyamp.LossScaler` state dict without its skip count, which the functional form keeps in its state
+    (its state dicts do not carry it)."""
+    return {key: value for key, value in state_dict.items() if key != "skipped_steps"}
+
+
 def _leaves(tree: Any) -> list[Any]:
     if isinstance(tree, dict):
         return [leaf for value in tree.values() for leaf in _leaves(value)]
@@ -201,8 +208,10 @@ def _run_both(npfw: Any, options: dict[str, Any], steps: list[Step]) -> tuple[St
         assert functional.step(value, magnitude, planted) == skipped
         assert parts.step(value, magnitude, planted) == skipped
         skips.append(skipped)
-        assert functional.fn.state_dict(functional.state) == stateful.scaler.state_dict()
-        assert parts.fn.state_dict(parts.state) == stateful.scaler.state_dict()
+        saved = stateful.scaler.state_dict()
+        assert functional.fn.state_dict(functional.state) == _without_count(saved)
+        assert parts.fn.state_dict(parts.state) == _without_count(saved)
+        assert int(functional.fn.skipped_steps(functional.state)) == saved["skipped_steps"]
         after = functional.arrays()
         for mine, by_hand, theirs in zip(after, parts.arrays(), stateful.arrays()):
             np.testing.assert_array_equal(mine, theirs)
@@ -271,14 +280,14 @@ def test_a_state_dict_resumes_across_the_two_forms(
         stateful.step(*step)
     functional = Functional(npfw, options)
     functional.state = functional.fn.load_state_dict(stateful.scaler.state_dict())
-    assert functional.fn.state_dict(functional.state) == stateful.scaler.state_dict()
+    assert functional.fn.state_dict(functional.state) == _without_count(stateful.scaler.state_dict())
     functional.params = stateful.arrays()
     for step in steps[half:]:
         functional.step(*step)
-    assert functional.fn.state_dict(functional.state) == whole.scaler.state_dict()
+    assert functional.fn.state_dict(functional.state) == _without_count(whole.scaler.state_dict())
     back = Stateful(npfw, options)
     back.scaler.load_state_dict(functional.fn.state_dict(functional.state))
-    assert back.scaler.state_dict() == whole.scaler.state_dict()
+    assert _without_count(back.scaler.state_dict()) == _without_count(whole.scaler.state_dict())
 
 
 def test_records_of_a_worked_sequence(npfw: Any) -> None:
@@ -328,6 +337,93 @@ def test_the_ring_keeps_history_codes_and_says_how_many_were_lost(npfw: Any, cap
     assert [(r.iteration, r.skipped) for r in late] == [(6, False), (7, True), (8, False), (9, False)]
     assert "6 iterations ended without being recorded" in caplog.text
     assert int(read_late.fn.skipped_steps(read_late.state)) == 2
+
+
+def test_records_read_by_many_threads_at_once_report_each_event_once(
+    npfw: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An overflow at scale 2 takes the scale to its floor, 1.0 (the collapse warning); the next steps grow it
+    # back (which re-arms the warning). Eight threads, released together, read the records. Each is held at the
+    # first record it reports until every thread has got there or to the run books' lock, then they go on one at
+    # a time, in the order they got there: readers that took the ring's codes into the books without holding the
+    # lock would each report the same entries, and warn each time.
+    readers = 8
+    functional = Functional(npfw, _options("scaling", None, {"init_scale": 2.0, "growth_interval": 1}))
+    for step in [(1.0, 0.01, "inf"), (1.0, 0.01, None), (1.0, 0.01, None)]:
+        functional.step(*step)
+    fn, state = functional.fn, functional.state
+    books = fn._books
+    (recorder,) = [book.recorder for book in books._books.values() if book.recorder.read_count == 0]
+    report = recorder._report
+    condition = threading.Condition()
+    arrived: set[int] = set()  # the threads at the window or at the lock
+    order: list[int] = []  # the threads at the window, in the order they got there
+    finished = [0]
+    stuck: list[int] = []
+
+    def arrive() -> None:
+        with condition:
+            arrived.add(threading.get_ident())
+            condition.notify_all()
+
+    def held_report(record: Any, config: Any) -> None:
+        me = threading.get_ident()
+        if me not in order:
+            with condition:
+                order.append(me)
+                arrived.add(me)
+                condition.notify_all()
+                if not condition.wait_for(lambda: len(arrived) == readers and finished[0] == order.index(me), 30):
+                    stuck.append(me)
+        report(record, config)
+
+    class CountingLock:
+        """The recorder's lock, noting each thread that comes to it."""
+
+        def __init__(self, lock: Any) -> None:
+            self.lock = lock
+
+        def __enter__(self) -> Any:
+            arrive()
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            return self.lock.__exit__(*exc)
+
+    monkeypatch.setattr(recorder, "_report", held_report)
+    monkeypatch.setattr(books, "_lock", CountingLock(getattr(books, "_lock", threading.RLock())), raising=False)
+    warnings: list[str] = []
+
+    class Collapses(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "loss scale collapsed" in record.getMessage():
+                warnings.append(record.getMessage())
+
+    handler = Collapses()
+    logging.getLogger("polyamp").addHandler(handler)
+    barrier = threading.Barrier(readers)
+    seen: list[list[tuple[int, bool]]] = []
+
+    def read() -> None:
+        barrier.wait()
+        records = fn.records(state)
+        with condition:
+            seen.append([(r.iteration, r.skipped) for r in records])
+            finished[0] += 1
+            condition.notify_all()
+
+    threads = [threading.Thread(target=read) for _ in range(readers)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        logging.getLogger("polyamp").removeHandler(handler)
+    assert stuck == [] and len(seen) == readers
+    assert len(warnings) == 1, warnings
+    assert all(records == [(0, True), (1, False), (2, False)] for records in seen)
+    assert [r.next_scale for r in fn.records(state)] == [1.0, 2.0, 4.0]
 
 
 def test_without_scaling_or_guard_everything_passes_through_and_is_recorded_off(npfw: Any) -> None:

@@ -236,6 +236,25 @@ def test_a_skipped_step_leaves_params_and_the_whole_precision_state_bitwise_unch
     assert _bits((params, state.inner)) != before
 
 
+def test_float16_gradients_of_a_plan_are_unscaled_in_float32() -> None:
+    # At scale 2**16 each true gradient is a float16 value once scaled (2**-27 becomes 2**-11 exactly); unscaled in
+    # float16 the first and third would flush to zero and 3e-6 land on float16's subnormal grid (0.7% off).
+    # loss_scaled unscales a plan's gradients in float32, so Adam's float32 moments get them.
+    tiny = np.array([2.0**-27, 3e-6, -(2.0**-30), 1e-3], np.float32)
+    plan = "params=float16,compute=float16,state=float32,rounding=kahan"
+    tx = polyamp_jax.loss_scaled(polyamp_jax.precision(optax.adam(1e-3), plan), enabled=True, init_scale=2.0**16)
+    params = {"w": jnp.ones(4, jnp.float16)}
+    state = tx.init(params)
+    grads = jax.grad(lambda p: polyamp_jax.scale_loss(state, (p["w"].astype(jnp.float32) * tiny).sum()))(params)
+    assert grads["w"].dtype == jnp.float16
+    _, state = jax.jit(tx.update)(grads, state, params)
+    true = np.asarray(grads["w"]).astype(np.float32) * np.float32(2.0**-16)
+    assert true[0] == 2.0**-27 and true[2] == -(2.0**-30) and abs(true[1] / 3e-6 - 1) < 2**-11
+    adam = state.inner.inner[0]
+    assert _bits(adam.mu["w"]) == _bits(np.float32(1 - 0.9) * true)
+    assert _bits(adam.nu["w"]) == _bits(np.float32(1 - 0.999) * true * true)
+
+
 @pytest.mark.parametrize("policy", PRESETS)
 def test_steps_scanned_with_lax_scan_equal_steps_jitted_one_by_one(policy: str) -> None:
     params = _mlp("bfloat16")

@@ -142,6 +142,7 @@ def test_fp16_scaler_is_gradscaler_bit_for_bit(tmp_path: Path, accumulation: int
     restored.prepare(model_with_plants(set()), torch.optim.Adam(model.parameters(), lr=1e-2))
     restored.load_state(str(tmp_path / "state"))
     assert fresh.state_dict() == scaler.state_dict()
+    assert int(fresh.skipped_steps()) == int(scaler.skipped_steps()) == sum(skipped)  # the count goes on from there
 
 
 def test_fp16_on_cpu_needs_an_explicit_scaler() -> None:

@@ -8,6 +8,7 @@ import collections
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -146,6 +147,39 @@ def test_cases_that_cannot_fold_take_the_two_step_path_with_the_same_result() ->
         expected = torch.nn.utils.clip_grad_norm_(native_model.parameters(), 0.1, norm_type, **kwargs)
         assert torch.equal(norm, expected)
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), native_model.parameters()))
+
+
+@pytest.mark.parametrize(
+    "max_norm",
+    [np.float32(0.05), np.float64(0.05), np.int64(1), torch.tensor(0.05), torch.tensor([0.05])],
+    ids=["numpy-float32", "numpy-float64", "numpy-int64", "tensor", "one-element-tensor"],
+)
+def test_max_norm_takes_what_torchs_clip_grad_norm_takes(max_norm: Any) -> None:
+    # NumPy scalars fold; a tensor goes to torch's own function (two steps, no host read): either way the norms,
+    # parameters and scales are GradScaler's with torch's clip_grad_norm_ given the same max_norm.
+    models, _, ours, native, norms = _side_by_side(OPTIMIZERS["adam-foreach"], max_norm, 2.0, steps=6, inf_at=(3,))
+    for a, b in zip(norms["polyamp"], norms["native"], strict=True):
+        assert (a.dtype == b.dtype and torch.equal(a, b)) or (torch.isnan(a) and torch.isnan(b))
+    for a, b in zip(models["polyamp"].parameters(), models["native"].parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert ours.get_scale() == native.get_scale()
+
+
+def test_a_max_norm_tensor_that_is_not_one_positive_number_is_refused_before_anything_changes() -> None:
+    model, opt, scaler = _scaled_sgd(2)
+    grads = [p.grad.clone() for p in model.parameters()]
+    for bad, words in (
+        (torch.tensor([1.0, 2.0]), r"a float32 tensor of shape \(2,\)\."),
+        (torch.tensor(-1.0), r"a float32 tensor of shape \(\) holding -1\.0\."),
+        (torch.tensor(True), r"a bool tensor of shape \(\)\."),
+        (torch.tensor(1j), r"a complex64 tensor"),
+    ):
+        with pytest.raises(
+            polyamp.InvalidConfigError, match=r"`max_norm` must be a number > 0 or a one-element.*" + words
+        ):
+            polyamp_torch.clip_grad_norm_(scaler, opt, bad)
+    assert not scaler.is_unscaled(opt)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
 
 
 def test_misuse_of_unscale_and_clip_is_refused_before_anything_changes() -> None:

@@ -10,6 +10,7 @@ are counted in tests/test_host_reads.py.
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 import pickle
 from typing import Any
@@ -174,6 +175,70 @@ def test_what_is_left_to_the_host() -> None:
     adam = torch.optim.Adam([param])
     adam.step()
     assert masked_step(adam, torch.tensor(0.0, device="meta"), (), {}) is None
+
+
+def _train_with_hooks(scaler: Any, form: str, hooks: str) -> tuple[Any, list[str], list[Any]]:
+    """`_train`'s Adam run with step hooks that count their calls and keep an EMA of the weights (a post-hook);
+    ``hooks`` is "own" (on the optimizer) or "global" (torch's, for every optimizer)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = _optimizer("adam", form, model.parameters())
+    calls: list[str] = []
+    ema = [p.detach().clone() for p in model.parameters()]
+
+    def pre(optimizer: Any, *_: Any) -> None:
+        if optimizer is opt:
+            calls.append("pre")
+
+    def post(optimizer: Any, *_: Any) -> None:
+        if optimizer is opt:
+            calls.append("post")
+            for average, param in zip(ema, model.parameters(), strict=True):
+                average.mul_(0.9).add_(param.detach(), alpha=0.1)
+
+    if hooks == "own":
+        handles = [opt.register_step_pre_hook(pre), opt.register_step_post_hook(post)]
+    else:
+        torch_optimizer = importlib.import_module("torch.optim.optimizer")
+        handles = [
+            torch_optimizer.register_optimizer_step_pre_hook(pre),
+            torch_optimizer.register_optimizer_step_post_hook(post),
+        ]
+    try:
+        x, y = torch.randn(32, 8), torch.randn(32, 4)
+        for index in range(10):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+            scaler.scale(loss).backward()
+            if index in INF_AT:
+                model[0].weight.grad[3, 2] = math.inf if index % 2 else math.nan
+            scaler.step(opt)
+            scaler.update()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return model, calls, ema
+
+
+@pytest.mark.parametrize("hooks", ["own", "global"])
+@pytest.mark.parametrize("form", ["for-loop", "foreach"])
+def test_step_hooks_run_on_applied_steps_only_as_with_grad_scaler(form: str, hooks: str) -> None:
+    # GradScaler never calls step() for a skipped step, so its hooks run only on applied steps; a step masked on
+    # the device would call them on a skipped one too, and a post-hook would see the parameters before the commit
+    # restores them (an EMA taking in a NaN for good). With hooks, the step is decided on the host instead.
+    settings = {"init_scale": 2.0**10, "growth_interval": 3}
+    native_model, native_calls, native_ema = _train_with_hooks(torch.amp.GradScaler("cpu", **settings), form, hooks)
+    scaler = polyamp.LossScaler(enabled=True, skip_on_device=True, **settings)
+    model, calls, ema = _train_with_hooks(scaler, form, hooks)
+    applied = 10 - len(INF_AT)
+    assert native_calls == calls == ["pre", "post"] * applied
+    assert all(bool(average.isfinite().all()) for average in ema)
+    for ours, theirs in zip(ema, native_ema, strict=True):
+        assert torch.equal(ours, theirs)
+    for p, q in zip(model.parameters(), native_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert [r.iteration for r in scaler.records() if r.skipped] == list(INF_AT)
 
 
 def test_the_option_is_validated_kept_and_copied() -> None:

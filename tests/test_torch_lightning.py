@@ -230,6 +230,28 @@ def test_checkpoints_keep_the_scaler(tmp_path: Path, saved_by: str) -> None:
     assert resumed_plugin.scaler.get_scale() == straight_scales.scales[-1]
 
 
+def test_a_resumed_run_logs_the_skip_count_on(tmp_path: Path) -> None:
+    """The logged skipped_steps of a run resumed from a checkpoint go on from the checkpoint's count: the scaler's
+    state dict carries it (GradScaler's keys stay as they are)."""
+
+    def plugin() -> PolyampPrecision:
+        scaler = polyamp_torch.TorchLossScaler("cpu", growth_interval=2)
+        return PolyampPrecision("mixed_float16", scaler=scaler, cpu_float32_ops=False)
+
+    data = loader(batches=3)
+    _, straight_metrics, _ = fit(plugin(), Net({1, 4}), data, max_steps=-1, max_epochs=2)
+    # (the first step overflows at the initial scale, 2**16, as well as the planted ones)
+    assert straight_metrics.column("skipped_steps") == [1.0, 2.0, 2.0, 2.0, 3.0, 3.0]
+    trainer, _, _ = fit(plugin(), Net({1}), data, max_steps=-1, max_epochs=1, tmp_path=tmp_path)
+    path = tmp_path / "epoch1.ckpt"
+    trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=False)["PolyampPrecision"]["skipped_steps"] == 2
+    resumed = plugin()
+    _, metrics, _ = fit(resumed, Net({1}), data, max_steps=-1, max_epochs=2, ckpt_path=str(path))
+    assert metrics.column("skipped_steps") == straight_metrics.column("skipped_steps")[3:]
+    assert int(resumed.scaler.skipped_steps()) == 3
+
+
 def test_manual_optimization_and_accumulation() -> None:
     class Manual(Net):
         def __init__(self, bad: set[int]) -> None:

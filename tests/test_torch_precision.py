@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import math
+import pickle
 import warnings
 
 import pytest
@@ -302,6 +304,75 @@ def test_loss_scaler_skips_an_overflowing_step_of_float16_kahan_leaving_all_stat
     assert opt.state[params[0]][KAHAN_KEY].dtype is torch.float16
 
 
+TINY = (2.0**-27, 3e-6, -(2.0**-30), 1e-3)  # true gradients: below float16's range, subnormal there, normal
+
+
+def _tiny_gradient_step(scaler) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Parameter, PrecisionOptimizer]:
+    """One scaled step of Adam over a float16 weight whose true gradient is `TINY`; the moments (float32) and
+    the gradient as the scaler left it."""
+    weight = torch.nn.Parameter(torch.ones(len(TINY), dtype=torch.float16))
+    opt = PrecisionOptimizer(torch.optim.Adam([weight], lr=1e-3), FLOAT16_KAHAN)
+    loss = (weight.float() * torch.tensor(TINY)).sum()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return opt.state[weight]["exp_avg"], opt.state[weight]["exp_avg_sq"], weight, opt
+
+
+@pytest.mark.parametrize("make", [polyamp.LossScaler, torch.amp.GradScaler], ids=["polyamp", "torch"])
+def test_float16_gradients_are_unscaled_in_float32_inside_the_step(make) -> None:
+    # At scale 2**16 each gradient is a float16 value (2**-27 becomes 2**-11 exactly); unscaled in float16 the
+    # first and third flush to zero and 3e-6 lands on float16's subnormal grid (0.7% off). The step unscales in
+    # float32 as it makes the working copy: Adam's float32 moments get the scaled float16 values times 1/scale,
+    # computed in float32, as torch's fused optimizers do with grad_scale.
+    scaler = make("cpu", init_scale=2.0**16) if make is torch.amp.GradScaler else make(init_scale=2.0**16, enabled=True)
+    exp_avg, exp_avg_sq, weight, _ = _tiny_gradient_step(scaler)
+    scaled = (torch.tensor(TINY) * 2.0**16).to(torch.float16)
+    assert torch.equal(weight.grad, scaled)  # the gradients stay as backward left them: nothing in float16
+    true = scaled.float() * torch.tensor(2.0**-16)
+    assert true[0].item() == 2.0**-27 and true[2].item() == -(2.0**-30)
+    assert abs(true[1].item() / 3e-6 - 1) < 2**-11
+    assert torch.equal(exp_avg, (1 - 0.9) * true)
+    assert torch.equal(exp_avg_sq, (1 - 0.999) * true * true)
+
+
+def test_a_float16_gradient_unscaled_by_hand_keeps_its_float16_value() -> None:
+    # scaler.unscale_ (to clip) unscales in place, in the gradients' dtype, as it does for any optimizer: the
+    # step then takes them as they are.
+    scaler = polyamp.LossScaler(init_scale=2.0**16, enabled=True)
+    weight = torch.nn.Parameter(torch.ones(len(TINY), dtype=torch.float16))
+    opt = PrecisionOptimizer(torch.optim.Adam([weight], lr=1e-3), FLOAT16_KAHAN)
+    scaler.scale((weight.float() * torch.tensor(TINY)).sum()).backward()
+    scaler.unscale_(opt)
+    unscaled = weight.grad.clone()
+    scaler.step(opt)
+    scaler.update()
+    assert unscaled[0].item() == 0.0 and unscaled[3].item() != 0.0
+    assert torch.equal(opt.state[weight]["exp_avg"], (1 - 0.9) * unscaled.float())
+
+
+def test_float32_gradients_unscaled_in_the_step_equal_the_unscaled_ones_bit_for_bit() -> None:
+    # float32 parameters under the plan: the step's float32 unscale is the scaler's kernel's multiply, and the
+    # model's gradients keep their scaled values.
+    runs = []
+    for by_hand in (False, True):
+        model = _model(torch.float32)
+        opt = PrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), "float32")
+        scaler = polyamp.LossScaler(init_scale=2.0**10, enabled=True)
+        for step in range(3):
+            opt.zero_grad()
+            scaler.scale(_loss(model, step)).backward()
+            if by_hand:
+                scaler.unscale_(opt)
+            scaled = [p.grad.clone() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            if not by_hand:
+                assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), scaled))
+        runs.append(_snapshot(opt, list(model.parameters())))
+    assert _bitwise_equal(runs[0], runs[1])
+
+
 def test_guard_skips_a_non_finite_bfloat16_step_leaving_all_state_and_the_stream_intact() -> None:
     model = _model(torch.bfloat16)
     params = list(model.parameters())
@@ -362,6 +433,36 @@ def test_add_param_group_and_zero_grad() -> None:
     with pytest.raises(polyamp.InvalidConfigError, match=r"float16.*'bfloat16_kahan'"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, dtype=torch.float16))]})
     assert len(opt.param_groups) == 2
+
+
+@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("inner", [torch.optim.AdamW, torch.optim.Adagrad], ids=["adamw", "adagrad"])
+def test_a_group_added_through_the_inner_optimizer_steps_as_one_added_through_the_wrapper(name, inner) -> None:
+    # Either optimizer's add_param_group works: the inner one's group gets its master copies, compensation
+    # buffers and moved state (Adagrad makes its sums when the group is added) at the next step.
+    runs = []
+    for through in ("wrapper", "inner"):
+        first, second = _params(torch.bfloat16, shapes=((3, 2), (4,)))
+        opt = PrecisionOptimizer(inner([first], lr=1e-2), name, seed=3)
+        target = opt if through == "wrapper" else opt.optimizer
+        target.add_param_group({"params": [second], "lr": 0.5})
+        _train(opt, [first, second], range(3))
+        assert not opt.optimizer.state  # everything lives in the wrapper's state between steps
+        runs.append(_snapshot(opt, [first, second]))
+    assert _bitwise_equal(runs[1], runs[0])
+
+
+def test_a_parameter_of_another_dtype_added_through_the_inner_optimizer_is_refused_at_the_step() -> None:
+    first = _params(torch.bfloat16, shapes=((3,),))[0]
+    opt = PrecisionOptimizer(torch.optim.AdamW([first], lr=1e-2), "bfloat16_kahan")
+    _train(opt, [first], range(1))
+    stray = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    opt.optimizer.add_param_group({"params": [stray]})
+    first.grad, stray.grad = torch.ones_like(first), torch.ones_like(stray)
+    before = _snapshot(opt, [first, stray])
+    with pytest.raises(polyamp.InvalidConfigError, match=r"param_groups\[1\]\['params'\]\[0\].*float16"):
+        opt.step()
+    assert _bitwise_equal(_snapshot(opt, [first, stray]), before)
 
 
 def test_closure_is_called_once_before_the_update() -> None:
@@ -436,6 +537,32 @@ def test_state_dict_round_trip_is_exact(name) -> None:
     assert _bitwise_equal(_snapshot(again, resumed), _snapshot(opt, params))
 
 
+def _copied(how: str, obj):
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(obj))
+    if how == "deepcopy":
+        return copy.deepcopy(obj)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "torch.save"])
+@pytest.mark.parametrize("name", PRESETS)
+def test_a_pickled_or_copied_optimizer_goes_on_as_the_original(name, how) -> None:
+    params = _params(torch.bfloat16)
+    opt = PrecisionOptimizer(torch.optim.AdamW(params, lr=1e-2), name, seed=7, chunk_bytes=64)
+    _train(opt, params, range(2))
+    copied_params, copied = _copied(how, (params, opt))
+    assert copied.param_groups is copied.optimizer.param_groups  # still one list: groups added to either show
+    assert (copied.policy, copied.seed, copied.chunk_bytes) == (opt.policy, 7, 64)
+    _train(opt, params, range(2, 4))
+    _train(copied, copied_params, range(2, 4))
+    assert _bitwise_equal(_snapshot(copied, copied_params), _snapshot(opt, params))
+    assert copied.state_dict()["polyamp"]["generators"].keys() == opt.state_dict()["polyamp"]["generators"].keys()
+
+
 def test_plain_adamw_checkpoint_loads_into_a_bfloat16_state_plan_with_one_note(caplog) -> None:
     float32_params = _params(torch.float32)
     plain = torch.optim.AdamW(float32_params, lr=1e-2)
@@ -499,8 +626,44 @@ def test_master_checkpoint_into_a_kahan_plan_and_back_converts_with_a_note(caplo
         (lambda sd: {**sd, "state": {0: {**sd["state"][0], "exp_avg": torch.zeros(2)}}}, r"shape \(2,\)"),
         (lambda sd: {**sd, "state": {0: "oops"}}, "must be a dict with str keys"),
         (lambda sd: {**sd, "polyamp": {"generators": {"cpu": torch.zeros(3)}}}, "get_state"),
+        # Entries the next step could not use, each against what AdamW keeps: the same shape (broadcasting is
+        # not enough), a one-element step counter, a floating moment, a tensor, every key.
+        (
+            lambda sd: _with(sd, "exp_avg", torch.zeros(1)),
+            r"'exp_avg' .*\(shape \(6, 5\)\) must be a floating tensor of shape \(6, 5\), as AdamW keeps it\. "
+            r"Received: a float32 tensor of shape \(1,\)",
+        ),
+        (
+            lambda sd: _with(sd, "exp_avg", torch.zeros(6, 1)),
+            r"'exp_avg' .*Received: a float32 tensor of shape \(6, 1\)",
+        ),
+        (
+            lambda sd: _with(sd, "step", torch.zeros(6, 5)),
+            r"'step' .*must be a floating tensor of shape \(\).*Received: a float32 tensor of shape \(6, 5\)",
+        ),
+        (
+            lambda sd: _with(sd, "exp_avg_sq", torch.zeros(6, 5, dtype=torch.int64)),
+            r"'exp_avg_sq' .*must be a floating tensor.*Received: an int64 tensor of shape \(6, 5\)",
+        ),
+        (lambda sd: _with(sd, "exp_avg", [0.0] * 30), r"'exp_avg' .*must be a floating tensor.*Received: .*list"),
+        (lambda sd: _with(sd, "exp_avg_sq", None), r"'exp_avg_sq' .*must be a floating tensor.*Received: nothing"),
     ],
-    ids=["not-a-dict", "missing-key", "groups", "group-size", "unknown-index", "shape", "entry", "generator"],
+    ids=[
+        "not-a-dict",
+        "missing-key",
+        "groups",
+        "group-size",
+        "unknown-index",
+        "shape",
+        "entry",
+        "generator",
+        "moment-of-one-element",
+        "moment-that-broadcasts",
+        "counter-of-the-weights-shape",
+        "integer-moment",
+        "moment-as-a-list",
+        "moment-missing",
+    ],
 )
 def test_malformed_state_dict_raises_and_leaves_the_optimizer_unchanged(break_it, match) -> None:
     params = _params(torch.bfloat16)
@@ -511,6 +674,55 @@ def test_malformed_state_dict_raises_and_leaves_the_optimizer_unchanged(break_it
     with pytest.raises(polyamp.StateDictError, match=match):
         opt.load_state_dict(break_it(opt.state_dict()))
     assert _bitwise_equal(_snapshot(opt, params), before) and opt.param_groups[0]["lr"] == lr
+    _train(opt, params, range(2, 3))  # and it steps on
+
+
+def _with(state_dict, key: str, value):
+    """``state_dict`` with the first parameter's ``key`` set to ``value`` (None: removed)."""
+    entry = {k: v for k, v in state_dict["state"][0].items() if k != key}
+    if value is not None:
+        entry[key] = value
+    return {**state_dict, "state": {**state_dict["state"], 0: entry}}
+
+
+@pytest.mark.parametrize(
+    ("make", "own_step"),
+    [
+        (lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True), True),
+        (lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), False),
+        (lambda p: torch.optim.NAdam(p, lr=1e-2), True),
+        (lambda p: torch.optim.Adafactor(p, lr=1e-2), True),
+    ],
+    ids=["adamw-fused", "sgd-momentum", "nadam", "adafactor"],
+)
+def test_checkpoints_of_other_optimizers_load_and_mismatched_counters_are_refused(make, own_step) -> None:
+    # What the inner optimizer keeps is found by running its own step on meta tensors (fused kernels off); an
+    # optimizer that cannot run there (Adafactor reads a value to the host) is held to the looser rules, which
+    # still refuse a step counter of the weight's shape.
+    params = _params(torch.bfloat16)
+    opt = PrecisionOptimizer(make(params), "bfloat16_kahan")
+    _train(opt, params, range(2))
+    checkpoint = opt.state_dict()
+    again = PrecisionOptimizer(make(params), "bfloat16_kahan")
+    again.load_state_dict(checkpoint)
+    assert _bitwise_equal(_snapshot(again, params), _snapshot(opt, params))
+    if own_step:
+        before = _snapshot(again, params)
+        with pytest.raises(polyamp.StateDictError, match=r"'step' .*Received: .*tensor of shape \(6, 5\)"):
+            again.load_state_dict(_with(checkpoint, "step", torch.ones(6, 5)))
+        assert _bitwise_equal(_snapshot(again, params), before)
+
+
+def test_the_probe_runs_no_hooks_and_leaves_the_inner_optimizer_as_it_was() -> None:
+    params = _params(torch.bfloat16)
+    opt = PrecisionOptimizer(torch.optim.AdamW(params, lr=1e-2), "bfloat16_kahan")
+    _train(opt, params, range(1))
+    calls = []
+    opt.optimizer.register_step_pre_hook(lambda *args: calls.append("pre"))
+    opt.optimizer.register_step_post_hook(lambda *args: calls.append("post"))
+    groups = opt.optimizer.param_groups
+    opt.load_state_dict(opt.state_dict())
+    assert calls == [] and opt.optimizer.param_groups is groups and not opt.optimizer.state
 
 
 # -- the hazard ----------------------------------------------------------------------------------------
@@ -666,7 +878,7 @@ def test_a_state_tensor_that_does_not_fit_its_parameter_is_refused() -> None:
     checkpoint["state"][0]["exp_avg"] = torch.zeros(shape[0] + 1, *shape[1:])
     fresh = PrecisionOptimizer(torch.optim.AdamW(params, lr=1e-2), "bfloat16_kahan")
     before = _snapshot(fresh, params)
-    with pytest.raises(polyamp.StateDictError, match=r"does not fit the parameter's shape"):
+    with pytest.raises(polyamp.StateDictError, match=r"'exp_avg' .*Received: a float32 tensor of shape \(7, 5\)"):
         fresh.load_state_dict(checkpoint)
     assert _bitwise_equal(_snapshot(fresh, params), before)
 

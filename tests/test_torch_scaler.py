@@ -335,6 +335,43 @@ def test_state_dict_after_device_use_is_json() -> None:
     assert (state["scale"], state["_growth_tracker"], state["hysteresis_left"]) == (131072.0, 0, 1)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_skip_count_goes_on_after_a_resume_and_torchs_scaler_reads_the_same_dict(fused: bool) -> None:
+    # GradScaler's dict has no skip count and GradScaler reads its five keys only: polyamp's dict carries the count
+    # so that a resumed scaler's skipped_steps goes on, and the two still load each other's dicts.
+    scaler = polyamp_torch.TorchLossScaler("cpu", growth_interval=2)
+    drive(scaler, "FOFOF", fused=fused)
+    saved = scaler.state_dict()
+    assert saved["skipped_steps"] == int(scaler.skipped_steps()) == 2
+    resumed = polyamp_torch.TorchLossScaler("cpu", growth_interval=2)
+    resumed.load_state_dict(saved)
+    assert int(resumed.skipped_steps()) == 2 and resumed.state_dict() == saved
+    for clone in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
+        assert clone.state_dict() == saved
+    drive(resumed, "OF", fused=fused)
+    assert int(resumed.skipped_steps()) == 3 and resumed.state_dict()["skipped_steps"] == 3
+    resumed.load_state_dict(saved)  # loading again: the dict's count, not the one the scaler had
+    assert int(resumed.skipped_steps()) == 2
+    # torch.amp.GradScaler takes polyamp's dict (the same scale and tracker), and polyamp takes GradScaler's,
+    # which counts no skips: the count starts at 0, and both go on with the same scales.
+    native = torch.amp.GradScaler("cpu")
+    native.load_state_dict(saved)
+    assert native.state_dict() == {key: saved[key] for key in native.state_dict()}
+    from_native = polyamp_torch.TorchLossScaler("cpu")
+    from_native.load_state_dict(native.state_dict())
+    assert int(from_native.skipped_steps()) == 0 and from_native.state_dict()["skipped_steps"] == 0
+    scales = [drive(s, "FOF")[0] for s in (from_native, resumed)]
+    assert [state[0] for state in scales[0]] == [state[0] for state in scales[1]]
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(StateDictError, match="'skipped_steps' must be an int >= 0"):
+            resumed.load_state_dict({**saved, "skipped_steps": bad})
+    assert int(resumed.skipped_steps()) == 3
+    # Variables restored by a framework itself (restored_on_device, as Keras's weights loading says) hold the run's
+    # count: what a state dict loaded before added is dropped.
+    resumed.restored_on_device()
+    assert int(resumed.skipped_steps()) == int(resumed.device_form.skipped_steps()) == 2
+
+
 def test_pickle_and_deepcopy_of_a_bound_scaler_continue_its_trajectory() -> None:
     scaler = polyamp.LossScaler(growth_interval=2, hysteresis=2, enabled=True)
     drive(scaler, "FFO")

@@ -244,6 +244,14 @@ def test_trainer_checkpoints_resume_polyamps_scaler(tmp_path: Path) -> None:
     assert resumed_scaler.state_dict() == scaler.state_dict()
     for p, q in zip(straight.parameters(), resumed_model.parameters(), strict=True):
         assert torch.equal(p, q)
+    # The logged skip count goes on from the checkpoint's (one skip in its three steps), as in the straight run.
+    assert saved["skipped_steps"] == 1
+
+    def logged(trainer: Any) -> dict[int, float]:
+        return {e["step"]: e["skipped_steps"] for e in trainer.state.log_history if "skipped_steps" in e}
+
+    assert logged(trainer) == {1: 0.0, 2: 1.0, 3: 1.0, 4: 2.0, 5: 2.0, 6: 2.0}
+    assert {step: count for step, count in logged(resumed).items() if step > 3} == {4: 2.0, 5: 2.0, 6: 2.0}
 
 
 def test_prepare_trainer_arguments_and_the_missing_package_hint(monkeypatch: pytest.MonkeyPatch) -> None:

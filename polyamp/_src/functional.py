@@ -568,7 +568,9 @@ class FunctionalLossScaler:
         `polyamp.backend_api.FunctionalRunDevice`): each read takes the codes ``state``'s ring gained since
         its run was last read (one host read). Read them at least every ``history`` iterations: older codes are
         overwritten in the ring (a warning says how many were lost). A device that keeps no run id keeps one
-        run, which each `init` starts anew.
+        run, which each `init` starts anew. Safe from any thread: threads reading at once (a monitoring thread
+        beside the training loop) take each code into the records once, so each skip is logged and a collapse
+        warned once.
 
         Raises:
             ScaleCollapseError: with ``on_min_scale="raise"``, a record shows the scale reaching its floor.

@@ -51,6 +51,7 @@ from polyamp._src.spike_driver import SpikeDriver
 from polyamp._src.spikes import SpikeRule, check_spike
 from polyamp._src.state_dict import (
     is_disabled_torch_state,
+    parse_skipped_steps,
     parse_spike_run,
     parse_spike_window,
     parse_state_dict,
@@ -94,8 +95,8 @@ def bind_arguments(
 
 
 def _check_norm_bound(name: str, value: object) -> None:
-    """A clipping norm bound: a number > 0 (``inf`` clips nothing)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    """A clipping norm bound: a real number > 0 (``inf`` clips nothing), a NumPy scalar too."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
         raise InvalidConfigError(f"`{name}` must be a number > 0. Received: {describe(value)}.")
 
 
@@ -153,7 +154,8 @@ class LossScaler(GradScalerSpelling, Pickled):
             skip_on_device: False (default): a step that is not fused is taken or skipped on the host, which
                 reads the found-inf flag once per step (as ``torch.amp.GradScaler`` does; on a GPU, a sync).
                 True: where the device can (PyTorch: SGD, Adam and AdamW in their for-loop and foreach forms,
-                SGD with momentum past its first step, every state tensor on the gradients' device), the step runs and a
+                SGD with momentum past its first step, every state tensor on the gradients' device, no step hooks,
+                which run only on applied steps as with GradScaler), the step runs and a
                 masked commit on the device keeps the old parameters and optimizer state where the flag is
                 set, so no step reads the flag on the host; it costs a copy of the stepped parameters and
                 their state per step. `step` then returns the optimizer's result either way, and the records
@@ -275,9 +277,13 @@ class LossScaler(GradScalerSpelling, Pickled):
         skip_on_device: bool = False,
         spike_window: list[float] | None = None,
         spike_run: int = 0,
+        skipped_steps: int = 0,
     ) -> None:
         """Every attribute of an unbound scaler, from validated options (the constructor's and a pickle's)."""
         self._process_group = process_group
+        # Iterations skipped before the device's count began (a loaded state dict's or a pickle's count, less
+        # the device's count then): `skipped_steps` adds it.
+        self._skipped_before = skipped_steps
         self._config = config
         self._enabled_setting = enabled
         self._guard_setting = guard
@@ -1039,6 +1045,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         """
         if self._device is None:
             raise ScalerUsageError("restored_on_device() needs a bound scaler: nothing was restored on a device.")
+        self._skipped_before = 0  # the restored variables hold the run's skip count
         self._history.restart(self._device.read_state())
 
     def discard_iteration(self) -> None:
@@ -1152,11 +1159,13 @@ class LossScaler(GradScalerSpelling, Pickled):
         count as of this call (no host read; a tensor returned earlier does not follow later iterations). Safe
         from any thread: read between two updates.
 
-        Before the scaler is bound this is the Python int 0.
+        The count goes on from a loaded state dict's (`load_state_dict`) or a pickle's. Before the scaler is bound
+        this is a Python int (0 for a new scaler).
         """
         if self._device is None:
-            return 0
-        return self._between_updates(self._device.skipped_steps)
+            return self._skipped_before
+        count = self._between_updates(self._device.skipped_steps)
+        return count + self._skipped_before if self._skipped_before else count
 
     def _between_updates(self, read: Callable[[], Any]) -> Any:
         """``read()`` under the records' lock, which `update` holds while it ends an iteration: a reader in
@@ -1186,21 +1195,28 @@ class LossScaler(GradScalerSpelling, Pickled):
         """The scaler's settings and state as a JSON-serialisable dict.
 
         Its keys include those of ``torch.amp.GradScaler.state_dict()``, so either can load the other's;
-        a dict saved from one backend resumes on another with the same trajectory. Save it at the start of
-        an iteration or after `update`.
+        a dict saved from one backend resumes on another with the same trajectory. It also holds the count of
+        skipped iterations (``skipped_steps``), so that a resumed run's `skipped_steps` counts on (GradScaler
+        reads its own keys only). Save it at the start of an iteration or after `update`.
         """
         spikes = self._spikes
         return to_state_dict(
-            self._config, self.get_state(), self._enabled_setting, spikes.read_window(), spikes.read_run()
+            self._config,
+            self.get_state(),
+            self._enabled_setting,
+            spikes.read_window(),
+            spikes.read_run(),
+            skipped_steps=int(self.skipped_steps()),
         )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore settings and state from `state_dict` output (polyamp's or torch's GradScaler's).
 
-        Everything is validated first; on any error the scaler is unchanged. A disabled scaler
-        (``enabled=False``) loads its own state dicts (settings, scale and spike window kept for when it is
-        enabled again) and takes ``{}``, what ``torch.amp.GradScaler(enabled=False).state_dict()`` gives, as
-        nothing to restore, as GradScaler does.
+        Everything is validated first; on any error the scaler is unchanged. `skipped_steps` goes on from the
+        dict's count (from 0 for a GradScaler dict, which has none). A disabled scaler (``enabled=False``) loads
+        its own state dicts (settings, scale and spike window kept for when it is enabled again) and takes
+        ``{}``, what ``torch.amp.GradScaler(enabled=False).state_dict()`` gives, as nothing to restore, as
+        GradScaler does.
 
         Raises:
             StateDictError: (a ``ValueError``) the dict is malformed, inconsistent, or from a disabled scaler
@@ -1215,9 +1231,12 @@ class LossScaler(GradScalerSpelling, Pickled):
         rule = self._spikes.rule
         window = parse_spike_window(state_dict, None if rule is None else rule.window)
         run = parse_spike_run(state_dict)
+        skipped = parse_skipped_steps(state_dict)
         self._refuse_mid_iteration("load_state_dict() was called")
         with self._history.lock:  # a reader in another thread sees the old state and records, or the new
             self.records()  # the records so far belong to the state being replaced
+            counted = 0 if self._device is None else int(self._device.skipped_steps())
+            self._skipped_before = skipped - counted
             if self._device is not None:
                 self._device.write_state(config, state)
             self._config = config
@@ -1313,6 +1332,7 @@ class LossScaler(GradScalerSpelling, Pickled):
             "backend": self._backend_name,
             "spike_window": self._spikes.read_window(),
             "spike_run": self._spikes.read_run(),
+            "skipped_steps": int(self.skipped_steps()),
         }
 
     def _restore(self, saved: dict[str, Any], options: dict[str, Any]) -> None:
@@ -1323,6 +1343,7 @@ class LossScaler(GradScalerSpelling, Pickled):
             process_group=None,
             spike_window=saved.get("spike_window"),
             spike_run=saved.get("spike_run", 0),
+            skipped_steps=saved.get("skipped_steps", 0),
             **options,
         )
         if saved["backend"] is not None:

@@ -20,6 +20,7 @@ logs what deserves it through ``logging.getLogger("polyamp")`` and applies ``on_
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -278,6 +279,11 @@ class Recorder:
 
     ``read_state`` reads the device state (a host sync), used only when the replay cannot tell the scale.
 
+    Threads: `lock` makes each `consume` one step, so whichever threads read the records at once, every ring
+    entry becomes one record, each skip is logged once and a collapse warns once. A caller that keeps more
+    beside the recorder (`polyamp.LossScaler`'s history shares this lock; a functional scaler's run books hold
+    their own around each read) holds its lock around the whole read.
+
     Skipped steps are logged (``"overflow"`` at INFO, the other reasons at WARNING) one line each for the first
     `LOGGED_SKIPS` of each reason; after that, one line when the reason's count reaches a power of two, saying
     how many were skipped since the last line, in which iterations, and the last one's message. The records
@@ -298,10 +304,25 @@ class Recorder:
         self._collapsed = False  # inside a collapse episode (warned once; re-armed when the scale grows)
         self._skip_counts: dict[str, int] = {}  # skipped steps by reason, for the rate limit of their log lines
         self._quiet_since: dict[str, int] = {}  # by reason: the first iteration skipped since its last line
+        #: Held while entries are consumed (reentrant: a caller may hold it around its read of the ring).
+        self.lock = threading.RLock()
+
+    def __getstate__(self) -> dict[str, object]:
+        saved = dict(self.__dict__)
+        del saved["lock"]  # (a lock belongs to its process; a copy gets its own)
+        return saved
+
+    def __setstate__(self, saved: dict[str, object]) -> None:
+        self.__dict__.update(saved)
+        self.lock = threading.RLock()
 
     @property
     def records(self) -> deque[StepRecord]:
         """The last ``capacity`` records, oldest first."""
+        with self.lock:
+            return self._made()
+
+    def _made(self) -> deque[StepRecord]:
         kept = self._kept
         if any(isinstance(item, _Run) for item in kept):
             made: deque[StepRecord | _Run] = deque()
@@ -390,7 +411,18 @@ class Recorder:
         read_state: Callable[[], LossScaleState | None],
     ) -> None:
         """Turn the ring's entries since the last read into records: ``count`` entries were written in all,
-        ``codes`` are the most recent ones (at most ``capacity``)."""
+        ``codes`` are the most recent ones (at most ``capacity``). Entries another thread consumed meanwhile are
+        not consumed again."""
+        with self.lock:
+            self._consume(count, codes, config, read_state)
+
+    def _consume(
+        self,
+        count: int,
+        codes: Sequence[int],
+        config: LossScaleConfig,
+        read_state: Callable[[], LossScaleState | None],
+    ) -> None:
         new = count - self.read_count
         if new <= 0:
             return

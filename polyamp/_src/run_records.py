@@ -15,6 +15,7 @@ of a state are those of its own iterations:
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -74,12 +75,25 @@ class RunBooks:
         self._make_recorder = make_recorder
         self._history = history
         self._books: OrderedDict[int | None, _Book] = OrderedDict()
+        # Held around each read and start: threads reading at once (a monitoring thread beside the training
+        # loop) take each ring code into the books once, so each skip is logged and a collapse warned once.
+        self._lock = threading.RLock()
+
+    def __getstate__(self) -> dict[str, object]:
+        saved = dict(self.__dict__)
+        del saved["_lock"]  # (a lock belongs to its process; a copy gets its own)
+        return saved
+
+    def __setstate__(self, saved: dict[str, object]) -> None:
+        self.__dict__.update(saved)
+        self._lock = threading.RLock()
 
     def start(self, run: int | None, state: LossScaleState) -> None:
         """A new run ``run``, at ``state``, with no iterations yet."""
         recorder = self._make_recorder()
         recorder.reanchor(state)
-        self._keep(run, _Book(recorder, 0, state))
+        with self._lock:
+            self._keep(run, _Book(recorder, 0, state))
 
     def known(self, run: int | None) -> bool:
         """Whether ``run`` has a book here."""
@@ -112,6 +126,18 @@ class RunBooks:
             provenance: The iteration of the state's most recent skip for non-finite gradients and a function
                 giving them, or None.
         """
+        with self._lock:
+            return self._read(run, count, codes, rule, read_state, provenance)
+
+    def _read(
+        self,
+        run: int | None,
+        count: int,
+        codes: Sequence[int],
+        rule: LossScaleConfig,
+        read_state: Callable[[], LossScaleState | None],
+        provenance: tuple[int, Callable[[], tuple[NonFiniteGradient, ...]]] | None,
+    ) -> list[StepRecord]:
         start = count - len(codes)  # the iteration of codes[0]
         book = self._books.get(run)
         if book is None:  # a run not seen here: read from the ring's oldest code, at an unknown state

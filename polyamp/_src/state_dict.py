@@ -19,6 +19,7 @@ from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
 __all__ = [
     "FORMAT_VERSION",
     "is_disabled_torch_state",
+    "parse_skipped_steps",
     "parse_spike_run",
     "parse_spike_window",
     "parse_state_dict",
@@ -29,7 +30,7 @@ FORMAT_VERSION: Final = 1
 #: What torch.amp.GradScaler.state_dict() holds: its scale and tracker, and three of the settings.
 _TORCH_KEYS: Final = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 #: The state (besides the scale and tracker) and the bookkeeping keys; every setting is a key too.
-_STATE_KEYS: Final = ("hysteresis_left", "enabled", "polyamp_format", "spike_window", "spike_run")
+_STATE_KEYS: Final = ("hysteresis_left", "enabled", "polyamp_format", "spike_window", "spike_run", "skipped_steps")
 
 
 def _known_keys() -> tuple[str, ...]:
@@ -43,11 +44,13 @@ def to_state_dict(
     enabled: bool | None,
     spike_window: list[float] | None = None,
     spike_run: int = 0,
+    skipped_steps: int | None = None,
 ) -> dict[str, Any]:
     """The state dict of a scaler: torch's five keys plus every other setting and polyamp's state, as plain
     Python values. ``enabled`` is the scaler's setting (None: it follows the policy); ``spike_window``, for a
     scaler with a `polyamp.SpikeRule`, the statistics in its window, oldest first, and ``spike_run`` the spikes
-    since a statistic last entered it (`polyamp.SpikeRule`'s ``max_consecutive``)."""
+    since a statistic last entered it (`polyamp.SpikeRule`'s ``max_consecutive``); ``skipped_steps``, when
+    given, the iterations skipped so far (``LossScaler.skipped_steps``), so that a resumed run counts on."""
     settings = config.settings()
     result: dict[str, Any] = {
         "scale": float(state.scale),
@@ -61,7 +64,24 @@ def to_state_dict(
     if spike_window is not None:
         result["spike_window"] = [float(value) for value in spike_window]
         result["spike_run"] = int(spike_run)
+    if skipped_steps is not None:
+        result["skipped_steps"] = int(skipped_steps)
     return result
+
+
+def parse_skipped_steps(state_dict: Mapping[str, Any]) -> int:
+    """The count of skipped iterations a state dict carries, validated: 0 when it carries none (a
+    ``torch.amp.GradScaler`` dict, which counts none, or one written before polyamp saved the count).
+
+    Raises:
+        StateDictError: ``skipped_steps`` is not an int >= 0.
+    """
+    value = state_dict.get("skipped_steps", 0)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise _fail(
+            f"'skipped_steps' must be an int >= 0 (the iterations the scaler skipped). Received: {describe(value)}."
+        )
+    return int(value)
 
 
 def parse_spike_run(state_dict: Mapping[str, Any]) -> int:

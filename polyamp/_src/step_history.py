@@ -16,7 +16,6 @@ ended the iteration, the only one that knows they are not being zeroed or recomp
 
 from __future__ import annotations
 
-import threading
 import weakref
 from threading import get_ident
 from typing import Any, cast
@@ -112,8 +111,9 @@ class RecordHistory:
 
     def __init__(self, recorder: Recorder, config: LossScaleConfig) -> None:
         self.recorder = recorder
-        # Reentrant: ending an iteration holds it and then writes, and a write may read the ring.
-        self.lock = threading.RLock()
+        # The recorder's own (reentrant: ending an iteration holds it and then writes, and a write may read the
+        # ring): one lock around each read of the ring and its consumption.
+        self.lock = recorder.lock
         self._config = config  # the settings the records are replayed under (`follow` keeps it current)
         self._device: Any = None
         self._capabilities: DeviceCapabilities | None = None

@@ -31,6 +31,7 @@ from polyamp._src.errors import InvalidConfigError, describe
 from polyamp._src.policy import _PRESETS, Policy, PolicyLike
 
 __all__ = [
+    "COUNTER_KEYS",
     "ITEMSIZE",
     "KAHAN_KEY",
     "MASTER_KEY",

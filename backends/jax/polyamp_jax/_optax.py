@@ -168,6 +168,9 @@ def loss_scaled(
         loss = extra.pop("loss", None)
         scaler_state = state.scaler
         fn = _state_scaler(state)  # a loaded state's settings travel with it (load_state_dict)
+        if fn.mode != "off" and _follows_a_plan(state.inner):
+            # A plan forms its update in float32: unscaled there, a float16 gradient below 2**-24 keeps its value.
+            updates = jax.tree_util.tree_map(_float32_if_low, updates)
 
         def keep(applied: tuple[Any, Any]) -> tuple[Any, Any]:
             # -0.0, not 0.0: x + -0.0 is x for every x, while -0.0 + 0.0 is +0.0.
@@ -180,6 +183,11 @@ def loss_scaled(
         return new_updates, LossScaledState(out.state, new_inner, fn)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _float32_if_low(leaf: Any) -> Any:
+    dtype = getattr(leaf, "dtype", None)
+    return leaf.astype(jnp.float32) if dtype in (jnp.float16, jnp.bfloat16) else leaf
 
 
 def _state_scaler(state: Any) -> FunctionalLossScaler:

@@ -12,12 +12,16 @@ other state); SGD with momentum past its first step (its momentum buffer starts 
 which a commit cannot restore to "none"), SGD without momentum (it keeps no state) and Adam and AdamW from their
 first (their state starts at zeros, which a skipped first step leaves); every parameter and state tensor on the
 flag's device (a CUDA Adam that is not capturable keeps its step counts on the CPU, which only a host read can
-restore). Otherwise the caller decides on the host, as before. Cost: a copy of the stepped parameters and their
-state per step (transient memory of that size) and one ``where`` per tensor.
+restore); and no step hooks registered (the optimizer's own or torch's global ones): ``GradScaler`` never calls
+``step()`` for a skipped step, so its hooks run only on applied ones, while here a hook would run on a skipped
+step too, a post-hook seeing the parameters before the commit restores them (an EMA of the weights taking in a
+NaN that stays). Otherwise the caller decides on the host, as ``GradScaler`` does. Cost: a copy of the stepped
+parameters and their state per step (transient memory of that size) and one ``where`` per tensor.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +32,19 @@ __all__ = ["masked_step"]
 
 #: The optimizers whose step changes only their parameters and ``optimizer.state[p]``'s tensors.
 _MASKABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+#: torch's module of ``Optimizer``, holding the global step hooks.
+_OPTIMIZER_MODULE = importlib.import_module("torch.optim.optimizer")
+
+
+def _has_step_hooks(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()`` runs step hooks: the optimizer's own (``register_step_pre_hook``,
+    ``register_step_post_hook``) or torch's global ones (``register_optimizer_step_pre_hook``, ...)."""
+    return bool(
+        getattr(optimizer, "_optimizer_step_pre_hooks", None)
+        or getattr(optimizer, "_optimizer_step_post_hooks", None)
+        or getattr(_OPTIMIZER_MODULE, "_global_optimizer_pre_hooks", None)
+        or getattr(_OPTIMIZER_MODULE, "_global_optimizer_post_hooks", None)
+    )
 
 
 def _stepped(optimizer: Any, device: torch.device) -> list[tuple[torch.Tensor, dict[str, Any]]] | None:
@@ -64,7 +81,7 @@ def masked_step(
 ) -> StepOutcome | None:
     """``optimizer.step(*args, **kwargs)``, undone on the device where ``found_inf > 0``; None (nothing done)
     where that cannot be exact."""
-    if type(optimizer) not in _MASKABLE:
+    if type(optimizer) not in _MASKABLE or _has_step_hooks(optimizer):
         return None
     stepped = _stepped(optimizer, found_inf.device)
     if stepped is None:

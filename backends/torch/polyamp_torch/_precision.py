@@ -9,6 +9,9 @@ The rules are the core's (`polyamp._src.training_state`); this module translates
   ``PrecisionOptimizer.state``, the slots in the plan's state dtype.
 * Where a working tensor would equal the stored one (float32 weights, float32 slots) it *is* the stored one:
   the default plan over float32 parameters hands the inner optimizer its own tensors (a pass-through).
+* A loss scaler hands over ``grad_scale`` and ``found_inf`` as to torch's fused optimizers: a set flag returns
+  before anything changes, and each gradient is unscaled in float32 as its working copy is made (a float16
+  gradient below float16's range once unscaled keeps its value).
 * The write back is the core's `write_update`, in torch ops: one float32 op per step of the reference.
 * Conversions, slot write-backs and writes run as foreach ops over a chunk (one kernel per kind of tensor, not
   one per parameter); stochastic rounding draws its random bits per parameter, in order, and rounds the chunk's
@@ -20,7 +23,7 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import polyamp
@@ -28,6 +31,8 @@ from polyamp import InvalidConfigError, MeasuredStateBytes, Policy, PolyampTypeE
 from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, describe, is_state_slot, unplanned_hazard_message
 from polyamp_torch._framework import TORCH_DTYPES, torch
 from polyamp_torch._precision_checkpoint import read_checkpoint
+from polyamp_torch._precision_layout import state_layout
+from polyamp_torch._precision_tensors import copy_all, float32_copies, float32_like, unscale
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -85,6 +90,13 @@ def warn_unplanned(optimizer: Any, policy: Policy = _PLAIN, *, name: str | None 
         warnings.warn(message, TrainingStateWarning, stacklevel=stacklevel + 1)
 
 
+def _own_keys(plan: Policy) -> frozenset[str]:
+    """The keys of the state a `PrecisionOptimizer` keeps itself for each bfloat16/float16 parameter."""
+    return frozenset(
+        key for key, kept in ((MASTER_KEY, plan.keeps_master), (KAHAN_KEY, plan.rounding == "kahan")) if kept
+    )
+
+
 def _parameter_name(group: dict[str, Any], g: int, i: int) -> str:
     names = group.get("param_names")
     return repr(names[i]) if names is not None and i < len(names) else f"param_groups[{g}]['params'][{i}]"
@@ -105,10 +117,13 @@ class PrecisionOptimizer(torch.optim.Optimizer):
     and Kahan buffer (``KAHAN_KEY``); `state_dict` / `load_state_dict` carry them in their own dtypes.
     Checkpoint this optimizer, not the inner one, whose ``state`` stays empty between steps.
 
-    With ``polyamp.LossScaler``: ``scaler.step(optimizer)`` unscales the model's gradients (also float16
-    ones: this optimizer forms the update in float32) and calls `step` only when they are finite, so a skipped
-    step (overflow, guard, spike) leaves weights, master copies, moments, compensation buffers, step counters
-    and the random stream bitwise as they were.
+    With ``polyamp.LossScaler`` (or ``torch.amp.GradScaler``): it takes the scale and the found-inf flag as
+    torch's fused optimizers do (``grad_scale``, ``found_inf``), so ``scaler.step(optimizer)`` hands them over
+    and `step` unscales each gradient in float32 as it makes the working copy: a float16 gradient too small for
+    float16 once unscaled (below 2**-24) still reaches the update. A step with a non-finite gradient (overflow,
+    guard, spike) returns at once, leaving weights, master copies, moments, compensation buffers, step counters
+    and the random stream bitwise as they were. Gradients unscaled before the step (``scaler.unscale_``, to
+    clip) are unscaled in their own dtype.
 
     Master copies and compensation buffers are created at construction (and by `add_param_group`), from
     the weights as they are then, so the memory is taken up front and counted by `measure_state_bytes`.
@@ -141,6 +156,11 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         >>> state["exp_avg"].dtype, state["polyamp_compensation"].dtype
         (torch.bfloat16, torch.bfloat16)
     """
+
+    #: torch's protocol of fused optimizers: a loss scaler (polyamp's or ``torch.amp.GradScaler``) sets
+    #: ``grad_scale`` and ``found_inf`` instead of unscaling the gradients, and `step` skips when ``found_inf`` is
+    #: set and otherwise unscales each gradient in float32, as it makes the working copy.
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -175,6 +195,8 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         self.seed = seed
         self.chunk_bytes = chunk_bytes
         self._generators: dict[torch.device, torch.Generator] = {}
+        #: The keys of the state this optimizer keeps itself for each bfloat16/float16 parameter, by the plan.
+        self._own_keys = _own_keys(plan)
         # torch's constructor adds each group through add_param_group; here they are the inner optimizer's own.
         self._adopting = True
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -243,23 +265,42 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             self._generators[device] = generator
         return generator
 
-    def _chunks(self) -> Iterator[list[tuple[int, torch.Tensor]]]:
+    def _chunks(self) -> list[list[tuple[int, torch.Tensor]]]:
         """(group index, parameter) pairs with gradients, in order, cut where the float32 working memory
-        (weight, gradient, two slots) would pass ``chunk_bytes``."""
+        (weight, gradient, two slots) would pass ``chunk_bytes``.
+
+        On the way, parameters added through the inner optimizer (``optimizer.optimizer.add_param_group``) since
+        the last step are found, checked and given their state as `add_param_group` gives it, before anything
+        is stepped: their dtype refused if the plan does not take it, the state the inner optimizer made for
+        them moved here, master copies and compensation buffers made from the weights as they are now."""
+        plan = self.policy
+        allowed = (TORCH_DTYPES[plan.param_dtype], torch.float32)
+        own = self._own_keys
+        inner_state = self.optimizer.state
+        added: list[torch.Tensor] = []
+        chunks: list[list[tuple[int, torch.Tensor]]] = []
         chunk: list[tuple[int, torch.Tensor]] = []
         size = 0
         for g, group in enumerate(self.param_groups):
             for param in group["params"]:
+                if param.dtype not in allowed or param in inner_state:
+                    added.append(param)
+                elif own and self._low(param) and not own <= self.state.get(param, {}).keys():
+                    added.append(param)
                 if param.grad is None:
                     continue
                 cost = 16 * param.numel()
                 if chunk and size + cost > self.chunk_bytes:
-                    yield chunk
+                    chunks.append(chunk)
                     chunk, size = [], 0
                 chunk.append((g, param))
                 size += cost
         if chunk:
-            yield chunk
+            chunks.append(chunk)
+        if added:
+            self._check_dtypes(plan, self.param_groups)
+            self._init_own_state(added)
+        return chunks
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -275,11 +316,16 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf.item() > 0):  # the one host read GradScaler also makes
+            return loss
+        grad_scale = getattr(self, "grad_scale", None)
+        inverse = None if grad_scale is None else grad_scale.double().reciprocal().float()  # (as GradScaler forms it)
         for chunk in self._chunks():
-            self._step_chunk(chunk)
+            self._step_chunk(chunk, inverse)
         return loss
 
-    def _step_chunk(self, chunk: list[tuple[int, torch.Tensor]]) -> None:
+    def _step_chunk(self, chunk: list[tuple[int, torch.Tensor]], inverse: torch.Tensor | None) -> None:
         plan = self.policy
         inner = self.optimizer
         groups = self.param_groups
@@ -290,24 +336,31 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         to_convert: list[torch.Tensor] = []
         converted: list[torch.Tensor] = []
         slot_lists: list[dict[str, Any]] = []
+        # With ``inverse`` (the scale handed over by a loss scaler), the dense gradients unscaled in float32: the
+        # float32 copies made here in place, float32 gradients into new tensors (working tensor, gradient).
+        copies: list[torch.Tensor] = []
+        float32_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
         for param in params:
             state = self.state.get(param, {})
             if self._low(param):
-                w32 = state[MASTER_KEY] if plan.keeps_master else _float32_like(param, to_convert, converted)
+                w32 = state[MASTER_KEY] if plan.keeps_master else float32_like(param, to_convert, converted)
             else:
                 w32 = param.detach()
             grad = param.grad
             assert grad is not None
-            if grad.dtype == torch.float32:
+            if grad.dtype == torch.float32 and inverse is None:
                 w32.grad = grad
             elif grad.is_sparse:  # (foreach copies are for dense tensors)
-                w32.grad = grad.float()
+                w32.grad = grad.float() if inverse is None else grad.float() * inverse.to(grad.device)
+            elif grad.dtype == torch.float32:  # unscaled into a tensor of its own: param.grad keeps its values
+                float32_grads.append((w32, grad))
             else:
-                w32.grad = _float32_like(grad, to_convert, converted)
+                w32.grad = float32_like(grad, to_convert, converted)
+                copies.append(w32.grad)
             slot_lists.append(
                 {
                     key: (
-                        _float32_like(value, to_convert, converted)
+                        float32_like(value, to_convert, converted)
                         if is_moment(key, value, param) and value.dtype != torch.float32
                         else value
                     )
@@ -316,7 +369,9 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 }
             )
             working.append(w32)
-        _copy_all(converted, to_convert)
+        copy_all(converted, to_convert)
+        if inverse is not None:
+            unscale(copies, float32_grads, inverse)
         for w32, slots in zip(working, slot_lists, strict=True):
             inner.state[w32] = slots
         saved = [group["params"] for group in groups]
@@ -348,7 +403,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                     sources.append(value)
                 else:
                     state[key] = value.to(state_dtype)
-        _copy_all(into, sources)
+        copy_all(into, sources)
         self._write(params, working)
 
     def _write(self, params: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
@@ -360,7 +415,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         low = [param for param, _ in pairs]
         results = [target for _, target in pairs]
         if plan.keeps_master or plan.rounding == "nearest":
-            _copy_all(low, results)  # round to nearest, ties to even (a float32 master keeps the result itself)
+            copy_all(low, results)  # round to nearest, ties to even (a float32 master keeps the result itself)
             return
         if plan.rounding == "stochastic":
             by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -371,10 +426,10 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             return
         # Kahan: each line one float32 op, in the reference's order (no fused multiply-add).
         compensations = [self.state[param][KAHAN_KEY] for param in low]
-        weights = _float32_copies(low)
-        y = torch._foreach_add(_float32_copies(compensations), torch._foreach_sub(results, weights))
-        _copy_all(low, torch._foreach_add(weights, y))
-        _copy_all(compensations, torch._foreach_sub(y, torch._foreach_sub(_float32_copies(low), weights)))
+        weights = float32_copies(low)
+        y = torch._foreach_add(float32_copies(compensations), torch._foreach_sub(results, weights))
+        copy_all(low, torch._foreach_add(weights, y))
+        copy_all(compensations, torch._foreach_sub(y, torch._foreach_sub(float32_copies(low), weights)))
 
     def _write_stochastic(self, device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Stochastic rounding of one device's results, in one pass over them all: 16 random bits per element
@@ -394,10 +449,39 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         bits = (flat.view(torch.int32) + random16) & _HIGH_BITS
         rounded = torch.where(torch.isnan(flat), flat, bits.view(torch.float32))
         pieces = rounded.split(sizes)  # type: ignore[no-untyped-call]
-        _copy_all(
+        copy_all(
             [param for param, _ in pairs],
             [piece.view(param.shape) for (param, _), piece in zip(pairs, pieces, strict=True)],
         )
+
+    # -- pickling ------------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle``, ``copy.deepcopy`` and ``torch.save(optimizer)`` keep: torch's entries (``defaults``,
+        ``state``, ``param_groups``, the list the inner optimizer shares), the inner optimizer, the plan, the
+        seed, the chunk size and the random generators' states."""
+        saved = super().__getstate__()
+        saved.update(
+            optimizer=self.optimizer,
+            policy=self.policy,
+            seed=self.seed,
+            chunk_bytes=self.chunk_bytes,
+            generators={str(device): generator.get_state() for device, generator in self._generators.items()},
+        )
+        return saved
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        saved = dict(saved)
+        generators = saved.pop("generators", {})
+        super().__setstate__(saved)
+        self._own_keys = _own_keys(self.policy)
+        self._adopting = False
+        self.param_groups = self.optimizer.param_groups
+        self._generators = {}
+        for name, state in generators.items():
+            generator = torch.Generator(device=name)
+            generator.set_state(state)
+            self._generators[torch.device(name)] = generator
 
     # -- checkpoints ---------------------------------------------------------------------------------
 
@@ -426,7 +510,15 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             StateDictError: ``state_dict`` is malformed or does not fit these parameter groups; the optimizer
                 is left unchanged.
         """
-        loaded = read_checkpoint(state_dict, self.param_groups, self.policy, is_moment, _parameter_name)
+        loaded = read_checkpoint(
+            state_dict,
+            self.param_groups,
+            self.policy,
+            is_moment,
+            _parameter_name,
+            lambda values: state_layout(self.optimizer, self.param_groups, values),
+            type(self.optimizer).__name__,
+        )
         self.state.clear()
         self.state.update(loaded.state)
         for group, values in zip(self.param_groups, loaded.groups, strict=True):
@@ -473,29 +565,3 @@ def measure_state_bytes(optimizer: torch.optim.Optimizer) -> MeasuredStateBytes:
                 elif is_moment(key, value, param):
                     counts["state"] += size
     return MeasuredStateBytes(parameters=parameters, **counts)
-
-
-def _float32_like(tensor: torch.Tensor, sources: list[torch.Tensor], into: list[torch.Tensor]) -> torch.Tensor:
-    """An empty float32 tensor laid out as ``tensor``, queued to receive its values by `_copy_all`."""
-    copy = torch.empty_like(tensor, dtype=torch.float32)
-    sources.append(tensor)
-    into.append(copy)
-    return copy
-
-
-def _float32_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """float32 copies of ``tensors``, made by one foreach copy."""
-    sources: list[torch.Tensor] = []
-    copies: list[torch.Tensor] = []
-    for tensor in tensors:
-        _float32_like(tensor, sources, copies)
-    _copy_all(copies, sources)
-    return copies
-
-
-def _copy_all(
-    into: list[torch.Tensor] | tuple[torch.Tensor, ...], sources: list[torch.Tensor] | tuple[torch.Tensor, ...]
-) -> None:
-    """``into[i].copy_(sources[i])`` for every i (converting the dtype), as one foreach copy where torch can."""
-    if into:
-        torch._foreach_copy_(into, sources)

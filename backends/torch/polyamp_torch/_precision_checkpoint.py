@@ -8,13 +8,14 @@ the plan keeps it in instead, and says so when that differs from the checkpoint'
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from polyamp import Policy, StateDictError
-from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, checkpoint_changes, describe
+from polyamp.backend_api import COUNTER_KEYS, KAHAN_KEY, MASTER_KEY, checkpoint_changes, describe
 from polyamp_torch._framework import TORCH_DTYPES, torch
+from polyamp_torch._precision_layout import Kept
 
 __all__ = ["Loaded", "read_checkpoint"]
 
@@ -98,9 +99,17 @@ def _generators(section: object) -> dict[torch.device, torch.Generator]:
 
 
 def read_checkpoint(
-    state_dict: object, groups: list[dict[str, Any]], plan: Policy, is_moment: Any, names: Any
+    state_dict: object,
+    groups: list[dict[str, Any]],
+    plan: Policy,
+    is_moment: Any,
+    names: Any,
+    layout: Callable[[list[dict[str, Any]]], dict[torch.Tensor, dict[str, Kept]] | None],
+    optimizer: str,
 ) -> Loaded:
-    """Validate ``state_dict`` against the optimizer's ``groups`` and convert it to ``plan``.
+    """Validate ``state_dict`` against the optimizer's ``groups`` and convert it to ``plan``. ``layout(values)``
+    gives what the inner optimizer (named ``optimizer`` in messages) keeps for each parameter under the groups'
+    hyperparameters ``values`` (`polyamp_torch._precision_layout.state_layout`), or None when it cannot tell.
 
     Raises:
         StateDictError: the dict is malformed or does not fit these parameters (nothing is changed).
@@ -115,24 +124,76 @@ def read_checkpoint(
         groups=[{k: v for k, v in saved.items() if k not in ("params", "param_names")} for saved in saved_groups],
         generators=_generators(state_dict.get("polyamp") if isinstance(state_dict, Mapping) else None),
     )
+    expected = layout(loaded.groups) if any(saved_state.values()) else None
     for index, entry in saved_state.items():
         if index not in by_index:
             raise _error(f"'state' has an entry for parameter index {index!r}, which no parameter group lists.")
         param, group, name = by_index[index]
         if not isinstance(entry, Mapping) or not all(isinstance(key, str) for key in entry):
             raise _error(f"the state of parameter {name} must be a dict with str keys. Received: {describe(entry)}.")
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and not _fits(key, value, param):
-                raise _error(
-                    f"the state {key!r} of parameter {name} has shape {tuple(value.shape)}, which does not fit "
-                    f"the parameter's shape {tuple(param.shape)}."
-                )
+        _check_entry(entry, param, name, None if expected is None else expected.get(param), optimizer)
         loaded.state[param] = _convert_entry(entry, param, group, plan, is_moment, loaded)
     for group in groups:
         for param in group["params"]:
             if param not in loaded.state:  # no state saved: what the plan keeps besides the slots starts afresh
                 loaded.state[param] = _convert_entry({}, param, group, plan, is_moment, loaded)
     return loaded
+
+
+def _check_entry(
+    entry: Mapping[str, Any], param: torch.Tensor, name: str, kept: dict[str, Kept] | None, optimizer: str
+) -> None:
+    """Refuse a parameter's saved state that the next step could not use.
+
+    With the inner optimizer's layout (``kept``), a non-empty entry must hold every tensor it keeps, each a
+    tensor of the same shape (a one-element tensor for a 0-d one: a step counter) and of the same kind, floating
+    or not; entries it does not keep are left to it. Without one, a master copy or compensation buffer must have
+    the parameter's shape, a step counter one element, and any other tensor a shape that broadcasts to it.
+    """
+    for key in (MASTER_KEY, KAHAN_KEY):
+        value = entry.get(key)
+        if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(param.shape):
+            raise _error(_shape_problem(key, name, value, param))
+    if kept is None:
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if key in COUNTER_KEYS and value.numel() != 1:
+                raise _error(
+                    f"the state {key!r} of parameter {name} is a step counter, which holds one number. Received: "
+                    f"a tensor of shape {tuple(value.shape)}."
+                )
+            if not _fits(key, value, param):
+                raise _error(_shape_problem(key, name, value, param))
+        return
+    if all(key in (MASTER_KEY, KAHAN_KEY) for key in entry):
+        return  # the inner optimizer has not stepped this parameter yet: its next step makes the state
+    for key, want in kept.items():
+        if not want.tensor:
+            continue
+        value = entry.get(key)
+        if isinstance(value, torch.Tensor):
+            shape = tuple(value.shape)
+            if (shape == want.shape or (want.shape == () and value.numel() == 1)) and (
+                value.is_floating_point() == want.floating
+            ):
+                continue
+            dtype = _dtype_name(value.dtype)
+            received = f"{'an' if dtype[0] in 'aeiou' else 'a'} {dtype} tensor of shape {shape}"
+        else:
+            received = "nothing" if key not in entry else describe(value)
+        kind = "floating" if want.floating else "non-floating"
+        raise _error(
+            f"the state {key!r} of parameter {name} (shape {tuple(param.shape)}) must be a {kind} tensor of shape "
+            f"{want.shape}, as {optimizer} keeps it. Received: {received}."
+        )
+
+
+def _shape_problem(key: str, name: str, value: torch.Tensor, param: torch.Tensor) -> str:
+    return (
+        f"the state {key!r} of parameter {name} has shape {tuple(value.shape)}, which does not fit the parameter's "
+        f"shape {tuple(param.shape)}."
+    )
 
 
 def _fits(key: str, value: torch.Tensor, param: torch.Tensor) -> bool:
