@@ -500,8 +500,8 @@ class FunctionalDevice(Protocol):
     """Device operations as pure functions over a state tree, for jitted steps (see
     `polyamp.FunctionalLossScaler`, which gives them polyamp's semantics)."""
 
-    def init(self, state: LossScaleState) -> Any:
-        """The device state tree holding ``state`` and a zero skip count."""
+    def init(self, state: LossScaleState, skipped: int = 0) -> Any:
+        """The device state tree holding ``state`` and the skip count ``skipped``."""
         ...
 
     def read(self, tree: Any) -> LossScaleState:

@@ -41,6 +41,7 @@ from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
 from polyamp._src.spikes import SpikeRule
 from polyamp._src.state_dict import (
     is_disabled_torch_state,
+    parse_skipped_steps,
     parse_spike_run,
     parse_spike_window,
     parse_state_dict,
@@ -597,7 +598,8 @@ class FunctionalLossScaler:
         if self._rule is not None:
             device = cast(FunctionalSpikeDevice, self._device)
             window, run = device.read_window(state["window"])
-        return to_state_dict(self._config, host, self._setting, window, run)
+        skipped = int(self._device.skipped_count(state["scaler"]))
+        return to_state_dict(self._config, host, self._setting, window, run, skipped)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *, like: Any = None) -> Any:
         """A state from a `polyamp.LossScaler` (or torch GradScaler) state dict, its spike window and run
@@ -629,6 +631,7 @@ class FunctionalLossScaler:
         rule = self._rule
         window = parse_spike_window(state_dict, None if rule is None else rule.window)
         run = parse_spike_run(state_dict)
+        skipped = parse_skipped_steps(state_dict)
         if config != self._config and isinstance(self._device, FunctionalTracingDevice) and self._device.traced():
             changed = ", ".join(
                 f"{name}: {old!r} -> {new!r}"
@@ -655,6 +658,7 @@ class FunctionalLossScaler:
             self._scale_rule = self._device_rule()
             self._read_capabilities()
         state = self.init(host)
+        state["scaler"] = self._device.init(host, skipped)
         if window is not None and rule is not None:
             device = cast(FunctionalSpikeDevice, self._device)
             state["window"] = device.write_window(state["window"], window, run)

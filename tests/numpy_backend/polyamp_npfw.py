@@ -284,8 +284,8 @@ class NumpyFunctional:
     def __init__(self, config: LossScaleConfig) -> None:
         self._config = config
 
-    def init(self, state: LossScaleState) -> dict[str, Any]:
-        return _tree(state)
+    def init(self, state: LossScaleState, skipped: int = 0) -> dict[str, Any]:
+        return {**_tree(state), "skipped": np.int64(skipped)}
 
     def read(self, tree: Mapping[str, Any]) -> LossScaleState:
         return _read(tree)

@@ -306,7 +306,9 @@ class DynamicScale:
         its settings are adopted where Flax's rule can follow them (`_from_config`)."""
         probe = _functional(self.scaler.config)
         state = probe.load_state_dict(saved)
-        return self._from_config(probe.config, probe.read(state))
+        loaded = self._from_config(probe.config, probe.read(state))
+        records = {**loaded._records, "skipped": state["scaler"]["skipped"]}  # the count goes on
+        return loaded._rebuilt((loaded.fin_steps, loaded.scale, records))
 
     # -- Flax's API --------------------------------------------------------------------------------------
 

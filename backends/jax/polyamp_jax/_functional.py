@@ -209,12 +209,12 @@ class JaxFunctional:
 
     # -- FunctionalDevice --------------------------------------------------------------------------------
 
-    def init(self, state: LossScaleState) -> dict[str, Any]:
+    def init(self, state: LossScaleState, skipped: int = 0) -> dict[str, Any]:
         return {
             "scale": jnp.asarray(state.scale, jnp.float32),
             "growth_tracker": jnp.asarray(state.growth_tracker, jnp.int32),
             "hysteresis_left": jnp.asarray(state.hysteresis_left, jnp.int32),
-            "skipped": jnp.zeros((), _counter_dtype()),
+            "skipped": jnp.asarray(skipped, _counter_dtype()),
         }
 
     def read(self, tree: Mapping[str, Any]) -> LossScaleState:

@@ -87,13 +87,13 @@ class KerasFunctional:
 
     # -- FunctionalDevice --------------------------------------------------------------------------------
 
-    def init(self, state: LossScaleState) -> dict[str, Any]:
+    def init(self, state: LossScaleState, skipped: int = 0) -> dict[str, Any]:
         variables = self.scale_variables()
         return {
             "scale": ops.convert_to_tensor(state.scale, dtype="float32"),
             "growth_tracker": ops.convert_to_tensor(state.growth_tracker, dtype=variables["growth_tracker"].dtype),
             "hysteresis_left": ops.convert_to_tensor(state.hysteresis_left, dtype="int32"),
-            "skipped": ops.zeros((), dtype=variables["skipped"].dtype),
+            "skipped": ops.convert_to_tensor(skipped, dtype=variables["skipped"].dtype),
         }
 
     def read(self, tree: Mapping[str, Any]) -> LossScaleState:
