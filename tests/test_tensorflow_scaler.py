@@ -121,6 +121,28 @@ def test_skipped_step_changes_no_variable_slot_or_iteration() -> None:
     assert bool(scaler.step_skipped()) and int(optimizer.iterations.numpy()) == 1
 
 
+def test_skipped_steps_is_a_snapshot_that_later_skips_leave_alone() -> None:
+    scaler = polyamp.LossScaler(growth_interval=10)
+    w = tf.Variable([1.0, 2.0])
+    optimizer = keras.optimizers.SGD(0.1)
+
+    def step(bad: Any) -> Any:
+        with tf.GradientTape() as tape:
+            scaled = scaler.scale(tf.reduce_sum(w) * bad)
+        scaler.apply_gradients(optimizer, zip(tape.gradient(scaled, [w]), [w]))
+        return scaler.skipped_steps()
+
+    compiled = tf.function(step)
+    kept = [step(tf.constant(math.inf)), compiled(tf.constant(math.inf)), step(tf.constant(1.0))]
+    counts = [scaler.skipped_steps(), tf.function(scaler.skipped_steps)()]
+    step(tf.constant(math.inf))
+    # Each value is the count when it was read: a tensor, not the counter's variable, so a later skip leaves it.
+    assert all(tf.is_tensor(value) and not isinstance(value, tf.Variable) for value in kept + counts)
+    assert [int(value) for value in kept] == [1, 2, 2]
+    assert [int(value) for value in counts] == [2, 2]
+    assert int(scaler.skipped_steps()) == 3
+
+
 def test_unscale_clip_apply_moves_by_the_clipped_true_gradient() -> None:
     """torch's unscale_ -> clip -> step pattern, in TensorFlow: clipping makes new tensors."""
     scaler = polyamp.LossScaler()

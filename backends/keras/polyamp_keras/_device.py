@@ -629,9 +629,11 @@ class KerasDevice:
         return ops.cast(ops.convert_to_tensor(record), "float32")
 
     def skipped_steps(self) -> Any:
+        """The count as a new tensor (a copy, never the variable itself: a value kept follows no later skip, and
+        under ``tf.distribute`` it is a tensor, not a mirrored variable)."""
         if self._variables is None and self._owned:
             return ops.convert_to_tensor(0, dtype=counter_dtype())
-        return ops.convert_to_tensor(self._state().skipped_steps)
+        return ops.copy(self._state().skipped_steps)
 
     def count_skip(self, found_inf: Any) -> None:
         """Count a guarded iteration as skipped when ``found_inf`` is set; the rule does not run."""
