@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +23,8 @@ keras = pytest.importorskip("keras")
 import polyamp  # noqa: E402
 import polyamp_tensorflow  # noqa: E402
 from polyamp import BackendMismatchError, PolyampTypeError, ScalerUsageError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
@@ -528,3 +535,21 @@ def test_a_loss_scale_optimizer_step_counts_with_assign_add_and_keeps_the_tracke
     assert int(optimizer.step_counter.numpy()) == 3
     if optimizer_kind == "polyamp":
         assert [r.skipped for r in optimizer.records()] == [False, False, False]
+
+
+def test_the_getting_started_loop_binds_inside_tf_function_without_an_autograph_warning(
+    tmp_path: Path, run_bounded: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
+    # The page's loop, run from a file as a reader runs it (AutoGraph converts only code whose source it can
+    # read): its LossScaler binds to TensorFlow inside the first trace of the tf.function.
+    page = (ROOT / "docs" / "getting-started" / "tensorflow.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, flags=re.DOTALL)
+    assert code is not None and "polyamp.LossScaler()" in code.group(1)
+    script = tmp_path / "getting_started.py"
+    script.write_text(code.group(1))
+    paths = [str(ROOT), *(str(ROOT / "backends" / name) for name in ("torch", "tensorflow", "keras", "jax"))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
+    result = run_bounded([sys.executable, str(script)], cwd=tmp_path, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "AutoGraph" not in output and "do_not_convert" not in output, output[-3000:]

@@ -15,8 +15,8 @@ Rules, in the spirit of never costing an import:
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -234,11 +234,19 @@ def backend_specs() -> dict[str, BackendSpec]:
         return dict(_specs)
 
 
+def _import(module_name: str) -> Any:
+    """``importlib.import_module(module_name)`` through the builtin ``__import__``: a tracer that converts the
+    Python functions a traced function calls (TensorFlow's AutoGraph, when a scaler binds inside ``tf.function``)
+    calls a builtin as it is, and so leaves the import machinery, whose frozen functions it cannot convert, alone."""
+    __import__(module_name)
+    return sys.modules[module_name]
+
+
 def load_target(target: str, *, backend: str, install_hint: str, frameworks: tuple[str, ...]) -> Any:
     """Import ``"module:attribute"`` and return the attribute, turning a missing framework into advice."""
     module_name, _, attribute = target.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     except BackendNotInstalledError:
         raise
     except ImportError as exc:
