@@ -164,8 +164,12 @@ class KerasDevice:
         state = self._host_state
         if self._scale_variables is not None:
             scale, tracker = self._scale_variables()
-            self._write(scale, state.scale)
-            self._write(tracker, ops.cast(state.growth_tracker, tracker.dtype))
+            tf = _tensorflow()
+            # Written now, once: Keras on TensorFlow builds an optimizer while it traces the first step, and an
+            # assignment inside that trace would belong to a graph that need not be the one that runs.
+            with tf.init_scope() if tf is not None else contextlib.nullcontext():
+                self._write(scale, state.scale)
+                self._write(tracker, ops.cast(state.growth_tracker, tracker.dtype))
         else:
             scale = self._variable("loss_scale", "float32", state.scale)
             tracker = self._variable("growth_tracker", "int32", state.growth_tracker)

@@ -38,7 +38,7 @@ from polyamp_keras._device import KerasDevice, clipping_folded, folded_clip_norm
 from polyamp_keras._functional import KerasFunctional
 from polyamp_keras._gradients import gradient_counts, refuse_loss_scale_factor, unscale
 from polyamp_keras._keras import keras
-from polyamp_keras._rule import read_scalar
+from polyamp_keras._rule import counter_dtype, read_scalar
 
 try:  # what Keras's own LossScaleOptimizer.build uses: variables are tracked through add_variable only
     from keras.src.utils.tracking import no_automatic_dependency_tracking
@@ -123,6 +123,21 @@ def _keras_settings(settings: dict[str, Any], keras_names: dict[str, Any]) -> di
 def _backend_of_tensors() -> str | None:
     """The polyamp backend whose tensors Keras computes with (None for JAX, which polyamp does not own)."""
     return {"tensorflow": "tensorflow", "torch": "torch", "jax": "jax"}.get(keras.backend.backend())
+
+
+def _state_variable(name: str, doc: str) -> property:
+    """An attribute holding one of the loss-scale state's variables once the optimizer is built (Keras's
+    ``build`` and polyamp's assign them), and before that the value it will start from, as a tensor (as
+    ``get_scale`` and ``iterations`` answer before the build)."""
+
+    def get(self: LossScaleOptimizer) -> Any:
+        variable = self.__dict__.get("_state_variables", {}).get(name)
+        return self._unbuilt_value(name) if variable is None else variable
+
+    def assign(self: LossScaleOptimizer, variable: Any) -> None:
+        self.__dict__.setdefault("_state_variables", {})[name] = variable
+
+    return property(get, assign, doc=doc)
 
 
 def _listed(result: tuple[Any, Any]) -> tuple[list[Any], list[Any]]:
@@ -298,6 +313,32 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         """The ``enabled`` argument: True, False, or None (follow the policy)."""
         return self._scaler.enabled_setting
 
+    dynamic_scale = _state_variable(
+        "dynamic_scale", "The loss scale's variable (Keras's name); before `build`, the scale it starts from."
+    )
+    step_counter = _state_variable(
+        "step_counter",
+        "The growth tracker's variable (Keras's name): finite steps since the scale last changed; before `build`, "
+        "the count it starts from.",
+    )
+    hysteresis_left = _state_variable(
+        "hysteresis_left", "Overflows left before the scale backs off; before `build`, the count it starts from."
+    )
+    skipped_steps = _state_variable(
+        "skipped_steps",
+        "The variable counting the skipped steps (``int(optimizer.skipped_steps)`` reads it); before `build`, 0.",
+    )
+
+    def _unbuilt_value(self, name: str) -> Any:
+        """What a state variable holds before the optimizer builds it: the state it will start from."""
+        state = self._scaler.get_state()
+        if name == "dynamic_scale":
+            return ops.convert_to_tensor(state.scale, dtype="float32")
+        if name == "hysteresis_left":
+            return ops.convert_to_tensor(state.hysteresis_left, dtype="int32")
+        value = state.growth_tracker if name == "step_counter" else 0
+        return ops.convert_to_tensor(value, dtype=counter_dtype())
+
     @no_automatic_dependency_tracking  # type: ignore[untyped-decorator]
     def build(self, var_list: list[Any]) -> None:
         super().build(var_list)  # Keras's step_counter (the growth tracker) and dynamic_scale, the inner slots
@@ -307,8 +348,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self._device.build(list(var_list))
         state = self._device.scale_state
         assert state is not None
-        self.hysteresis_left = state.hysteresis_left
-        self.skipped_steps = state.skipped_steps
+        self.__dict__["_state_variables"].update(
+            hysteresis_left=state.hysteresis_left, skipped_steps=state.skipped_steps
+        )
         self.last_skipped = self._device.record_variable
         history = self._device.history_variables()
         assert history is not None
