@@ -553,3 +553,52 @@ def test_the_getting_started_loop_binds_inside_tf_function_without_an_autograph_
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert "AutoGraph" not in output and "do_not_convert" not in output, output[-3000:]
+
+
+def test_a_checkpoint_saves_and_restores_the_whole_scaler_into_a_fresh_one(tmp_path: Path) -> None:
+    settings = dict(init_scale=1024.0, growth_interval=3, hysteresis=2, min_scale=2.0)
+    scaler = polyamp_tensorflow.TensorFlowLossScaler(**settings, spike=polyamp.SpikeRule("loss", window=4, warmup=2))
+    w = tf.Variable([1.0, 2.0])
+    optimizer = keras.optimizers.SGD(0.01)
+
+    @tf.function
+    def step(bad: Any) -> None:
+        with tf.GradientTape() as tape:
+            scaled = scaler.scale(tf.reduce_sum(w * w) * bad)
+        scaler.apply_gradients(optimizer, zip(tape.gradient(scaled, [w]), [w]))
+
+    for char in "FOFFOF":
+        step(tf.constant(math.inf if char == "O" else 1.0))
+    checkpoint = tf.train.Checkpoint(w=w, optimizer=optimizer, scaler=scaler)
+    manager = tf.train.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=2)
+    manager.save()
+    saved, skipped = scaler.state_dict(), int(scaler.skipped_steps())
+    expected = polyamp.LossScaleConfig(**settings).states("FOFFOF")[-1]
+    assert (saved["scale"], saved["_growth_tracker"], saved["hysteresis_left"]) == (
+        expected.scale,
+        expected.growth_tracker,
+        expected.hysteresis_left,
+    )
+    assert skipped == 2 and len(saved["spike_window"]) == 4
+
+    fresh = polyamp_tensorflow.TensorFlowLossScaler(spike=polyamp.SpikeRule("loss", window=4, warmup=2))
+    restored = tf.train.Checkpoint(w=tf.Variable([0.0, 0.0]), optimizer=keras.optimizers.SGD(0.01), scaler=fresh)
+    restored.restore(tf.train.CheckpointManager(restored, str(tmp_path), max_to_keep=2).latest_checkpoint)
+    # Settings, scale, counters and spike window as saved, and the count of skipped steps.
+    assert fresh.state_dict() == saved and fresh.config == scaler.config
+    assert int(fresh.skipped_steps()) == skipped
+
+
+def test_a_checkpoint_restore_follows_the_state_dict_rules(tmp_path: Path) -> None:
+    disabled = polyamp_tensorflow.TensorFlowLossScaler(enabled=False)
+    path = tf.train.Checkpoint(scaler=disabled).save(str(tmp_path / "disabled"))
+    scaler = polyamp_tensorflow.TensorFlowLossScaler(init_scale=512.0)
+    before = scaler.state_dict()
+    with pytest.raises(polyamp.StateDictError, match="saved from a disabled LossScaler"):
+        tf.train.Checkpoint(scaler=scaler).restore(path)
+    assert scaler.state_dict() == before and int(scaler.skipped_steps()) == 0
+    # A variable saved under the name: refused, the scaler unchanged.
+    other = tf.train.Checkpoint(scaler=tf.Variable(1.0)).save(str(tmp_path / "other"))
+    with pytest.raises(polyamp.StateDictError, match="not the JSON its save wrote"):
+        tf.train.Checkpoint(scaler=scaler).restore(other).expect_partial()
+    assert scaler.state_dict() == before
