@@ -179,6 +179,13 @@ class _OptimizerDevice(KerasDevice):
         return ScalerUsageError(_TRACED_SETTINGS.format(method="load_state_dict()", old=old, new=new))
 
 
+class _OptimizerScaler(LossScaler):
+    """The `polyamp.LossScaler` a `LossScaleOptimizer` runs: it follows the policy as every scaler does, and
+    under a float32 policy scales, as Keras's own loss-scale optimizer always does."""
+
+    scales_under_float32 = True
+
+
 @keras.saving.register_keras_serializable(package="polyamp", name="LossScaleOptimizer")
 class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[misc]
     """A Keras 3 optimizer that scales the loss and skips non-finite steps, with polyamp's rule, on every
@@ -212,14 +219,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
     Args:
         inner_optimizer: The Keras optimizer to wrap.
         *positional: The first settings by position, as for `polyamp.LossScaler`.
-        enabled: True (default, as Keras's own always scales), False, or None to follow the policy in effect
-            when the optimizer is used (polyamp's, or Keras's own global policy when that computes in float16):
-            no scaling under bfloat16 policies. A disabled optimizer passes the loss and gradients straight
-            to the inner optimizer.
+        enabled: None (default) follows the policy in effect when the optimizer is used, by the rule every polyamp
+            scaler follows (`polyamp.backend_api.resolve_enabled`): scaling under ``"mixed_float16"`` (polyamp's,
+            or Keras's own global policy), none under bfloat16 policies (the guard checks instead), and under a
+            float32 policy scaling, as Keras's own optimizer always does. True or False fixes it. A disabled
+            optimizer passes the loss and gradients straight to the inner optimizer.
         initial_scale, dynamic_growth_steps: Keras's names for ``init_scale`` and ``growth_interval``.
         name: The optimizer's name.
         guard: As `polyamp.LossScaler`'s: None (default) checks the gradients whenever the policy turns
-            scaling off (``enabled=None`` under bfloat16/float32 policies) and skips a step whose gradients
+            scaling off (``enabled=None`` under bfloat16 policies) and skips a step whose gradients
             hold inf or NaN (reason ``"non_finite"``); True also with ``enabled=False``; False never.
         on_min_scale, history: As `polyamp.LossScaler`'s; `records` gives the step records.
         spike: A `polyamp.SpikeRule`, as `polyamp.LossScaler`'s: also skip a step whose loss
@@ -239,7 +247,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self,
         inner_optimizer: Any,
         *positional: Any,
-        enabled: bool | None = True,
+        enabled: bool | None = None,
         initial_scale: Any = NOT_GIVEN,
         dynamic_growth_steps: Any = NOT_GIVEN,
         name: str | None = None,
@@ -278,7 +286,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             name=name,
         )
         # The core's scaler makes every decision; its device form is this optimizer's variables.
-        scaler = LossScaler(
+        scaler = _OptimizerScaler(
             enabled=enabled, guard=guard, on_min_scale=on_min_scale, history=history, spike=spike, **config.settings()
         )
         self._device = _OptimizerDevice(self, config, scaler.get_state())
