@@ -24,7 +24,8 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
 * optionally a conformance harness (see `polyamp.conformance.Harness`) named in the spec;
 * optionally a tensor reader for `polyamp.check_hazards` named in the spec (``tensor_reader``), which checks
   a file before reading it (`read_safetensors_header`, `check_zip_archive`, `check_declared_bytes` against
-  ``max_bytes``, default `DEFAULT_MAX_BYTES`) and computes max |w| over blocks of `chunk_indices`;
+  ``max_bytes``, default `DEFAULT_MAX_BYTES`) and computes max |w| over blocks of `chunk_indices` (arrays
+  NumPy reads: `summarize_array`), saying `CORRUPT_FILE` of a file it cannot read as its format;
 * op classes from the core's table (`polyamp.OP_CLASSES`, `polyamp.op_class`; `COMPUTE_OPS` and `FLOAT32_OPS`
   here): a backend maps its own ops to the table's names and takes their class, never a list of its own;
 * optionally a forward watch: the framework's layer calls fed to a `ForwardPass` (which checks each tensor once
@@ -39,6 +40,7 @@ wording and the same numerics as the core. A complete worked example is the NumP
 test suite (tests/numpy_backend/).
 """
 
+from polyamp._src.array_readers import is_array, summarize_array
 from polyamp._src.backend import (
     AdvancingTapeDevice,
     Backend,
@@ -75,6 +77,7 @@ from polyamp._src.backend import (
 from polyamp._src.binding import DeviceCapabilities
 from polyamp._src.checkpoints import (
     CHUNK_BYTES,
+    CORRUPT_FILE,
     DEFAULT_MAX_BYTES,
     MAX_CONFIG_BYTES,
     SafetensorsEntry,
@@ -95,7 +98,6 @@ from polyamp._src.forward_watch import (
     log_forward_report,
 )
 from polyamp._src.functional import FunctionalLossScaler
-from polyamp._src.hazards import TensorSummary
 from polyamp._src.iteration import NOT_SCALED_RULE, UnscaleStages, no_gradients_error, not_scaled_error
 from polyamp._src.loss_scaler import bind_arguments
 from polyamp._src.op_classes import COMPUTE_OPS, FLOAT32_OPS
@@ -140,6 +142,7 @@ from polyamp._src.state_dict import (
     parse_state_dict,
     to_state_dict,
 )
+from polyamp._src.tensor_reading import TensorSummary
 from polyamp._src.training_state import (
     ITEMSIZE,
     KAHAN_KEY,
@@ -158,6 +161,7 @@ from polyamp._src.versions import warn_if_untested
 __all__ = [
     "CHUNK_BYTES",
     "COMPUTE_OPS",
+    "CORRUPT_FILE",
     "DEFAULT_MAX_BYTES",
     "ENTRY_POINT_GROUP",
     "FLOAT32_OPS",
@@ -237,6 +241,7 @@ __all__ = [
     "detect_backend",
     "forward_report",
     "get_backend",
+    "is_array",
     "is_state_slot",
     "join_dtype_names",
     "layer_of",
@@ -255,6 +260,7 @@ __all__ = [
     "ring_values",
     "round_to",
     "stochastic_round_bfloat16",
+    "summarize_array",
     "to_float32",
     "to_state_dict",
     "type_error",
