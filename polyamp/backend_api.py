@@ -17,7 +17,7 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
   `ProcessGroupDevice` (flags reduced over a process group), `Float16HintDevice` / `Float16ProbeDevice`
   (float16 computation outside polyamp's policy), `UnscaledLossWarningDevice` (the iteration rule warns
   instead of raising, in loops of the framework's own), `OwnScalingDevice` (optimizers that scale by
-  themselves), `ClippingDevice` / `TapeClippingDevice` (clipping folded into the unscale) and
+  themselves), `ParameterCheckDevice` (which parameters hold inf/NaN, asked once per run of skipped steps), `ClippingDevice` / `TapeClippingDevice` (clipping folded into the unscale) and
   `DeviceSkippingDevice` (a step that is not fused, skipped on the device: ``skip_on_device=True``) and
   `AdvancingTapeDevice` (a tape step and the loss-scale rule's advance in one device branch).
   The core reads which ones a device implements once, at binding (`DeviceCapabilities`);
@@ -62,6 +62,7 @@ from polyamp._src.backend import (
     ImperativeGuardingDevice,
     ImperativeProvenanceDevice,
     OwnScalingDevice,
+    ParameterCheckDevice,
     ProcessGroupDevice,
     ProvenanceDevice,
     RecordingDevice,
@@ -207,6 +208,7 @@ __all__ = [
     "LossScaleState",
     "NotGiven",
     "OwnScalingDevice",
+    "ParameterCheckDevice",
     "ProcessGroupDevice",
     "ProvenanceDevice",
     "Recorder",

@@ -535,6 +535,29 @@ def test_the_state_variables_answer_before_the_optimizer_is_built() -> None:
     assert optimizer.dynamic_scale in optimizer.variables and optimizer.skipped_steps in optimizer.variables
 
 
+def test_non_finite_variables_behind_a_run_of_skips_are_named(caplog: Any) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="polyamp")
+    model = _model()
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    optimizer.build(model.trainable_variables)
+    with polyamp.policy_scope("mixed_bfloat16"):  # the guard: no scaling, non-finite steps skipped
+        _step(model, optimizer, *_data(0))
+        kernel = model.layers[-1].kernel
+        kernel.assign(ops.scatter_update(kernel.value, [[2, 1]], ops.convert_to_tensor([math.nan])))
+        for step in range(1, 4):
+            _step(model, optimizer, *_data(step))
+    assert [r.reason for r in optimizer.records()] == [None, "non_finite", "non_finite", "non_finite"]
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "polyamp" and "parameters themselves hold inf or NaN" in r.getMessage()
+    ]
+    assert len(warnings) == 1 and "since iteration 1" in warnings[0]
+    assert f"{kernel.path} (1 NaN of 24)" in warnings[0] and "dense/kernel " not in warnings[0]
+
+
 def test_save_and_load_keep_scale_counters_and_settings(tmp_path: Path) -> None:
     model = _model()
     optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), growth_interval=5, hysteresis=2)

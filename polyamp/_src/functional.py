@@ -33,6 +33,7 @@ from polyamp._src.errors import InvalidConfigError, PolyampTypeError, ScalerUsag
 from polyamp._src.provenance import non_finite_gradients
 from polyamp._src.records import DEFAULT_HISTORY, MODE_CODES, Recorder, StepRecord
 from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
+from polyamp._src.skip_streak import ParameterCheck
 from polyamp._src.spikes import SpikeRule
 from polyamp._src.state_dict import (
     is_disabled_torch_state,
@@ -439,7 +440,7 @@ class FunctionalLossScaler:
         """How many steps were skipped (non-finite gradients and spikes), as the framework's integer scalar."""
         return self._device.skipped_count(self._scaler(state, "skipped_steps()"))
 
-    def records(self, state: Any) -> list[StepRecord]:
+    def records(self, state: Any, *, check_parameters: ParameterCheck | None = None) -> list[StepRecord]:
         """The most recent iterations' records (at most ``history``), oldest first, as `polyamp.StepRecord`:
         skipped or not, why, the mode, and the scale replayed from the config, as `polyamp.LossScaler.records`
         gives them (empty when the device keeps no records).
@@ -448,6 +449,10 @@ class FunctionalLossScaler:
         run that started at the last `init` or `load_state_dict`, and are kept here, on the host. Read them at
         least every ``history`` iterations: older codes are overwritten in the ring (a warning says how many
         were lost).
+
+        ``check_parameters``: counts of the parameters' non-finite values, ``(name, +inf, -inf, NaN, size)`` each,
+        asked once per run of skipped iterations; when some hold inf or NaN, a warning says that they, not the
+        data, skip every step (`polyamp.LossScaler.records` asks its device the same).
 
         Raises:
             ScaleCollapseError: with ``on_min_scale="raise"``, a record shows the scale reaching its floor.
@@ -466,7 +471,7 @@ class FunctionalLossScaler:
                     self._recorder.amend(at, gradients)
         device = cast(FunctionalRecordingDevice, self._device)
         count, codes = device.ring_read(state["ring"])
-        self._recorder.consume(count, codes, self._config, lambda: self.read(state))
+        self._recorder.consume(count, codes, self._config, lambda: self.read(state), check_parameters)
         return list(self._recorder.records)
 
     def state_dict(self, state: Any) -> dict[str, Any]:

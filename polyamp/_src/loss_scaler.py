@@ -356,7 +356,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         self._adapter_device = given is not None
         self._compiling = capabilities.compiling
         self._replica = capabilities.replica
-        self._history.bind(device, capabilities)
+        self._history.bind(device, capabilities, self._outcomes.optimizers)
         if capabilities.spike:
             self._spikes.bind(device)  # type: ignore[arg-type]  # a SpikeDevice
         return device

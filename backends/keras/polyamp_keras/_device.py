@@ -549,6 +549,22 @@ class KerasDevice:
                 self._write(variable, ops.convert_to_tensor(unread_rows(len(rows) - 1)))
         return found
 
+    def non_finite_parameters(self, optimizers: Sequence[Any]) -> list[tuple[str, int, int, int, int]] | None:
+        """(name, +inf, -inf, NaN, size) counts of each variable this device applied steps to (the ones whose
+        gradients it counts), one host read per list of variables; None when a variable holds no value to read
+        (Keras on JAX keeps them outside the variables during ``fit``)."""
+        found = []
+        for variables, names, _ in self._provenance.values():
+            try:
+                values = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+            except TypeError:  # Keras on JAX, inside fit: the values live outside the variables
+                return None
+            if any(value is None for value in values):
+                return None
+            rows = ops.convert_to_numpy(gradient_counts(values)).tolist()
+            found += [(name, *row) for name, row in zip(names, rows, strict=True)]
+        return found
+
     def replica(self) -> int | None:
         """The replica of a ``tf.distribute`` strategy running this call (None outside one, with one, or on
         another Keras backend)."""
