@@ -18,14 +18,15 @@ A backend never imports ``polyamp._src``; it imports this module (and ``polyamp`
   `ProcessGroupDevice` (flags reduced over a process group), `Float16HintDevice` / `Float16ProbeDevice`
   (float16 computation outside polyamp's policy), `UnscaledLossWarningDevice` (the iteration rule warns
   instead of raising, in loops of the framework's own), `OwnScalingDevice` (optimizers that scale by
-  themselves), `ClippingDevice` / `TapeClippingDevice` (clipping folded into the unscale) and
+  themselves), `ParameterCheckDevice` (which parameters hold inf/NaN, asked once per run of skipped steps), `ClippingDevice` / `TapeClippingDevice` (clipping folded into the unscale) and
   `DeviceSkippingDevice` (a step that is not fused, skipped on the device: ``skip_on_device=True``) and
   `AdvancingTapeDevice` (a tape step and the loss-scale rule's advance in one device branch).
   The core reads which ones a device implements once, at binding (`DeviceCapabilities`);
 * optionally a conformance harness (see `polyamp.conformance.Harness`) named in the spec;
 * optionally a tensor reader for `polyamp.check_hazards` named in the spec (``tensor_reader``), which checks
   a file before reading it (`read_safetensors_header`, `check_zip_archive`, `check_declared_bytes` against
-  ``max_bytes``, default `DEFAULT_MAX_BYTES`) and computes max |w| over blocks of `chunk_indices`;
+  ``max_bytes``, default `DEFAULT_MAX_BYTES`) and computes max |w| over blocks of `chunk_indices` (arrays
+  NumPy reads: `summarize_array`), saying `CORRUPT_FILE` of a file it cannot read as its format;
 * op classes from the core's table (`polyamp.OP_CLASSES`, `polyamp.op_class`; `COMPUTE_OPS` and `FLOAT32_OPS`
   here): a backend maps its own ops to the table's names and takes their class, never a list of its own;
 * optionally a forward watch: the framework's layer calls fed to a `ForwardPass` (which checks each tensor once
@@ -41,6 +42,7 @@ test suite (tests/numpy_backend/).
 """
 
 from polyamp._src import rules
+from polyamp._src.array_readers import is_array, summarize_array
 from polyamp._src.backend import (
     AdvancingTapeDevice,
     Backend,
@@ -65,6 +67,7 @@ from polyamp._src.backend import (
     ImperativeGuardingDevice,
     ImperativeProvenanceDevice,
     OwnScalingDevice,
+    ParameterCheckDevice,
     ProcessGroupDevice,
     ProvenanceDevice,
     RecordingDevice,
@@ -80,6 +83,7 @@ from polyamp._src.backend import (
 from polyamp._src.binding import DeviceCapabilities
 from polyamp._src.checkpoints import (
     CHUNK_BYTES,
+    CORRUPT_FILE,
     DEFAULT_MAX_BYTES,
     MAX_CONFIG_BYTES,
     SafetensorsEntry,
@@ -100,7 +104,6 @@ from polyamp._src.forward_watch import (
     log_forward_report,
 )
 from polyamp._src.functional import FunctionalLossScaler
-from polyamp._src.hazards import TensorSummary
 from polyamp._src.iteration import NOT_SCALED_RULE, UnscaleStages, no_gradients_error, not_scaled_error
 from polyamp._src.loss_scaler import bind_arguments
 from polyamp._src.op_classes import COMPUTE_OPS, FLOAT32_OPS
@@ -147,6 +150,7 @@ from polyamp._src.state_dict import (
     parse_state_dict,
     to_state_dict,
 )
+from polyamp._src.tensor_reading import TensorSummary
 from polyamp._src.training_state import (
     COUNTER_KEYS,
     ITEMSIZE,
@@ -166,6 +170,7 @@ from polyamp._src.versions import warn_if_untested
 __all__ = [
     "CHUNK_BYTES",
     "COMPUTE_OPS",
+    "CORRUPT_FILE",
     "COUNTER_KEYS",
     "DEFAULT_MAX_BYTES",
     "ENTRY_POINT_GROUP",
@@ -217,6 +222,7 @@ __all__ = [
     "LossScaleState",
     "NotGiven",
     "OwnScalingDevice",
+    "ParameterCheckDevice",
     "ProcessGroupDevice",
     "ProvenanceDevice",
     "Recorder",
@@ -251,6 +257,7 @@ __all__ = [
     "detect_backend",
     "forward_report",
     "get_backend",
+    "is_array",
     "is_state_slot",
     "join_dtype_names",
     "layer_of",
@@ -270,6 +277,7 @@ __all__ = [
     "round_to",
     "rules",
     "stochastic_round_bfloat16",
+    "summarize_array",
     "to_float32",
     "to_state_dict",
     "type_error",

@@ -92,13 +92,16 @@ def custom_loop(kind: str, function: bool) -> dict[str, Any]:
     run = lambda bad: strategy.run(step, args=(bad,))  # noqa: E731
     if function:
         run = tf.function(run)
-    states, skips_unchanged, identical = [], [], []
+    states, skips_unchanged, identical, skip_counts = [], [], [], []
     watched = variables + list(inner.variables)
+    counted = tf.function(scaler.skipped_steps) if scaler is not None else None
     for char in PATTERN:
         before = snapshot(watched)
         run(per_replica_bad(strategy, char == "O"))
         if char == "O":
             skips_unchanged.append(snapshot(watched) == before)
+        if scaler is not None and counted is not None:
+            skip_counts.append(read_count(scaler.skipped_steps) + read_count(counted))
         if scaler is None:
             state = optimizer.state_dict()
             own = [optimizer.dynamic_scale, optimizer.step_counter, optimizer.hysteresis_left]
@@ -122,7 +125,16 @@ def custom_loop(kind: str, function: bool) -> dict[str, Any]:
         "iterations": int(inner.iterations.numpy()),
         "finite_steps": PATTERN.count("F"),
         "records": [[r.iteration, r.reason, r.scale, r.next_scale] for r in (scaler or optimizer).records()],
+        "skip_counts": skip_counts,
     }
+
+
+def read_count(skipped_steps: Any) -> list[int | str]:
+    """``int(skipped_steps())``, as a user reads it (eagerly or from a tf.function), or the error it raises."""
+    try:
+        return [int(skipped_steps())]
+    except Exception as error:
+        return [f"{type(error).__name__}: {error}"]
 
 
 def make_model() -> Any:

@@ -44,6 +44,7 @@ DEVICE_PROTOCOLS = (
     api.Float16ProbeDevice,
     api.UnscaledLossWarningDevice,
     api.OwnScalingDevice,
+    api.ParameterCheckDevice,
 )
 
 

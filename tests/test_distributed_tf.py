@@ -124,6 +124,16 @@ def test_scale_trajectory_equals_the_reference_and_is_the_same_on_every_replica(
         ]
 
 
+@pytest.mark.parametrize("loop", ["scaler-eager", "scaler-function"])
+def test_the_tape_scalers_skipped_steps_reads_as_an_int_under_the_strategy(
+    workers: dict[str, _Worker], loop: str
+) -> None:
+    # int(scaler.skipped_steps()) after each iteration, eagerly and from a tf.function: the count so far.
+    counts = _results(workers, "tf")[loop]["skip_counts"]
+    expected = [PATTERN[: i + 1].count("O") for i in range(len(PATTERN))]
+    assert counts == [[n, n] for n in expected]
+
+
 def test_fit_under_mirrored_strategy_trains_and_skips_an_overflow_seen_by_one_replica(
     workers: dict[str, _Worker],
 ) -> None:

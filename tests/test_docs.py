@@ -56,6 +56,15 @@ def test_the_getting_started_page_holds_one_complete_example(page: Path) -> None
     assert len(blocks) == 1, f"{page.name} should hold one complete example"
 
 
+def test_every_framework_has_a_getting_started_page_in_the_navigation() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = {page.stem for page in GETTING_STARTED}
+    assert pages == {"pytorch", "keras", "tensorflow", "jax"}
+    assert all(f"getting-started/{page}.md" in nav for page in pages)
+    jax_page = (DOCS / "getting-started" / "jax.md").read_text()
+    assert "On the CPU, use bfloat16" in jax_page and "## On the CPU" in (DOCS / "guide" / "jax.md").read_text()
+
+
 def test_the_readme_links_lead_to_files() -> None:
     text = (ROOT / "README.md").read_text()
     targets = [t for t in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text) if "://" not in t]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import importlib.metadata
 import importlib.util
 import json
@@ -13,6 +14,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import polyamp
@@ -20,6 +22,7 @@ from polyamp import BackendSpec, Hazard, PolyampTypeError, PolyampValueError
 from polyamp.__main__ import main
 from polyamp._src import doctor
 from polyamp._src.doctor import CpuInfo, DeviceInfo, recommend
+from polyamp._src.hazards import read_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_BF16_CPU = CpuInfo(False, "neither avx512_bf16 nor amx_bf16", "x86_64")
@@ -342,11 +345,11 @@ def test_unreadable_sources_say_what_to_do(tmp_path: Path) -> None:
         polyamp.check_hazards(tmp_path / "missing.pt")
     with pytest.raises(PolyampValueError, match=r"No tensor reader opens .*model\.onnx.*\.pt, .*\.weights\.h5"):
         polyamp.check_hazards(tmp_path / "model.onnx")
-    with pytest.raises(PolyampTypeError, match=r"checkpoint path, or a model or state dict.*Received: 3"):
+    with pytest.raises(PolyampTypeError, match=r"checkpoint path, a model or state dict.*arrays.*Received: 3"):
         polyamp.check_hazards(3)
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"not a checkpoint")
-    with pytest.raises(PolyampValueError, match=r"weights_only=True\) failed"):
+    with pytest.raises(PolyampValueError, match=r"not a checkpoint torch.load can read .*corrupt or truncated"):
         polyamp.check_hazards(bad, "mixed_float16")
 
 
@@ -442,6 +445,157 @@ def test_keras_weights_file_from_the_command_line(tmp_path: Path, capsys: pytest
     ]
     assert main(["doctor", "--framework", "torch", "--check", str(path), "--policy", "mixed_bfloat16"]) == 0
     assert "under 'mixed_bfloat16': 3 tensors (3 floating), 0 hazards\n  no hazard found" in capsys.readouterr().out
+
+
+def test_a_file_no_reader_can_read_is_called_corrupt_in_every_format(tmp_path: Path) -> None:
+    junk = bytes(range(256)) * 4
+    formats = [".pt", ".safetensors", ".keras", ".weights.h5", ".npz"]
+    if importlib.util.find_spec("torch") is None:
+        formats.remove(".pt")
+    for suffix in formats:
+        path = tmp_path / f"junk{suffix}"
+        path.write_bytes(junk)
+        with pytest.raises(polyamp.CheckpointError) as caught:
+            polyamp.check_hazards(path, "mixed_float16")
+        message = str(caught.value)
+        assert message.startswith(f"Cannot read the checkpoint {str(path)!r}: "), message
+        assert message.endswith("The file is corrupt or truncated: re-download or re-save it."), message
+        assert "file an issue" not in message and "weights_only" not in message and len(message) < 400, message
+
+
+def test_a_torch_pickle_of_python_objects_is_refused_as_such(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "objects.pt"
+    torch.save({"w": torch.ones(2), "config": types.SimpleNamespace(lr=0.1)}, path)
+    with pytest.raises(polyamp.CheckpointError, match=r"holds Python objects .*GLOBAL types.SimpleNamespace.*never"):
+        polyamp.check_hazards(path, "mixed_float16")
+
+
+def test_the_pytorch_tutorial_checkpoint_is_read_as_its_model(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import polyamp_torch
+
+    def model() -> Any:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            collections.OrderedDict(fc=torch.nn.Linear(3, 3), bn=torch.nn.BatchNorm1d(3), head=torch.nn.Linear(3, 1))
+        )
+
+    net = model()
+    optimizer = torch.optim.Adam(net.parameters())
+    net(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    optimizer.state[net.fc.weight]["exp_avg_sq"].fill_(math.inf)  # an overflowed moment: not the model's weights
+    path = tmp_path / "checkpoint.pt"
+    torch.save(
+        {"epoch": 3, "model_state_dict": net.state_dict(), "optimizer_state_dict": optimizer.state_dict(), "loss": 0.5},
+        path,
+    )
+    found = polyamp.check_hazards(path, "bfloat16")
+    # The model's part alone, named as in the model: the advice is one apply_policy takes.
+    assert _kinds(found) == [("norm_statistics", "bn.running_mean"), ("norm_statistics", "bn.running_var")]
+    assert "keep_float32=['bn']" in found[0].message
+    polyamp_torch.apply_policy(model(), "bfloat16", keep_float32=["bn"])
+
+
+def _bn_model() -> Any:
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(3, name="proj")(inputs)
+    hidden = keras.layers.BatchNormalization(name="norm")(hidden)
+    hidden = keras.layers.BatchNormalization(center=False, name="norm_nocenter")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(2, name="out")(hidden), name="net")
+
+
+def test_a_weights_file_gets_the_name_rules_of_its_keras_file(tmp_path: Path) -> None:
+    model = _bn_model()
+    model.save(tmp_path / "net.keras")
+    model.save_weights(tmp_path / "net.weights.h5")
+    from_keras = polyamp.check_hazards(tmp_path / "net.keras", "bfloat16")
+    from_weights = polyamp.check_hazards(tmp_path / "net.weights.h5", "bfloat16")
+    expected = [
+        (kind, f"{layer}/{variable}")
+        for layer in ("norm", "norm_nocenter")
+        for kind, variable in (("norm_statistics", "moving_mean"), ("norm_statistics", "moving_variance"))
+    ]
+    assert _kinds(from_keras) == expected and _kinds(from_weights) == expected
+    assert [h.message for h in from_weights] == [h.message for h in from_keras]
+    # The other variables keep their storage paths (the file does not name them): a layer's one trainable
+    # variable of BatchNormalization(center=False) is gamma or beta, which the file does not say.
+    names = [t.name for t in read_tensors(tmp_path / "net.weights.h5")]
+    assert names[:4] == ["norm/gamma", "norm/beta", "norm/moving_mean", "norm/moving_variance"]
+    assert "layers/batch_normalization_1/vars/0" in names and "layers/dense/vars/0" in names
+
+
+def test_numpy_files_and_trees_are_checked(tmp_path: Path) -> None:
+    path = tmp_path / "params.npz"
+    np.savez_compressed(
+        path,
+        **{
+            "dense/kernel": np.full((3, 3), 7e4, np.float32),
+            "bn/moving_mean": np.array([1.0, np.nan]),
+            "step": np.array(3),
+        },
+    )
+    assert _kinds(polyamp.check_hazards(path, "mixed_float16")) == [
+        ("float16_overflow", "dense/kernel"),
+        ("non_finite", "bn/moving_mean"),
+    ]
+    tree = {"params": {"Dense_0": {"kernel": np.full((2,), 5e3, np.float32)}, "rope": [np.ones(2)]}, "step": 3}
+    assert [(h.kind, h.name, h.value) for h in polyamp.check_hazards(tree, "mixed_float16")] == [
+        ("float16_range", "params/Dense_0/kernel", 5e3),
+        ("rotary_buffer", "params/rope/0", 1.0),
+    ]
+    objects = tmp_path / "objects.npz"
+    np.savez(objects, a=np.array([{"x": 1}], dtype=object))
+    with pytest.raises(polyamp.CheckpointError, match="holds Python objects, which polyamp never unpickles"):
+        polyamp.check_hazards(objects)
+    big = tmp_path / "big.npz"
+    np.savez_compressed(big, zeros=np.zeros(1 << 16, np.float32))  # small on disk, 256 KiB declared
+    with pytest.raises(polyamp.CheckpointError, match=r"declare 262144 bytes"):
+        polyamp.check_hazards(big, max_bytes=1 << 16)
+
+
+def test_jax_pytrees_and_orbax_checkpoints_are_checked(tmp_path: Path) -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    nnx = pytest.importorskip("flax.nnx")
+    ocp = pytest.importorskip("orbax.checkpoint")
+    linen = {
+        "params": {"Dense_0": {"kernel": jnp.full((2, 2), 7e4)}},
+        "batch_stats": {"BatchNorm_0": {"mean": jnp.zeros(2), "var": jnp.ones(2)}},
+    }
+    expected = [  # in the pytree's order (JAX sorts dict keys)
+        ("norm_statistics", "batch_stats/BatchNorm_0/mean"),
+        ("norm_statistics", "batch_stats/BatchNorm_0/var"),
+        ("float16_overflow", "params/Dense_0/kernel"),
+    ]
+    assert _kinds(polyamp.check_hazards(linen, "float16")) == expected
+    module = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
+    module.layers[0].kernel[0, 0] = jnp.nan
+    assert _kinds(polyamp.check_hazards(module, "bfloat16")) == [
+        ("non_finite", "layers/0/kernel"),
+        ("norm_statistics", "batch_stats/layers/1/mean"),
+        ("norm_statistics", "batch_stats/layers/1/var"),
+    ]
+    assert _kinds(polyamp.check_hazards(nnx.state(module), "bfloat16")) == _kinds(
+        polyamp.check_hazards(module, "bfloat16")
+    )
+    # orbax: an item's directory, and a checkpoint manager's step (the manager's own directory is refused, naming
+    # its steps); the command line reads them too.
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "item", linen)
+    checkpointer.wait_until_finished()
+    manager = ocp.CheckpointManager(tmp_path / "runs")
+    manager.save(7, args=ocp.args.StandardSave(linen))
+    manager.wait_until_finished()
+    assert _kinds(polyamp.check_hazards(tmp_path / "item", "float16")) == expected
+    assert _kinds(polyamp.check_hazards(tmp_path / "runs" / "7", "float16")) == expected
+    with pytest.raises(PolyampValueError, match=r"subdirectories \['7'\].*pass one of them"):
+        polyamp.check_hazards(tmp_path / "runs")
+    with pytest.raises(PolyampValueError, match=r"No tensor reader opens the directory .*orbax|_METADATA"):
+        polyamp.check_hazards(tmp_path)
+    assert main(["doctor", "--framework", "jax", "--check", str(tmp_path / "item"), "--policy", "float16"]) == 1
 
 
 # --- the command line -------------------------------------------------------------------------------------

@@ -463,7 +463,7 @@ def test_guard_of_the_keras_optimizer_under_a_one_replica_mirrored_strategy(func
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-        optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.Adam(0.01), enabled=None)
+        optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.Adam(0.01), enabled=False, guard=True)
         optimizer.build(model.trainable_variables)
 
     def step(x: Any, y: Any, bad: Any) -> None:

@@ -503,7 +503,59 @@ def test_fit_trains_with_the_optimizer(policy: str) -> None:
         history = model.fit(x, y, epochs=3, batch_size=16, verbose=0, callbacks=[polyamp_keras.LossScaleCallback()])
     losses = history.history["loss"]
     assert losses[-1] < losses[0] and all(math.isfinite(v) for v in losses)
-    assert history.history["loss_scale"][-1] == 65536.0 and history.history["skipped_steps"][-1] == 0
+    # Under bfloat16 it follows the policy, as every polyamp scaler does: no scaling (scale 1.0), the guard on.
+    expected_scale = 65536.0 if policy == "mixed_float16" else 1.0
+    assert history.history["loss_scale"][-1] == expected_scale and history.history["skipped_steps"][-1] == 0
+
+
+def test_the_state_variables_answer_before_the_optimizer_is_built() -> None:
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), growth_interval=5, hysteresis=2)
+    optimizer.load_state_dict({**optimizer.state_dict(), "scale": 1024.0, "_growth_tracker": 3})
+    names = ("dynamic_scale", "step_counter", "hysteresis_left", "skipped_steps")
+
+    def read() -> list[Any]:
+        return [ops.convert_to_numpy(getattr(optimizer, name)).item() for name in names]
+
+    assert not optimizer.built and read() == [1024.0, 3, 2, 0] == [optimizer.get_scale(), 3, 2, 0]
+    model = _model()
+    seen: list[list[Any]] = []
+
+    class Watch(keras.callbacks.Callback):  # a user's callback reads them before the first step
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            if batch == 0:  # (Keras on JAX holds no variable's value during later batches, `iterations` neither)
+                seen.append([float(optimizer.dynamic_scale), int(optimizer.skipped_steps), int(optimizer.iterations)])
+
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data(0)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[Watch()])
+    assert seen == [[1024.0, 0, 0]]
+    # Built: Keras's variables, holding what the attributes answered before.
+    assert all(isinstance(getattr(optimizer, name), keras.Variable) for name in names)
+    assert read() == [2048.0, 0, 2, 0]  # two finite steps: the tracker reached 5 and the scale grew
+    assert optimizer.dynamic_scale in optimizer.variables and optimizer.skipped_steps in optimizer.variables
+
+
+def test_non_finite_variables_behind_a_run_of_skips_are_named(caplog: Any) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="polyamp")
+    model = _model()
+    optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    optimizer.build(model.trainable_variables)
+    with polyamp.policy_scope("mixed_bfloat16"):  # the guard: no scaling, non-finite steps skipped
+        _step(model, optimizer, *_data(0))
+        kernel = model.layers[-1].kernel
+        kernel.assign(ops.scatter_update(kernel.value, [[2, 1]], ops.convert_to_tensor([math.nan])))
+        for step in range(1, 4):
+            _step(model, optimizer, *_data(step))
+    assert [r.reason for r in optimizer.records()] == [None, "non_finite", "non_finite", "non_finite"]
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "polyamp" and "parameters themselves hold inf or NaN" in r.getMessage()
+    ]
+    assert len(warnings) == 1 and "since iteration 1" in warnings[0]
+    assert f"{kernel.path} (1 NaN of 24)" in warnings[0] and "dense/kernel " not in warnings[0]
 
 
 def test_save_and_load_keep_scale_counters_and_settings(tmp_path: Path) -> None:

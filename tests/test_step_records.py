@@ -324,3 +324,105 @@ def test_record_writer_puts_the_records_in_tensorboard(tmp_path: Any) -> None:
     assert [e.step for e in events.Tensors("polyamp/skip/text_summary")] == [1]
     with pytest.raises(polyamp.PolyampTypeError, match="add_scalar/add_text"):
         polyamp_torch.RecordWriter(scaler, object())
+
+
+# -- parameters that hold inf or NaN: every step skipped, and the records say why -----------------------------
+
+
+def _parameter_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [m for m in _polyamp_messages(caplog, logging.WARNING) if "parameters themselves hold inf or NaN" in m]
+
+
+def test_torch_non_finite_parameters_are_named_once_the_skips_run_on(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.INFO, logger="polyamp")
+    model = _model()
+    opt = torch.optim.Adam(model.named_parameters(), lr=0.01)
+    scaler = polyamp.LossScaler()
+    checks: list[int] = []
+    device = polyamp_torch._device.TorchDevice
+    check = device.non_finite_parameters
+    monkeypatch.setattr(device, "non_finite_parameters", lambda self, o: checks.append(step) or check(self, o))
+    with polyamp.policy_scope("mixed_bfloat16"):
+        for step in range(12):
+            if step == 5:  # what an overflowed optimizer state leaves: a parameter that is NaN
+                with torch.no_grad():
+                    model[2].weight[1, 3] = math.nan
+            x, y = _batch(step)
+            opt.zero_grad()
+            with polyamp_torch.autocast():
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            if step == 2:  # a bad batch: one skip, the parameters are fine
+                model[0].bias.grad[0] = math.inf
+            scaler.step(opt)
+            scaler.update()
+    assert [r.iteration for r in scaler.records() if r.skipped] == [2, *range(5, 12)]
+    # Checked once, when the run of skips reached two iterations; the single skip cost no check.
+    assert checks == [6]
+    (warning,) = _parameter_warnings(caplog)
+    assert warning.startswith(
+        "polyamp: every step since iteration 5 was skipped because the parameters themselves hold inf or NaN: "
+        "2.weight (1 NaN of 64)."
+    )
+    assert "Restore the last checkpoint saved before iteration 5" in warning
+    lines = [m for m in _polyamp_messages(caplog, logging.WARNING) if "step skipped" in m]
+    assert "point at the data" in lines[0] and "iteration 2:" in lines[0]  # the bad batch: the data's
+    assert "point at the data" in lines[1] and "iteration 5:" in lines[1]  # read alone, before the run showed
+    assert all("the parameters hold inf or NaN (2.weight)" in m and "point at the data" not in m for m in lines[2:])
+
+
+def test_tensorflow_non_finite_variables_are_named_when_the_records_are_read(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tf = pytest.importorskip("tensorflow")
+    caplog.set_level(logging.INFO, logger="polyamp")
+    kernel, bias = tf.Variable([[1.0], [2.0]], name="kernel"), tf.Variable([0.5], name="bias")
+    opt = tf.keras.optimizers.SGD(0.01)
+    scaler = polyamp.LossScaler(enabled=True, backend="tensorflow", growth_interval=100)
+
+    @tf.function
+    def step(x: Any) -> None:
+        with tf.GradientTape() as tape:
+            scaled = scaler.scale(tf.reduce_sum(tf.square(tf.matmul(x, kernel) + bias)))
+        scaler.apply_gradients(opt, zip(tape.gradient(scaled, [kernel, bias]), [kernel, bias]))
+
+    for _ in range(3):
+        step(tf.ones((1, 2)))
+    kernel.assign([[math.inf], [2.0]])
+    for _ in range(4):
+        step(tf.ones((1, 2)))
+    records = scaler.records()  # one read: the run of skips is seen whole
+    assert [r.reason for r in records] == [None] * 3 + ["overflow"] * 4
+    (warning,) = _parameter_warnings(caplog)
+    assert "since iteration 3" in warning and "kernel:0 (1 inf of 2)" in warning and "bias" not in warning
+
+
+def test_jax_non_finite_parameters_are_named_given_the_parameters(caplog: pytest.LogCaptureFixture) -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    optax = pytest.importorskip("optax")
+    import polyamp_jax
+
+    caplog.set_level(logging.INFO, logger="polyamp")
+    params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.zeros(2)}}
+    tx = polyamp_jax.loss_scaled(optax.sgd(0.1), enabled=False, guard=True)
+    state = tx.init(params)
+
+    def step(params: Any, state: Any) -> tuple[Any, Any]:
+        grads = {"dense": {"kernel": params["dense"]["kernel"] * 2.0, "bias": params["dense"]["bias"] + 1.0}}
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params, state = step(params, state)
+    params = {"dense": {**params["dense"], "kernel": params["dense"]["kernel"].at[0, 1].set(jnp.nan)}}
+    for _ in range(3):
+        params, state = step(params, state)
+    assert [r.reason for r in polyamp_jax.records(state)] == [None, "non_finite", "non_finite", "non_finite"]
+    assert _parameter_warnings(caplog) == []  # without the parameters, nothing to check
+    again = tx.init(params)
+    for _ in range(3):
+        _, again = step(params, again)
+    polyamp_jax.records(again, params)
+    (warning,) = _parameter_warnings(caplog)
+    assert "since iteration 0" in warning and "dense/kernel (1 NaN of 4)" in warning

@@ -347,17 +347,23 @@ def test_gradient_accumulation_drops_overflowing_micro_batches() -> None:
     assert int(optimizer.iterations.numpy()) == 1 and int(optimizer.skipped_steps.numpy()) == 1
 
 
-def test_enabled_by_default_like_keras_and_following_the_policy_with_none() -> None:
-    polyamp.set_policy("mixed_bfloat16")
-    assert polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.SGD()).enabled  # Keras's own always scales
-    polyamp.set_policy("float32")
-    following = polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.SGD(), enabled=None)
-    assert not following.enabled
-    keras.mixed_precision.set_global_policy("mixed_float16")  # the Keras way, no polyamp policy
-    try:
-        assert following.enabled
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+def test_follows_the_policy_by_the_rule_of_every_scaler_and_scales_under_float32_as_keras_does() -> None:
+    optimizer = polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.SGD())
+    scaler = polyamp.LossScaler()
+    assert optimizer.enabled_setting is None and optimizer.get_config()["enabled"] is None
+    seen = {}
+    for policy in ("mixed_float16", "mixed_bfloat16", "float32"):
+        with polyamp.policy_scope(policy):
+            seen[policy] = (optimizer.enabled, optimizer.scaler.guarding, scaler.enabled)
+    # As polyamp.LossScaler under mixed precision (the guard under bfloat16); under float32, which names no mixed
+    # precision, it scales, as Keras's own LossScaleOptimizer always does.
+    assert seen == {
+        "mixed_float16": (True, False, True),
+        "mixed_bfloat16": (False, True, False),
+        "float32": (True, False, False),
+    }
+    with polyamp.policy_scope("mixed_bfloat16"):  # given explicitly, the setting wins
+        assert polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.SGD(), enabled=True).enabled
 
 
 def test_bfloat16_policy_disables_scaling() -> None:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +23,8 @@ keras = pytest.importorskip("keras")
 import polyamp  # noqa: E402
 import polyamp_tensorflow  # noqa: E402
 from polyamp import BackendMismatchError, PolyampTypeError, ScalerUsageError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
@@ -119,6 +126,28 @@ def test_skipped_step_changes_no_variable_slot_or_iteration() -> None:
     after = [keras.ops.convert_to_numpy(v) for v in [w, *optimizer.variables]]
     assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
     assert bool(scaler.step_skipped()) and int(optimizer.iterations.numpy()) == 1
+
+
+def test_skipped_steps_is_a_snapshot_that_later_skips_leave_alone() -> None:
+    scaler = polyamp.LossScaler(growth_interval=10)
+    w = tf.Variable([1.0, 2.0])
+    optimizer = keras.optimizers.SGD(0.1)
+
+    def step(bad: Any) -> Any:
+        with tf.GradientTape() as tape:
+            scaled = scaler.scale(tf.reduce_sum(w) * bad)
+        scaler.apply_gradients(optimizer, zip(tape.gradient(scaled, [w]), [w]))
+        return scaler.skipped_steps()
+
+    compiled = tf.function(step)
+    kept = [step(tf.constant(math.inf)), compiled(tf.constant(math.inf)), step(tf.constant(1.0))]
+    counts = [scaler.skipped_steps(), tf.function(scaler.skipped_steps)()]
+    step(tf.constant(math.inf))
+    # Each value is the count when it was read: a tensor, not the counter's variable, so a later skip leaves it.
+    assert all(tf.is_tensor(value) and not isinstance(value, tf.Variable) for value in kept + counts)
+    assert [int(value) for value in kept] == [1, 2, 2]
+    assert [int(value) for value in counts] == [2, 2]
+    assert int(scaler.skipped_steps()) == 3
 
 
 def test_unscale_clip_apply_moves_by_the_clipped_true_gradient() -> None:
@@ -506,3 +535,70 @@ def test_a_loss_scale_optimizer_step_counts_with_assign_add_and_keeps_the_tracke
     assert int(optimizer.step_counter.numpy()) == 3
     if optimizer_kind == "polyamp":
         assert [r.skipped for r in optimizer.records()] == [False, False, False]
+
+
+def test_the_getting_started_loop_binds_inside_tf_function_without_an_autograph_warning(
+    tmp_path: Path, run_bounded: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
+    # The page's loop, run from a file as a reader runs it (AutoGraph converts only code whose source it can
+    # read): its LossScaler binds to TensorFlow inside the first trace of the tf.function.
+    page = (ROOT / "docs" / "getting-started" / "tensorflow.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, flags=re.DOTALL)
+    assert code is not None and "polyamp.LossScaler()" in code.group(1)
+    script = tmp_path / "getting_started.py"
+    script.write_text(code.group(1))
+    paths = [str(ROOT), *(str(ROOT / "backends" / name) for name in ("torch", "tensorflow", "keras", "jax"))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
+    result = run_bounded([sys.executable, str(script)], cwd=tmp_path, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "AutoGraph" not in output and "do_not_convert" not in output, output[-3000:]
+
+
+def test_a_checkpoint_saves_and_restores_the_whole_scaler_into_a_fresh_one(tmp_path: Path) -> None:
+    settings = dict(init_scale=1024.0, growth_interval=3, hysteresis=2, min_scale=2.0)
+    scaler = polyamp_tensorflow.TensorFlowLossScaler(**settings, spike=polyamp.SpikeRule("loss", window=4, warmup=2))
+    w = tf.Variable([1.0, 2.0])
+    optimizer = keras.optimizers.SGD(0.01)
+
+    @tf.function
+    def step(bad: Any) -> None:
+        with tf.GradientTape() as tape:
+            scaled = scaler.scale(tf.reduce_sum(w * w) * bad)
+        scaler.apply_gradients(optimizer, zip(tape.gradient(scaled, [w]), [w]))
+
+    for char in "FOFFOF":
+        step(tf.constant(math.inf if char == "O" else 1.0))
+    checkpoint = tf.train.Checkpoint(w=w, optimizer=optimizer, scaler=scaler)
+    manager = tf.train.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=2)
+    manager.save()
+    saved, skipped = scaler.state_dict(), int(scaler.skipped_steps())
+    expected = polyamp.LossScaleConfig(**settings).states("FOFFOF")[-1]
+    assert (saved["scale"], saved["_growth_tracker"], saved["hysteresis_left"]) == (
+        expected.scale,
+        expected.growth_tracker,
+        expected.hysteresis_left,
+    )
+    assert skipped == 2 and len(saved["spike_window"]) == 4
+
+    fresh = polyamp_tensorflow.TensorFlowLossScaler(spike=polyamp.SpikeRule("loss", window=4, warmup=2))
+    restored = tf.train.Checkpoint(w=tf.Variable([0.0, 0.0]), optimizer=keras.optimizers.SGD(0.01), scaler=fresh)
+    restored.restore(tf.train.CheckpointManager(restored, str(tmp_path), max_to_keep=2).latest_checkpoint)
+    # Settings, scale, counters and spike window as saved, and the count of skipped steps.
+    assert fresh.state_dict() == saved and fresh.config == scaler.config
+    assert int(fresh.skipped_steps()) == skipped
+
+
+def test_a_checkpoint_restore_follows_the_state_dict_rules(tmp_path: Path) -> None:
+    disabled = polyamp_tensorflow.TensorFlowLossScaler(enabled=False)
+    path = tf.train.Checkpoint(scaler=disabled).save(str(tmp_path / "disabled"))
+    scaler = polyamp_tensorflow.TensorFlowLossScaler(init_scale=512.0)
+    before = scaler.state_dict()
+    with pytest.raises(polyamp.StateDictError, match="saved from a disabled LossScaler"):
+        tf.train.Checkpoint(scaler=scaler).restore(path)
+    assert scaler.state_dict() == before and int(scaler.skipped_steps()) == 0
+    # A variable saved under the name: refused, the scaler unchanged.
+    other = tf.train.Checkpoint(scaler=tf.Variable(1.0)).save(str(tmp_path / "other"))
+    with pytest.raises(polyamp.StateDictError, match="not the JSON its save wrote"):
+        tf.train.Checkpoint(scaler=scaler).restore(other).expect_partial()
+    assert scaler.state_dict() == before

@@ -47,6 +47,7 @@ __all__ = [
     "ImperativeGuardingDevice",
     "ImperativeProvenanceDevice",
     "OwnScalingDevice",
+    "ParameterCheckDevice",
     "ProcessGroupDevice",
     "ProvenanceDevice",
     "RecordingDevice",
@@ -277,6 +278,18 @@ class ImperativeProvenanceDevice(Protocol):
 
     def non_finite_gradients(self, optimizer: Any) -> list[GradientCounts]:
         """Counts per gradient of ``optimizer``."""
+        ...
+
+
+@runtime_checkable
+class ParameterCheckDevice(Protocol):
+    """Optional: which parameters hold inf or NaN, asked on the host once per run of consecutive skipped
+    iterations (a skipped step never changes them, so such parameters skip every later step; the core says
+    so, `polyamp._src.skip_streak`)."""
+
+    def non_finite_parameters(self, optimizers: Sequence[Any]) -> list[GradientCounts]:
+        """Counts per parameter stepped through ``optimizers`` (the optimizers this scaler stepped; a device that
+        keeps the variables it applied may use those instead), read in one host transfer."""
         ...
 
 

@@ -7,7 +7,7 @@ core consults the frozen record from then on and never probes a device for a met
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,6 +24,7 @@ from polyamp._src.backend import (
     ImperativeGuardingDevice,
     ImperativeProvenanceDevice,
     OwnScalingDevice,
+    ParameterCheckDevice,
     ProcessGroupDevice,
     ProvenanceDevice,
     RecordingDevice,
@@ -74,6 +75,7 @@ class DeviceCapabilities:
             not fused is decided on the host).
         apply_and_advance: `AdvancingTapeDevice.apply_and_advance` (tape only), or None (``apply``, then
             ``update``).
+        non_finite_parameters: `ParameterCheckDevice.non_finite_parameters`, or None.
     """
 
     style: LoopStyle
@@ -94,6 +96,7 @@ class DeviceCapabilities:
     unscale_and_clip_values: Callable[..., Any] | None = None
     step_on_device: Callable[..., Any] | None = None
     apply_and_advance: Callable[..., Any] | None = None
+    non_finite_parameters: Callable[[Sequence[Any]], list[Any]] | None = None
 
     @classmethod
     def of(cls, device: ScalerDevice, backend: str) -> DeviceCapabilities:
@@ -138,6 +141,7 @@ class DeviceCapabilities:
             apply_and_advance=(
                 device.apply_and_advance if not imperative and isinstance(device, AdvancingTapeDevice) else None
             ),
+            non_finite_parameters=(device.non_finite_parameters if isinstance(device, ParameterCheckDevice) else None),
         )
 
 

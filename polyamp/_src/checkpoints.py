@@ -29,6 +29,7 @@ from polyamp._src.errors import CheckpointError, PolyampTypeError, PolyampValueE
 
 __all__ = [
     "CHUNK_BYTES",
+    "CORRUPT_FILE",
     "DEFAULT_MAX_BYTES",
     "MAX_CONFIG_BYTES",
     "MAX_SAFETENSORS_HEADER_BYTES",
@@ -76,7 +77,9 @@ SAFETENSORS_BITS: Final = {
     "U64": 64,
 }
 
-_RETRY = "The file is corrupt or truncated: re-download or re-save it."
+#: What every reader says of a file it cannot read as its format: the same advice for every format.
+CORRUPT_FILE: Final = "The file is corrupt or truncated: re-download or re-save it."
+_RETRY = CORRUPT_FILE
 
 
 def format_bytes(count: int) -> str:

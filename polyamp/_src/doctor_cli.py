@@ -99,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--check",
         metavar="PATH",
-        help="checkpoint to check for hazards (.pt/.pth/.bin/.ckpt, .safetensors, .keras, .weights.h5)",
+        help="checkpoint to check for hazards (.pt/.pth/.bin/.ckpt, .safetensors, .keras, .weights.h5, .npz, or an "
+        "orbax checkpoint directory)",
     )
     parser.add_argument(
         "--policy",

@@ -18,22 +18,36 @@ def check_enabled(enabled: object) -> bool | None:
     return enabled
 
 
-def resolve_enabled(enabled: bool | None, policy: Policy | None = None, *, float16_in_use: bool = False) -> bool:
-    """Whether a scaler with setting ``enabled`` scales now.
+def resolve_enabled(
+    enabled: bool | None,
+    policy: Policy | None = None,
+    *,
+    float16_in_use: bool = False,
+    scales_under_float32: bool = False,
+) -> bool:
+    """Whether a scaler with setting ``enabled`` scales now: the one rule of every polyamp scaler.
 
-    An explicit bool wins. ``None`` follows the policy in effect (``polyamp.get_policy()`` unless ``policy`` is
-    given) at the moment the scaler is used, each iteration anew: scaling is on when the policy computes in
-    float16 with float32 parameters (``"mixed_float16"``), or, under a float32 policy (polyamp's default),
-    when the backend reports float16 computation outside polyamp's global policy (``float16_in_use``: e.g.
-    ``polyamp_torch.autocast`` given an explicit float16 policy, or Keras's own global policy). bfloat16 has
-    float32's range and needs no scaling.
+    An explicit bool wins. ``None`` (the default of `polyamp.LossScaler`, ``polyamp_jax.loss_scaled`` and Keras's
+    ``LossScaleOptimizer``) follows the policy in effect (``polyamp.get_policy()`` unless ``policy`` is given) at
+    the moment the scaler is used, each iteration anew:
 
-    A policy that keeps float16 *parameters* (``"float16"``) leaves scaling off with a warning: unscaled
-    float16 gradients underflow and overflow, so loss scaling needs float32 master parameters.
+    * float16 compute with float32 parameters (``"mixed_float16"``): on;
+    * bfloat16 compute (``"mixed_bfloat16"`` and the like): off, whatever else is seen (bfloat16 has float32's
+      range and needs no scaling; the guard checks the gradients instead);
+    * float16 *parameters* (``"float16"``): off, with a warning: unscaled float16 gradients underflow and
+      overflow, so loss scaling needs float32 master parameters;
+    * a float32 policy (polyamp's default, which names no mixed precision): on when the backend reports float16
+      computation outside polyamp's global policy (``float16_in_use``: e.g. ``polyamp_torch.autocast`` given an
+      explicit float16 policy, or Keras's own global policy), or when the scaler stands for a framework's class
+      that always scales (``scales_under_float32``: Keras's ``LossScaleOptimizer``, as Keras's own).
 
     >>> from polyamp import Policy
     >>> resolve_enabled(None, Policy("mixed_float16")), resolve_enabled(None, Policy("mixed_bfloat16"))
     (True, False)
+    >>> resolve_enabled(None, Policy("float32")), resolve_enabled(None, Policy("float32"), scales_under_float32=True)
+    (False, True)
+    >>> resolve_enabled(None, Policy("mixed_bfloat16"), scales_under_float32=True)
+    False
     >>> resolve_enabled(False, Policy("mixed_float16"))
     False
     """
@@ -54,4 +68,4 @@ def resolve_enabled(enabled: bool | None, policy: Policy | None = None, *, float
             )
             return False
         return True
-    return float16_in_use
+    return float16_in_use or scales_under_float32

@@ -38,6 +38,7 @@ from polyamp._src.provenance import non_finite_gradients
 from polyamp._src.records import DEFAULT_HISTORY, MODE_CODES, Recorder, StepRecord
 from polyamp._src.run_records import RunBooks
 from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
+from polyamp._src.skip_streak import ParameterCheck
 from polyamp._src.spikes import SpikeRule
 from polyamp._src.state_dict import (
     is_disabled_torch_state,
@@ -557,7 +558,7 @@ class FunctionalLossScaler:
         """How many steps were skipped (non-finite gradients and spikes), as the framework's integer scalar."""
         return self._device.skipped_count(self._scaler(state, "skipped_steps()"))
 
-    def records(self, state: Any) -> list[StepRecord]:
+    def records(self, state: Any, *, check_parameters: ParameterCheck | None = None) -> list[StepRecord]:
         """The most recent iterations' records (at most ``history``), oldest first, as `polyamp.StepRecord`:
         skipped or not, why, the mode, and the scale replayed from the config, as `polyamp.LossScaler.records`
         gives them (empty when the device keeps no records).
@@ -573,6 +574,10 @@ class FunctionalLossScaler:
         beside the training loop) take each code into the records once, so each skip is logged and a collapse
         warned once.
 
+        ``check_parameters``: counts of the parameters' non-finite values, ``(name, +inf, -inf, NaN, size)`` each,
+        asked once per run of skipped iterations; when some hold inf or NaN, a warning says that they, not the
+        data, skip every step (`polyamp.LossScaler.records` asks its device the same).
+
         Raises:
             ScaleCollapseError: with ``on_min_scale="raise"``, a record shows the scale reaching its floor.
         """
@@ -587,7 +592,9 @@ class FunctionalLossScaler:
         device = cast(FunctionalRecordingDevice, self._device)
         run = device.ring_run(state["ring"]) if isinstance(device, FunctionalRunDevice) else None
         count, codes = device.ring_read(state["ring"])
-        return self._books.read(run, count, codes, self._scale_rule, lambda: self.read(state), provenance)
+        return self._books.read(
+            run, count, codes, self._scale_rule, lambda: self.read(state), provenance, check_parameters
+        )
 
     def state_dict(self, state: Any) -> dict[str, Any]:
         """A state dict interchangeable with `polyamp.LossScaler.state_dict`'s (the spike window and its run

@@ -20,7 +20,8 @@ rotary_buffer      warning   low-precision policy and the name contains ``inv_fr
                              word starting with ``rope`` (at the start or after a non-letter), ignoring case
 norm_statistics    warning   low-precision *parameter* dtype (``"float16"``, ``"bfloat16"`` and specs like
                              them) and the name's last part is ``running_mean``, ``running_var``,
-                             ``moving_mean`` or ``moving_variance``
+                             ``moving_mean`` or ``moving_variance``, or ``mean`` or ``var`` under a
+                             ``batch_stats`` part (Flax's batch statistics)
 =================  ========  ==============================================================================
 
 A tensor can raise several hazards (one per rule). Under mixed policies parameters and buffers stay float32,
@@ -30,18 +31,15 @@ the positions in the compute dtype.
 
 from __future__ import annotations
 
-import inspect
 import math
-import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
-from polyamp._src.checkpoints import DEFAULT_MAX_BYTES, check_max_bytes
-from polyamp._src.errors import CheckpointError, PolyampError, PolyampTypeError, PolyampValueError, describe
+from polyamp._src.checkpoints import DEFAULT_MAX_BYTES
 from polyamp._src.policy import Policy, PolicyLike
+from polyamp._src.tensor_reading import TensorSummary, read_tensors, summary_of
 
 __all__ = [
     "FLOAT16_MAX",
@@ -71,22 +69,6 @@ HAZARD_KINDS: Final = {
 _ROTARY: Final = re.compile(r"inv_freq|rotary|(?:^|[^a-z])rope", re.IGNORECASE)
 _NORM_STATISTICS: Final = frozenset({"running_mean", "running_var", "moving_mean", "moving_variance"})
 _LOW: Final = frozenset({"float16", "bfloat16"})
-
-
-class TensorSummary(NamedTuple):
-    """What the hazard rules need to know about one tensor, as a backend's ``tensor_reader`` reports it.
-
-    Attributes:
-        name: The tensor's full name: a state-dict key (``"encoder.0.weight"``) or a Keras variable path
-            (``"dense/kernel"``).
-        dtype: The framework's dtype name without prefix: ``"float32"``, ``"bfloat16"``, ``"int64"``, ``"bool"``.
-        max_abs: max |w| over the tensor as a Python float (NaN if it holds a NaN, 0.0 if empty), or None for
-            tensors that are not floating.
-    """
-
-    name: str
-    dtype: str
-    max_abs: float | None
 
 
 @dataclass(frozen=True)
@@ -162,7 +144,7 @@ def find_hazards(tensors: Iterable[TensorSummary | tuple[str, str, float | None]
     low_dtype = resolved.compute_dtype if resolved.compute_dtype in _LOW else resolved.param_dtype
     found: list[Hazard] = []
     for item in tensors:
-        name, dtype, max_abs = _summary(item)
+        name, dtype, max_abs = summary_of(item)
         if not _is_floating(dtype):
             continue
 
@@ -203,7 +185,7 @@ def find_hazards(tensors: Iterable[TensorSummary | tuple[str, str, float | None]
                 f"whose {'8' if low_dtype == 'bfloat16' else '11'}-bit significand puts them off by whole radians "
                 f"at positions in the thousands. Keep the buffer and the angles in float32: {keep}.",
             )
-        if low_params and name.replace("/", ".").rpartition(".")[2] in _NORM_STATISTICS:
+        if low_params and _is_norm_statistic(name):
             hazard(
                 "norm_statistics",
                 "warning",
@@ -215,127 +197,9 @@ def find_hazards(tensors: Iterable[TensorSummary | tuple[str, str, float | None]
     return found
 
 
-def _summary(item: object) -> tuple[str, str, float | None]:
-    if isinstance(item, tuple) and len(item) == 3:
-        name, dtype, max_abs = item
-        if (
-            isinstance(name, str)
-            and isinstance(dtype, str)
-            and (max_abs is None or (isinstance(max_abs, (int, float)) and not isinstance(max_abs, bool)))
-        ):
-            return name, dtype, None if max_abs is None else float(max_abs)
-    raise PolyampTypeError(
-        "find_hazards() takes (name, dtype, max_abs) triples: a str, a dtype name such as 'float32', and a float "
-        f"or None. Received: {describe(item)}."
-    )
-
-
-def _suffixes() -> dict[str, str]:
-    """Every checkpoint suffix a registered tensor reader opens, mapped to its backend's name."""
-    from polyamp._src.registry import backend_specs
-
-    return {
-        suffix.lower(): spec.name
-        for spec in backend_specs().values()
-        if spec.tensor_reader is not None
-        for suffix in spec.checkpoint_suffixes
-    }
-
-
-def _backend_for_object(obj: object) -> str | None:
-    from polyamp._src.registry import owner_of_module
-
-    if isinstance(obj, Mapping):
-        for value in obj.values():
-            owner = _backend_for_object(value)
-            if owner is not None:
-                return owner
-        return None
-    for klass in type(obj).__mro__:
-        owner = owner_of_module(klass.__module__)
-        if owner is not None:
-            return owner
-    return None
-
-
-def _accepts_max_bytes(reader: Any) -> bool:
-    try:
-        parameters = inspect.signature(reader).parameters.values()
-    except (TypeError, ValueError):  # a builtin or C function without a signature
-        return False
-    return any(p.name == "max_bytes" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-
-
-def read_tensors(state_or_path: object, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[TensorSummary]:
-    """The `TensorSummary` of every tensor in a checkpoint file, model or state dict, read by its backend.
-
-    ``state_or_path`` is a path (``str`` or ``os.PathLike``) whose suffix a backend's reader opens (PyTorch:
-    ``.pt``, ``.pth``, ``.bin``, ``.ckpt``, ``.safetensors``; Keras: ``.keras``, ``.weights.h5``), or an object of a
-    framework with a reader (a ``torch.nn.Module`` or state dict, a Keras model or layer). Reading imports only
-    that backend's framework.
-
-    Args:
-        state_or_path: The checkpoint path, model or state dict.
-        max_bytes: For a file, the most bytes its tensors may declare in all (a ``.keras`` archive: its members
-            uncompressed); a file declaring more is refused before anything is read. Readers compute max |w|
-            over blocks of a few MiB, so a compressed file is never inflated whole (what ``torch.load`` or
-            ``keras.saving.load_model`` materializes is theirs). Ignored for objects in memory.
-
-    Returns:
-        One summary per tensor, in the reader's order.
-
-    Raises:
-        PolyampValueError: no file at the path, or no reader for its suffix.
-        CheckpointError: the file cannot be read (corrupt, truncated, holding what the reader does not
-            handle), or it declares more than ``max_bytes``; the message names the file and the reason.
-        PolyampTypeError: no reader handles the object's framework, or ``max_bytes`` is not an int.
-        BackendNotInstalledError: the reader's framework (or ``safetensors``) is not installed.
-    """
-    from polyamp._src.registry import backend_specs, load_target
-
-    max_bytes = check_max_bytes(max_bytes)
-    path: Path | None = None
-    if isinstance(state_or_path, (str, os.PathLike)):
-        path = Path(state_or_path)
-        suffixes = _suffixes()
-        matches = [s for s in suffixes if path.name.lower().endswith(s)]
-        if not matches:
-            raise PolyampValueError(
-                f"No tensor reader opens {str(path)!r}: the known suffixes are {', '.join(sorted(suffixes))}. "
-                "Rename the file to its format's suffix, or load it yourself and pass the model or state dict."
-            )
-        if not path.is_file():
-            raise PolyampValueError(f"No file at {str(path)!r}. Pass the path of a checkpoint file.")
-        backend = suffixes[max(matches, key=len)]
-        source: object = path
-    else:
-        found = _backend_for_object(state_or_path)
-        readers = sorted(name for name, spec in backend_specs().items() if spec.tensor_reader is not None)
-        if found is None or backend_specs()[found].tensor_reader is None:
-            raise PolyampTypeError(
-                "check_hazards() takes a checkpoint path, or a model or state dict of a framework with a tensor "
-                f"reader ({', '.join(readers)}). Received: {describe(state_or_path)}."
-            )
-        backend = found
-        source = state_or_path
-    spec = backend_specs()[backend]
-    assert spec.tensor_reader is not None
-    reader = load_target(
-        spec.tensor_reader, backend=spec.name, install_hint=spec.install_hint, frameworks=spec.frameworks
-    )
-    if path is None:
-        return [TensorSummary(*_summary(tuple(item))) for item in reader(source)]
-    try:
-        items = reader(source, max_bytes=max_bytes) if _accepts_max_bytes(reader) else reader(source)
-        return [TensorSummary(*_summary(tuple(item))) for item in items]
-    except PolyampError:
-        raise
-    except Exception as exc:  # whatever a framework raises on a file it cannot read
-        raise CheckpointError(
-            f"Cannot read the checkpoint {str(path)!r}: the {spec.name} reader failed with "
-            f"{type(exc).__name__}: {exc}. The file is corrupt, truncated or holds what polyamp does not read: "
-            "re-save it, or load it yourself and pass the model or state dict."
-        ) from exc
+def _is_norm_statistic(name: str) -> bool:
+    parts = name.replace("/", ".").split(".")
+    return parts[-1] in _NORM_STATISTICS or (parts[-1] in ("mean", "var") and "batch_stats" in parts[:-1])
 
 
 def check_hazards(
@@ -350,10 +214,12 @@ def check_hazards(
 
     Args:
         state_or_path: A checkpoint path (``.pt``/``.pth``/``.bin``/``.ckpt`` read with
-            ``torch.load(weights_only=True)``, a state dict or a dict holding one under ``"state_dict"`` or
-            ``"model"``; ``.safetensors`` with the ``safetensors`` package; ``.keras`` / ``.weights.h5`` with
-            Keras), or an in-memory ``torch.nn.Module`` (parameters and all buffers, non-persistent ones
-            included), torch state dict, or Keras model or layer.
+            ``torch.load(weights_only=True)``, a state dict or a dict holding one under ``"state_dict"``,
+            ``"model"`` or ``"model_state_dict"``; ``.safetensors`` with the ``safetensors`` package; ``.keras`` /
+            ``.weights.h5`` with Keras; ``.npz`` with NumPy; an orbax checkpoint directory with orbax), or an
+            in-memory ``torch.nn.Module`` (parameters and all buffers, non-persistent ones included), torch state
+            dict, Keras model or layer, JAX pytree (a Flax params dict, an NNX module or state), or nested dicts
+            and lists of NumPy arrays.
         policy: The policy to check against: a `polyamp.Policy`, a name (``"auto"`` included) or a spec. None:
             the policy in effect (`polyamp.get_policy`).
         max_bytes: For a file, the most tensor bytes it may declare in all (a ``.keras`` archive: its members

@@ -201,6 +201,11 @@ class LossScaler(GradScalerSpelling, Pickled):
     positional_arguments: ClassVar[tuple[str, ...]] = LossScaleConfig.setting_names()[:4]
     #: The value of ``enabled`` when it is not given.
     default_enabled: ClassVar[bool | None] = None
+    #: Whether a scaler of this class that follows the policy (``enabled=None``) scales under a float32 policy,
+    #: which names no mixed precision (`polyamp.backend_api.resolve_enabled`): False here (it scales then only
+    #: where the backend reports float16 compute); True in a class standing for a framework's own class that
+    #: always scales (the one Keras's ``LossScaleOptimizer`` runs).
+    scales_under_float32: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -357,7 +362,7 @@ class LossScaler(GradScalerSpelling, Pickled):
         self._adapter_device = given is not None
         self._compiling = capabilities.compiling
         self._replica = capabilities.replica
-        self._history.bind(device, capabilities)
+        self._history.bind(device, capabilities, self._outcomes.optimizers)
         if capabilities.spike:
             self._spikes.bind(device)  # type: ignore[arg-type]  # a SpikeDevice
         return device
@@ -433,7 +438,7 @@ class LossScaler(GradScalerSpelling, Pickled):
             return self._enabled_setting
         hint = None if self._capabilities is None else self._capabilities.float16_in_use
         in_use = bool(hint(since_last_iteration=starting, loss=loss)) if hint is not None else False
-        return resolve_enabled(None, float16_in_use=in_use)
+        return resolve_enabled(None, float16_in_use=in_use, scales_under_float32=self.scales_under_float32)
 
     def _begin(self, loss: Any = None, iteration: Iteration | None = None) -> bool:
         """Whether this iteration scales, decided at its first call (``loss``: the loss it starts from, when it

@@ -29,6 +29,7 @@ from typing import Final, Literal, TypeVar
 from polyamp._src.errors import PolyampError, PolyampValueError, describe
 from polyamp._src.provenance import NonFiniteGradient
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
+from polyamp._src.skip_streak import ParameterCheck, SkipStreak
 
 __all__ = [
     "LOGGED_SKIPS",
@@ -304,6 +305,7 @@ class Recorder:
         self._collapsed = False  # inside a collapse episode (warned once; re-armed when the scale grows)
         self._skip_counts: dict[str, int] = {}  # skipped steps by reason, for the rate limit of their log lines
         self._quiet_since: dict[str, int] = {}  # by reason: the first iteration skipped since its last line
+        self.streak = SkipStreak()  # the run of skips the records end with, and non-finite parameters behind it
         #: Held while entries are consumed (reentrant: a caller may hold it around its read of the ring).
         self.lock = threading.RLock()
 
@@ -391,6 +393,7 @@ class Recorder:
         self.read_count = count
         self.anchor = state
         self.gradients.clear()
+        self.streak = SkipStreak()
 
     def rewind(self, iteration: int, state: LossScaleState | None) -> None:
         """Forget the records from ``iteration`` on (their iterations ran again otherwise, from an older state):
@@ -409,12 +412,14 @@ class Recorder:
         codes: Sequence[int],
         config: LossScaleConfig,
         read_state: Callable[[], LossScaleState | None],
+        check_parameters: ParameterCheck | None = None,
     ) -> None:
         """Turn the ring's entries since the last read into records: ``count`` entries were written in all,
         ``codes`` are the most recent ones (at most ``capacity``). Entries another thread consumed meanwhile are
-        not consumed again."""
+        not consumed again. ``check_parameters``: the device's count of non-finite parameters, asked once per run
+        of skipped iterations (`polyamp._src.skip_streak`)."""
         with self.lock:
-            self._consume(count, codes, config, read_state)
+            self._consume(count, codes, config, read_state, check_parameters)
 
     def _consume(
         self,
@@ -422,6 +427,7 @@ class Recorder:
         codes: Sequence[int],
         config: LossScaleConfig,
         read_state: Callable[[], LossScaleState | None],
+        check_parameters: ParameterCheck | None,
     ) -> None:
         new = count - self.read_count
         if new <= 0:
@@ -440,6 +446,8 @@ class Recorder:
             )
             state = None
         first = count - len(kept)
+        skipped = [bool(code & 1) and not code & SPIKE_BIT for code in kept]
+        self.streak.read(first, skipped, check_parameters, continued=not missing)
         offset = 0
         while offset < len(kept):
             code = kept[offset]
@@ -500,6 +508,8 @@ class Recorder:
 
     def _log_skip(self, record: StepRecord, reason: str) -> None:
         level = logging.INFO if reason == "overflow" else logging.WARNING
+        streak = self.streak
+        text = streak.skip_line(record.iteration, reason) if streak.explains(record.iteration) else record.message()
         count = self._skip_counts.get(reason, 0) + 1
         self._skip_counts[reason] = count
         if count <= LOGGED_SKIPS:
@@ -509,7 +519,7 @@ class Recorder:
                     f" (The first {LOGGED_SKIPS} {reason} skips are logged one line each; further ones are "
                     "summarised when their count reaches 16, 32, 64, ...; records() has each.)"
                 )
-            logger.log(level, "polyamp: %s%s", record.message(), tail)
+            logger.log(level, "polyamp: %s%s", text, tail)
             return
         first = self._quiet_since.setdefault(reason, record.iteration)
         if count & (count - 1):
@@ -526,7 +536,7 @@ class Recorder:
             first,
             record.iteration,
             2 * count,
-            record.message(),
+            text,
         )
 
     def _report(self, record: StepRecord, config: LossScaleConfig) -> None:

@@ -15,8 +15,8 @@ Rules, in the spirit of never costing an import:
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -81,6 +81,11 @@ class BackendSpec:
             (``polyamp.backend_api.check_declared_bytes``) and reads in bounded blocks (``chunk_indices``). For
             files, any error that is not a `polyamp.PolyampError` becomes a `polyamp.CheckpointError`.
         checkpoint_suffixes: File-name endings ``tensor_reader`` opens, such as ``(".pt", ".safetensors")``.
+        checkpoint_markers: Names of files that make a directory a checkpoint ``tensor_reader`` opens (it is then
+            called with the directory's path), such as orbax's ``("_METADATA", "_CHECKPOINT_METADATA")``.
+        reads_trees: Whether ``tensor_reader`` also reads nested containers of arrays that no backend's
+            ``frameworks`` own (a framework's pytrees, e.g. Flax's states); asked, while its framework is
+            imported, for objects no other reader takes.
     """
 
     name: str
@@ -93,6 +98,8 @@ class BackendSpec:
     resolve: str | None = None
     tensor_reader: str | None = None
     checkpoint_suffixes: tuple[str, ...] = field(default=())
+    checkpoint_markers: tuple[str, ...] = field(default=())
+    reads_trees: bool = False
 
     def __post_init__(self) -> None:
         for attr in ("name", "target", "install_hint"):
@@ -119,6 +126,21 @@ class BackendSpec:
                 f"Received: {describe(suffixes)}."
             )
         object.__setattr__(self, "checkpoint_suffixes", tuple(suffixes))
+        markers = self.checkpoint_markers
+        if (
+            isinstance(markers, str)
+            or not isinstance(markers, (tuple, list))
+            or not all(isinstance(m, str) and m and "/" not in m for m in markers)
+        ):
+            raise PolyampTypeError(
+                "BackendSpec.checkpoint_markers must be a tuple of file names, e.g. ('_METADATA',). "
+                f"Received: {describe(markers)}."
+            )
+        object.__setattr__(self, "checkpoint_markers", tuple(markers))
+        if not isinstance(self.reads_trees, bool):
+            raise PolyampTypeError(
+                f"BackendSpec.reads_trees must be True or False. Received: {describe(self.reads_trees)}."
+            )
         for attr in ("policy_hook", "harness", "resolve", "tensor_reader"):
             value = getattr(self, attr)
             if value is not None and (not isinstance(value, str) or ":" not in value):
@@ -178,6 +200,9 @@ _FIRST_PARTY: Final = (
         frameworks=("jax", "jaxlib"),
         install_hint="pip install 'polyamp[jax]'",
         harness="polyamp_jax.testing:JaxHarness",
+        tensor_reader="polyamp_jax._tensors:read_tensors",
+        checkpoint_markers=("_METADATA", "_CHECKPOINT_METADATA"),  # an orbax checkpoint
+        reads_trees=True,
     ),
 )
 
@@ -234,11 +259,19 @@ def backend_specs() -> dict[str, BackendSpec]:
         return dict(_specs)
 
 
+def _import(module_name: str) -> Any:
+    """``importlib.import_module(module_name)`` through the builtin ``__import__``: a tracer that converts the
+    Python functions a traced function calls (TensorFlow's AutoGraph, when a scaler binds inside ``tf.function``)
+    calls a builtin as it is, and so leaves the import machinery, whose frozen functions it cannot convert, alone."""
+    __import__(module_name)
+    return sys.modules[module_name]
+
+
 def load_target(target: str, *, backend: str, install_hint: str, frameworks: tuple[str, ...]) -> Any:
     """Import ``"module:attribute"`` and return the attribute, turning a missing framework into advice."""
     module_name, _, attribute = target.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     except BackendNotInstalledError:
         raise
     except ImportError as exc:

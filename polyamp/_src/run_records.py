@@ -23,6 +23,7 @@ from typing import Final
 from polyamp._src.provenance import NonFiniteGradient
 from polyamp._src.records import Recorder, StepRecord, advance
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
+from polyamp._src.skip_streak import ParameterCheck
 
 __all__ = ["KEPT_RUNS", "RunBooks"]
 
@@ -113,6 +114,7 @@ class RunBooks:
         rule: LossScaleConfig,
         read_state: Callable[[], LossScaleState | None],
         provenance: tuple[int, Callable[[], tuple[NonFiniteGradient, ...]]] | None = None,
+        check_parameters: ParameterCheck | None = None,
     ) -> list[StepRecord]:
         """The records of a state of ``run`` whose ring holds ``count`` codes in all, ``codes`` the most recent
         (oldest first), the oldest first.
@@ -162,7 +164,7 @@ class RunBooks:
             else:
                 recorder.amend(at, gradients())
         if count > read:
-            recorder.consume(count, codes, rule, read_state)
+            recorder.consume(count, codes, rule, read_state, check_parameters)
             if start > read:  # the ring lost codes between two reads: the book restarts at its oldest
                 book.first, book.origin, book.codes = start, None, list(codes)
             else:

@@ -17,6 +17,7 @@ ended the iteration, the only one that knows they are not being zeroed or recomp
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from threading import get_ident
 from typing import Any, cast
 
@@ -70,6 +71,10 @@ class StepOutcomes:
         """A new iteration: what the last one wrote says nothing about the storage now."""
         self._written = None
 
+    def optimizers(self) -> list[Any]:
+        """The optimizers stepped so far that are still alive."""
+        return [*self._records.keys(), *(optimizer for optimizer, _ in self._unweakable.values())]
+
     def of(self, optimizer: Any) -> OutcomeRecord | None:
         """``optimizer``'s record, or None if it was never stepped."""
         try:
@@ -117,16 +122,21 @@ class RecordHistory:
         self._config = config  # the settings the records are replayed under (`follow` keeps it current)
         self._device: Any = None
         self._capabilities: DeviceCapabilities | None = None
+        self._optimizers: Callable[[], list[Any]] | None = None
         self._ring: Any = None  # the device's storage (None: the device keeps no records)
         self._pending = 0  # iterations ended since the records were last read
         self._written = 0  # iterations written to the ring
         self._batch = max(1, recorder.capacity // 2)  # iterations read at once (half the ring)
         self.reset_iteration()
 
-    def bind(self, device: ScalerDevice, capabilities: DeviceCapabilities) -> None:
-        """Keep the records on ``device`` (when it is a `RecordingDevice`)."""
+    def bind(
+        self, device: ScalerDevice, capabilities: DeviceCapabilities, optimizers: Callable[[], list[Any]] | None = None
+    ) -> None:
+        """Keep the records on ``device`` (when it is a `RecordingDevice`); ``optimizers`` gives the optimizers
+        the scaler stepped, whose parameters a `ParameterCheckDevice` checks during a run of skips."""
         self._device = device
         self._capabilities = capabilities
+        self._optimizers = optimizers
         if capabilities.recording:
             assert isinstance(device, RecordingDevice)
             self._ring = device.new_history(self.recorder.capacity)
@@ -250,13 +260,20 @@ class RecordHistory:
         count, codes = device.read_history(self._ring)
         self._attach_deferred(count, codes)
         self._pending = 0
-        self.recorder.consume(count, codes, self._config, self._state_or_none)
+        self.recorder.consume(count, codes, self._config, self._state_or_none, self._non_finite_parameters)
         if self._capabilities is not None and self._capabilities.process_groups and device.read_group_mismatch():
             raise ScalerUsageError(GROUP_MISMATCH)
 
     def follow(self, config: LossScaleConfig) -> None:
         """Replay records under ``config`` from now on (the scaler's settings)."""
         self._config = config
+
+    def _non_finite_parameters(self) -> list[Any] | None:
+        """The device's counts of non-finite parameters, or None when it cannot tell."""
+        check = None if self._capabilities is None else self._capabilities.non_finite_parameters
+        if check is None or self._compiling():
+            return None
+        return check(self._optimizers() if self._optimizers is not None else [])  # type: ignore[no-any-return]
 
     def _state_or_none(self) -> LossScaleState | None:
         return None if self._compiling() or self._device is None else self._device.read_state()

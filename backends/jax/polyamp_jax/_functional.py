@@ -154,6 +154,15 @@ def _path_name(path: Any) -> str:
     return "/".join(parts)
 
 
+def non_finite_parameters(params: Any) -> list[tuple[str, int, int, int, int]]:
+    """(name, +inf, -inf, NaN, size) of each leaf of ``params``, named by its place in the tree, in one host
+    read (asked during a run of skipped steps)."""
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    names = [_path_name(path) or f"leaf{index}" for index, (path, _) in enumerate(paths)]
+    rows = jax.device_get(_counts([leaf for _, leaf in paths])).tolist() if paths else []
+    return [(name, *row) for name, row in zip(names, rows, strict=True)]
+
+
 def _counts(leaves: list[Any]) -> Any:
     """Per leaf, (+inf, -inf, NaN, size) as int32 (None and non-floating leaves: no non-finite values)."""
     rows = []

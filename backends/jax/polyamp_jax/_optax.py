@@ -20,7 +20,7 @@ import optax
 from polyamp import FunctionalLossScaler, LossScaler, Policy, PolyampTypeError, SpikeRule, StepRecord
 from polyamp.backend_api import describe
 from polyamp_jax._dynamic_scale import DynamicScale
-from polyamp_jax._functional import JaxFunctional
+from polyamp_jax._functional import JaxFunctional, non_finite_parameters
 from polyamp_jax._precision import PrecisionState, warn_unplanned
 
 __all__ = ["LossScaledState", "load_state_dict", "loss_scaled", "records", "scale_loss", "scaler_of", "state_dict"]
@@ -251,13 +251,16 @@ def scale_loss(opt_state: Any, loss: Any) -> Any:
     return fn.scale(state, loss)
 
 
-def records(opt_state: Any) -> list[StepRecord]:
+def records(opt_state: Any, params: Any = None) -> list[StepRecord]:
     """The most recent steps' records (one host read), as `polyamp.LossScaler.records` gives them, of the
     `loss_scaled` state or the `DynamicScale` in ``opt_state`` (e.g. a Flax ``TrainState``): the record of the
     most recent step skipped for inf/NaN gradients names them (``gradients``: their place in the parameters,
-    e.g. ``"params/Dense_0/kernel"``, and how many +inf, -inf and NaN each held) where the state counts them."""
+    e.g. ``"params/Dense_0/kernel"``, and how many +inf, -inf and NaN each held) where the state counts them.
+
+    With ``params``, during a run of skipped steps the parameters are checked once: when some hold inf or NaN,
+    which skips every later step, a warning names them and says to restore a checkpoint."""
     fn, state = _view(opt_state, "records()")
-    return fn.records(state)
+    return fn.records(state, check_parameters=None if params is None else lambda: non_finite_parameters(params))
 
 
 def state_dict(opt_state: Any) -> dict[str, Any]:

@@ -42,7 +42,7 @@ class LossScaleCallback(keras.callbacks.Callback):  # type: ignore[misc]
             return
         optimizer = self._optimizer()
         logs["loss_scale"] = optimizer.get_scale()
-        logs["skipped_steps"] = int(read_scalar(optimizer.skipped_steps)) if optimizer.built else 0
+        logs["skipped_steps"] = int(read_scalar(optimizer.skipped_steps))
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._add(logs)

@@ -106,6 +106,7 @@ class KerasDevice:
         self._branch = _tensorflow() is not None
         self._scale_variables = scale_variables
         self._variables: ScaleState | None = None
+        self._initial_skips = 0  # the skip count the variables start from (a restored checkpoint's)
         self._traced = False
         self._history = _Slot()
         self._windows: list[tuple[_Slot, SpikeRule]] = []
@@ -164,8 +165,12 @@ class KerasDevice:
         state = self._host_state
         if self._scale_variables is not None:
             scale, tracker = self._scale_variables()
-            self._write(scale, state.scale)
-            self._write(tracker, ops.cast(state.growth_tracker, tracker.dtype))
+            tf = _tensorflow()
+            # Written now, once: Keras on TensorFlow builds an optimizer while it traces the first step, and an
+            # assignment inside that trace would belong to a graph that need not be the one that runs.
+            with tf.init_scope() if tf is not None else contextlib.nullcontext():
+                self._write(scale, state.scale)
+                self._write(tracker, ops.cast(state.growth_tracker, tracker.dtype))
         else:
             scale = self._variable("loss_scale", "float32", state.scale)
             tracker = self._variable("growth_tracker", "int32", state.growth_tracker)
@@ -173,7 +178,7 @@ class KerasDevice:
             scale,
             tracker,
             self._variable("hysteresis_left", "int32", state.hysteresis_left),
-            self._variable("skipped_steps", counter_dtype(), 0),
+            self._variable("skipped_steps", counter_dtype(), self._initial_skips),
         )
         if self._owned:
             self._record = self._add_variable(
@@ -544,6 +549,22 @@ class KerasDevice:
                 self._write(variable, ops.convert_to_tensor(unread_rows(len(rows) - 1)))
         return found
 
+    def non_finite_parameters(self, optimizers: Sequence[Any]) -> list[tuple[str, int, int, int, int]] | None:
+        """(name, +inf, -inf, NaN, size) counts of each variable this device applied steps to (the ones whose
+        gradients it counts), one host read per list of variables; None when a variable holds no value to read
+        (Keras on JAX keeps them outside the variables during ``fit``)."""
+        found = []
+        for variables, names, _ in self._provenance.values():
+            try:
+                values = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+            except TypeError:  # Keras on JAX, inside fit: the values live outside the variables
+                return None
+            if any(value is None for value in values):
+                return None
+            rows = ops.convert_to_numpy(gradient_counts(values)).tolist()
+            found += [(name, *row) for name, row in zip(names, rows, strict=True)]
+        return found
+
     def replica(self) -> int | None:
         """The replica of a ``tf.distribute`` strategy running this call (None outside one, with one, or on
         another Keras backend)."""
@@ -629,9 +650,11 @@ class KerasDevice:
         return ops.cast(ops.convert_to_tensor(record), "float32")
 
     def skipped_steps(self) -> Any:
+        """The count as a new tensor (a copy, never the variable itself: a value kept follows no later skip, and
+        under ``tf.distribute`` it is a tensor, not a mirrored variable)."""
         if self._variables is None and self._owned:
             return ops.convert_to_tensor(0, dtype=counter_dtype())
-        return ops.convert_to_tensor(self._state().skipped_steps)
+        return ops.copy(self._state().skipped_steps)
 
     def count_skip(self, found_inf: Any) -> None:
         """Count a guarded iteration as skipped when ``found_inf`` is set; the rule does not run."""

@@ -38,7 +38,7 @@ from polyamp_keras._device import KerasDevice, clipping_folded, folded_clip_norm
 from polyamp_keras._functional import KerasFunctional
 from polyamp_keras._gradients import gradient_counts, refuse_loss_scale_factor, unscale
 from polyamp_keras._keras import keras
-from polyamp_keras._rule import read_scalar
+from polyamp_keras._rule import counter_dtype, read_scalar
 
 try:  # what Keras's own LossScaleOptimizer.build uses: variables are tracked through add_variable only
     from keras.src.utils.tracking import no_automatic_dependency_tracking
@@ -125,6 +125,21 @@ def _backend_of_tensors() -> str | None:
     return {"tensorflow": "tensorflow", "torch": "torch", "jax": "jax"}.get(keras.backend.backend())
 
 
+def _state_variable(name: str, doc: str) -> property:
+    """An attribute holding one of the loss-scale state's variables once the optimizer is built (Keras's
+    ``build`` and polyamp's assign them), and before that the value it will start from, as a tensor (as
+    ``get_scale`` and ``iterations`` answer before the build)."""
+
+    def get(self: LossScaleOptimizer) -> Any:
+        variable = self.__dict__.get("_state_variables", {}).get(name)
+        return self._unbuilt_value(name) if variable is None else variable
+
+    def assign(self: LossScaleOptimizer, variable: Any) -> None:
+        self.__dict__.setdefault("_state_variables", {})[name] = variable
+
+    return property(get, assign, doc=doc)
+
+
 def _listed(result: tuple[Any, Any]) -> tuple[list[Any], list[Any]]:
     return list(result[0]), list(result[1])
 
@@ -164,6 +179,13 @@ class _OptimizerDevice(KerasDevice):
         return ScalerUsageError(_TRACED_SETTINGS.format(method="load_state_dict()", old=old, new=new))
 
 
+class _OptimizerScaler(LossScaler):
+    """The `polyamp.LossScaler` a `LossScaleOptimizer` runs: it follows the policy as every scaler does, and
+    under a float32 policy scales, as Keras's own loss-scale optimizer always does."""
+
+    scales_under_float32 = True
+
+
 @keras.saving.register_keras_serializable(package="polyamp", name="LossScaleOptimizer")
 class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[misc]
     """A Keras 3 optimizer that scales the loss and skips non-finite steps, with polyamp's rule, on every
@@ -197,14 +219,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
     Args:
         inner_optimizer: The Keras optimizer to wrap.
         *positional: The first settings by position, as for `polyamp.LossScaler`.
-        enabled: True (default, as Keras's own always scales), False, or None to follow the policy in effect
-            when the optimizer is used (polyamp's, or Keras's own global policy when that computes in float16):
-            no scaling under bfloat16 policies. A disabled optimizer passes the loss and gradients straight
-            to the inner optimizer.
+        enabled: None (default) follows the policy in effect when the optimizer is used, by the rule every polyamp
+            scaler follows (`polyamp.backend_api.resolve_enabled`): scaling under ``"mixed_float16"`` (polyamp's,
+            or Keras's own global policy), none under bfloat16 policies (the guard checks instead), and under a
+            float32 policy scaling, as Keras's own optimizer always does. True or False fixes it. A disabled
+            optimizer passes the loss and gradients straight to the inner optimizer.
         initial_scale, dynamic_growth_steps: Keras's names for ``init_scale`` and ``growth_interval``.
         name: The optimizer's name.
         guard: As `polyamp.LossScaler`'s: None (default) checks the gradients whenever the policy turns
-            scaling off (``enabled=None`` under bfloat16/float32 policies) and skips a step whose gradients
+            scaling off (``enabled=None`` under bfloat16 policies) and skips a step whose gradients
             hold inf or NaN (reason ``"non_finite"``); True also with ``enabled=False``; False never.
         on_min_scale, history: As `polyamp.LossScaler`'s; `records` gives the step records.
         spike: A `polyamp.SpikeRule`, as `polyamp.LossScaler`'s: also skip a step whose loss
@@ -224,7 +247,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self,
         inner_optimizer: Any,
         *positional: Any,
-        enabled: bool | None = True,
+        enabled: bool | None = None,
         initial_scale: Any = NOT_GIVEN,
         dynamic_growth_steps: Any = NOT_GIVEN,
         name: str | None = None,
@@ -263,7 +286,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
             name=name,
         )
         # The core's scaler makes every decision; its device form is this optimizer's variables.
-        scaler = LossScaler(
+        scaler = _OptimizerScaler(
             enabled=enabled, guard=guard, on_min_scale=on_min_scale, history=history, spike=spike, **config.settings()
         )
         self._device = _OptimizerDevice(self, config, scaler.get_state())
@@ -298,6 +321,32 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         """The ``enabled`` argument: True, False, or None (follow the policy)."""
         return self._scaler.enabled_setting
 
+    dynamic_scale = _state_variable(
+        "dynamic_scale", "The loss scale's variable (Keras's name); before `build`, the scale it starts from."
+    )
+    step_counter = _state_variable(
+        "step_counter",
+        "The growth tracker's variable (Keras's name): finite steps since the scale last changed; before `build`, "
+        "the count it starts from.",
+    )
+    hysteresis_left = _state_variable(
+        "hysteresis_left", "Overflows left before the scale backs off; before `build`, the count it starts from."
+    )
+    skipped_steps = _state_variable(
+        "skipped_steps",
+        "The variable counting the skipped steps (``int(optimizer.skipped_steps)`` reads it); before `build`, 0.",
+    )
+
+    def _unbuilt_value(self, name: str) -> Any:
+        """What a state variable holds before the optimizer builds it: the state it will start from."""
+        state = self._scaler.get_state()
+        if name == "dynamic_scale":
+            return ops.convert_to_tensor(state.scale, dtype="float32")
+        if name == "hysteresis_left":
+            return ops.convert_to_tensor(state.hysteresis_left, dtype="int32")
+        value = state.growth_tracker if name == "step_counter" else 0
+        return ops.convert_to_tensor(value, dtype=counter_dtype())
+
     @no_automatic_dependency_tracking  # type: ignore[untyped-decorator]
     def build(self, var_list: list[Any]) -> None:
         super().build(var_list)  # Keras's step_counter (the growth tracker) and dynamic_scale, the inner slots
@@ -307,8 +356,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self._device.build(list(var_list))
         state = self._device.scale_state
         assert state is not None
-        self.hysteresis_left = state.hysteresis_left
-        self.skipped_steps = state.skipped_steps
+        self.__dict__["_state_variables"].update(
+            hysteresis_left=state.hysteresis_left, skipped_steps=state.skipped_steps
+        )
         self.last_skipped = self._device.record_variable
         history = self._device.history_variables()
         assert history is not None

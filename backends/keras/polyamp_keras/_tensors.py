@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -70,11 +71,45 @@ def _read_weights_file(path: Path, max_bytes: int) -> list[TensorSummary]:
     with weights:
         weights.visititems(visit)
         check_declared_bytes(path, sum(int(d.size) * d.dtype.itemsize for _, d in datasets), max_bytes)
+        names = _variable_names(weights, [name for name, _ in datasets])
         found = []
         for name, dataset in datasets:
             dtype = str(dataset.dtype)
-            found.append(TensorSummary(name, dtype, _dataset_max_abs(dataset) if _is_floating(dtype) else None))
+            found.append(
+                TensorSummary(names.get(name, name), dtype, _dataset_max_abs(dataset) if _is_floating(dtype) else None)
+            )
         return found
+
+
+#: The storage key Keras gives a BatchNormalization layer in a weights file (its class name, numbered).
+_BATCH_NORMALIZATION = re.compile(r"(?:^|/)batch_normalization(?:_\d+)?$")
+#: A BatchNormalization layer's variables in the order Keras stores them: the trainable ones (gamma and beta,
+#: each only with scale=True / center=True), then its two statistics.
+_STATISTICS = ("moving_mean", "moving_variance")
+
+
+def _variable_names(weights: Any, paths: list[str]) -> dict[str, str]:
+    """Names for the datasets of a weights file whose variable Keras's storage order tells: a BatchNormalization
+    layer's, ``"<layer name>/moving_mean"`` as in the model (the file keeps the layer's name in an attribute of
+    its ``vars`` group), so the name rules apply as to the ``.keras`` file; every other dataset keeps its path."""
+    groups: dict[str, list[str]] = {}
+    for path in paths:
+        group, _, index = path.rpartition("/")
+        if group.endswith("/vars") and index.isdigit():
+            groups.setdefault(group, []).append(path)
+    names = {}
+    for group, members in groups.items():
+        key = group.removesuffix("/vars")
+        if not _BATCH_NORMALIZATION.search(key) or not 2 <= len(members) <= 4:
+            continue
+        layer = str(weights[group].attrs.get("name", key.rpartition("/")[2]))
+        ordered = sorted(members, key=lambda p: int(p.rpartition("/")[2]))
+        # With one trainable variable the file does not say whether it is gamma or beta: it keeps its path.
+        trainable = ("gamma", "beta") if len(ordered) == 4 else (None,) * (len(ordered) - 2)
+        for path, variable in zip(ordered, (*trainable, *_STATISTICS), strict=True):
+            if variable is not None:
+                names[path] = f"{layer}/{variable}"
+    return names
 
 
 def read_tensors(source: object, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[TensorSummary]:
@@ -83,8 +118,10 @@ def read_tensors(source: object, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[
     A model or layer gives each variable under its path (``"sequential/dense/kernel"``). A ``.keras`` file is
     loaded with ``keras.saving.load_model(path, compile=False)`` (custom layers must be registered, as for any
     load). A ``.weights.h5`` file holds no variable names: its datasets are read under Keras's storage paths
-    (``"layers/dense/vars/0"``, named after the layer's class), and its ``optimizer/`` group (optimizer slots,
-    not model weights) is not read; use the ``.keras`` file or the model for the name-based checks.
+    (``"layers/dense/vars/0"``, named after the layer's class), except a BatchNormalization layer's, whose storage
+    order tells them (``"bn/moving_mean"``, under the layer's name, as in the model), so the name rules find its
+    statistics as in the ``.keras`` file; its ``optimizer/`` group (optimizer slots, not model weights) is not
+    read.
 
     Files are checked before they are read: a ``.weights.h5`` file's datasets may declare at most
     ``max_bytes`` in all, and are read in blocks of at most 4 MiB (a small file of compressed zeros does not

@@ -367,6 +367,27 @@ class TorchDevice:
         rows = torch.stack(counts).tolist() if counts else []
         return [(name, *row, size) for name, row, size in zip(names, rows, sizes, strict=True)]
 
+    def non_finite_parameters(self, optimizers: Sequence[Any]) -> list[tuple[str, int, int, int, int]]:
+        """(name, +inf, -inf, NaN, size) counts of each parameter of ``optimizers``, read in one host transfer
+        (asked during a run of skipped steps; names as in `non_finite_gradients`)."""
+        names: list[str] = []
+        counts: list[torch.Tensor] = []
+        sizes: list[int] = []
+        for optimizer in optimizers:
+            for g, group in enumerate(optimizer.param_groups):
+                given = group.get("param_names")
+                for i, param in enumerate(group["params"]):
+                    values = param.detach()
+                    if hasattr(values, "to_local"):  # a DTensor (FSDP2): this rank's shard
+                        values = values.to_local()
+                    if not values.is_floating_point():
+                        continue
+                    names.append(str(given[i]) if given is not None else f"param_groups[{g}][{i}]")
+                    counts.append(non_finite_counts(values).cpu())
+                    sizes.append(values.numel())
+        rows = torch.stack(counts).tolist() if counts else []
+        return [(name, *row, size) for name, row, size in zip(names, rows, sizes, strict=True)]
+
     def count_skip(self, found_inf: torch.Tensor) -> None:
         """Count a guarded iteration as skipped when ``found_inf`` is set; the rule does not run."""
         state = self._state or self._materialize(found_inf.device)

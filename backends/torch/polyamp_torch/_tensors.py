@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from polyamp import BackendNotInstalledError, CheckpointError, PolyampTypeError
 from polyamp.backend_api import (
     CHUNK_BYTES,
+    CORRUPT_FILE,
     DEFAULT_MAX_BYTES,
     SafetensorsEntry,
     TensorSummary,
@@ -22,7 +24,10 @@ from polyamp_torch._framework import torch
 
 __all__ = ["max_abs", "read_tensors", "summarize"]
 
-_WRAPPERS = ("state_dict", "model")
+#: Keys under which a checkpoint dict holds the model's state dict: Lightning's, a plain ``{"model": ...}``,
+#: and the PyTorch tutorials' ``{"model_state_dict": ..., "optimizer_state_dict": ...}`` (the optimizer's part,
+#: moments and step counts, holds no weights of the model and is not read).
+_WRAPPERS = ("state_dict", "model", "model_state_dict")
 #: Elements per block: CHUNK_BYTES of float32, the widest a float8 block is upcast to.
 _BLOCK = CHUNK_BYTES // 4
 #: |value| of each float4 e2m1 code without its sign bit.
@@ -119,12 +124,34 @@ def _load(path: Path, max_bytes: int) -> object:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
+        text = str(exc)
+        where = f"Cannot read the checkpoint {str(path)!r}"
+        found = _UNSUPPORTED_GLOBAL.search(text)
+        if found is not None:  # a genuine pickle that holds Python objects besides tensors
+            raise CheckpointError(
+                f"{where}: it holds Python objects besides tensors and plain containers ({found.group(0)}), and "
+                "polyamp never unpickles those. If you trust the file, load it yourself (torch.load(path, "
+                "weights_only=False)) and pass the module or state dict."
+            ) from exc
+        cause = _cause(text)
         raise CheckpointError(
-            f"Cannot read the checkpoint {str(path)!r}: torch.load(path, weights_only=True) failed: "
-            f"{type(exc).__name__}: {exc}. polyamp reads "
-            "checkpoints of tensors and plain containers only (never arbitrary pickles); load it yourself and pass "
-            "the module or state dict."
+            f"{where}: it is not a checkpoint torch.load can read ({type(exc).__name__}{': ' if cause else ''}"
+            f"{cause}). {CORRUPT_FILE}"
         ) from exc
+
+
+#: torch's weights-only unpickler refusing a class or function the file names (a pickle beyond tensors).
+_UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL [\w.<>]+")
+
+
+def _cause(text: str) -> str:
+    """What a torch.load error says was wrong, in a line: the weights-only unpickler's own words (after torch's
+    advice about ``weights_only``, which does not apply to a file that is not a pickle), else its first sentence."""
+    head, found, rest = text.partition("WeightsUnpickler error:")
+    lines = [line.strip() for line in (rest if found else head).splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return lines[0] if found else lines[0].split(". ")[0].rstrip(".")
 
 
 def _walk(state: Mapping[object, object], prefix: str) -> Iterator[TensorSummary]:
@@ -151,7 +178,7 @@ def read_tensors(source: object, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[
     A path is read with ``torch.load(path, map_location="cpu", weights_only=True)`` (refused when the file is
     larger than ``max_bytes``), or for ``.safetensors`` with ``safetensors.safe_open`` after checking its
     header (`polyamp.backend_api.read_safetensors_header`), tensor by tensor in blocks. A dict holding
-    ``"state_dict"`` or ``"model"`` is read from that entry; nested dicts give dotted names; entries that are
+    ``"state_dict"`` or ``"model"`` (or the PyTorch tutorials' ``"model_state_dict"``) is read from that entry, named as in the model; nested dicts give dotted names; entries that are
     neither tensors nor dicts (an epoch counter) hold no weights and are passed over. A module gives its
     parameters and all its buffers, non-persistent ones included (rotary ``inv_freq`` buffers are often
     non-persistent). float8 tensors are upcast to float32 block by block; sparse tensors are read through
@@ -180,7 +207,7 @@ def read_tensors(source: object, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[
     if not isinstance(source, Mapping):
         raise PolyampTypeError(
             "polyamp_torch reads a torch.nn.Module, a state dict (a dict of tensors), or a dict holding one under "
-            f"'state_dict' or 'model'. Received: {describe(source)}."
+            f"'state_dict', 'model' or 'model_state_dict'. Received: {describe(source)}."
         )
     for key in _WRAPPERS:
         inner = source.get(key)
