@@ -127,9 +127,10 @@ class RunBooks:
             read_state: Reads the state's scale and counters (a host sync), where the replay cannot tell them.
             provenance: The iteration of the state's most recent skip for non-finite gradients and a function
                 giving them, or None.
+            check_parameters: Counts the parameters' non-finite values, asked once per run of skips, or None.
         """
         with self._lock:
-            return self._read(run, count, codes, rule, read_state, provenance)
+            return self._read(run, count, codes, rule, read_state, provenance, check_parameters)
 
     def _read(
         self,
@@ -139,6 +140,7 @@ class RunBooks:
         rule: LossScaleConfig,
         read_state: Callable[[], LossScaleState | None],
         provenance: tuple[int, Callable[[], tuple[NonFiniteGradient, ...]]] | None,
+        check_parameters: ParameterCheck | None,
     ) -> list[StepRecord]:
         start = count - len(codes)  # the iteration of codes[0]
         book = self._books.get(run)
