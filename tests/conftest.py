@@ -23,6 +23,7 @@ with contextlib.suppress(ImportError):
     import torch  # noqa: F401
 
 import polyamp
+import polyamp.backend_api
 from polyamp._src import global_policy, import_hooks, registry
 
 
@@ -112,7 +113,7 @@ class FakeFramework:
 
     name: str  # the framework's module name
     backend_module: str
-    spec: polyamp.BackendSpec
+    spec: polyamp.backend_api.BackendSpec
 
     def load(self):  # type: ignore[no-untyped-def]
         __import__(self.name)
@@ -138,7 +139,8 @@ class Optimizer:
 # A device form in pure Python, written against polyamp.backend_api only (ImperativeDevice).
 _BACKEND_SOURCE = """
 import math
-from polyamp.backend_api import StepOutcome, wrong_object_error
+from polyamp.backend_api import StepOutcome
+from polyamp.backend_api.arguments import wrong_object_error
 import {fw} as fw
 
 POLICIES = []
@@ -217,14 +219,14 @@ def fake_framework(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeFrame
     (tmp_path / f"{name}.py").write_text(textwrap.dedent(_FRAMEWORK_SOURCE))
     (tmp_path / f"polyamp_{name}.py").write_text(_BACKEND_SOURCE.format(fw=name))
     monkeypatch.syspath_prepend(str(tmp_path))
-    spec = polyamp.BackendSpec(
+    spec = polyamp.backend_api.BackendSpec(
         name=name,
         target=f"polyamp_{name}:Backend",
         frameworks=(name,),
         install_hint=f"pip install {name}",
         policy_hook=f"polyamp_{name}:apply_policy",
     )
-    polyamp.register_backend(spec)
+    polyamp.backend_api.register_backend(spec)
     yield FakeFramework(name=name, backend_module=f"polyamp_{name}", spec=spec)
     for module in (name, f"polyamp_{name}"):
         sys.modules.pop(module, None)

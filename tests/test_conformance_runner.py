@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import polyamp
+import polyamp.backend_api
 from polyamp.conformance import HarnessUnavailable, case_functions, expand, format_table, run
 
 
@@ -45,8 +46,8 @@ def fake_backends(monkeypatch: pytest.MonkeyPatch) -> None:
     module.HonestFakeHarness = HonestFakeHarness  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "polyamp_fake_harness", module)
     for name, target in (("fake", "FakeHarness"), ("honest", "HonestFakeHarness")):
-        polyamp.register_backend(
-            polyamp.BackendSpec(
+        polyamp.backend_api.register_backend(
+            polyamp.backend_api.BackendSpec(
                 name=name,
                 target="polyamp_fake_harness:FakeHarness",
                 frameworks=(f"{name}fw",),

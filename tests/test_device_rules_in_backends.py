@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import polyamp.backend_api.rules as backend_rules
 from polyamp import LossScaleConfig, Policy, SpikeRule
 from polyamp._src import rules
 from polyamp._src.records import MODE_CODES
@@ -103,7 +104,8 @@ def test_a_patched_record_code_changes_every_backends_records(harness: Any, monk
         shift = MODE_CODES["guarding"] - MODE_CODES["scaling"]  # (base may be a batch of codes)
         return real(ops, base + shift * (base == MODE_CODES["scaling"]), overflow, spike)
 
-    monkeypatch.setattr(rules, "record_code", as_guarding)
+    for namespace in (rules, backend_rules):  # the core's module and the backends' view of it
+        monkeypatch.setattr(namespace, "record_code", as_guarding)
     trainer, _ = _run(harness, SETTINGS, "FO")
     records = trainer.scaler.records()
     assert [(r.mode, r.skipped, r.reason) for r in records[-2:]] == [
@@ -115,7 +117,8 @@ def test_a_patched_record_code_changes_every_backends_records(harness: Any, monk
 def test_a_patched_spike_decision_changes_every_backends_skips(harness: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The core's spike decision made to call every finite statistic a spike: every backend skips every
     step for it."""
-    monkeypatch.setattr(rules, "is_spike", lambda ops, rule, window, x: ops.isfinite(x))
+    for namespace in (rules, backend_rules):
+        monkeypatch.setattr(namespace, "is_spike", lambda ops, rule, window, x: ops.isfinite(x))
     settings = {**SETTINGS, "spike": SpikeRule("grad_norm", window=4)}
     trainer, _ = _run(harness, settings, "FFF")
     assert [(r.skipped, r.reason) for r in trainer.scaler.records()[-3:]] == [(True, "grad_spike")] * 3

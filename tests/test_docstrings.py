@@ -42,7 +42,7 @@ def test_the_default_floor_is_stated_wherever_min_scale_is_documented() -> None:
     how jmp's floor (1 whatever the start) differs."""
     from pathlib import Path
 
-    from polyamp.backend_api import SETTING_DOCS
+    from polyamp.backend_api.arguments import SETTING_DOCS
 
     page = (Path(__file__).resolve().parent.parent / "docs" / "guide" / "overview.md").read_text()
     (row,) = [line for line in page.splitlines() if line.startswith("| `min_scale` |")]

@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 
 import polyamp
-from polyamp import BackendSpec, Hazard, PolyampTypeError, PolyampValueError
+import polyamp.backend_api
+from polyamp import Hazard, PolyampTypeError, PolyampValueError
 from polyamp.__main__ import main
 from polyamp._src import doctor
 from polyamp._src.doctor import CpuInfo, DeviceInfo, recommend
 from polyamp._src.hazards import read_tensors
+from polyamp.backend_api import BackendSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_BF16_CPU = CpuInfo(False, "neither avx512_bf16 nor amx_bf16", "x86_64")
@@ -149,7 +151,7 @@ def test_auto_is_the_recommended_policy() -> None:
 
 
 def test_auto_is_named_in_errors_and_not_a_concrete_name() -> None:
-    assert "auto" not in polyamp.POLICY_NAMES
+    assert "auto" not in polyamp.backend_api.policies.POLICY_NAMES
     with pytest.raises(polyamp.InvalidPolicyError, match=r"Did you mean 'auto'\?.*or 'auto' \(the policy"):
         polyamp.Policy("atuo")
 
@@ -363,7 +365,7 @@ def test_a_registered_backend_reader_is_used(monkeypatch: pytest.MonkeyPatch, tm
 
     reader.read = read  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "polyamp_fakefw_reader", reader)
-    polyamp.register_backend(
+    polyamp.backend_api.register_backend(
         BackendSpec(
             name="fakefw",
             target="polyamp_fakefw_reader:Backend",

@@ -17,10 +17,12 @@ from typing import Any
 import pytest
 
 import polyamp
-from polyamp import BackendSpec, CheckpointError, PolyampError, PolyampTypeError, PolyampValueError
+import polyamp.backend_api
+from polyamp import CheckpointError, PolyampError, PolyampTypeError, PolyampValueError
 from polyamp.__main__ import main
 from polyamp._src.checkpoints import MAX_CONFIG_BYTES, chunk_indices
 from polyamp._src.hazards import read_tensors
+from polyamp.backend_api import BackendSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
@@ -177,7 +179,7 @@ def test_any_error_of_a_reader_on_a_file_becomes_a_checkpoint_error(
 
     reader.read = read  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "polyamp_brokenfw_reader", reader)
-    polyamp.register_backend(
+    polyamp.backend_api.register_backend(
         BackendSpec(
             name="brokenfw",
             target="polyamp_brokenfw_reader:Backend",

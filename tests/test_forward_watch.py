@@ -24,7 +24,7 @@ import pytest
 
 import polyamp
 from polyamp import ForwardReport, NonFiniteOutput, PolyampTypeError, PolyampValueError
-from polyamp.backend_api import ForwardPass, WatchedCall, forward_report
+from polyamp.backend_api.forward_watch import ForwardPass, WatchedCall, forward_report
 
 HERE = Path(__file__).resolve()
 #: The conftest fixture run_bounded: a subprocess bounded by POLYAMP_TEST_TIMEOUT.

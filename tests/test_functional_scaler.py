@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import polyamp  # noqa: E402
-from polyamp import LossScaleConfig, SpikeRule  # noqa: E402
-from polyamp.backend_api import FunctionalGuardingDevice, FunctionalLossScaler, LossScaleState  # noqa: E402
+from polyamp import FunctionalLossScaler, LossScaleConfig, LossScaleState, SpikeRule  # noqa: E402
+from polyamp.backend_api import FunctionalGuardingDevice  # noqa: E402
 
 HERE = Path(__file__).resolve().parent / "numpy_backend"
 PROPERTY = settings(
@@ -50,7 +50,7 @@ def npfw() -> Iterator[Any]:
         import npfw as module
         import polyamp_npfw
 
-        polyamp.register_backend(polyamp_npfw.SPEC)
+        polyamp.backend_api.register_backend(polyamp_npfw.SPEC)
         yield module
     finally:
         sys.path.remove(str(HERE))

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 import polyamp
+import polyamp.backend_api
 from polyamp import InvalidPolicyError, Policy
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ def test_policy_scope_as_a_decorator() -> None:
 
 def test_listeners_hear_every_change_and_can_unsubscribe() -> None:
     heard: list[str] = []
-    remove = polyamp.add_policy_listener(lambda p: heard.append(p.name))
+    remove = polyamp.backend_api.policies.add_policy_listener(lambda p: heard.append(p.name))
     polyamp.set_policy("mixed_float16")
     with polyamp.policy_scope("bfloat16"):
         pass
@@ -84,7 +85,7 @@ def test_a_failing_listener_rolls_the_policy_back_and_reraises() -> None:
         if policy.compute_dtype == "float16":
             raise RuntimeError("float16 not supported here")
 
-    polyamp.add_policy_listener(picky)
+    polyamp.backend_api.policies.add_policy_listener(picky)
     polyamp.set_policy("mixed_bfloat16")
     with pytest.raises(RuntimeError, match="float16 not supported"):
         polyamp.set_policy("mixed_float16")
@@ -94,7 +95,7 @@ def test_a_failing_listener_rolls_the_policy_back_and_reraises() -> None:
 
 def test_add_policy_listener_rejects_non_callables() -> None:
     with pytest.raises(TypeError, match="takes a callable"):
-        polyamp.add_policy_listener("not callable")  # type: ignore[arg-type]
+        polyamp.backend_api.policies.add_policy_listener("not callable")  # type: ignore[arg-type]
 
 
 def test_hook_runs_when_the_framework_is_imported_after_set_policy(fake_framework: FakeFramework) -> None:
@@ -147,8 +148,8 @@ def test_finder_leaves_meta_path_once_nothing_is_pending(fake_framework: FakeFra
 def test_failing_hook_at_import_warns_and_the_import_still_succeeds(
     fake_framework: FakeFramework, tmp_path: object
 ) -> None:
-    polyamp.register_backend(
-        polyamp.BackendSpec(
+    polyamp.backend_api.register_backend(
+        polyamp.backend_api.BackendSpec(
             name=fake_framework.name,
             target=fake_framework.spec.target,
             frameworks=fake_framework.spec.frameworks,
@@ -175,19 +176,23 @@ def test_policy_is_one_per_process() -> None:
 def test_overrides_travel_with_the_policy_and_reach_hooks(fake_framework: FakeFramework) -> None:
     fake_framework.load()
     polyamp.set_policy("mixed_float16", overrides={"*norm*": "float32"})
-    assert polyamp.get_policy_overrides() == polyamp.PolicyOverrides({"*norm*": "float32"})
+    assert polyamp.backend_api.policies.get_policy_overrides() == polyamp.backend_api.policies.PolicyOverrides(
+        {"*norm*": "float32"}
+    )
     backend = sys.modules[fake_framework.backend_module]
     assert backend.OVERRIDES[-1].resolve("block.layer_norm") == Policy("float32")
     with polyamp.policy_scope("mixed_bfloat16"):
-        assert len(polyamp.get_policy_overrides()) == 0
+        assert len(polyamp.backend_api.policies.get_policy_overrides()) == 0
         assert len(backend.OVERRIDES[-1]) == 0
-    assert backend.OVERRIDES[-1] == polyamp.PolicyOverrides({"*norm*": "float32"})
+    assert backend.OVERRIDES[-1] == polyamp.backend_api.policies.PolicyOverrides({"*norm*": "float32"})
     polyamp.set_policy("mixed_float16")  # a new setting replaces the overrides too
-    assert len(polyamp.get_policy_overrides()) == 0
+    assert len(polyamp.backend_api.policies.get_policy_overrides()) == 0
 
 
 def test_bad_overrides_leave_the_setting_unchanged() -> None:
     polyamp.set_policy("mixed_float16", overrides={"head": "float32"})
     with pytest.raises(InvalidPolicyError, match="Override for 'head'"):
         polyamp.set_policy("mixed_float16", overrides={"head": "float64"})
-    assert polyamp.get_policy_overrides() == polyamp.PolicyOverrides({"head": "float32"})
+    assert polyamp.backend_api.policies.get_policy_overrides() == polyamp.backend_api.policies.PolicyOverrides(
+        {"head": "float32"}
+    )

@@ -25,17 +25,17 @@ from hypothesis import strategies as st
 
 import polyamp
 from polyamp import (
-    BackendSpec,
     InvalidConfigError,
     LossScaleConfig,
     LossScaler,
-    PolicyOverrides,
     PolyampError,
     PolyampTypeError,
     PolyampValueError,
     ScalerUsageError,
     StateDictError,
 )
+from polyamp.backend_api import BackendSpec
+from polyamp.backend_api.policies import PolicyOverrides
 
 torch = pytest.importorskip("torch")
 

@@ -206,7 +206,7 @@ def test_an_overflow_pattern_takes_numpy_bools() -> None:
 
 def test_get_backend_with_an_array_is_a_type_error_naming_it() -> None:
     with pytest.raises(PolyampTypeError, match=r"must be a string such as 'torch'\. Received: array\(\[1\., 2\.\]\)"):
-        polyamp.get_backend(np.array([1.0, 2.0]))  # type: ignore[arg-type]
+        polyamp.backend_api.get_backend(np.array([1.0, 2.0]))  # type: ignore[arg-type]
 
 
 # -- the logging of skipped steps is rate-limited ----------------------------------------------------------------

@@ -1,9 +1,9 @@
 """polyamp_jax.precision: any optax optimizer following the policy's training-state plan.
 
 The writes are checked element by element against the core's pure-Python reference
-(`polyamp.backend_api.write_update`), bit for bit, through ``optax.apply_updates``; then the state's dtypes and
-bytes, the pass-through under float32, skipped steps under `loss_scaled`, jit/scan, Flax, checkpoint conversion,
-the hazard warning and the errors.
+(`polyamp.backend_api.training_state.write_update`), bit for bit, through ``optax.apply_updates``; then the state's
+dtypes and bytes, the pass-through under float32, skipped steps under `loss_scaled`, jit/scan, Flax, checkpoint
+conversion, the hazard warning and the errors.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import polyamp_jax  # noqa: E402
 
 import polyamp  # noqa: E402
 from polyamp import InvalidConfigError, PolyampTypeError, StateDictError, TrainingStateWarning  # noqa: E402
-from polyamp.backend_api import round_to, stochastic_round_bfloat16, write_update  # noqa: E402
+from polyamp.backend_api.training_state import round_to, stochastic_round_bfloat16, write_update  # noqa: E402
 
 PRESETS = ("bfloat16_float32_master", "bfloat16_kahan", "bfloat16_stochastic")
 

@@ -636,7 +636,7 @@ def test_an_apply_without_scale_loss_warns() -> None:
     optimizer.build(model.trainable_variables)
     with pytest.warns(UserWarning, match=r"before scale_loss\(\) in this iteration") as warned:
         _step(model, optimizer, *_data(0), scaled=False)
-    from polyamp.backend_api import NOT_SCALED_RULE  # the core's words for the rule, on every loop style
+    from polyamp.backend_api.arguments import NOT_SCALED_RULE
 
     assert any(NOT_SCALED_RULE in str(w.message) for w in warned)
     with warnings.catch_warnings(record=True) as caught:

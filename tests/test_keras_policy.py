@@ -208,7 +208,7 @@ def test_polyamp_tensorflow_re_exports_the_keras_names() -> None:
 
 
 def test_the_policy_hook_lives_in_polyamp_keras() -> None:
-    hook = polyamp.backend_specs()["keras"].policy_hook
+    hook = polyamp.backend_api.backend_specs()["keras"].policy_hook
     assert hook == "polyamp_keras:follow_polyamp_policy"
 
 

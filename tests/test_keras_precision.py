@@ -2,8 +2,8 @@
 
 The tests run in this process on its Keras backend; `test_on_every_keras_backend` runs this module again in a
 subprocess per other backend (Keras picks its backend once per process). The writes are checked bit for bit
-against `polyamp.backend_api.write_update` over a float32 NumPy reference of the inner optimizer (SGD with
-momentum), so Keras-on-torch, Keras-on-JAX and Keras-on-TensorFlow follow the same trajectory as that reference.
+against `polyamp.backend_api.training_state.write_update` over a float32 NumPy reference of the inner optimizer (SGD
+with momentum), so Keras-on-torch, Keras-on-JAX and Keras-on-TensorFlow follow the same trajectory as that reference.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import ml_dtypes  # noqa: E402
 import polyamp  # noqa: E402
 import polyamp_keras  # noqa: E402
 from polyamp import InvalidConfigError, PolyampTypeError, StateDictError, TrainingStateWarning  # noqa: E402
-from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, write_update  # noqa: E402
+from polyamp.backend_api.training_state import KAHAN_KEY, MASTER_KEY, write_update  # noqa: E402
 from polyamp_keras.testing import apply, keras_backend  # noqa: E402
 
 ops = keras.ops

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import polyamp
+from polyamp._src.deprecation import MOVED
 
 ROOT = Path(__file__).resolve().parent.parent
 FRAMEWORKS = ("torch", "tensorflow", "keras", "jax", "tf_keras")
@@ -57,7 +60,7 @@ def test_core_use_without_tensors_imports_no_framework() -> None:
         "    pass\n"
         "s = polyamp.LossScaler(growth_interval=3)\n"
         "s.load_state_dict(s.state_dict())\n"
-        "polyamp.backend_specs()\n"
+        "polyamp.backend_api.backend_specs()\n"
         "assert s.config.trajectory('FFFO')[-1] == 65536.0\n"
     )
     assert _imported_frameworks(code) == []
@@ -138,49 +141,75 @@ def test_the_public_backend_api_holds_what_backends_import() -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "protocols"),
+    ("backend", "protocols", "methods"),
     [
         (
             "torch",
+            ("ImperativeDevice", "RecordingDevice", "GuardingDevice", "SpikeDevice"),
             (
-                "ImperativeDevice",
-                "RecordingDevice",
-                "ImperativeGuardingDevice",
-                "ClippingDevice",
-                "ImperativeProvenanceDevice",
-                "SpikeDevice",
-                "CompilingDevice",
-                "UncompiledDevice",
-                "ProcessGroupDevice",
-                "Float16HintDevice",
-                "Float16ProbeDevice",
-                "OwnScalingDevice",
+                "check_gradients_finite",
+                "unscale_and_clip",
+                "step_on_device",
+                "non_finite_gradients",
+                "non_finite_parameters",
+                "compiling",
+                "run_uncompiled",
+                "set_process_group",
+                "float16_in_use",
+                "float16_computed",
+                "step_own_scaling",
             ),
         ),
         (
             "tensorflow",
+            ("TapeDevice", "RecordingDevice", "GuardingDevice", "ProvenanceDevice", "SpikeDevice"),
             (
-                "TapeDevice",
-                "RecordingDevice",
-                "GuardingDevice",
-                "TapeClippingDevice",
-                "ProvenanceDevice",
-                "SpikeDevice",
-                "CompilingDevice",
-                "ReplicaDevice",
-                "Float16HintDevice",
+                "unscale_and_clip_values",
+                "apply_and_advance",
+                "non_finite_parameters",
+                "compiling",
+                "replica",
+                "float16_in_use",
             ),
         ),
     ],
 )
-def test_first_party_device_forms_implement_the_optional_protocols(backend: str, protocols: tuple[str, ...]) -> None:
-    """The optional device methods the core calls when present are typed protocols of polyamp.backend_api, and
-    the first-party device forms implement every one that fits their loop style."""
+def test_first_party_device_forms_implement_what_fits_their_loop_style(
+    backend: str, protocols: tuple[str, ...], methods: tuple[str, ...]
+) -> None:
+    """The first-party device forms implement every capability group and every optional method
+    (`polyamp.backend_api.OptionalMethods`) that fits their loop style."""
     pytest.importorskip(backend)
     from polyamp import backend_api
 
     device = polyamp.LossScaler(enabled=True).bind(backend)
     missing = [name for name in protocols if not isinstance(device, getattr(backend_api, name))]
+    missing += [name for name in methods if not callable(getattr(device, name, None))]
     assert missing == []
+    assert set(methods) <= set(dir(backend_api.OptionalMethods))
     other_style = "TapeDevice" if backend == "torch" else "ImperativeDevice"
     assert not isinstance(device, getattr(backend_api, other_style))
+
+
+def test_the_public_surface_is_small() -> None:
+    """Training code needs at most 35 names from polyamp; a backend at most 45 from polyamp.backend_api (its
+    helpers sit in submodules by subject)."""
+    import polyamp.backend_api as api
+
+    assert len(polyamp.__all__) <= 35
+    assert len(api.__all__) <= 45
+    assert all(callable(getattr(api.OptionalMethods, name)) for name in ("apply_and_advance", "compiling"))
+
+
+@pytest.mark.parametrize("name", sorted(MOVED))
+def test_a_name_that_left_polyamp_resolves_with_a_warning_that_says_where_it_went(name: str) -> None:
+    home = importlib.import_module(MOVED[name])
+    with pytest.warns(DeprecationWarning, match=rf"polyamp\.{name} moved to {re.escape(MOVED[name])}\.{name}"):
+        value = getattr(polyamp, name)
+    assert value is getattr(home, name)
+    assert name not in polyamp.__all__
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        polyamp.nothing_here  # noqa: B018

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 import polyamp
+import polyamp.backend_api
 from polyamp import (
     BackendMismatchError,
     InvalidConfigError,
@@ -139,7 +140,7 @@ def test_unknown_objects_cannot_bind() -> None:
     scaler = LossScaler(enabled=True)
     with pytest.raises(PolyampTypeError, match=r"cannot tell which framework 3\.0 \(of type float\)") as caught:
         scaler.scale(3.0)
-    assert f"({', '.join(repr(name) for name in polyamp.backend_specs())})" in str(caught.value)
+    assert f"({', '.join(repr(name) for name in polyamp.backend_api.backend_specs())})" in str(caught.value)
     assert scaler.backend is None
 
 
@@ -149,8 +150,10 @@ def test_another_frameworks_objects_are_rejected(
     fw = fake_framework.load()
     (tmp_path / "otherfw.py").write_text("class Tensor:\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    polyamp.register_backend(
-        polyamp.BackendSpec(name="otherfw", target="otherfw:Tensor", frameworks=("otherfw",), install_hint="x")
+    polyamp.backend_api.register_backend(
+        polyamp.backend_api.BackendSpec(
+            name="otherfw", target="otherfw:Tensor", frameworks=("otherfw",), install_hint="x"
+        )
     )
     import otherfw  # type: ignore[import-not-found]
 

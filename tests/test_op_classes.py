@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import polyamp
-from polyamp import OP_CLASSES, OpClass, op_class
+from polyamp import OpClass, op_class
 from polyamp._src import op_classes
+from polyamp.backend_api.policies import OP_CLASSES
 from polyamp.conformance import COMPUTE_OPS, OPS
 
 

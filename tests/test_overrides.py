@@ -6,7 +6,8 @@ import pickle
 
 import pytest
 
-from polyamp import InvalidPolicyError, Policy, PolicyOverrides, PolyampTypeError
+from polyamp import InvalidPolicyError, Policy, PolyampTypeError
+from polyamp.backend_api.policies import PolicyOverrides
 
 F32 = Policy("float32")
 BF16 = Policy("bfloat16")

@@ -9,6 +9,7 @@ import re
 import pytest
 
 import polyamp
+import polyamp.backend_api
 from polyamp import InvalidPolicyError, Policy, PolyampError, PolyampTypeError
 
 NAMED = {
@@ -190,5 +191,11 @@ def test_bad_keyword_dtype_is_a_value_error_naming_the_keyword(value: object) ->
 
 
 def test_module_constants() -> None:
-    assert polyamp.POLICY_NAMES == ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
-    assert polyamp.DTYPE_NAMES == ("float32", "float16", "bfloat16")
+    assert polyamp.backend_api.policies.POLICY_NAMES == (
+        "float32",
+        "mixed_float16",
+        "mixed_bfloat16",
+        "float16",
+        "bfloat16",
+    )
+    assert polyamp.backend_api.policies.DTYPE_NAMES == ("float32", "float16", "bfloat16")

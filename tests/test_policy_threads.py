@@ -21,8 +21,10 @@ from typing import Any
 import pytest
 
 import polyamp
-from polyamp import Policy, PolicyOverrides
+import polyamp.backend_api
+from polyamp import Policy
 from polyamp._src import import_hooks
+from polyamp.backend_api.policies import PolicyOverrides
 
 TIMEOUT = 10.0  # seconds any wait below may take before the test fails instead of hanging
 
@@ -133,7 +135,7 @@ def test_set_policy_reaches_threads_started_before_it() -> None:
 def test_set_policy_from_a_worker_is_process_wide() -> None:
     start(lambda: polyamp.set_policy("mixed_bfloat16", overrides={"head": "float32"})).finish()
     assert polyamp.get_policy() == Policy("mixed_bfloat16")
-    assert polyamp.get_policy_overrides() == PolicyOverrides({"head": "float32"})
+    assert polyamp.backend_api.policies.get_policy_overrides() == PolicyOverrides({"head": "float32"})
 
 
 def test_set_policy_inside_a_scope_takes_over_when_the_scope_ends() -> None:
@@ -235,15 +237,19 @@ def test_policy_setting_describes_where_the_policy_comes_from() -> None:
     assert (default.policy, default.overrides, default.source) == (Policy("float32"), PolicyOverrides(), "default")
     polyamp.set_policy("mixed_float16", overrides={"head": "float32"})
     setting = polyamp.get_policy_setting()
-    assert setting == polyamp.PolicySetting(Policy("mixed_float16"), PolicyOverrides({"head": "float32"}), "set_policy")
+    assert setting == polyamp.backend_api.policies.PolicySetting(
+        Policy("mixed_float16"), PolicyOverrides({"head": "float32"}), "set_policy"
+    )
     with polyamp.policy_scope("bfloat16") as policy:
-        assert polyamp.get_policy_setting() == polyamp.PolicySetting(policy, PolicyOverrides(), "policy_scope")
+        assert polyamp.get_policy_setting() == polyamp.backend_api.policies.PolicySetting(
+            policy, PolicyOverrides(), "policy_scope"
+        )
     assert polyamp.get_policy_setting() is setting
 
 
 def test_listeners_hear_scopes_in_the_thread_that_entered_them() -> None:
     heard: list[tuple[str, str]] = []
-    polyamp.add_policy_listener(lambda p: heard.append((threading.current_thread().name, p.name)))
+    polyamp.backend_api.policies.add_policy_listener(lambda p: heard.append((threading.current_thread().name, p.name)))
 
     def scoped() -> None:
         with polyamp.policy_scope("float16"):
@@ -287,7 +293,7 @@ class SlowFramework:
     name: str
     entered: threading.Event  # set once the import has started (the module is in sys.modules)
     release: threading.Event
-    spec: polyamp.BackendSpec
+    spec: polyamp.backend_api.BackendSpec
 
     def import_it(self) -> None:
         __import__(self.name)
@@ -326,14 +332,14 @@ def slow_framework(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
         )
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    spec = polyamp.BackendSpec(
+    spec = polyamp.backend_api.BackendSpec(
         name=name,
         target=f"polyamp_{name}:Backend",
         frameworks=(name,),
         install_hint=f"pip install {name}",
         policy_hook=f"polyamp_{name}:apply_policy",
     )
-    polyamp.register_backend(spec)
+    polyamp.backend_api.register_backend(spec)
     framework = SlowFramework(name, gate.entered, gate.release, spec)  # type: ignore[attr-defined]
     yield framework
     framework.release.set()

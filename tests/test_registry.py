@@ -11,8 +11,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 import polyamp
-from polyamp import BackendConflictError, BackendNotInstalledError, BackendSpec, PolyampTypeError, UnknownBackendError
+import polyamp.backend_api
+from polyamp import BackendNotInstalledError, PolyampTypeError
 from polyamp._src import registry
+from polyamp.backend_api import BackendSpec
+from polyamp.backend_api.arguments import BackendConflictError, UnknownBackendError
 
 if TYPE_CHECKING:
     from conftest import FakeFramework
@@ -21,7 +24,7 @@ if TYPE_CHECKING:
 def test_first_party_backends_are_known_without_importing_them() -> None:
     probe = (
         "import json, sys, polyamp\n"
-        "specs = polyamp.backend_specs()\n"
+        "specs = polyamp.backend_api.backend_specs()\n"
         "print(json.dumps({'specs': {n: [s.frameworks, s.install_hint, s.policy_modules] for n, s in specs.items()},\n"
         "    'imported': sorted(m for m in sys.modules if m.partition('.')[0] in\n"
         "        ('torch', 'tensorflow', 'keras', 'jax', 'polyamp_torch', 'polyamp_tensorflow', 'polyamp_keras'))}))\n"
@@ -37,21 +40,21 @@ def test_first_party_backends_are_known_without_importing_them() -> None:
 
 def test_unknown_backend_names_the_known_ones() -> None:
     with pytest.raises(UnknownBackendError, match=r"Unknown backend 'jaxx'\. Known backends: .*tensorflow, torch"):
-        polyamp.get_backend("jaxx")
+        polyamp.backend_api.get_backend("jaxx")
     with pytest.raises(ValueError):
         polyamp.LossScaler(backend="jaxx")
 
 
 def test_backend_name_must_be_a_string() -> None:
     with pytest.raises(PolyampTypeError, match="backend name must be a string"):
-        polyamp.get_backend(3)  # type: ignore[arg-type]
+        polyamp.backend_api.get_backend(3)  # type: ignore[arg-type]
 
 
 def test_backend_loads_lazily_and_is_cached(fake_framework: FakeFramework) -> None:
     assert fake_framework.backend_module not in sys.modules
-    backend = polyamp.get_backend(fake_framework.name)
+    backend = polyamp.backend_api.get_backend(fake_framework.name)
     assert fake_framework.backend_module in sys.modules
-    assert polyamp.get_backend(fake_framework.name) is backend
+    assert polyamp.backend_api.get_backend(fake_framework.name) is backend
 
 
 def test_objects_are_matched_by_their_types_module(fake_framework: FakeFramework) -> None:
@@ -75,7 +78,7 @@ def _write_missing_framework_backend(tmp_path: Path, monkeypatch: pytest.MonkeyP
         frameworks=("ghostframework_not_installed",),
         install_hint="pip install 'polyamp[ghost]'",
     )
-    polyamp.register_backend(spec)
+    polyamp.backend_api.register_backend(spec)
     return spec
 
 
@@ -123,10 +126,10 @@ def test_a_backend_without_its_framework_says_what_to_install(
 def test_register_backend_refuses_to_silently_replace(fake_framework: FakeFramework) -> None:
     other = BackendSpec(name=fake_framework.name, target="elsewhere:Backend", frameworks=("x",), install_hint="y")
     with pytest.raises(BackendConflictError, match="already registered") as info:
-        polyamp.register_backend(other)
+        polyamp.backend_api.register_backend(other)
     assert isinstance(info.value, ValueError) and not isinstance(info.value, UnknownBackendError)
-    polyamp.register_backend(other, replace=True)
-    assert polyamp.backend_specs()[fake_framework.name] == other
+    polyamp.backend_api.register_backend(other, replace=True)
+    assert polyamp.backend_api.backend_specs()[fake_framework.name] == other
 
 
 @pytest.mark.parametrize(
@@ -147,8 +150,8 @@ def test_backend_spec_validates(kwargs: dict[str, object], fragment: str) -> Non
 
 
 def test_register_backend_takes_a_spec() -> None:
-    with pytest.raises(PolyampTypeError, match=r"takes a polyamp\.BackendSpec"):
-        polyamp.register_backend("torch")  # type: ignore[arg-type]
+    with pytest.raises(PolyampTypeError, match=r"takes a polyamp\.backend_api\.BackendSpec"):
+        polyamp.backend_api.register_backend("torch")  # type: ignore[arg-type]
 
 
 def test_third_party_backend_from_an_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,7 +162,7 @@ def test_third_party_backend_from_an_entry_point(tmp_path: Path, monkeypatch: py
     (dist / "entry_points.txt").write_text("[polyamp.backends]\nplugin = polyamp_plugin_spec:SPEC\n")
     (tmp_path / "polyamp_plugin_spec.py").write_text(
         "import polyamp\n"
-        "SPEC = polyamp.BackendSpec(name='plugin', target='polyamp_plugin_impl:Backend',\n"
+        "SPEC = polyamp.backend_api.BackendSpec(name='plugin', target='polyamp_plugin_impl:Backend',\n"
         "                           frameworks=('pluginfw',), install_hint='pip install polyamp-plugin')\n"
     )
     (tmp_path / "polyamp_plugin_impl.py").write_text(
@@ -169,9 +172,9 @@ def test_third_party_backend_from_an_entry_point(tmp_path: Path, monkeypatch: py
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "_entry_points_read", False)
     assert "polyamp_plugin_impl" not in sys.modules
-    backend = polyamp.get_backend("plugin")
+    backend = polyamp.backend_api.get_backend("plugin")
     assert backend.name == "plugin"
-    assert "plugin" in polyamp.backend_specs()
+    assert "plugin" in polyamp.backend_api.backend_specs()
 
 
 def test_entry_point_must_name_a_backend_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,5 +185,5 @@ def test_entry_point_must_name_a_backend_spec(tmp_path: Path, monkeypatch: pytes
     (tmp_path / "bad_plugin_spec.py").write_text("SPEC = {'name': 'bad'}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "_entry_points_read", False)
-    with pytest.raises(PolyampTypeError, match=r"must name a polyamp\.BackendSpec"):
-        polyamp.get_backend("bad")
+    with pytest.raises(PolyampTypeError, match=r"must name a polyamp\.backend_api\.BackendSpec"):
+        polyamp.backend_api.get_backend("bad")

@@ -90,7 +90,7 @@ def test_a_devices_ceiling_stops_growth_and_leaves_the_settings_as_they_are() ->
     """with_ceiling: growth stops at the lower of max_scale and the ceiling (the rule's other halves unchanged),
     a state above it is refused, and the settings, state dicts and equality stay the config's own; without a
     ceiling growth goes on to 2**127, as torch's GradScaler grows."""
-    from polyamp.backend_api import RECIPROCAL_CEILING
+    from polyamp.backend_api.rules import RECIPROCAL_CEILING
 
     plain = LossScaleConfig(init_scale=2.0**124, growth_interval=1)
     capped = plain.with_ceiling(RECIPROCAL_CEILING)

@@ -201,7 +201,7 @@ def nptape() -> Iterator[Any]:
         import nptape as module
         import polyamp_nptape
 
-        polyamp.register_backend(polyamp_nptape.SPEC)
+        polyamp.backend_api.register_backend(polyamp_nptape.SPEC)
         yield module
     finally:
         sys.path.remove(str(NPTAPE))

@@ -1,7 +1,7 @@
 """A third-party backend of the *tape* loop style, written only against polyamp's public API, gets every
 semantic the core owns: the conformance cases its capabilities allow (the guard and records included), the
 spike rule decided as the reference decides, the iteration rule for scaling, and the rule's advance made with
-the step where the device offers it (`AdvancingTapeDevice`).
+the step where the device offers it (``apply_and_advance``).
 
 ``tests/numpy_backend`` holds ``nptape`` (a NumPy stand-in for a framework whose gradients are values, as
 TensorFlow's are) and ``polyamp_nptape``, its backend.
@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import polyamp
+import polyamp.backend_api
 from polyamp import LossScaler, ScalerUsageError, SpikeRule
 from polyamp.conformance import run
 
@@ -30,7 +31,7 @@ def nptape_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.syspath_prepend(str(HERE))
     import polyamp_nptape
 
-    polyamp.register_backend(polyamp_nptape.SPEC)
+    polyamp.backend_api.register_backend(polyamp_nptape.SPEC)
     yield polyamp_nptape
     for name in ("npfw", "nptape", "polyamp_nptape"):
         sys.modules.pop(name, None)
@@ -40,7 +41,10 @@ def test_the_tape_backend_imports_only_the_public_api() -> None:
     tree = ast.parse((HERE / "polyamp_nptape.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert {name for name in imported if name.partition(".")[0] == "polyamp"} == {
+    polyamp_modules = {name for name in imported if name.partition(".")[0] == "polyamp"}
+    assert {
+        name.rpartition(".")[0] if name.startswith("polyamp.backend_api.") else name for name in polyamp_modules
+    } == {
         "polyamp",
         "polyamp.backend_api",
         "polyamp.conformance",
@@ -68,9 +72,9 @@ def test_the_tape_device_implements_the_protocols_it_claims(nptape_backend: Any)
         api.RecordingDevice,
         api.ProvenanceDevice,
         api.SpikeDevice,
-        api.AdvancingTapeDevice,
     ):
         assert isinstance(device, protocol), protocol.__name__
+    assert callable(device.apply_and_advance)
     assert not isinstance(device, api.ImperativeDevice)
 
 
@@ -153,7 +157,7 @@ def test_every_iteration_that_scales_needs_its_loss_scaled(nptape_backend: Any) 
     ):
         with pytest.raises(ScalerUsageError, match=r"before scale\(\) in this iteration") as raised:
             call()
-        assert polyamp.backend_api.NOT_SCALED_RULE in str(raised.value)
+        assert polyamp.backend_api.arguments.NOT_SCALED_RULE in str(raised.value)
     assert all(np.array_equal(a, v.data) for a, v in zip(before, variables, strict=True))
     assert optimizer.iterations == 1
 
@@ -187,7 +191,7 @@ def test_an_apply_gradients_iteration_advances_the_rule_once_with_the_step(
     nptape_backend: Any, monkeypatch: pytest.MonkeyPatch, advances: bool
 ) -> None:
     """An iteration that is one ``apply_gradients`` asks the device for the step and the rule's advance in one
-    call (`AdvancingTapeDevice.apply_and_advance`) and does not advance the rule again; a device that declines
+    call (``apply_and_advance``) and does not advance the rule again; a device that declines
     gets ``apply`` then ``update``. Either way the state follows the reference rule step by step, with the
     same records."""
     import nptape

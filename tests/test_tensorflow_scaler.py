@@ -416,7 +416,7 @@ def _graph_step(form: str, *, jit_compile: bool = False, growth: int = 2000) -> 
 def test_a_graph_step_branches_once_on_its_flag_as_keras_does(form: str) -> None:
     """Every operation of a ``tf.function`` step is visited at every call, in a branch taken or not. Keras's
     LossScaleOptimizer branches once per step: apply and grow, or halve. polyamp's step (either form) does too:
-    the rule advances inside the branch that applies or skips (`polyamp.backend_api.AdvancingTapeDevice`), not
+    the rule advances inside the branch that applies or skips (``apply_and_advance``), not
     in a second branch on the same flag; the records are written from the boolean the flag was made from, with
     no comparison of the flag; and the skipped step's counting of non-finite gradients is one call of a function
     kept whole, not some thirty operations in the branch."""

@@ -253,7 +253,7 @@ def test_a_backend_without_reduction_refuses_a_process_group(monkeypatch: pytest
     import npfw
     import polyamp_npfw
 
-    polyamp.register_backend(polyamp_npfw.SPEC)
+    polyamp.backend_api.register_backend(polyamp_npfw.SPEC)
     try:
         with pytest.raises(polyamp.PolyampTypeError, match="The 'npfw' backend's scaler cannot reduce its found-inf"):
             polyamp.LossScaler(process_group=npfw.Tensor(0.0))

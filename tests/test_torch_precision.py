@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import polyamp  # noqa: E402
-from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, round_to, write_update  # noqa: E402
+from polyamp.backend_api.training_state import KAHAN_KEY, MASTER_KEY, round_to, write_update  # noqa: E402
 from polyamp_torch import PrecisionOptimizer, measure_state_bytes  # noqa: E402
 
 pytestmark = pytest.mark.torch

@@ -10,8 +10,14 @@ import struct
 import pytest
 
 import polyamp
+import polyamp.backend_api
 from polyamp import InvalidPolicyError, Policy
-from polyamp.backend_api import round_to, stochastic_round_bfloat16, unplanned_hazard_message, write_update
+from polyamp.backend_api.training_state import (
+    round_to,
+    stochastic_round_bfloat16,
+    unplanned_hazard_message,
+    write_update,
+)
 
 
 def _f32(value: float) -> float:
@@ -51,16 +57,20 @@ def test_presets_are_the_issue_spellings() -> None:
     )
     assert Policy("p=bf16,c=bf16,o=f32,r=stochastic").name == "bfloat16_stochastic"
     assert Policy("p=bf16,c=bf16,o=f32,m=f32").name == "bfloat16_float32_master"
-    assert polyamp.PRESET_NAMES == ("bfloat16_float32_master", "bfloat16_kahan", "bfloat16_stochastic")
-    assert polyamp.ROUNDINGS == ("nearest", "stochastic", "kahan")
-    for name in polyamp.PRESET_NAMES:
+    assert polyamp.backend_api.policies.PRESET_NAMES == (
+        "bfloat16_float32_master",
+        "bfloat16_kahan",
+        "bfloat16_stochastic",
+    )
+    assert polyamp.backend_api.policies.ROUNDINGS == ("nearest", "stochastic", "kahan")
+    for name in polyamp.backend_api.policies.PRESET_NAMES:
         preset = Policy(name)
         assert (preset.param_dtype, preset.compute_dtype, preset.output_dtype) == ("bfloat16", "bfloat16", "float32")
         assert preset.has_training_state_plan
 
 
 def test_defaults_leave_names_and_equality_as_before() -> None:
-    for name in polyamp.POLICY_NAMES:
+    for name in polyamp.backend_api.policies.POLICY_NAMES:
         assert Policy(name).name == name
         assert not Policy(name).has_training_state_plan
     assert Policy("bfloat16") != Policy("bfloat16", rounding="kahan")
@@ -160,8 +170,10 @@ def test_kahan_write_is_the_stated_float32_sequence() -> None:
 
 
 def test_state_bytes() -> None:
-    assert polyamp.state_bytes("mixed_bfloat16") == polyamp.StateBytes(4, 4, 0, 8, 0)
-    assert polyamp.state_bytes("bfloat16_float32_master") == polyamp.StateBytes(2, 2, 4, 8, 0)
+    assert polyamp.state_bytes("mixed_bfloat16") == polyamp.backend_api.training_state.StateBytes(4, 4, 0, 8, 0)
+    assert polyamp.state_bytes("bfloat16_float32_master") == polyamp.backend_api.training_state.StateBytes(
+        2, 2, 4, 8, 0
+    )
     assert polyamp.state_bytes("bfloat16_kahan").total == 10
     assert polyamp.state_bytes("bfloat16_stochastic").total == 8
     assert polyamp.state_bytes("bfloat16_kahan", slots=1).total == 8
@@ -188,7 +200,7 @@ def test_hazard_message() -> None:
 
 
 def test_what_counts_as_a_slot() -> None:
-    from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, is_state_slot
+    from polyamp.backend_api.training_state import KAHAN_KEY, MASTER_KEY, is_state_slot
 
     assert is_state_slot(floating=True, ndim=2, key="exp_avg")
     assert is_state_slot(floating=True, ndim=2, key="row_var")  # any shape: Adafactor's factored statistics

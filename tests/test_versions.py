@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 import polyamp
+import polyamp.backend_api
 from polyamp._src import versions
-from polyamp.backend_api import warn_if_untested
+from polyamp.backend_api.versions import warn_if_untested
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
@@ -39,7 +40,7 @@ def _declared_minimums() -> dict[str, str]:
 
 def test_pyproject_declares_the_core_table() -> None:
     assert _declared_minimums() == versions.MINIMUM_VERSIONS
-    assert polyamp.MINIMUM_VERSIONS is versions.MINIMUM_VERSIONS
+    assert polyamp.backend_api.versions.MINIMUM_VERSIONS is versions.MINIMUM_VERSIONS
 
 
 def test_requires_python_is_the_tested_minimum() -> None:

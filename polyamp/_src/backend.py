@@ -12,9 +12,13 @@ A device form offers one or more loop styles:
 * `ImperativeDevice` - PyTorch-style: gradients live on the parameters, ``unscale_`` / ``step`` / ``update``;
 * `TapeDevice` - TensorFlow-style: gradients are values, ``unscale(grads)`` / ``apply_gradients(opt, ...)``;
 * `FunctionalDevice` - state in, state out, for jitted steps (JAX-style), made by
-  ``Backend.make_functional``; the core wraps it in `polyamp.FunctionalLossScaler`. Its optional protocols
-  `FunctionalRecordingDevice`, `FunctionalGuardingDevice` and `FunctionalSpikeDevice` mirror the stateful
-  `RecordingDevice`, `GuardingDevice` and `SpikeDevice` as pure functions over trees of arrays.
+  ``Backend.make_functional``; the core wraps it in `polyamp.FunctionalLossScaler`.
+
+Four capability groups add to a loop form: records (`RecordingDevice`), the guard (`GuardingDevice`), the
+names of non-finite gradients (`ProvenanceDevice`) and the spike rule (`SpikeDevice`), each with its
+functional twin over trees of arrays. Single capabilities are methods a device may have (`OptionalMethods`).
+The arithmetic of every rule is the core's (`polyamp._src.rules`); a device calls it with its framework's
+`ArrayOps`.
 """
 
 from __future__ import annotations
@@ -25,39 +29,24 @@ from typing import Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
 
 __all__ = [
-    "AdvancingTapeDevice",
     "Backend",
-    "ClippingDevice",
-    "CompilingDevice",
-    "DeviceSkippingDevice",
     "Flag",
-    "Float16HintDevice",
-    "Float16ProbeDevice",
     "FunctionalBackend",
-    "FunctionalCeilingDevice",
     "FunctionalDevice",
     "FunctionalGuardingDevice",
+    "FunctionalProvenanceDevice",
     "FunctionalRecordingDevice",
-    "FunctionalRunDevice",
     "FunctionalSpikeDevice",
-    "FunctionalTracingDevice",
     "GradientCounts",
     "GuardingDevice",
     "ImperativeDevice",
-    "ImperativeGuardingDevice",
-    "ImperativeProvenanceDevice",
-    "OwnScalingDevice",
-    "ParameterCheckDevice",
-    "ProcessGroupDevice",
+    "OptionalMethods",
     "ProvenanceDevice",
     "RecordingDevice",
-    "ReplicaDevice",
     "ScalerDevice",
     "SpikeDevice",
     "StepOutcome",
     "TapeDevice",
-    "UncompiledDevice",
-    "UnscaledLossWarningDevice",
 ]
 
 #: A backend's found-inf flag: a scalar tensor on its device, ``> 0`` when a gradient was inf or NaN.
@@ -82,16 +71,14 @@ class StepOutcome(NamedTuple):
 class ScalerDevice(Protocol):
     """Operations every device form provides, whatever its loop style.
 
-    Everything else a device may offer is an optional protocol of its own (`CompilingDevice`,
-    `UncompiledDevice`, `ReplicaDevice`, `ProcessGroupDevice`, `Float16HintDevice`, `Float16ProbeDevice`, `UnscaledLossWarningDevice`,
-    `OwnScalingDevice`, `RecordingDevice`, `GuardingDevice`, `ProvenanceDevice`, `SpikeDevice`): the core reads
-    which ones a device implements once, when a scaler binds to it (`polyamp.backend_api.DeviceCapabilities`),
-    and never looks for a method by name afterwards.
+    Everything else a device may offer is a capability group (`RecordingDevice`, `GuardingDevice`,
+    `ProvenanceDevice`, `SpikeDevice`) or one of the `OptionalMethods`: the core reads which, once, when a
+    scaler binds to it.
     """
 
     def check_optimizer(self, method: str, optimizer: object) -> None:
         """Raise unless ``optimizer`` is one this device can step through ``method``: a `polyamp.PolyampTypeError`
-        for something else (`polyamp.backend_api.wrong_object_error` words it), a `polyamp.ScalerUsageError`
+        for something else (`polyamp.backend_api.arguments.wrong_object_error` words it), a `polyamp.ScalerUsageError`
         for an optimizer that would unscale a second time. Called before anything else happens."""
         ...
 
@@ -106,7 +93,7 @@ class ScalerDevice(Protocol):
     def scale(self, loss: Any) -> Any:
         """``loss`` (a tensor, or a list/tuple/iterable of them) multiplied by the scale.
 
-        Raise `polyamp.backend_api.wrong_object_error` for anything else.
+        Raise `polyamp.backend_api.arguments.wrong_object_error` for anything else.
         """
         ...
 
@@ -171,7 +158,7 @@ class RecordingDevice(Protocol):
         ...
 
     def write_history(self, history: Any, base: int, flag: Flag | None, spike: Flag | None = None) -> None:
-        """Append one iteration's code without a host read: ``base`` (from `polyamp.backend_api.MODE_CODES`),
+        """Append one iteration's code without a host read: ``base`` (from `polyamp.backend_api.records.MODE_CODES`),
         plus 1 when ``flag`` is set (``flag`` may be None: not skipped), plus ``SPIKE_BIT`` + 1 when ``spike`` (a
         skip by the spike rule alone) is set (> 0) and ``flag`` is not, plus ``REBASE_BIT`` when ``spike`` is
         negative (the iteration re-based the rule's window: `SpikeDevice.spike_finish`)."""
@@ -179,85 +166,18 @@ class RecordingDevice(Protocol):
 
     def read_history(self, history: Any) -> tuple[int, list[int]]:
         """(codes written in all, the most recent ones oldest first): one host read
-        (`polyamp.backend_api.ring_codes` orders a ring)."""
+        (`polyamp.backend_api.records.ring_codes` orders a ring)."""
         ...
 
 
 @runtime_checkable
 class GuardingDevice(Protocol):
     """Optional: the guard (steps without scaling skipped when a gradient is non-finite). A tape device
-    needs this only (its ``apply`` checks); an imperative one is an `ImperativeGuardingDevice`."""
+    needs this only (its ``apply`` checks); an imperative one also has ``check_gradients_finite``
+    (`OptionalMethods`)."""
 
     def count_skip(self, flag: Flag) -> None:
         """Count an iteration as skipped when ``flag`` is set, without running the loss-scale rule."""
-        ...
-
-
-@runtime_checkable
-class ImperativeGuardingDevice(GuardingDevice, Protocol):
-    """Optional, imperative devices: the guard's check of gradients that are not unscaled."""
-
-    def check_gradients_finite(self, optimizer: Any) -> Flag | None:
-        """The flag of ``optimizer``'s gradients, left unchanged; None without gradients."""
-        ...
-
-
-@runtime_checkable
-class ClippingDevice(Protocol):
-    """Optional, imperative devices: gradient-norm clipping folded into the unscale (one read of the gradients
-    for the norm, one multiply by ``clip_coefficient / scale``, instead of an unscale pass, a norm pass and a
-    clipping pass)."""
-
-    def unscale_and_clip(self, optimizer: Any, max_norm: float, norm_type: float) -> tuple[Flag | None, Any] | None:
-        """Unscale ``optimizer``'s gradients and clip them to ``max_norm`` in one multiply; return the flag (None
-        without gradients) and the total norm of the unscaled gradients. The flag is set when the norm is not
-        finite. Return None, changing nothing, where this cannot be folded (then the caller unscales and
-        clips as two steps)."""
-        ...
-
-
-@runtime_checkable
-class TapeClippingDevice(Protocol):
-    """Optional, tape devices: global-norm clipping folded into the unscale, as `ClippingDevice` for gradients
-    handed over as values (``tf.clip_by_global_norm`` after ``unscale``)."""
-
-    def unscale_and_clip_values(self, grads: Sequence[Any], clip_norm: float, *, scaled: bool) -> tuple[list[Any], Any]:
-        """``grads`` (None entries stay None) divided by the scale when ``scaled``, and clipped to a global norm of
-        ``clip_norm``, in one multiply; and their global norm after the unscale. As ``tf.clip_by_global_norm``,
-        a non-finite norm makes every value NaN (the step then skips)."""
-        ...
-
-
-@runtime_checkable
-class AdvancingTapeDevice(Protocol):
-    """Optional, tape devices: the loss-scale rule advanced in the branch that applies or skips the step.
-
-    For an iteration that is one ``apply_gradients`` call and ends there (no other optimizer flagged, no spike
-    rule, no process group, no ``new_scale``), the core asks for the step and the rule's advance together:
-    `TapeDevice.apply` followed by `ScalerDevice.update` ``(found_inf, None)`` on its flag, with the same values,
-    but where a branch is an operation of the step (a ``tf.function`` graph) one branch serves both, as in
-    Keras's own ``LossScaleOptimizer``, instead of a second on the same flag."""
-
-    def apply_and_advance(
-        self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], *, unscaled: bool
-    ) -> StepOutcome | None:
-        """`TapeDevice.apply` (no veto), then the rule's advance on the outcome's ``found_inf``, inside the same
-        device branch. Return None, changing nothing, where that cannot be done (the core then calls
-        ``apply`` and ``update``)."""
-        ...
-
-
-@runtime_checkable
-class DeviceSkippingDevice(Protocol):
-    """Optional, imperative devices: a step that is not fused, taken or skipped without the host reading the
-    flag (``LossScaler(skip_on_device=True)``)."""
-
-    def step_on_device(
-        self, optimizer: Any, found_inf: Flag, args: Sequence[Any], kwargs: Mapping[str, Any]
-    ) -> StepOutcome | None:
-        """Run ``optimizer.step(*args, **kwargs)`` and keep the parameters and optimizer state it had wherever
-        ``found_inf`` is set, bitwise, on the device; return the outcome with ``skipped`` None (the host does
-        not know). Return None, changing nothing, where that cannot be done (the caller then uses `step`)."""
         ...
 
 
@@ -268,28 +188,6 @@ class ProvenanceDevice(Protocol):
 
     def read_provenance(self) -> list[tuple[int, list[GradientCounts]]]:
         """``[(iteration, counts), ...]`` since the last call (one host read)."""
-        ...
-
-
-@runtime_checkable
-class ImperativeProvenanceDevice(Protocol):
-    """Optional, imperative devices: which gradients were non-finite, counted on the host's request after a
-    step the host knows was skipped (the gradients are still there)."""
-
-    def non_finite_gradients(self, optimizer: Any) -> list[GradientCounts]:
-        """Counts per gradient of ``optimizer``."""
-        ...
-
-
-@runtime_checkable
-class ParameterCheckDevice(Protocol):
-    """Optional: which parameters hold inf or NaN, asked on the host once per run of consecutive skipped
-    iterations (a skipped step never changes them, so such parameters skip every later step; the core says
-    so, `polyamp._src.skip_streak`)."""
-
-    def non_finite_parameters(self, optimizers: Sequence[Any]) -> list[GradientCounts]:
-        """Counts per parameter stepped through ``optimizers`` (the optimizers this scaler stepped; a device that
-        keeps the variables it applied may use those instead), read in one host transfer."""
         ...
 
 
@@ -335,111 +233,6 @@ class SpikeDevice(Protocol):
     def write_spike_window(self, state: Any, values: list[float], run: int = 0) -> None:
         """Make the window hold ``values`` (oldest first, at most the rule's window), the next one after them,
         and its ``run``."""
-        ...
-
-
-@runtime_checkable
-class CompilingDevice(Protocol):
-    """Optional: the framework has a compiler that traces the step (torch.compile, tf.function)."""
-
-    def compiling(self) -> bool:
-        """Whether a compiler is tracing the call now; the core then skips host-only bookkeeping (reading
-        records, counting probes) it cannot trace."""
-        ...
-
-
-@runtime_checkable
-class UncompiledDevice(Protocol):
-    """Optional: a way out of the compiler's trace."""
-
-    def run_uncompiled(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` outside the compiler's trace, at run time (torch: a ``torch.compiler.disable``d call).
-        The core ends a traced iteration (``update``) through it, so its records and counters are exact and the
-        compiled code is never specialised on them."""
-        ...
-
-
-@runtime_checkable
-class ReplicaDevice(Protocol):
-    """Optional: the framework runs one copy of the training step per replica, in threads of its own
-    (``tf.distribute.MirroredStrategy``)."""
-
-    def replica(self) -> Any:
-        """A hashable name of the replica making the call, or None outside a multi-replica step. The core
-        keeps one iteration per replica, each checked as a loop of its own; the device must reduce its
-        found-inf flags across the replicas so that they all take the same decision."""
-        ...
-
-
-@runtime_checkable
-class ProcessGroupDevice(Protocol):
-    """Optional: found-inf flags reduced over a process group (``LossScaler(process_group=...)``)."""
-
-    def set_process_group(self, group: Any) -> None:
-        """Reduce every found-inf flag over ``group`` from now on (a max all-reduce on the device). Raise a
-        `polyamp.PolyampTypeError` when ``group`` is not one of the framework's process groups."""
-        ...
-
-    def set_group_iteration(self, index: int) -> None:
-        """This rank's iteration count (iterations ended or discarded) for the reductions that follow: each
-        reduction carries it, so that a reduction pairing different iterations of two ranks (one rank
-        discarded an iteration alone) is detected on the device; the device then treats the flag as set (every
-        rank skips) and remembers the mismatch for `read_group_mismatch`."""
-        ...
-
-    def read_group_mismatch(self) -> bool:
-        """Whether a reduction since the last call paired different iterations of the group's ranks (one
-        host read; False without a group)."""
-        ...
-
-
-@runtime_checkable
-class Float16HintDevice(Protocol):
-    """Optional: float16 computation the framework does outside polyamp's global policy, for the enabled
-    rule (`polyamp.backend_api.resolve_enabled`)."""
-
-    def float16_in_use(self, *, since_last_iteration: bool, loss: Any = None) -> bool:
-        """Whether the current iteration computes in float16; with ``since_last_iteration=True`` the core is
-        starting an iteration, and the device may start counting anew. The answer must follow this iteration's
-        own computation, never the process's history: ``loss`` is the loss the iteration starts from when it
-        starts in ``scale`` (None otherwise), for a device that cannot count what ran before it existed (its
-        first iteration) and can tell from the loss instead."""
-        ...
-
-
-@runtime_checkable
-class Float16ProbeDevice(Protocol):
-    """Optional: tell whether a loss came from float16 computation, for the one-time warning of a scaler
-    that follows the policy and does not scale a float16 loss (its gradients would underflow)."""
-
-    def float16_computed(self, loss: Any) -> bool:
-        """Whether ``loss`` (or a list of losses) was computed in float16. Asked in the first eager iterations
-        of such a scaler only; may walk the framework's graph, within a bound."""
-        ...
-
-
-@runtime_checkable
-class UnscaledLossWarningDevice(Protocol):
-    """Optional: loops of the framework's own apply gradients of losses the scaler never saw (Keras's
-    ``fit`` with a custom ``train_step`` that does not call ``scale_loss``, and Keras's own optimizer tests,
-    which hand a loss-scale optimizer gradients directly), so an error there would break working programs.
-    The iteration rule ("the loss was scaled in this iteration", `polyamp.backend_api.NOT_SCALED_RULE`) then
-    warns once per scaler, with this device's wording, instead of raising `polyamp.ScalerUsageError`; the
-    step goes on as the framework's own loss-scale optimizer would take it."""
-
-    def unscaled_loss_warning(self, method: str) -> str:
-        """The warning's text for ``method`` (e.g. ``"apply_gradients()"``), in the adapter's names."""
-        ...
-
-
-@runtime_checkable
-class OwnScalingDevice(Protocol):
-    """Optional, imperative devices: optimizers that do their own scaling with the scaler handed to them
-    (torch's legacy ``step(grad_scaler=...)`` protocol)."""
-
-    def step_own_scaling(self, optimizer: Any, scaler: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        """Step ``optimizer`` with ``scaler`` handed to it and return the step's result, or ``NotImplemented``
-        for every other optimizer (the core then unscales and checks as usual)."""
         ...
 
 
@@ -554,29 +347,14 @@ class FunctionalRecordingDevice(Protocol):
 
     def ring_write(self, ring: Any, base: int, flag: Flag | None, spike: Flag | None = None) -> Any:
         """``ring`` with one more iteration's code, as `RecordingDevice.write_history` computes it: ``base``
-        (from `polyamp.backend_api.MODE_CODES`), plus 1 when ``flag`` is set (None: not set), plus ``SPIKE_BIT``
+        (from `polyamp.backend_api.records.MODE_CODES`), plus 1 when ``flag`` is set (None: not set), plus ``SPIKE_BIT``
         + 1 when ``spike`` is set (> 0) and ``flag`` is not, plus ``REBASE_BIT`` when ``spike`` is negative; at
         position ``count % capacity``, with the count advanced."""
         ...
 
     def ring_read(self, ring: Any) -> tuple[int, list[int]]:
         """(codes written in all, the most recent ones oldest first): one host read
-        (`polyamp.backend_api.ring_codes` orders a ring)."""
-        ...
-
-
-@runtime_checkable
-class FunctionalRunDevice(Protocol):
-    """Optional, functional recording devices: the id of the run (one `polyamp.FunctionalLossScaler.init`, and
-    every state stepped from it) carried in the ring, so that the records of a state are its run's own, not
-    those of every state of one scaler."""
-
-    def ring_tag(self, ring: Any, run: int) -> Any:
-        """``ring`` carrying the run id ``run`` (an int in [0, 2**31)), which `ring_write` keeps."""
-        ...
-
-    def ring_run(self, ring: Any) -> int | None:
-        """The run id ``ring`` carries (one host read), or None where it carries none."""
+        (`polyamp.backend_api.records.ring_codes` orders a ring)."""
         ...
 
 
@@ -592,30 +370,6 @@ class FunctionalGuardingDevice(Protocol):
 
     def count_skip(self, tree: Any, flag: Flag) -> Any:
         """``tree`` with its skip count advanced when ``flag`` is set (> 0), the loss-scale rule not run."""
-        ...
-
-
-@runtime_checkable
-class FunctionalCeilingDevice(Protocol):
-    """Optional, functional devices whose scale has a ceiling below float32's limit: they follow the config
-    they were made with through `polyamp.LossScaleConfig.with_ceiling` (e.g. with `RECIPROCAL_CEILING`, where
-    the float32 reciprocal that unscales is flushed to zero above it), and say so here, so that the records
-    replay the same rule and a state above the ceiling is refused."""
-
-    @property
-    def rule(self) -> LossScaleConfig:
-        """The config whose rule `FunctionalDevice.update` follows: the device's config with its ceiling."""
-        ...
-
-
-@runtime_checkable
-class FunctionalTracingDevice(Protocol):
-    """Optional, functional devices: whether a compiler traced `FunctionalDevice.update` (a jitted or scanned
-    step), which then holds the rule's settings as constants; `polyamp.FunctionalLossScaler.load_state_dict`
-    refuses to change them after that (the compiled step would go on using the old ones)."""
-
-    def traced(self) -> bool:
-        """Whether `FunctionalDevice.update` ran on traced values (under a compiler) since the device was made."""
         ...
 
 
@@ -696,9 +450,163 @@ class FunctionalSpikeDevice(Protocol):
         ...
 
 
+class OptionalMethods(Protocol):
+    """The methods a device form may add to its loop form, each for one capability; where one is missing, the
+    core does without it (the default named in each). `DeviceCapabilities` reads which ones a device has,
+    once, when a scaler binds. A device need not inherit from this class: it documents the names and types."""
+
+    # -- Steps the core may hand to the device whole ---------------------------------------------
+
+    # Imperative: clipping folded into the unscale (one multiply by clip coefficient / scale). Default: two passes.
+    def unscale_and_clip(self, optimizer: Any, max_norm: float, norm_type: float) -> tuple[Flag | None, Any] | None:
+        """Unscale ``optimizer``'s gradients and clip them to ``max_norm`` in one multiply; return the flag (None
+        without gradients) and the total norm of the unscaled gradients. The flag is set when the norm is not
+        finite. Return None, changing nothing, where this cannot be folded (then the caller unscales and
+        clips as two steps)."""
+        ...
+
+    # Tape: the same for gradients handed over as values (``tf.clip_by_global_norm``).
+    def unscale_and_clip_values(self, grads: Sequence[Any], clip_norm: float, *, scaled: bool) -> tuple[list[Any], Any]:
+        """``grads`` (None entries stay None) divided by the scale when ``scaled``, and clipped to a global norm of
+        ``clip_norm``, in one multiply; and their global norm after the unscale. As ``tf.clip_by_global_norm``,
+        a non-finite norm makes every value NaN (the step then skips)."""
+        ...
+
+    # Tape: the rule advanced in the branch that applies or skips (one branch per compiled step).
+    def apply_and_advance(
+        self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], *, unscaled: bool
+    ) -> StepOutcome | None:
+        """`TapeDevice.apply` (no veto), then the rule's advance on the outcome's ``found_inf``, inside the same
+        device branch. Return None, changing nothing, where that cannot be done (the core then calls
+        ``apply`` and ``update``)."""
+        ...
+
+    # Imperative: ``LossScaler(skip_on_device=True)``, the skip decided without a host read.
+    def step_on_device(
+        self, optimizer: Any, found_inf: Flag, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> StepOutcome | None:
+        """Run ``optimizer.step(*args, **kwargs)`` and keep the parameters and optimizer state it had wherever
+        ``found_inf`` is set, bitwise, on the device; return the outcome with ``skipped`` None (the host does
+        not know). Return None, changing nothing, where that cannot be done (the caller then uses `step`)."""
+        ...
+
+    # Imperative: optimizers that scale by themselves (torch's ``step(grad_scaler=...)``).
+    def step_own_scaling(self, optimizer: Any, scaler: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """Step ``optimizer`` with ``scaler`` handed to it and return the step's result, or ``NotImplemented``
+        for every other optimizer (the core then unscales and checks as usual)."""
+        ...
+
+    # Imperative: the guard (with `GuardingDevice.count_skip`); the gradients are not unscaled.
+    def check_gradients_finite(self, optimizer: Any) -> Flag | None:
+        """The flag of ``optimizer``'s gradients, left unchanged; None without gradients."""
+        ...
+
+    # -- What a skipped step leaves: gradients and parameters named ------------------------------
+
+    # Imperative: which gradients were inf/NaN, counted on request after a skip the host knows of.
+    def non_finite_gradients(self, optimizer: Any) -> list[GradientCounts]:
+        """Counts per gradient of ``optimizer``."""
+        ...
+
+    # Which parameters hold inf/NaN, asked once per run of skips (such parameters skip every step).
+    def non_finite_parameters(self, optimizers: Sequence[Any]) -> list[GradientCounts]:
+        """Counts per parameter stepped through ``optimizers`` (the optimizers this scaler stepped; a device that
+        keeps the variables it applied may use those instead), read in one host transfer."""
+        ...
+
+    # -- Compilers, replicas and process groups --------------------------------------------------
+
+    # A compiler that traces the step (torch.compile, tf.function).
+    def compiling(self) -> bool:
+        """Whether a compiler is tracing the call now; the core then skips host-only bookkeeping (reading
+        records, counting probes) it cannot trace."""
+        ...
+
+    # A way out of the compiler's trace, for the iteration's end.
+    def run_uncompiled(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` outside the compiler's trace, at run time (torch: a ``torch.compiler.disable``d call).
+        The core ends a traced iteration (``update``) through it, so its records and counters are exact and the
+        compiled code is never specialised on them."""
+        ...
+
+    # One copy of the step per replica, in threads (``tf.distribute.MirroredStrategy``).
+    def replica(self) -> Any:
+        """A hashable name of the replica making the call, or None outside a multi-replica step. The core
+        keeps one iteration per replica, each checked as a loop of its own; the device must reduce its
+        found-inf flags across the replicas so that they all take the same decision."""
+        ...
+
+    # Flags reduced over a process group (``LossScaler(process_group=...)``): these three together.
+    def set_process_group(self, group: Any) -> None:
+        """Reduce every found-inf flag over ``group`` from now on (a max all-reduce on the device). Raise a
+        `polyamp.PolyampTypeError` when ``group`` is not one of the framework's process groups."""
+        ...
+
+    def set_group_iteration(self, index: int) -> None:
+        """This rank's iteration count (iterations ended or discarded) for the reductions that follow: each
+        reduction carries it, so that a reduction pairing different iterations of two ranks (one rank
+        discarded an iteration alone) is detected on the device; the device then treats the flag as set (every
+        rank skips) and remembers the mismatch for `read_group_mismatch`."""
+        ...
+
+    def read_group_mismatch(self) -> bool:
+        """Whether a reduction since the last call paired different iterations of the group's ranks (one
+        host read; False without a group)."""
+        ...
+
+    # -- Float16 the framework computes outside the policy ---------------------------------------
+
+    # float16 the framework computes outside polyamp's policy, for the enabled rule.
+    def float16_in_use(self, *, since_last_iteration: bool, loss: Any = None) -> bool:
+        """Whether the current iteration computes in float16; with ``since_last_iteration=True`` the core is
+        starting an iteration, and the device may start counting anew. The answer must follow this iteration's
+        own computation, never the process's history: ``loss`` is the loss the iteration starts from when it
+        starts in ``scale`` (None otherwise), for a device that cannot count what ran before it existed (its
+        first iteration) and can tell from the loss instead."""
+        ...
+
+    # Whether a loss came from float16, for the warning of a policy-following scaler that does not scale it.
+    def float16_computed(self, loss: Any) -> bool:
+        """Whether ``loss`` (or a list of losses) was computed in float16. Asked in the first eager iterations
+        of such a scaler only; may walk the framework's graph, within a bound."""
+        ...
+
+    # The framework's own loops hand gradients of losses never scaled: the iteration rule warns instead of raising.
+    def unscaled_loss_warning(self, method: str) -> str:
+        """The warning's text for ``method`` (e.g. ``"apply_gradients()"``), in the adapter's names."""
+        ...
+
+    # -- Functional forms ------------------------------------------------------------------------
+
+    # Functional: the run id in the ring (these two together), so each state's records are its run's own.
+    def ring_tag(self, ring: Any, run: int) -> Any:
+        """``ring`` carrying the run id ``run`` (an int in [0, 2**31)), which `ring_write` keeps."""
+        ...
+
+    def ring_run(self, ring: Any) -> int | None:
+        """The run id ``ring`` carries (one host read), or None where it carries none."""
+        ...
+
+    # Functional: a ceiling on the scale (`polyamp.LossScaleConfig.with_ceiling`) the records replay.
+    @property
+    def rule(self) -> LossScaleConfig:
+        """The config whose rule `FunctionalDevice.update` follows: the device's config with its ceiling."""
+        ...
+
+    # Functional: whether a compiler traced ``update``; loaded settings are refused after that.
+    def traced(self) -> bool:
+        """Whether `FunctionalDevice.update` ran on traced values (under a compiler) since the device was made."""
+        ...
+
+    # Functional: the inner step run only when applied (`polyamp.FunctionalLossScaler.step(lazy=True)`).
+    def cond(self, found_inf: Flag, if_skipped: Any, if_applied: Any) -> Any:
+        """``if_skipped()`` when ``found_inf`` is set, else ``if_applied()`` (functions): only one of them runs."""
+        ...
+
+
 @runtime_checkable
 class Backend(Protocol):
-    """A framework translation of polyamp's semantics, registered by a `polyamp.BackendSpec`.
+    """A framework translation of polyamp's semantics, registered by a `polyamp.backend_api.BackendSpec`.
 
     A backend with jitted, stateless training steps is also a `FunctionalBackend`.
     """

@@ -1,8 +1,8 @@
 """Binding a scaler to a backend: the device form, and what it can do, read once.
 
-A device form implements `polyamp.backend_api.ImperativeDevice` or `TapeDevice` and any of the optional
-protocols of `polyamp._src.backend`. `DeviceCapabilities.of` reads which ones, once, when a scaler binds; the
-core consults the frozen record from then on and never probes a device for a method by name.
+A device form implements `polyamp.backend_api.ImperativeDevice` or `TapeDevice`, any of the capability groups
+and any of the `polyamp.backend_api.OptionalMethods`. `DeviceCapabilities.of` reads which, once, when a scaler
+binds; the core consults the frozen record from then on.
 """
 
 from __future__ import annotations
@@ -13,28 +13,13 @@ from typing import Any, Literal
 
 from polyamp._src import registry
 from polyamp._src.backend import (
-    AdvancingTapeDevice,
-    ClippingDevice,
-    CompilingDevice,
-    DeviceSkippingDevice,
-    Float16HintDevice,
-    Float16ProbeDevice,
     GuardingDevice,
     ImperativeDevice,
-    ImperativeGuardingDevice,
-    ImperativeProvenanceDevice,
-    OwnScalingDevice,
-    ParameterCheckDevice,
-    ProcessGroupDevice,
     ProvenanceDevice,
     RecordingDevice,
-    ReplicaDevice,
     ScalerDevice,
     SpikeDevice,
-    TapeClippingDevice,
     TapeDevice,
-    UncompiledDevice,
-    UnscaledLossWarningDevice,
 )
 from polyamp._src.errors import PolyampTypeError, describe
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
@@ -50,32 +35,11 @@ def _never() -> bool:
 
 @dataclass(frozen=True)
 class DeviceCapabilities:
-    """What a bound device form can do, read from the protocols it implements when the scaler binds.
-
-    Attributes:
-        style: The loop style: ``"imperative"`` (`ImperativeDevice`) or ``"tape"`` (`TapeDevice`).
-        recording: `RecordingDevice`: step records are kept on the device and read in batches.
-        guarding: The guard is possible: `GuardingDevice` (tape) or `ImperativeGuardingDevice`.
-        device_provenance: `ProvenanceDevice`: non-finite gradients are counted on the device.
-        host_provenance: `ImperativeProvenanceDevice` (imperative only): counted on the host's request.
-        spike: `SpikeDevice`: a `polyamp.SpikeRule` can be decided on the device.
-        compiling: `CompilingDevice.compiling`, or a function answering False.
-        run_uncompiled: `UncompiledDevice.run_uncompiled`, or None.
-        replica: `ReplicaDevice.replica`, or None (one iteration).
-        float16_in_use: `Float16HintDevice.float16_in_use`, or None.
-        float16_computed: `Float16ProbeDevice.float16_computed`, or None.
-        step_own_scaling: `OwnScalingDevice.step_own_scaling` (imperative only), or None.
-        process_groups: `ProcessGroupDevice`: flags can be reduced over a process group.
-        unscaled_loss_warning: `UnscaledLossWarningDevice.unscaled_loss_warning`, or None (the iteration rule
-            raises).
-        unscale_and_clip: `ClippingDevice.unscale_and_clip` (imperative only), or None (clipping after the
-            unscale, as two steps).
-        unscale_and_clip_values: `TapeClippingDevice.unscale_and_clip_values` (tape only), or None.
-        step_on_device: `DeviceSkippingDevice.step_on_device` (imperative only), or None (every step that is
-            not fused is decided on the host).
-        apply_and_advance: `AdvancingTapeDevice.apply_and_advance` (tape only), or None (``apply``, then
-            ``update``).
-        non_finite_parameters: `ParameterCheckDevice.non_finite_parameters`, or None.
+    """What a bound device form can do, read when the scaler binds: its loop style, the capability groups it
+    implements (`RecordingDevice`, `GuardingDevice`, `ProvenanceDevice`, `SpikeDevice`), and each of the
+    `polyamp.backend_api.OptionalMethods` it has, under that method's name (None where it has none;
+    ``compiling`` answers False then). ``host_provenance`` is ``non_finite_gradients``, ``process_groups``
+    whether it has ``set_process_group``.
     """
 
     style: LoopStyle
@@ -116,32 +80,31 @@ class DeviceCapabilities:
                 "polyamp.backend_api.ImperativeDevice nor TapeDevice."
             )
         imperative = style == "imperative"
+
+        def method(name: str, *, only: LoopStyle | None = None) -> Any:
+            return getattr(device, name, None) if only in (None, style) else None
+
         return cls(
             style=style,
             recording=isinstance(device, RecordingDevice),
-            guarding=isinstance(device, ImperativeGuardingDevice if imperative else GuardingDevice),
+            guarding=isinstance(device, GuardingDevice)
+            and (not imperative or method("check_gradients_finite") is not None),
             device_provenance=isinstance(device, ProvenanceDevice),
-            host_provenance=imperative and isinstance(device, ImperativeProvenanceDevice),
+            host_provenance=method("non_finite_gradients", only="imperative") is not None,
             spike=isinstance(device, SpikeDevice),
-            compiling=device.compiling if isinstance(device, CompilingDevice) else _never,
-            run_uncompiled=device.run_uncompiled if isinstance(device, UncompiledDevice) else None,
-            replica=device.replica if isinstance(device, ReplicaDevice) else None,
-            float16_in_use=device.float16_in_use if isinstance(device, Float16HintDevice) else None,
-            float16_computed=device.float16_computed if isinstance(device, Float16ProbeDevice) else None,
-            step_own_scaling=device.step_own_scaling if imperative and isinstance(device, OwnScalingDevice) else None,
-            process_groups=isinstance(device, ProcessGroupDevice),
-            unscaled_loss_warning=(
-                device.unscaled_loss_warning if isinstance(device, UnscaledLossWarningDevice) else None
-            ),
-            unscale_and_clip=device.unscale_and_clip if imperative and isinstance(device, ClippingDevice) else None,
-            unscale_and_clip_values=(
-                device.unscale_and_clip_values if not imperative and isinstance(device, TapeClippingDevice) else None
-            ),
-            step_on_device=device.step_on_device if imperative and isinstance(device, DeviceSkippingDevice) else None,
-            apply_and_advance=(
-                device.apply_and_advance if not imperative and isinstance(device, AdvancingTapeDevice) else None
-            ),
-            non_finite_parameters=(device.non_finite_parameters if isinstance(device, ParameterCheckDevice) else None),
+            compiling=method("compiling") or _never,
+            run_uncompiled=method("run_uncompiled"),
+            replica=method("replica"),
+            float16_in_use=method("float16_in_use"),
+            float16_computed=method("float16_computed"),
+            step_own_scaling=method("step_own_scaling", only="imperative"),
+            process_groups=method("set_process_group") is not None,
+            unscaled_loss_warning=method("unscaled_loss_warning"),
+            unscale_and_clip=method("unscale_and_clip", only="imperative"),
+            unscale_and_clip_values=method("unscale_and_clip_values", only="tape"),
+            step_on_device=method("step_on_device", only="imperative"),
+            apply_and_advance=method("apply_and_advance", only="tape"),
+            non_finite_parameters=method("non_finite_parameters"),
         )
 
 
@@ -171,7 +134,7 @@ def make_device(
                 f"The {backend!r} backend's scaler cannot reduce its found-inf flag over a process group; "
                 "construct the LossScaler without process_group."
             )
-        device.set_process_group(process_group)  # type: ignore[attr-defined]  # checked: ProcessGroupDevice
+        device.set_process_group(process_group)  # type: ignore[attr-defined]  # checked: it has the method
     if spike and not capabilities.spike:
         raise PolyampTypeError(
             f"The {backend!r} backend's scaler cannot apply a SpikeRule (its device form does not implement "

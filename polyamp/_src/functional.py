@@ -24,14 +24,11 @@ from typing import Any, Final, Literal, NamedTuple, cast
 
 from polyamp._src.backend import (
     Flag,
-    FunctionalCeilingDevice,
     FunctionalDevice,
     FunctionalGuardingDevice,
     FunctionalProvenanceDevice,
     FunctionalRecordingDevice,
-    FunctionalRunDevice,
     FunctionalSpikeDevice,
-    FunctionalTracingDevice,
 )
 from polyamp._src.errors import InvalidConfigError, PolyampTypeError, ScalerUsageError, StateDictError, describe
 from polyamp._src.provenance import non_finite_gradients
@@ -167,7 +164,6 @@ class FunctionalLossScaler:
         self._make_device = make_device
         self._device = make_device(config)
         self._config = config
-        self._scale_rule = self._device_rule()
         self._enabled = enabled
         self._setting = setting
         self._guard = guard
@@ -181,15 +177,17 @@ class FunctionalLossScaler:
         self._books = RunBooks(self._new_recorder, history)  # the records, per run (per init)
         self._books.start(None, config.initial_state())
 
-    def _device_rule(self) -> LossScaleConfig:
-        """The config whose rule the device follows: ``config``, or with the device's ceiling."""
-        device = self._device
-        return device.rule if isinstance(device, FunctionalCeilingDevice) else self._config
-
     def _read_capabilities(self) -> None:
         """Read which optional protocols the device implements, once (and again when it is remade)."""
         device = self._device
         self._recording = isinstance(device, FunctionalRecordingDevice)
+        # optional methods (`polyamp.backend_api.OptionalMethods`): the rule with the device's ceiling, a run id in
+        # the ring, whether update was traced, a branch that runs one side
+        rule = getattr(device, "rule", None)
+        self._scale_rule = rule if isinstance(rule, LossScaleConfig) else self._config
+        self._runs = self._recording and hasattr(device, "ring_tag") and hasattr(device, "ring_run")
+        self._traced: Callable[[], bool] | None = getattr(device, "traced", None)
+        self._cond: Callable[..., Any] | None = getattr(device, "cond", None)
         if self._rule is not None and not isinstance(device, FunctionalSpikeDevice):
             raise PolyampTypeError(
                 f"The {self._backend!r} backend's functional form cannot apply a SpikeRule (it does not implement "
@@ -282,11 +280,11 @@ class FunctionalLossScaler:
         if self._recording:
             device = cast(FunctionalRecordingDevice, self._device)
             tree["ring"] = device.ring_init(self._history)
-            if isinstance(device, FunctionalRunDevice):  # this state's records are its run's, not the scaler's
+            if self._runs:  # this state's records are its run's, not the scaler's
                 run = secrets.randbelow(2**31)
                 while self._books.known(run):
                     run = secrets.randbelow(2**31)
-                tree["ring"] = device.ring_tag(tree["ring"], run)
+                tree["ring"] = device.ring_tag(tree["ring"], run)  # type: ignore[attr-defined]
         self._books.start(run, initial)
         if self._rule is not None:
             spikes = cast(FunctionalSpikeDevice, self._device)
@@ -539,7 +537,7 @@ class FunctionalLossScaler:
             grads, found_inf = self.unscale(state, grads)
         decision = self.spike(state, loss=loss, grads=grads)
         skipped = self.skipped(found_inf, decision)
-        cond = getattr(self._device, "cond", None) if lazy else None
+        cond = self._cond if lazy else None
         if cond is not None:
             result = cond(skipped, lambda: keep(None), lambda: inner(grads))
         else:
@@ -567,7 +565,7 @@ class FunctionalLossScaler:
         stepped from), up to its own last iteration, so another run's states, later states of its run and
         states stepped again from an older one never show in them. They are kept here, on the host, per run
         (the 16 most recently read or started runs; the device keeps the run's id in the ring,
-        `polyamp.backend_api.FunctionalRunDevice`): each read takes the codes ``state``'s ring gained since
+        ``ring_tag``, `polyamp.backend_api.OptionalMethods`): each read takes the codes ``state``'s ring gained since
         its run was last read (one host read). Read them at least every ``history`` iterations: older codes are
         overwritten in the ring (a warning says how many were lost). A device that keeps no run id keeps one
         run, which each `init` starts anew. Safe from any thread: threads reading at once (a monitoring thread
@@ -590,7 +588,7 @@ class FunctionalLossScaler:
             if at >= 0:
                 provenance = (at, lambda: non_finite_gradients(entries))
         device = cast(FunctionalRecordingDevice, self._device)
-        run = device.ring_run(state["ring"]) if isinstance(device, FunctionalRunDevice) else None
+        run = device.ring_run(state["ring"]) if self._runs else None  # type: ignore[attr-defined]
         count, codes = device.ring_read(state["ring"])
         return self._books.read(
             run, count, codes, self._scale_rule, lambda: self.read(state), provenance, check_parameters
@@ -639,7 +637,7 @@ class FunctionalLossScaler:
         window = parse_spike_window(state_dict, None if rule is None else rule.window)
         run = parse_spike_run(state_dict)
         skipped = parse_skipped_steps(state_dict)
-        if config != self._config and isinstance(self._device, FunctionalTracingDevice) and self._device.traced():
+        if config != self._config and self._traced is not None and self._traced():
             changed = ", ".join(
                 f"{name}: {old!r} -> {new!r}"
                 for name, old, new in zip(
@@ -656,13 +654,13 @@ class FunctionalLossScaler:
             )
         try:
             made = self._device if config == self._config else self._make_device(config)
-            (made.rule if isinstance(made, FunctionalCeilingDevice) else config).check_state(host)
+            rule = getattr(made, "rule", None)
+            (rule if isinstance(rule, LossScaleConfig) else config).check_state(host)
         except (InvalidConfigError, PolyampTypeError) as exc:
             raise StateDictError(f"FunctionalLossScaler.load_state_dict() cannot load this state here: {exc}") from exc
         if made is not self._device:  # the rule's constants live in the device functions: new ones
             self._device = made
             self._config = config
-            self._scale_rule = self._device_rule()
             self._read_capabilities()
         state = self.init(host)
         state["scaler"] = self._device.init(host, skipped)

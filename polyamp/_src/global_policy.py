@@ -77,7 +77,8 @@ class PolicySetting:
             raise PolyampTypeError(f"PolicySetting.policy must be a polyamp.Policy. Received: {describe(self.policy)}.")
         if not isinstance(self.overrides, PolicyOverrides):
             raise PolyampTypeError(
-                f"PolicySetting.overrides must be a polyamp.PolicyOverrides. Received: {describe(self.overrides)}."
+                "PolicySetting.overrides must be a polyamp.backend_api.policies.PolicyOverrides. "
+                f"Received: {describe(self.overrides)}."
             )
         if self.source not in _SOURCES:
             raise PolyampTypeError(

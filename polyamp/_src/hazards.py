@@ -2,7 +2,7 @@
 
 The rules work on `TensorSummary` triples (name, dtype name, max |w|) and never see a tensor: the backends
 (``polyamp_torch``, ``polyamp_keras``) read checkpoints and models and compute max |w| with their framework,
-through the ``tensor_reader`` of their `polyamp.BackendSpec`. Let ``p`` be the policy checked, "float16
+through the ``tensor_reader`` of their `polyamp.backend_api.BackendSpec`. Let ``p`` be the policy checked, "float16
 policy" mean ``p.param_dtype`` or ``p.compute_dtype`` is float16, "low-precision policy" that one of them is
 float16 or bfloat16, and "floating" a dtype name starting with ``float`` or ``bfloat`` (integer, bool and
 complex tensors are ignored). For each floating tensor, in this order:

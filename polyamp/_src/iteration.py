@@ -150,8 +150,8 @@ class Iteration:
     scaled: bool = False
     #: How many optimizers have a flag (an unscale or step produced one): the length of `found_infs`, kept.
     flagged: int = 0
-    #: Whether a device advanced the loss-scale rule with the step (`polyamp.backend_api.AdvancingTapeDevice`):
-    #: the iteration's end does not advance it again.
+    #: Whether a device advanced the loss-scale rule with the step (``apply_and_advance``,
+    #: `polyamp.backend_api.OptionalMethods`): the iteration's end does not advance it again.
     advanced: bool = False
     _entries: dict[int, _Entry] = field(default_factory=dict)
 

@@ -127,8 +127,8 @@ class LossScaler(GradScalerSpelling, Pickled):
             *positional: The first settings by position: init_scale, growth_factor, backoff_factor,
                 growth_interval (``torch.amp.GradScaler``'s order).
             enabled: None (default) follows the policy in effect each iteration (see
-                `polyamp.backend_api.resolve_enabled`): on under ``"mixed_float16"``, off under bfloat16 and float32
-                policies. True or False fixes it. A disabled scaler returns the loss itself from ``scale``, just
+                `polyamp.backend_api.arguments.resolve_enabled`): on under ``"mixed_float16"``, off under bfloat16 and
+                float32 policies. True or False fixes it. A disabled scaler returns the loss itself from ``scale``, just
                 steps, and reports scale 1.0.
             backend: "torch" or "tensorflow" (or a registered third-party name) to bind at once; None binds on
                 first use from the type of what it is given.
@@ -202,7 +202,7 @@ class LossScaler(GradScalerSpelling, Pickled):
     #: The value of ``enabled`` when it is not given.
     default_enabled: ClassVar[bool | None] = None
     #: Whether a scaler of this class that follows the policy (``enabled=None``) scales under a float32 policy,
-    #: which names no mixed precision (`polyamp.backend_api.resolve_enabled`): False here (it scales then only
+    #: which names no mixed precision (`polyamp.backend_api.arguments.resolve_enabled`): False here (it scales then only
     #: where the backend reports float16 compute); True in a class standing for a framework's own class that
     #: always scales (the one Keras's ``LossScaleOptimizer`` runs).
     scales_under_float32: ClassVar[bool] = False
@@ -489,7 +489,7 @@ class LossScaler(GradScalerSpelling, Pickled):
 
     def _require_scaled(self, method: str) -> None:
         """The iteration rule: an iteration that scales unscales only gradients of a loss scaled in it (a
-        `polyamp.backend_api.UnscaledLossWarningDevice` warns once instead)."""
+        ``unscaled_loss_warning``, `polyamp.backend_api.OptionalMethods`, warns once instead)."""
         if self._iteration.scaled:
             return
         warning = None if self._capabilities is None else self._capabilities.unscaled_loss_warning

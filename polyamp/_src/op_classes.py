@@ -92,7 +92,7 @@ def op_class(name: str, *, strict: bool = False) -> OpClass:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise PolyampValueError(
             f"{name!r} is not an op polyamp's op-class table names.{hint} The table names "
-            f"{len(OP_CLASSES)} ops (polyamp.OP_CLASSES); an op it does not name computes in the widest dtype "
-            "of its operands (pass strict=False to get OpClass.PROMOTE for it)."
+            f"{len(OP_CLASSES)} ops; an op it does not name computes in the widest dtype of its operands (pass "
+            "strict=False to get OpClass.PROMOTE for it)."
         )
     return OpClass.PROMOTE

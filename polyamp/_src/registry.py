@@ -56,7 +56,7 @@ class BackendSpec:
     Args:
         name: The backend's name, as users pass it (``LossScaler(backend="torch")``).
         target: ``"package.module:attribute"``; the attribute is a class or factory called with no
-            arguments that returns the backend object (see `polyamp.Backend`).
+            arguments that returns the backend object (see `polyamp.backend_api.Backend`).
         frameworks: Top-level modules whose objects (tensors, optimizers, variables) this backend handles.
         install_hint: What to run when the framework is missing, e.g. ``pip install 'polyamp[torch]'``.
         policy_hook: Optional ``"module:function"`` called as ``hook(policy, overrides)`` (a `Policy` and a
@@ -75,11 +75,12 @@ class BackendSpec:
         tensor_reader: Optional ``"module:function"`` for ``polyamp.check_hazards``: called as ``reader(source)``
             with a `pathlib.Path` (whose name ends with one of ``checkpoint_suffixes``) or an in-memory object of
             one of ``frameworks`` (a model, a state dict), it returns ``(name, dtype, max_abs)`` triples
-            (``polyamp.backend_api.TensorSummary``), ``max_abs`` a float computed with the framework (None for
-            non-floating tensors). A reader that accepts a ``max_bytes`` keyword is called
+            (``polyamp.backend_api.checkpoints.TensorSummary``), ``max_abs`` a float computed with the framework (None
+            for non-floating tensors). A reader that accepts a ``max_bytes`` keyword is called
             as ``reader(path, max_bytes=N)`` for files: it refuses a file declaring more than N tensor bytes
-            (``polyamp.backend_api.check_declared_bytes``) and reads in bounded blocks (``chunk_indices``). For
-            files, any error that is not a `polyamp.PolyampError` becomes a `polyamp.CheckpointError`.
+            (``polyamp.backend_api.checkpoints.check_declared_bytes``) and reads in bounded blocks
+            (``chunk_indices``). For files, any error that is not a `polyamp.PolyampError` becomes a
+            `polyamp.CheckpointError`.
         checkpoint_suffixes: File-name endings ``tensor_reader`` opens, such as ``(".pt", ".safetensors")``.
         checkpoint_markers: Names of files that make a directory a checkpoint ``tensor_reader`` opens (it is then
             called with the directory's path), such as orbax's ``("_METADATA", "_CHECKPOINT_METADATA")``.
@@ -221,7 +222,9 @@ def register_backend(spec: BackendSpec, *, replace: bool = False) -> None:
         BackendConflictError: the name is taken (by a different spec) and ``replace`` is False.
     """
     if not isinstance(spec, BackendSpec):
-        raise PolyampTypeError(f"register_backend() takes a polyamp.BackendSpec. Received: {describe(spec)}.")
+        raise PolyampTypeError(
+            f"register_backend() takes a polyamp.backend_api.BackendSpec. Received: {describe(spec)}."
+        )
     with _lock:
         if spec.name in _specs and not replace and _specs[spec.name] != spec:
             raise BackendConflictError(
@@ -246,7 +249,7 @@ def _read_entry_points() -> None:
             if not isinstance(spec, BackendSpec):
                 raise PolyampTypeError(
                     f"Entry point {entry_point.name!r} in group {ENTRY_POINT_GROUP!r} must name a "
-                    f"polyamp.BackendSpec. It names {describe(spec)}."
+                    f"polyamp.backend_api.BackendSpec. It names {describe(spec)}."
                 )
             if spec.name not in _specs:
                 register_backend(spec)
@@ -307,7 +310,7 @@ def get_backend(name: str) -> Backend:
         if spec is None:
             raise UnknownBackendError(
                 f"Unknown backend {name!r}. Known backends: {', '.join(sorted(_specs))}. Third-party backends "
-                f"register through the {ENTRY_POINT_GROUP!r} entry-point group or polyamp.register_backend()."
+                f"register through the {ENTRY_POINT_GROUP!r} entry-point group or polyamp.backend_api.register_backend()."
             )
         factory = load_target(spec.target, backend=name, install_hint=spec.install_hint, frameworks=spec.frameworks)
         backend: Backend = factory()

@@ -2,7 +2,7 @@
 
 A functional state is a value: a step returns a new one and the old one stays valid, two `init`s of one
 scaler are two runs, and a run may be stepped again from one of its older states (a rollback). Each `init`
-writes a run id into the state's ring (where the device keeps one, `polyamp.backend_api.FunctionalRunDevice`),
+writes a run id into the state's ring (where the device keeps one: ``ring_tag``, `polyamp.backend_api.OptionalMethods`),
 and `RunBooks` keeps per run the records read so far and the ring codes they came from, so that the records
 of a state are those of its own iterations:
 

@@ -133,7 +133,7 @@ class RecordHistory:
         self, device: ScalerDevice, capabilities: DeviceCapabilities, optimizers: Callable[[], list[Any]] | None = None
     ) -> None:
         """Keep the records on ``device`` (when it is a `RecordingDevice`); ``optimizers`` gives the optimizers
-        the scaler stepped, whose parameters a `ParameterCheckDevice` checks during a run of skips."""
+        the scaler stepped, whose parameters a device's ``non_finite_parameters`` checks during a run of skips."""
         self._device = device
         self._capabilities = capabilities
         self._optimizers = optimizers

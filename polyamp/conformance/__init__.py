@@ -3,8 +3,8 @@
 The cases (`polyamp.conformance.cases`) never import a framework; they drive a backend through its
 `Harness` (make tensors and a tiny model under a policy, train it through the loss scaler, plant a
 non-finite gradient, read dtypes and values as NumPy). Each backend ships its harness and names it in its
-`polyamp.BackendSpec` (``harness="package.module:Class"``); the class is called with a device type and raises
-`HarnessUnavailable` (a skip with the reason) where it cannot run.
+`polyamp.backend_api.BackendSpec` (``harness="package.module:Class"``); the class is called with a device type and
+raises `HarnessUnavailable` (a skip with the reason) where it cannot run.
 
 Run it anywhere polyamp is installed, with NumPy::
 

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CAPABILITIES", "OPS", "Harness", "HarnessUnavailable", "Loop", "Trainer", "capabilities_of"]
 
-#: Ops whose output dtype the cases check, by their names in polyamp's op-class table (`polyamp.OP_CLASSES`).
+#: Ops whose output dtype the cases check, by their names in polyamp's op-class table
+#: (`polyamp.backend_api.policies.OP_CLASSES`).
 OPS = ("matmul", "dense", "conv", "softmax", "log_softmax", "cross_entropy", "layer_norm", "sum")
 #: Those the table runs in the compute dtype; the others run in float32.
 COMPUTE_OPS = frozenset(op for op in OPS if op_class(op, strict=True) is OpClass.COMPUTE)

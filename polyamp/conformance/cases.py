@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from polyamp import LossScaleConfig, Policy, SpikeRule
-from polyamp.backend_api import layer_of
+from polyamp.backend_api.records import layer_of
 from polyamp.conformance._context import (
     assert_close,
     assert_dtype,

@@ -4,7 +4,7 @@ Installing polyamp registers this plugin (entry point ``pytest11``). It acts onl
 `polyamp.conformance.cases`: wherever they are collected (``pytest --pyargs polyamp.conformance.suite``, or
 a test module of your own doing ``from polyamp.conformance.cases import *``), it parametrizes their
 ``harness`` / ``harness_pair`` arguments over the targets of every registered backend that ships a harness
-(`polyamp.BackendSpec(harness=...)`, first-party or from the ``polyamp.backends`` entry points) on the
+(`polyamp.backend_api.BackendSpec(harness=...)`, first-party or from the ``polyamp.backends`` entry points) on the
 devices that harness declares, with ids like ``[torch-cpu]`` or ``[torch-cpu+tensorflow-cpu]``. A
 third-party backend therefore runs the suite with no edit to polyamp::
 

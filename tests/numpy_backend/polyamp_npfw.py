@@ -4,7 +4,7 @@
 It is the worked example of the README's "Backends" section: a spec that imports nothing, a backend
 object, an imperative device form (PyTorch-style loop), a functional device form (state in, state out)
 and a conformance harness declaring what it can do. Both device forms keep step records, guard and decide
-a `polyamp.SpikeRule` (the stateful `RecordingDevice` / `ImperativeGuardingDevice` / `SpikeDevice` and the
+a `polyamp.SpikeRule` (the stateful `RecordingDevice` / `GuardingDevice` / `SpikeDevice` and the
 functional `FunctionalRecordingDevice` / `FunctionalGuardingDevice` / `FunctionalSpikeDevice`), with the same
 array arithmetic: the pure functions below, which the stateful form applies to trees it keeps.
 """
@@ -20,15 +20,10 @@ import numpy as np
 
 import polyamp
 from polyamp import LossScaleConfig, LossScaler, LossScaleState, Policy, PolyampTypeError, SpikeRule, StepRecord
-from polyamp.backend_api import (
-    ArrayOps,
-    BackendSpec,
-    StepOutcome,
-    ring_codes,
-    ring_values,
-    rules,
-    wrong_object_error,
-)
+from polyamp.backend_api import BackendSpec, StepOutcome, rules
+from polyamp.backend_api.arguments import wrong_object_error
+from polyamp.backend_api.records import ring_codes, ring_values
+from polyamp.backend_api.rules import ArrayOps
 from polyamp.conformance import HarnessUnavailable
 
 #: What a package would publish through the ``polyamp.backends`` entry-point group.
@@ -229,7 +224,8 @@ class NumpyDevice:
     def skipped_steps(self) -> np.int64:
         return np.int64(self._tree["skipped"])
 
-    # -- ImperativeGuardingDevice ------------------------------------------------------------------------
+    # -- GuardingDevice (and check_gradients_finite)
+    # --------------------------------------------------------------------
 
     def check_gradients_finite(self, optimizer: npfw.Optimizer) -> np.float32 | None:
         grads = [p.grad for p in optimizer.params if p.grad is not None]

@@ -4,7 +4,7 @@
 Its device form implements `polyamp.backend_api.TapeDevice` and the optional protocols that give a loop the
 guard (`GuardingDevice`), step records (`RecordingDevice`), the non-finite gradients of skipped steps
 (`ProvenanceDevice`), the spike rule (`SpikeDevice`) and the step with the rule's advance
-(`AdvancingTapeDevice`). It computes on the host, so its "device" flags are
+(``apply_and_advance``). It computes on the host, so its "device" flags are
 NumPy scalars; every semantic (stages, misuse, skips, records, the spike decision's place in the iteration)
 is the core's.
 """
@@ -20,7 +20,10 @@ import numpy as np
 
 import polyamp
 from polyamp import LossScaleConfig, LossScaler, LossScaleState, Policy, PolyampTypeError, SpikeRule
-from polyamp.backend_api import ArrayOps, BackendSpec, StepOutcome, ring_codes, ring_values, rules, wrong_object_error
+from polyamp.backend_api import BackendSpec, StepOutcome, rules
+from polyamp.backend_api.arguments import wrong_object_error
+from polyamp.backend_api.records import ring_codes, ring_values
+from polyamp.backend_api.rules import ArrayOps
 from polyamp.conformance import HarnessUnavailable
 
 SPEC = BackendSpec(

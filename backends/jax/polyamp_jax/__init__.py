@@ -31,7 +31,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from polyamp.backend_api import warn_if_untested
+from polyamp.backend_api.versions import warn_if_untested
 from polyamp_jax import jmp_compat
 from polyamp_jax._autocast import COMPUTE_PRIMITIVES, FLOAT32_PRIMITIVES, PRIMITIVE_OPS, autocast
 from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree, module_dtypes

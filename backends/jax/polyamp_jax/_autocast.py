@@ -5,7 +5,8 @@ in the compute dtype (as jmp's ``cast_to_compute`` would give them; arrays ``fn`
 and each primitive then runs by class, the classes torch's autocast and polyamp's Keras models use:
 
 * matrix products and convolutions (``dot_general``, ``conv_general_dilated``) in the compute dtype;
-* in float32, the ops polyamp's op-class table (`polyamp.OP_CLASSES`, CUDA autocast's lists) runs in float32,
+* in float32, the ops polyamp's op-class table (`polyamp.backend_api.policies.OP_CLASSES`, CUDA autocast's lists) runs
+in float32,
   through the primitives standing for them (`PRIMITIVE_OPS`): exponentials and logarithms (``exp``, ``log``,
   ``log1p``, ``expm1``), sums and products over axes (``reduce_sum``, ``reduce_prod``, ``cumsum``,
   ``cumprod``, ``cumlogsumexp``), ``rsqrt``, ``pow`` and the special functions CUDA keeps in float32
@@ -52,8 +53,8 @@ from polyamp import OpClass, Policy, get_policy, op_class
 
 __all__ = ["COMPUTE_PRIMITIVES", "FLOAT32_PRIMITIVES", "PRIMITIVE_OPS", "autocast"]
 
-#: Each JAX primitive that stands for an op of polyamp's op-class table (`polyamp.OP_CLASSES`), by the
-#: table's name. The table decides the class; a primitive not named here computes in the widest dtype of its
+#: Each JAX primitive that stands for an op of polyamp's op-class table (`polyamp.backend_api.policies.OP_CLASSES`),
+#: by the table's name. The table decides the class; a primitive not named here computes in the widest dtype of its
 #: operands. JAX's ``x ** n`` with a Python integer ``n`` is ``integer_pow``, a chain of multiplications,
 #: and is not ``pow``.
 PRIMITIVE_OPS: Mapping[str, str] = MappingProxyType(

@@ -14,7 +14,7 @@ settings translated into polyamp's once, when the object is made:
   float32's subnormals and zero) keeps polyamp's lowest floor, float32's smallest normal number 2**-126.
 * Flax caps a growing scale at float32's largest value: polyamp's ``max_scale``, so a product that would be
   inf grows to it, as in Flax. The scale then stops at 2**126, the ceiling of every JAX scale in polyamp
-  (`polyamp.backend_api.RECIPROCAL_CEILING`, the largest power of two whose float32 reciprocal is a normal
+  (`polyamp.backend_api.rules.RECIPROCAL_CEILING`, the largest power of two whose float32 reciprocal is a normal
   number). polyamp unscales by multiplying with that reciprocal, and XLA (on CPU) flushes a subnormal one to
   zero, which would turn every gradient into zero; Flax divides, so its scale can go on to float32's largest
   value. The two differ only there.
@@ -48,7 +48,8 @@ from polyamp import (
     PolyampTypeError,
     PolyampValueError,
 )
-from polyamp.backend_api import INT32_MAX, RECIPROCAL_CEILING, describe, to_float32
+from polyamp.backend_api.arguments import INT32_MAX, describe
+from polyamp.backend_api.rules import RECIPROCAL_CEILING, to_float32
 
 __all__ = ["DynamicScale", "DynamicScaleResult"]
 

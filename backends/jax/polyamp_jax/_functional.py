@@ -6,9 +6,9 @@ Python branch on an array's value, so every function runs under ``jax.jit``, ``j
 
 The loss-scale rule, the spike rule and the record codes are polyamp's device rules
 (`polyamp.backend_api.rules`) over `JaxOps`, the same as every backend's, so a run resumes across torch,
-TensorFlow, Keras and JAX with the same scales. Gradients are unscaled by multiplying with the float32 reciprocal of the scale, as jmp and
-torch's kernels do: a float16 or bfloat16 gradient is multiplied in float32 and rounded once to its dtype.
-XLA on CPU flushes a subnormal reciprocal to zero, so the scale never grows past `RECIPROCAL_CEILING`
+TensorFlow, Keras and JAX with the same scales. Gradients are unscaled by multiplying with the float32 reciprocal of
+the scale, as jmp and torch's kernels do: a float16 or bfloat16 gradient is multiplied in float32 and rounded once to
+its dtype. XLA on CPU flushes a subnormal reciprocal to zero, so the scale never grows past `RECIPROCAL_CEILING`
 (2**126; the core's `polyamp.LossScaleConfig.with_ceiling`), on every device, so that a run keeps the same
 scales wherever it resumes.
 """
@@ -24,7 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, SpikeRule
-from polyamp.backend_api import RECIPROCAL_CEILING, ArrayOps, ring_codes, ring_values, rules
+from polyamp.backend_api import rules
+from polyamp.backend_api.records import ring_codes, ring_values
+from polyamp.backend_api.rules import RECIPROCAL_CEILING, ArrayOps
 
 __all__ = ["OPS", "JaxFunctional", "JaxOps", "all_finite", "statistic_dtype"]
 
@@ -182,16 +184,16 @@ def _counts(leaves: list[Any]) -> Any:
 
 class JaxFunctional:
     """`polyamp.backend_api.FunctionalDevice` over JAX arrays, with records (`FunctionalRecordingDevice`) and
-    their run id (`FunctionalRunDevice`), the guard (`FunctionalGuardingDevice`), the spike rule
+    their run id (``ring_tag``), the guard (`FunctionalGuardingDevice`), the spike rule
     (`FunctionalSpikeDevice`), the counts of non-finite gradients of a skipped step
-    (`FunctionalProvenanceDevice`), the scale's ceiling (`FunctionalCeilingDevice`) and whether a compiler
-    traced the rule (`FunctionalTracingDevice`).
+    (`FunctionalProvenanceDevice`), the scale's ceiling (``rule``) and whether a compiler
+    traced the rule (``traced``; both `polyamp.backend_api.OptionalMethods`).
 
     Trees are dicts of arrays: the scaler ``{"scale", "growth_tracker", "hysteresis_left", "skipped"}``, the
-    record ring ``{"codes", "count", "run"}`` (the run id: `FunctionalRunDevice`) and the spike window
+    record ring ``{"codes", "count", "run"}`` (the run id) and the spike window
     ``{"values", "count", "run"}``.
 
-    The scale never grows past `polyamp.backend_api.RECIPROCAL_CEILING` (2**126), the largest scale whose float32
+    The scale never grows past `polyamp.backend_api.rules.RECIPROCAL_CEILING` (2**126), the largest scale whose float32
     reciprocal is a normal number, which XLA on CPU does not flush to zero.
 
     Args:
@@ -207,13 +209,13 @@ class JaxFunctional:
 
     def traced(self) -> bool:
         """Whether `update` ran under a compiler (``jax.jit``, ``lax.scan``, ...), which then holds this config's
-        constants (`polyamp.backend_api.FunctionalTracingDevice`)."""
+        constants."""
         return self._traced
 
     @property
     def rule(self) -> LossScaleConfig:
         """The config the rule follows: the one given, with the scale's ceiling `RECIPROCAL_CEILING`
-        (`polyamp.backend_api.FunctionalCeilingDevice`)."""
+        (`polyamp.backend_api.OptionalMethods`)."""
         return self._config
 
     # -- FunctionalDevice --------------------------------------------------------------------------------

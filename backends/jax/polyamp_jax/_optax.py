@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from polyamp import FunctionalLossScaler, LossScaler, Policy, PolyampTypeError, SpikeRule, StepRecord
-from polyamp.backend_api import describe
+from polyamp.backend_api.arguments import describe
 from polyamp_jax._dynamic_scale import DynamicScale
 from polyamp_jax._functional import JaxFunctional, non_finite_parameters
 from polyamp_jax._precision import PrecisionState, warn_unplanned

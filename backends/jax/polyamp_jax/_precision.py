@@ -1,8 +1,8 @@
 """`precision`: any optax optimizer following the policy's training-state plan (master copy, state dtype,
 rounding), as an optax transformation.
 
-The rules are the core's (``polyamp.backend_api.write_update`` is their reference): the inner optimizer runs
-on float32 working copies of the weights (or master copies), gradients and slots; the slots are stored back in
+The rules are the core's (``polyamp.backend_api.training_state.write_update`` is their reference): the inner optimizer
+runs on float32 working copies of the weights (or master copies), gradients and slots; the slots are stored back in
 the plan's state dtype; the new weights are written with the plan's rounding. optax transformations return
 updates that ``optax.apply_updates`` adds to the parameters, so the transformation performs the write itself and
 returns, in float32, the difference between the written weight and the stored one: ``params + updates``
@@ -19,8 +19,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from polyamp import InvalidConfigError, Policy, PolicyLike, PolyampTypeError, TrainingStateWarning, get_policy
-from polyamp.backend_api import FunctionalLossScaler, describe, is_state_slot, unplanned_hazard_message
+from polyamp import FunctionalLossScaler, InvalidConfigError, Policy, PolyampTypeError, TrainingStateWarning, get_policy
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.policies import PolicyLike
+from polyamp.backend_api.training_state import is_state_slot, unplanned_hazard_message
 
 __all__ = ["PrecisionState", "is_slot", "precision", "warn_unplanned"]
 
@@ -49,8 +51,8 @@ class PrecisionState(NamedTuple):
 
 def is_slot(leaf: Any) -> bool:
     """True for an optimizer-state leaf the plan's state dtype applies to (the core's
-    `polyamp.backend_api.is_state_slot`): a floating array with at least one dimension (a moment). Scalars
-    (step counts, injected hyperparameters) keep their dtype."""
+    `polyamp.backend_api.training_state.is_state_slot`): a floating array with at least one dimension (a moment).
+    Scalars (step counts, injected hyperparameters) keep their dtype."""
     dtype = getattr(leaf, "dtype", None)
     return dtype is not None and is_state_slot(
         floating=bool(jnp.issubdtype(dtype, jnp.floating)), ndim=int(getattr(leaf, "ndim", 0))

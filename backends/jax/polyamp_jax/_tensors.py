@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 
 from polyamp import BackendNotInstalledError, CheckpointError, PolyampTypeError
-from polyamp.backend_api import (
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.checkpoints import (
     CORRUPT_FILE,
     DEFAULT_MAX_BYTES,
     TensorSummary,
     check_declared_bytes,
-    describe,
     is_array,
     summarize_array,
 )
@@ -135,10 +135,11 @@ def read_tensors(source: object, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[
     dicts and lists of JAX or NumPy arrays) or of an orbax checkpoint directory.
 
     Arrays are named by their place in the tree, ``"params/Dense_0/kernel"`` (an NNX variable by its attribute
-    path; an ``nnx.BatchStat`` under ``batch_stats/``, as Flax Linen keeps batch statistics); max |w| of a JAX array is computed on its device, in float32. An orbax
-    checkpoint is an item's directory (holding ``_METADATA``, as ``StandardCheckpointer.save`` writes it) or a
-    step's (holding ``_CHECKPOINT_METADATA``, as a ``CheckpointManager`` writes it, each item read in turn); its
-    arrays may declare at most ``max_bytes`` (from its metadata, before anything is restored).
+    path; an ``nnx.BatchStat`` under ``batch_stats/``, as Flax Linen keeps batch statistics); max |w| of a JAX array
+    is computed on its device, in float32. An orbax checkpoint is an item's directory (holding ``_METADATA``, as
+    ``StandardCheckpointer.save`` writes it) or a step's (holding ``_CHECKPOINT_METADATA``, as a ``CheckpointManager``
+    writes it, each item read in turn); its arrays may declare at most ``max_bytes`` (from its metadata, before
+    anything is restored).
 
     Args:
         source: A `pathlib.Path` of an orbax checkpoint directory, or a pytree.

@@ -10,8 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from polyamp import MeasuredStateBytes, Policy, PolyampTypeError, StateDictError
-from polyamp.backend_api import LOGGER_NAME, checkpoint_changes, describe
+from polyamp import Policy, PolyampTypeError, StateDictError
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.forward_watch import LOGGER_NAME
+from polyamp.backend_api.training_state import MeasuredStateBytes, checkpoint_changes
 from polyamp_jax._optax import LossScaledState
 from polyamp_jax._precision import PrecisionState, is_slot
 
@@ -104,7 +106,7 @@ def convert_precision_state(saved: Any, like: Any) -> Any:
     cast to the new state dtype, its master copies, compensation buffers and random key kept where the new plan
     has them; a master copy the checkpoint lacks is taken from the weights (``like``'s), compensation buffers it
     lacks start at zero, and the loss-scaler state is ``saved``'s. What changed is said in one warning through
-    ``logging.getLogger("polyamp")`` (`polyamp.backend_api.conversion_note`), never silently.
+    ``logging.getLogger("polyamp")`` (`polyamp.backend_api.training_state.conversion_note`), never silently.
 
     Returns:
         The converted state, with ``like``'s structure and dtypes.
@@ -145,9 +147,10 @@ def measure_state_bytes(params: Any, opt_state: Any, grads: Any = None) -> Measu
         grads: The gradients; None counts them in the parameter dtype (what ``jax.grad`` gives).
 
     Returns:
-        A `polyamp.MeasuredStateBytes`: the bytes of the weights, gradients, master copies, slots and compensation
-        buffers, as `polyamp.state_bytes` plans them (``breakdown()`` per parameter): ``state`` counts the
-        optimizer's floating slots (leaves with at least one dimension; step counts and scalars are left out).
+        A `polyamp.backend_api.training_state.MeasuredStateBytes`: the bytes of the weights, gradients, master copies,
+        slots and compensation buffers, as `polyamp.state_bytes` plans them (``breakdown()`` per parameter): ``state``
+        counts the optimizer's floating slots (leaves with at least one dimension; step counts and scalars are left
+        out).
 
     Raises:
         PolyampTypeError: ``params`` holds no floating array.

@@ -47,8 +47,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import polyamp
+import polyamp.backend_api
 from polyamp import FunctionalLossScaler, InvalidConfigError, InvalidPolicyError, LossScaler, PolyampTypeError
-from polyamp.backend_api import INT32_MAX, RECIPROCAL_CEILING, describe, to_float32
+from polyamp.backend_api.arguments import INT32_MAX, describe
+from polyamp.backend_api.rules import RECIPROCAL_CEILING, to_float32
 from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree
 from polyamp_jax._functional import all_finite as _all_finite
 
@@ -187,7 +189,7 @@ def get_policy(policy_name: str) -> Policy:
         )
     text = policy_name.strip()
     if "=" not in text:
-        if text.lower() in polyamp.POLICY_NAMES:
+        if text.lower() in polyamp.backend_api.policies.POLICY_NAMES:
             named = polyamp.Policy(text)
             return Policy(named.param_dtype, named.compute_dtype, named.output_dtype)
         dtype = _parse_dtype(text, policy_name)

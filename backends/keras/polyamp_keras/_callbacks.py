@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from polyamp import PolyampTypeError
-from polyamp.backend_api import describe
+from polyamp.backend_api.arguments import describe
 from polyamp_keras._keras import keras
 from polyamp_keras._optimizer import LossScaleOptimizer
 from polyamp_keras._rule import read_scalar

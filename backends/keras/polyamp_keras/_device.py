@@ -25,7 +25,9 @@ from typing import Any
 import numpy as np
 
 from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError, SpikeRule
-from polyamp.backend_api import StepOutcome, describe, ring_codes, rules, wrong_object_error
+from polyamp.backend_api import StepOutcome, rules
+from polyamp.backend_api.arguments import describe, wrong_object_error
+from polyamp.backend_api.records import ring_codes
 from polyamp_keras._gradients import (
     all_finite,
     all_replicas_finite,
@@ -306,7 +308,8 @@ class KerasDevice:
         return unscale(grads, self.scale_value())
 
     def unscale_and_clip_values(self, grads: Sequence[Any], clip_norm: float, *, scaled: bool) -> tuple[list[Any], Any]:
-        """`unscale` and a global-norm clip in one multiply (`polyamp.backend_api.TapeClippingDevice`).
+        """`unscale` and a global-norm clip in one multiply (``unscale_and_clip_values``,
+        `polyamp.backend_api.OptionalMethods`).
 
         The norm of the scaled float32 gradients divided by the scale is the norm of the unscaled ones (exactly,
         for a power-of-two scale), the clip factor is Keras's (and TensorFlow's) ``clip_by_global_norm`` formula,
@@ -355,8 +358,8 @@ class KerasDevice:
         self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], *, unscaled: bool
     ) -> StepOutcome | None:
         """`apply`, with the loss-scale rule advanced in the branch that applies (its finite half) or skips (its
-        overflow half) (`polyamp.backend_api.AdvancingTapeDevice`): one branch per step on the flag, as in
-        Keras's own ``LossScaleOptimizer``, where `update` would branch on it a second time. None under a
+        overflow half) (``apply_and_advance``, `polyamp.backend_api.OptionalMethods`): one branch per step on the
+        flag, as in Keras's own ``LossScaleOptimizer``, where `update` would branch on it a second time. None under a
         ``tf.distribute`` strategy, whose apply is not made inside a branch here."""
         return self._step(optimizer, grads, variables, unscaled=unscaled, veto=None, advancing=True)
 

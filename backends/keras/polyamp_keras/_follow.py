@@ -46,7 +46,8 @@ from typing import Any
 from keras.dtype_policies import DTypePolicy
 
 import polyamp
-from polyamp import Policy, PolicyOverrides, PolicySetting
+from polyamp import Policy
+from polyamp.backend_api.policies import PolicyOverrides, PolicySetting
 from polyamp_keras._keras import keras
 from polyamp_keras._policies import to_keras_default
 

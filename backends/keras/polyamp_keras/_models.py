@@ -33,25 +33,19 @@ from keras.dtype_policies import DTypePolicy, DTypePolicyMap
 from keras.src.models import Functional
 
 import polyamp
-from polyamp import (
-    OpClass,
-    OverridesLike,
-    Policy,
-    PolicyLike,
-    PolicyOverrides,
-    PolyampTypeError,
-    PolyampValueError,
-    op_class,
-)
-from polyamp.backend_api import describe
+import polyamp.backend_api
+from polyamp import OpClass, Policy, PolyampTypeError, PolyampValueError, op_class
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.policies import OverridesLike, PolicyLike, PolicyOverrides
 from polyamp_keras._keras import keras
 from polyamp_keras._outputs import OutputCast
 from polyamp_keras._policies import to_keras_policy
 
 __all__ = ["FLOAT32_LAYERS", "LAYER_OPS", "apply_policy", "op_output_dtype"]
 
-#: Keras layers and activations that stand for an op of polyamp's op-class table (`polyamp.OP_CLASSES`), by
-#: the table's name. ``UnitNormalization`` divides by the norm, as ``F.normalize`` does.
+#: Keras layers and activations that stand for an op of polyamp's op-class table
+#: (`polyamp.backend_api.policies.OP_CLASSES`), by the table's name. ``UnitNormalization`` divides by the norm, as
+#: ``F.normalize`` does.
 LAYER_OPS: Mapping[str, str] = MappingProxyType(
     {
         "Softmax": "softmax",
@@ -238,7 +232,8 @@ def apply_policy(
             the setting Keras follows (see `follow_polyamp_policy`).
         keep_float32: Layer names, paths within the model (``"block/dense"``), glob patterns over either
             (``"*norm*"``, ``"encoder/*"``), or layer instances to keep in float32.
-        overrides: Per-layer policies (`polyamp.PolicyOverrides` or a mapping), matched with polyamp's rule
+        overrides: Per-layer policies (`polyamp.backend_api.policies.PolicyOverrides` or a mapping), matched with
+        polyamp's rule
             against each layer's path within the model and its Keras path (``layer.path``, which
             ``set_policy(..., overrides=...)`` matches when a layer is built); None uses the overrides of
             ``polyamp.get_policy_setting()``. ``keep_float32`` wins where both match.

@@ -22,7 +22,8 @@ from polyamp import (
     SpikeRule,
     StateDictError,
 )
-from polyamp.backend_api import (
+from polyamp.backend_api import detect_backend
+from polyamp.backend_api.arguments import (
     NOT_GIVEN,
     NOT_SCALED_RULE,
     bind_arguments,
@@ -32,7 +33,6 @@ from polyamp.backend_api import (
     check_on_min_scale,
     check_spike,
     describe,
-    detect_backend,
 )
 from polyamp_keras._device import KerasDevice, clipping_folded, folded_clip_norm, is_tracer, provenance_rows
 from polyamp_keras._functional import KerasFunctional
@@ -220,9 +220,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         inner_optimizer: The Keras optimizer to wrap.
         *positional: The first settings by position, as for `polyamp.LossScaler`.
         enabled: None (default) follows the policy in effect when the optimizer is used, by the rule every polyamp
-            scaler follows (`polyamp.backend_api.resolve_enabled`): scaling under ``"mixed_float16"`` (polyamp's,
-            or Keras's own global policy), none under bfloat16 policies (the guard checks instead), and under a
-            float32 policy scaling, as Keras's own optimizer always does. True or False fixes it. A disabled
+            scaler follows (`polyamp.backend_api.arguments.resolve_enabled`): scaling under ``"mixed_float16"``
+            (polyamp's, or Keras's own global policy), none under bfloat16 policies (the guard checks instead), and
+            under a float32 policy scaling, as Keras's own optimizer always does. True or False fixes it. A disabled
             optimizer passes the loss and gradients straight to the inner optimizer.
         initial_scale, dynamic_growth_steps: Keras's names for ``init_scale`` and ``growth_interval``.
         name: The optimizer's name.

@@ -12,8 +12,9 @@ from typing import Any
 # Keras exports no name for Functional models; this is where its own code imports it from.
 from keras.src.models import Functional
 
-from polyamp import Policy, PolicyLike, PolyampTypeError, get_policy
-from polyamp.backend_api import describe
+from polyamp import Policy, PolyampTypeError, get_policy
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.policies import PolicyLike
 from polyamp_keras._keras import keras
 
 __all__ = ["OutputCast", "cast_outputs"]

@@ -11,7 +11,8 @@ from typing import Any
 
 from keras.dtype_policies import DTypePolicy, DTypePolicyMap
 
-from polyamp import Policy, PolicyOverrides, PolyampValueError
+from polyamp import Policy, PolyampValueError
+from polyamp.backend_api.policies import PolicyOverrides
 from polyamp_keras._keras import keras
 
 __all__ = ["PolicyOverridesMap", "PolyampDTypePolicy", "to_keras_policy"]
@@ -47,7 +48,7 @@ def to_keras_policy(policy: Policy) -> DTypePolicy:
 
 @keras.saving.register_keras_serializable(package="polyamp", name="PolicyOverridesMap")
 class PolicyOverridesMap(DTypePolicyMap):  # type: ignore[misc]
-    """Keras's ``DTypePolicyMap`` resolved with polyamp's rule (see `polyamp.PolicyOverrides`).
+    """Keras's ``DTypePolicyMap`` resolved with polyamp's rule (see `polyamp.backend_api.policies.PolicyOverrides`).
 
     Keras looks a layer's policy up by its path ("model/block/dense"). Entries set on the map directly come
     first, with Keras's own semantics (an exact key, else the one key matching as a regular expression, such

@@ -7,7 +7,7 @@ deferred variables, created in a ``StatelessScope``), so its slots are float32 k
 inner optimizer's ``update_step`` runs once in a ``StatelessScope`` mapping the keys to float32 working copies
 (the weight or its master copy, the gradient, the stored slots): only one variable's float32 copies exist at a
 time. The stored state, in the plan's dtypes, is this optimizer's own variables. The writes follow
-`polyamp.backend_api.write_update` operation for operation.
+`polyamp.backend_api.training_state.write_update` operation for operation.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 import polyamp
-from polyamp import InvalidConfigError, Policy, PolicyLike, PolyampTypeError, StateDictError, TrainingStateWarning
-from polyamp.backend_api import (
+from polyamp import InvalidConfigError, Policy, PolyampTypeError, StateDictError, TrainingStateWarning
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.policies import PolicyLike
+from polyamp.backend_api.training_state import (
     KAHAN_KEY,
     MASTER_KEY,
     checkpoint_changes,
-    describe,
     is_state_slot,
     unplanned_hazard_message,
 )
@@ -133,8 +134,8 @@ class PrecisionOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
     update runs on float32 working copies of the weight (or its master copy), the gradient and the slots, one
     variable at a time, so memory does not double; the slots are stored back in the plan's ``state_dtype``
     (rounded to nearest) and the weight is written with the plan's rounding, bit for bit as
-    `polyamp.backend_api.write_update`. Variables in float32 (e.g. layers kept in float32) are updated exactly,
-    with no master copy or compensation. With float32 variables only and float32 state, the inner optimizer
+    `polyamp.backend_api.training_state.write_update`. Variables in float32 (e.g. layers kept in float32) are updated
+    exactly, with no master copy or compensation. With float32 variables only and float32 state, the inner optimizer
     runs as it is (the same results as without this wrapper).
 
     The model's variables are in the policy's parameter dtype: build the model under the policy

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyamp import LossScaleConfig, LossScaleState
-from polyamp.backend_api import ArrayOps, rules
+from polyamp.backend_api import rules
+from polyamp.backend_api.rules import ArrayOps
 from polyamp_keras._keras import keras
 
 __all__ = [

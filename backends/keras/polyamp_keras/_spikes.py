@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from polyamp import SpikeRule
-from polyamp.backend_api import ring_values, rules
+from polyamp.backend_api import rules
+from polyamp.backend_api.records import ring_values
 from polyamp_keras._gradients import sparse_values
 from polyamp_keras._keras import keras
 from polyamp_keras._rule import OPS, counter_dtype

@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from polyamp import MeasuredStateBytes, Policy, PolyampTypeError, PolyampValueError, TrainingStateWarning
-from polyamp.backend_api import ITEMSIZE, describe, unplanned_hazard_message
+from polyamp import Policy, PolyampTypeError, PolyampValueError, TrainingStateWarning
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.training_state import ITEMSIZE, MeasuredStateBytes, unplanned_hazard_message
 from polyamp_keras._keras import keras
 
 __all__ = ["measure_state_bytes", "warn_unplanned_updates"]
@@ -87,8 +88,8 @@ def measure_state_bytes(optimizer: Any) -> MeasuredStateBytes:
             `LossScaleOptimizer` (Keras's or polyamp's; the loss scale is not per-parameter state).
 
     Returns:
-        A `MeasuredStateBytes`; ``measure_state_bytes(optimizer).per_parameter`` is the bytes per parameter (AdamW: 10 under
-        ``"bfloat16_kahan"``, 8 under ``"bfloat16_stochastic"``, 16 under ``"bfloat16_float32_master"``).
+        A `MeasuredStateBytes`; ``measure_state_bytes(optimizer).per_parameter`` is the bytes per parameter (AdamW: 10
+        under ``"bfloat16_kahan"``, 8 under ``"bfloat16_stochastic"``, 16 under ``"bfloat16_float32_master"``).
 
     Raises:
         PolyampTypeError: ``optimizer`` is not a Keras optimizer.

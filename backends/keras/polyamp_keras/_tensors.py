@@ -10,13 +10,13 @@ from typing import Any
 import keras
 
 from polyamp import CheckpointError, PolyampTypeError
-from polyamp.backend_api import (
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.checkpoints import (
     DEFAULT_MAX_BYTES,
     TensorSummary,
     check_declared_bytes,
     check_zip_archive,
     chunk_indices,
-    describe,
 )
 
 __all__ = ["read_tensors"]
@@ -126,7 +126,7 @@ def read_tensors(source: object, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[
     Files are checked before they are read: a ``.weights.h5`` file's datasets may declare at most
     ``max_bytes`` in all, and are read in blocks of at most 4 MiB (a small file of compressed zeros does not
     inflate at once); a ``.keras`` archive's members may declare at most ``max_bytes`` uncompressed, and its
-    ``config.json`` at most 64 MiB (`polyamp.backend_api.check_zip_archive`).
+    ``config.json`` at most 64 MiB (`polyamp.backend_api.checkpoints.check_zip_archive`).
 
     Args:
         source: A `pathlib.Path`, or a Keras model or layer.

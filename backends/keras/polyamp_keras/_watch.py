@@ -6,7 +6,7 @@ attributes again, so each layer's ``call`` is its class's method as before. A ca
 forward pass; in a watched one each floating tensor a layer's ``call`` receives or returns is checked with
 ``keras.ops.isfinite`` and ``keras.ops.all`` (a tensor already checked is not checked again), the checks
 are read with one conversion to NumPy when the model's call returns, and only when one of them is
-non-finite are the outputs counted and handed to ``polyamp.backend_api.forward_report``.
+non-finite are the outputs counted and handed to ``polyamp.backend_api.forward_watch.forward_report``.
 
 Eager calls only: a model call traced by ``tf.function`` or ``jax.jit`` (``model.fit``, ``predict`` and
 ``evaluate`` compile by default) cannot be read inside the trace; such a call is not watched, is counted
@@ -24,7 +24,8 @@ from typing import Any
 from keras.src.utils import backend_utils, jax_utils
 
 from polyamp import ForwardReport, PolyampTypeError
-from polyamp.backend_api import LOGGER_NAME, ForwardPass, check_watch_every, describe, log_forward_report
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.forward_watch import LOGGER_NAME, ForwardPass, check_watch_every, log_forward_report
 from polyamp_keras._gradients import non_finite_counts
 from polyamp_keras._keras import keras
 

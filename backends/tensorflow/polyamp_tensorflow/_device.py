@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from polyamp.backend_api import wrong_object_error
+from polyamp.backend_api.arguments import wrong_object_error
 from polyamp_keras.device import KerasDevice
 from polyamp_tensorflow._framework import keras, tf
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from polyamp import BackendNotInstalledError
-from polyamp.backend_api import warn_if_untested
+from polyamp.backend_api.versions import warn_if_untested
 
 _HINT = "Install it with: pip install 'polyamp[tensorflow]'"
 

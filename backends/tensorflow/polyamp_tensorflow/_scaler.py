@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from polyamp import LossScaler, StateDictError
-from polyamp.backend_api import describe
+from polyamp.backend_api.arguments import describe
 from polyamp_tensorflow._framework import tf
 
 __all__ = ["TensorFlowLossScaler"]

@@ -9,8 +9,9 @@ from types import TracebackType
 from typing import Any
 
 import polyamp
-from polyamp import Policy, PolicyLike, PolyampTypeError, PolyampValueError
-from polyamp.backend_api import describe, type_error
+from polyamp import Policy, PolyampTypeError, PolyampValueError
+from polyamp.backend_api.arguments import describe, type_error
+from polyamp.backend_api.policies import PolicyLike
 from polyamp_torch import _cpu_float32
 from polyamp_torch._framework import TORCH_DTYPES, torch
 

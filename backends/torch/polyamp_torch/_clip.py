@@ -6,7 +6,7 @@ import numbers
 from typing import Any
 
 from polyamp import InvalidConfigError, LossScaler
-from polyamp.backend_api import wrong_object_error
+from polyamp.backend_api.arguments import wrong_object_error
 from polyamp_torch._framework import torch
 
 __all__ = ["clip_grad_norm_"]

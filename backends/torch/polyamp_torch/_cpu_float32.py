@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from polyamp import OpClass, op_class
-from polyamp.backend_api import FLOAT32_OPS
+from polyamp.backend_api.policies import FLOAT32_OPS
 from polyamp_torch._framework import run_uncompiled, torch
 
 __all__ = [
@@ -397,7 +397,8 @@ _TABLE_NAMES = {
 
 
 def table_name(overload: str) -> str:
-    """The op-class table's name (`polyamp.OP_CLASSES`) for an aten overload such as ``"softmax.int"``."""
+    """The op-class table's name (`polyamp.backend_api.policies.OP_CLASSES`) for an aten overload such as
+    ``"softmax.int"``."""
     base = overload.partition(".")[0].lstrip("_")
     if base.startswith("upsample_"):
         return "upsample"

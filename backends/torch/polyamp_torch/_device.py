@@ -26,15 +26,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from polyamp import InvalidConfigError, LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
-from polyamp.backend_api import (
-    StepOutcome,
-    backend_name_for,
-    describe,
-    no_gradients_error,
-    ring_values,
-    rules,
-    wrong_object_error,
-)
+from polyamp.backend_api import StepOutcome, backend_name_for, rules
+from polyamp.backend_api.arguments import describe, no_gradients_error, wrong_object_error
+from polyamp.backend_api.records import ring_values
 from polyamp_torch._autocast import float16_regions_entered
 from polyamp_torch._framework import run_uncompiled, torch
 from polyamp_torch._gradients import (
@@ -302,9 +296,10 @@ class TorchDevice:
     def unscale_and_clip(
         self, optimizer: Any, max_norm: float, norm_type: float
     ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-        """`unscale_gradients` and ``clip_grad_norm_`` as one pass (`polyamp.backend_api.ClippingDevice`); None
-        where they stay two: below scale 1 (the unscaled values are checked too), across a process group, or
-        where the gradients cannot be folded (see `unscale_and_clip_gradients`)."""
+        """`unscale_gradients` and ``clip_grad_norm_`` as one pass (``unscale_and_clip``,
+        `polyamp.backend_api.OptionalMethods`); None where they stay two: below scale 1 (the unscaled values are
+        checked too), across a process group, or where the gradients cannot be folded (see
+        `unscale_and_clip_gradients`)."""
         if self._config.checks_unscaled or self._process_group is not None:
             return None
         scale = self._state_near(optimizer).scale
@@ -477,7 +472,7 @@ class TorchDevice:
     def step_on_device(
         self, optimizer: Any, found_inf: torch.Tensor, args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> StepOutcome | None:
-        """`polyamp.backend_api.DeviceSkippingDevice`: a step that is not fused, committed on the device
+        """``step_on_device`` (`polyamp.backend_api.OptionalMethods`): a step that is not fused, committed on the device
         (`polyamp_torch._masked_step`); fused optimizers already skip there, through their own `step`."""
         if fused_amp_capable(optimizer):
             return None

@@ -13,8 +13,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from polyamp import BackendNotInstalledError, Policy, PolicyLike, PolyampTypeError
-from polyamp.backend_api import describe
+from polyamp import BackendNotInstalledError, Policy, PolyampTypeError
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.policies import PolicyLike
 from polyamp_torch._autocast import policy_in_effect
 from polyamp_torch._framework import TORCH_DTYPES, torch
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from polyamp import BackendNotInstalledError
-from polyamp.backend_api import warn_if_untested
+from polyamp.backend_api.versions import warn_if_untested
 
 try:
     import torch

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from polyamp import SKIP_REASONS, LossScaler, PolyampTypeError, SpikeRule
-from polyamp.backend_api import describe
+from polyamp import LossScaler, PolyampTypeError, SpikeRule
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.records import SKIP_REASONS
 
 __all__ = ["RecordTally", "check_scaler_arguments"]
 

@@ -5,7 +5,8 @@
 * its forward run under the policy (``polyamp_torch.autocast``) with floating outputs cast to the
   policy's output dtype (float32 for the mixed policies);
 * parameters and buffers in the policy's param dtype;
-* chosen submodules (by name, glob pattern or instance, or through `polyamp.PolicyOverrides`) run under
+* chosen submodules (by name, glob pattern or instance, or through `polyamp.backend_api.policies.PolicyOverrides`) run
+under
   their own policy: for float32 that is autocast off with their floating inputs cast to float32.
 
 It works by giving each affected module an instance-level ``forward`` (a picklable callable object), so
@@ -25,8 +26,10 @@ from typing import Any
 from torch.utils import _pytree as pytree
 
 import polyamp
-from polyamp import OverridesLike, Policy, PolicyLike, PolicyOverrides, PolyampTypeError, PolyampValueError
-from polyamp.backend_api import describe
+import polyamp.backend_api
+from polyamp import Policy, PolyampTypeError, PolyampValueError
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.policies import OverridesLike, PolicyLike, PolicyOverrides
 from polyamp_torch._autocast import autocast, default_device_type, policy_in_effect
 from polyamp_torch._distributed import is_dtensor
 from polyamp_torch._framework import TORCH_DTYPES, torch
@@ -172,8 +175,8 @@ def apply_policy(
             in effect now; a later policy with another parameter dtype warns once.
         keep_float32: Submodule names (as in ``named_modules()``), glob patterns over them
             (``"*norm*"``, ``"encoder.layers.*.attn"``), or submodule instances to keep in float32.
-        overrides: Per-submodule policies (`polyamp.PolicyOverrides` or a mapping); None uses
-            ``polyamp.get_policy_overrides()``. ``keep_float32`` wins where both match.
+        overrides: Per-submodule policies (`polyamp.backend_api.policies.PolicyOverrides` or a mapping); None uses
+            ``polyamp.backend_api.policies.get_policy_overrides()``. ``keep_float32`` wins where both match.
         device_type: Autocast device type; None takes it from the first input tensor at each call.
 
     Returns:

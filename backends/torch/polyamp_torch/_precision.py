@@ -27,8 +27,16 @@ from collections.abc import Callable
 from typing import Any
 
 import polyamp
-from polyamp import InvalidConfigError, MeasuredStateBytes, Policy, PolyampTypeError, TrainingStateWarning
-from polyamp.backend_api import KAHAN_KEY, MASTER_KEY, describe, is_state_slot, unplanned_hazard_message
+import polyamp.backend_api
+from polyamp import InvalidConfigError, Policy, PolyampTypeError, TrainingStateWarning
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.training_state import (
+    KAHAN_KEY,
+    MASTER_KEY,
+    MeasuredStateBytes,
+    is_state_slot,
+    unplanned_hazard_message,
+)
 from polyamp_torch._framework import TORCH_DTYPES, torch
 from polyamp_torch._precision_checkpoint import read_checkpoint
 from polyamp_torch._precision_layout import state_layout
@@ -55,8 +63,8 @@ _HIGH_BITS = -65536
 
 def is_moment(key: str, value: object, param: torch.Tensor) -> bool:
     """Whether the inner optimizer's state entry ``key`` is a slot kept in the plan's state dtype (the core's
-    `polyamp.backend_api.is_state_slot`): a floating tensor with at least one dimension (exp_avg, exp_avg_sq,
-    momentum_buffer, Adafactor's row_var/col_var, ...). Step counters and other scalars stay as the inner
+    `polyamp.backend_api.training_state.is_state_slot`): a floating tensor with at least one dimension (exp_avg,
+    exp_avg_sq, momentum_buffer, Adafactor's row_var/col_var, ...). Step counters and other scalars stay as the inner
     optimizer keeps them. ``param`` is the parameter the entry belongs to."""
     return isinstance(value, torch.Tensor) and is_state_slot(
         floating=value.is_floating_point(), ndim=value.ndim, key=key, param_ndim=param.ndim
@@ -113,9 +121,10 @@ class PrecisionOptimizer(torch.optim.Optimizer):
 
     It is a real optimizer: ``param_groups`` are the inner optimizer's own dicts (LR schedulers,
     ``zero_grad``, ``add_param_group`` work on either), ``state`` maps each parameter to the inner optimizer's
-    slots (in the state dtype) and, per the plan, its float32 master copy (``polyamp.backend_api.MASTER_KEY``)
-    and Kahan buffer (``KAHAN_KEY``); `state_dict` / `load_state_dict` carry them in their own dtypes.
-    Checkpoint this optimizer, not the inner one, whose ``state`` stays empty between steps.
+    slots (in the state dtype) and, per the plan, its float32 master copy
+    (``polyamp.backend_api.training_state.MASTER_KEY``) and Kahan buffer (``KAHAN_KEY``); `state_dict` /
+    `load_state_dict` carry them in their own dtypes. Checkpoint this optimizer, not the inner one, whose ``state``
+    stays empty between steps.
 
     With ``polyamp.LossScaler`` (or ``torch.amp.GradScaler``): it takes the scale and the found-inf flag as
     torch's fused optimizers do (``grad_scale``, ``found_inf``), so ``scaler.step(optimizer)`` hands them over
@@ -165,7 +174,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        policy: polyamp.PolicyLike | None = None,
+        policy: polyamp.backend_api.policies.PolicyLike | None = None,
         *,
         seed: int = 0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -407,7 +416,8 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         self._write(params, working)
 
     def _write(self, params: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
-        """Write the float32 results ``targets`` into ``params`` by the plan (`polyamp.backend_api.write_update`)."""
+        """Write the float32 results ``targets`` into ``params`` by the plan
+        (`polyamp.backend_api.training_state.write_update`)."""
         pairs = [(param, target) for param, target in zip(params, targets, strict=True) if self._low(param)]
         if not pairs:
             return  # float32 parameters were updated in place

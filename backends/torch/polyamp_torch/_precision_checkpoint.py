@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polyamp import Policy, StateDictError
-from polyamp.backend_api import COUNTER_KEYS, KAHAN_KEY, MASTER_KEY, checkpoint_changes, describe
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.training_state import COUNTER_KEYS, KAHAN_KEY, MASTER_KEY, checkpoint_changes
 from polyamp_torch._framework import TORCH_DTYPES, torch
 from polyamp_torch._precision_layout import Kept
 

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from polyamp import LossScaleConfig
-from polyamp.backend_api import ArrayOps, rules
+from polyamp.backend_api import rules
+from polyamp.backend_api.rules import ArrayOps
 from polyamp_torch._framework import torch
 
 __all__ = ["OPS", "DeviceState", "TorchOps", "advance", "ops_for"]

@@ -6,7 +6,7 @@ import warnings
 from typing import Any, ClassVar
 
 from polyamp import LossScaler
-from polyamp.backend_api import type_error
+from polyamp.backend_api.arguments import type_error
 from polyamp_torch._framework import torch
 
 __all__ = ["TorchLossScaler"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from polyamp import LossScaler, PolyampTypeError
-from polyamp.backend_api import describe
+from polyamp.backend_api.arguments import describe
 from polyamp_torch._framework import torch
 
 __all__ = ["SchedulerGuard"]

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from polyamp import BackendNotInstalledError, CheckpointError, PolyampTypeError
-from polyamp.backend_api import (
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.checkpoints import (
     CHUNK_BYTES,
     CORRUPT_FILE,
     DEFAULT_MAX_BYTES,
@@ -17,7 +18,6 @@ from polyamp.backend_api import (
     TensorSummary,
     check_declared_bytes,
     chunk_indices,
-    describe,
     read_safetensors_header,
 )
 from polyamp_torch._framework import torch
@@ -177,12 +177,12 @@ def read_tensors(source: object, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[
 
     A path is read with ``torch.load(path, map_location="cpu", weights_only=True)`` (refused when the file is
     larger than ``max_bytes``), or for ``.safetensors`` with ``safetensors.safe_open`` after checking its
-    header (`polyamp.backend_api.read_safetensors_header`), tensor by tensor in blocks. A dict holding
-    ``"state_dict"`` or ``"model"`` (or the PyTorch tutorials' ``"model_state_dict"``) is read from that entry, named as in the model; nested dicts give dotted names; entries that are
-    neither tensors nor dicts (an epoch counter) hold no weights and are passed over. A module gives its
-    parameters and all its buffers, non-persistent ones included (rotary ``inv_freq`` buffers are often
-    non-persistent). float8 tensors are upcast to float32 block by block; sparse tensors are read through
-    their stored values.
+    header (`polyamp.backend_api.checkpoints.read_safetensors_header`), tensor by tensor in blocks. A dict holding
+    ``"state_dict"`` or ``"model"`` (or the PyTorch tutorials' ``"model_state_dict"``) is read from that entry, named
+    as in the model; nested dicts give dotted names; entries that are neither tensors nor dicts (an epoch counter)
+    hold no weights and are passed over. A module gives its parameters and all its buffers, non-persistent ones
+    included (rotary ``inv_freq`` buffers are often non-persistent). float8 tensors are upcast to float32 block by
+    block; sparse tensors are read through their stored values.
 
     Args:
         source: A `pathlib.Path`, a ``torch.nn.Module`` or a mapping.

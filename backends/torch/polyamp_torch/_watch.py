@@ -8,7 +8,7 @@ a forward hook (``with_kwargs=True``). A call of the model is one forward pass; 
   in a ``Sequential`` each activation is checked once);
 * when the model's call returns, the checks are stacked and read with **one host sync** (per device);
 * only when one of them is non-finite are the outputs counted (inf, -inf, NaN) and the calls handed to
-  ``polyamp.backend_api.forward_report``, which decides who produced the value and who propagated it.
+  ``polyamp.backend_api.forward_watch.forward_report``, which decides who produced the value and who propagated it.
 
 The watch keeps the checked tensors referenced until the model's call returns; in training autograd keeps
 most of them anyway, under ``torch.no_grad`` this holds one forward's activations at once.
@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from polyamp import ForwardReport, PolyampTypeError
-from polyamp.backend_api import LOGGER_NAME, ForwardPass, check_watch_every, describe, log_forward_report
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.forward_watch import LOGGER_NAME, ForwardPass, check_watch_every, log_forward_report
 from polyamp_torch._gradients import non_finite_counts
 
 __all__ = ["ForwardWatch", "watch_forward"]

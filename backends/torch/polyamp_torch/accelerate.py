@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from polyamp import BackendNotInstalledError, LossScaler, PolyampTypeError, PolyampValueError, ScalerUsageError
-from polyamp.backend_api import describe
+from polyamp.backend_api.arguments import describe
 from polyamp_torch._integration import check_scaler_arguments
 from polyamp_torch._scaler import TorchLossScaler
 

@@ -11,16 +11,9 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
-from polyamp import (
-    BackendNotInstalledError,
-    InvalidPolicyError,
-    LossScaler,
-    Policy,
-    PolicyLike,
-    PolyampTypeError,
-    SpikeRule,
-)
-from polyamp.backend_api import describe
+from polyamp import BackendNotInstalledError, InvalidPolicyError, LossScaler, Policy, PolyampTypeError, SpikeRule
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.policies import PolicyLike
 from polyamp_torch._autocast import autocast
 from polyamp_torch._framework import torch
 from polyamp_torch._integration import RecordTally, check_scaler_arguments

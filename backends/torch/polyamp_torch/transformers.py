@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from polyamp import BackendNotInstalledError, LossScaler, PolyampTypeError
-from polyamp.backend_api import describe
+from polyamp.backend_api.arguments import describe
 from polyamp_torch._integration import RecordTally
 
 try:
