@@ -214,7 +214,7 @@ def _object_reader(obj: object) -> tuple[str, Any]:
     found = _backend_for_object(obj)
     if found is not None and specs[found].tensor_reader is not None:
         return _load_reader(found)
-    if found is None:
+    if found is None and not isinstance(obj, (str, bytes, int, float, complex)):  # a number holds no arrays
         for spec in specs.values():
             if spec.reads_trees and spec.tensor_reader and any(f in sys.modules for f in spec.frameworks):
                 return _load_reader(spec.name)

@@ -108,7 +108,6 @@ class KerasDevice:
         self._branch = _tensorflow() is not None
         self._scale_variables = scale_variables
         self._variables: ScaleState | None = None
-        self._initial_skips = 0  # the skip count the variables start from (a restored checkpoint's)
         self._traced = False
         self._history = _Slot()
         self._windows: list[tuple[_Slot, SpikeRule]] = []
@@ -180,7 +179,7 @@ class KerasDevice:
             scale,
             tracker,
             self._variable("hysteresis_left", "int32", state.hysteresis_left),
-            self._variable("skipped_steps", counter_dtype(), self._initial_skips),
+            self._variable("skipped_steps", counter_dtype(), 0),
         )
         if self._owned:
             self._record = self._add_variable(

@@ -26,21 +26,6 @@ class TensorFlowDevice(KerasDevice):
         with tf.init_scope():  # created eagerly even when first touched inside tf.function
             return tf.Variable(initializer(shape, dtype), dtype=dtype, trainable=False, name=name)
 
-    def saved_skip_count(self) -> int:
-        """The count of skipped iterations, for a checkpoint: read without making the variables (which a
-        strategy's scope may still have to make)."""
-        state = self.scale_state
-        return self._initial_skips if state is None else int(state.skipped_steps.numpy())
-
-    def restore_skip_count(self, count: int) -> None:
-        """Set the count of skipped iterations (a checkpoint restored); kept for the variables when they do not
-        exist yet."""
-        state = self.scale_state
-        if state is None:
-            self._initial_skips = count
-        else:
-            state.skipped_steps.assign(count)
-
     def check_optimizer(self, method: str, optimizer: object) -> None:
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise wrong_object_error("tensorflow", method, optimizer, "a Keras 3 optimizer (keras.optimizers.*)")

@@ -12,7 +12,6 @@ from polyamp_tensorflow._framework import tf
 __all__ = ["TensorFlowLossScaler"]
 
 #: The keys of what a `tf.train.Checkpoint` holds for a scaler (`TensorFlowLossScaler.serialize`).
-_SAVED_KEYS = ("state_dict", "skipped_steps")
 
 
 class TensorFlowLossScaler(LossScaler, tf.train.experimental.PythonState):  # type: ignore[misc]
@@ -34,9 +33,9 @@ class TensorFlowLossScaler(LossScaler, tf.train.experimental.PythonState):  # ty
 
         checkpoint = tf.train.Checkpoint(model=model, optimizer=opt, scaler=scaler)
 
-    A checkpoint holds the scaler's `state_dict` (settings, scale, growth tracker, hysteresis, spike window)
-    and its count of skipped steps; restoring it loads them as `load_state_dict` does (validated first, all or
-    nothing, between iterations only) and sets the count.
+    A checkpoint holds the scaler's `state_dict` (settings, scale, growth tracker, hysteresis, spike window,
+    skip count); restoring it loads it as `load_state_dict` does (validated first, all or nothing, between
+    iterations only).
 
     Several optimizers in one iteration: ``scaler.step(opt, zip(grads, vars))`` for each, then one
     ``scaler.update()``.
@@ -45,16 +44,16 @@ class TensorFlowLossScaler(LossScaler, tf.train.experimental.PythonState):  # ty
     bound_backend = "tensorflow"
 
     def serialize(self) -> str:
-        """What ``tf.train.Checkpoint`` saves: the state dict and the count of skipped steps, as JSON.
+        """What ``tf.train.Checkpoint`` saves: the state dict (the skip count included), as JSON.
 
         Raises:
             ScalerUsageError: an iteration is in progress (its overflow checks would not be saved).
         """
         self._refuse_mid_iteration("A TensorFlowLossScaler was saved by tf.train.Checkpoint")
-        return json.dumps({"state_dict": self.state_dict(), "skipped_steps": self._device.saved_skip_count()})
+        return json.dumps(self.state_dict())
 
     def deserialize(self, string_value: Any) -> None:
-        """Restore what `serialize` saved (``tf.train.Checkpoint.restore``).
+        """Restore what `serialize` saved (``tf.train.Checkpoint.restore``), as `load_state_dict` does.
 
         Raises:
             StateDictError: the checkpoint's entry is not a scaler's, or its state dict is malformed; the scaler
@@ -69,16 +68,9 @@ class TensorFlowLossScaler(LossScaler, tf.train.experimental.PythonState):  # ty
                 f"Cannot restore this TensorFlowLossScaler: the checkpoint's entry for it is not the JSON its save "
                 f"wrote ({exc}). The scaler was left unchanged."
             ) from exc
-        count = saved.get("skipped_steps") if isinstance(saved, dict) else None
-        if not isinstance(saved, dict) or sorted(saved) != sorted(_SAVED_KEYS):
+        if not isinstance(saved, dict):
             raise StateDictError(
                 f"Cannot restore this TensorFlowLossScaler: the checkpoint's entry for it holds {describe(saved)}, "
-                f"not an object with the keys {list(_SAVED_KEYS)}. The scaler was left unchanged."
+                "not a state dict. The scaler was left unchanged."
             )
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise StateDictError(
-                "Cannot restore this TensorFlowLossScaler: 'skipped_steps' must be an int >= 0. Received: "
-                f"{describe(count)}. The scaler was left unchanged."
-            )
-        self.load_state_dict(saved["state_dict"])
-        self._device.restore_skip_count(count)
+        self.load_state_dict(saved)
