@@ -5,9 +5,8 @@ in the compute dtype (as jmp's ``cast_to_compute`` would give them; arrays ``fn`
 and each primitive then runs by class, the classes torch's autocast and polyamp's Keras models use:
 
 * matrix products and convolutions (``dot_general``, ``conv_general_dilated``) in the compute dtype;
-* in float32, the ops polyamp's op-class table (`polyamp.backend_api.policies.OP_CLASSES`, CUDA autocast's lists) runs
-in float32,
-  through the primitives standing for them (`PRIMITIVE_OPS`): exponentials and logarithms (``exp``, ``log``,
+* in float32, the ops polyamp's op-class table (`polyamp.backend_api.policies.OP_CLASSES`, CUDA autocast's
+  lists) runs in float32, through the primitives standing for them (`PRIMITIVE_OPS`): exponentials and logarithms (``exp``, ``log``,
   ``log1p``, ``expm1``), sums and products over axes (``reduce_sum``, ``reduce_prod``, ``cumsum``,
   ``cumprod``, ``cumlogsumexp``), ``rsqrt``, ``pow`` and the special functions CUDA keeps in float32
   (``erf_inv``, ``tan``, ``acos``, ``asin``, ``cosh``, ``sinh``); so softmax, log-softmax, cross-entropy,

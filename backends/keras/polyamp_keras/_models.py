@@ -232,9 +232,8 @@ def apply_policy(
             the setting Keras follows (see `follow_polyamp_policy`).
         keep_float32: Layer names, paths within the model (``"block/dense"``), glob patterns over either
             (``"*norm*"``, ``"encoder/*"``), or layer instances to keep in float32.
-        overrides: Per-layer policies (`polyamp.backend_api.policies.PolicyOverrides` or a mapping), matched with
-        polyamp's rule
-            against each layer's path within the model and its Keras path (``layer.path``, which
+        overrides: Per-layer policies (`polyamp.backend_api.policies.PolicyOverrides` or a mapping), matched
+            with polyamp's rule against each layer's path within the model and its Keras path (``layer.path``, which
             ``set_policy(..., overrides=...)`` matches when a layer is built); None uses the overrides of
             ``polyamp.get_policy_setting()``. ``keep_float32`` wins where both match.
 

@@ -5,9 +5,8 @@
 * its forward run under the policy (``polyamp_torch.autocast``) with floating outputs cast to the
   policy's output dtype (float32 for the mixed policies);
 * parameters and buffers in the policy's param dtype;
-* chosen submodules (by name, glob pattern or instance, or through `polyamp.backend_api.policies.PolicyOverrides`) run
-under
-  their own policy: for float32 that is autocast off with their floating inputs cast to float32.
+* chosen submodules (by name, glob pattern or instance, or through
+  `polyamp.backend_api.policies.PolicyOverrides`) run under their own policy: for float32 that is autocast off with their floating inputs cast to float32.
 
 It works by giving each affected module an instance-level ``forward`` (a picklable callable object), so
 ``state_dict`` keys, hooks, ``torch.save`` / ``copy.deepcopy`` and wrapping in DDP are unaffected. That
