@@ -224,8 +224,7 @@ class NumpyDevice:
     def skipped_steps(self) -> np.int64:
         return np.int64(self._tree["skipped"])
 
-    # -- GuardingDevice (and check_gradients_finite)
-    # --------------------------------------------------------------------
+    # -- GuardingDevice, with check_gradients_finite ---------------------------------------------------------
 
     def check_gradients_finite(self, optimizer: npfw.Optimizer) -> np.float32 | None:
         grads = [p.grad for p in optimizer.params if p.grad is not None]
