@@ -31,6 +31,7 @@ from polyamp.conformance import (
     TrainerBase,
     TrainerSettings,
     capabilities_of,
+    harness_class,
 )
 
 if TYPE_CHECKING:
@@ -223,3 +224,22 @@ def test_a_functional_trainer_shows_its_state_through_the_scaler_view(npfw_harne
     assert trainer.scaler.state_dict()["scale"] == 32768.0
     trainer.scaler.load_state_dict(saved)
     assert trainer.scaler.state_dict()["scale"] == 65536.0 and trainer.fn.state_dict(trainer.state) == saved
+
+
+#: What each first-party harness offers, as before it built on the base.
+FIRST_PARTY = {
+    "torch": {"op_dtype", "model_dtypes", "trainer", "loop", "tiny_gradient", "passes_loss_through", "precision"},
+    "tensorflow": {"op_dtype", "model_dtypes", "trainer", "loop", "tiny_gradient", "passes_loss_through"},
+    "keras": {"op_dtype", "model_dtypes", "trainer", "tiny_gradient", "passes_loss_through", "precision"},
+    "jax": {"op_dtype", "model_dtypes", "trainer", "functional", "precision"},
+}
+
+
+@pytest.mark.parametrize("backend", list(FIRST_PARTY))
+def test_the_first_party_harnesses_build_on_the_base_and_offer_what_they_did(backend: str) -> None:
+    try:
+        cls = harness_class(backend)
+    except HarnessUnavailable as exc:
+        pytest.skip(str(exc))
+    assert issubclass(cls, HarnessBase) and issubclass(cls.trainer_class, TrainerBase)
+    assert capabilities_of(cls) == FIRST_PARTY[backend] | {"low_precision", "guard"}
