@@ -228,8 +228,8 @@ class FunctionalStatePart:
             )
         try:
             made = self._device if config == self._config else self._make_device(config)
-            rule = getattr(made, "rule", None)
-            (rule if isinstance(rule, LossScaleConfig) else config).check_state(host)
+            ceiling_rule = getattr(made, "rule", None)  # (a device with a ceiling on the scale)
+            (ceiling_rule if isinstance(ceiling_rule, LossScaleConfig) else config).check_state(host)
         except (InvalidConfigError, PolyampTypeError) as exc:
             raise StateDictError(f"FunctionalLossScaler.load_state_dict() cannot load this state here: {exc}") from exc
         if made is not self._device:  # the rule's constants live in the device functions: new ones
