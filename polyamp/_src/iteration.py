@@ -154,19 +154,37 @@ class Iteration:
     #: `polyamp.backend_api.OptionalMethods`): the iteration's end does not advance it again.
     advanced: bool = False
     _entries: dict[int, _Entry] = field(default_factory=dict)
+    # The entry marked or looked up last, found again without `id` (most iterations step one optimizer).
+    _last: _Entry | None = None
 
     @property
     def is_open(self) -> bool:
         """True between a first ``unscale``/``step`` and the ``update`` that ends the iteration."""
         return bool(self._entries) or self.stages.pending
 
-    def stage(self, optimizer: Any) -> Stage:
+    def _entry(self, optimizer: Any) -> _Entry | None:
+        entry = self._last
+        if entry is not None and entry.optimizer is optimizer:
+            return entry
         entry = self._entries.get(id(optimizer))
+        if entry is not None:
+            self._last = entry
+        return entry
+
+    def stage(self, optimizer: Any) -> Stage:
+        entry = self._entry(optimizer)
         return Stage.READY if entry is None else entry.stage
+
+    def loss_scaled(self) -> None:
+        """``scale`` scaled a loss: the iteration rule is met, and pending unscale stages end (new losses mean
+        new, scaled gradients)."""
+        self.scaled = True
+        if self.stages._pending:  # (no call when nothing is pending)
+            self.stages.clear()
 
     def check_unscale(self, optimizer: Any, method: str) -> None:
         """Raise `ScalerUsageError` if ``optimizer``'s gradients must not be unscaled now."""
-        stage = self.stage(optimizer)
+        stage = self.stage(optimizer) if self._entries else Stage.READY
         if stage is Stage.UNSCALED:
             raise ScalerUsageError(
                 f"{method} was already called for this optimizer since the last update(); a second call would "
@@ -180,7 +198,7 @@ class Iteration:
 
     def check_step(self, optimizer: Any, method: str) -> Stage:
         """Raise `ScalerUsageError` if ``optimizer`` must not be stepped now; else return its stage."""
-        stage = self.stage(optimizer)
+        stage = self.stage(optimizer) if self._entries else Stage.READY
         if stage is Stage.STEPPED:
             raise ScalerUsageError(
                 f"{method} was already called for this optimizer since the last update(). Call update() once "
@@ -190,16 +208,18 @@ class Iteration:
 
     def mark(self, optimizer: Any, stage: Stage, found_inf: Any) -> None:
         """Record that ``optimizer`` reached ``stage`` with ``found_inf`` (the device flag)."""
-        entry = self._entries.get(id(optimizer))
-        if entry is None:
-            entry = self._entries[id(optimizer)] = _Entry(optimizer)
+        entry = self._last
+        if entry is None or entry.optimizer is not optimizer:
+            entry = self._entry(optimizer) if self._entries else None
+            if entry is None:
+                entry = self._last = self._entries[id(optimizer)] = _Entry(optimizer)
         self.flagged += (found_inf is not None) - (entry.found_inf is not None)
         entry.stage = stage
         entry.found_inf = found_inf
 
     def found_inf_of(self, optimizer: Any) -> Any:
         """The flag ``optimizer``'s unscale or step produced in this iteration (None if none)."""
-        entry = self._entries.get(id(optimizer))
+        entry = self._entry(optimizer)
         return None if entry is None else entry.found_inf
 
     def found_infs(self) -> list[Any]:
@@ -216,7 +236,9 @@ class Iteration:
 
     def close(self) -> None:
         """End the iteration: every optimizer is ready again and scaling is decided anew at the next call."""
-        self._entries.clear()
+        if self._entries:
+            self._entries = {}
+            self._last = None
         self.flagged = 0
         self.advanced = False
         if self.stages._pending:  # (ended every step: no call when nothing is pending)

@@ -288,6 +288,13 @@ class LossScaler(StartPart, ImperativePart, TapePart, EndPart, OutcomesPart, Sta
         # The single-replica iteration is made up front: a first call traced by a compiler (torch.compile)
         # then finds it instead of constructing it, which dynamo cannot trace (a graph break).
         self._iterations: dict[Any, Iteration] = {None: Iteration()}
+        # That iteration, while the device runs one iteration per scaler (no replica hook): the calls of a step
+        # read it here instead of through `_iteration`.
+        self._only_iteration: Iteration | None = self._iterations[None]
+        # Per imperative method, the optimizer it checked last (a weak reference): see `_checked_optimizer`.
+        self._checked_optimizers: dict[str, Any] = {"unscale_": None, "step": None}
+        # An imperative device's step, ``(optimizer, flag, args, kwargs) -> StepOutcome``, chosen when it binds.
+        self._device_step: Any = None
 
     def _take_options(self, arguments: dict[str, Any]) -> None:
         """Subclasses pop (and keep) their backend's own constructor options from ``arguments`` here."""

@@ -60,6 +60,9 @@ class ScalerBase:
     _warned_unscaled_loss: bool
     _adapter_device: bool
     _iterations: dict[Any, Iteration]
+    _only_iteration: Iteration | None
+    _checked_optimizers: dict[str, Any]
+    _device_step: Any
 
     if TYPE_CHECKING:  # the other parts' methods, joined in LossScaler
 

@@ -80,9 +80,8 @@ class EndPart(ScalerBase):
         call the host makes costs several times its price in a tight loop.) `_end_iteration` ends every other
         iteration."""
         with self._history.lock:
-            iteration = self._iteration
-            flagged = iteration.flagged
-            if flagged and iteration.thread == get_ident() and self._ends_plainly(new_scale):
+            iteration = self._only_iteration or self._iteration
+            if iteration.flagged and iteration.thread == get_ident() and self._ends_plainly(new_scale, iteration):
                 clean, flag = self._iteration_flag(device, iteration)
                 if not iteration.advanced:  # (else the device advanced the rule with the step)
                     device.update(flag, None)
@@ -93,12 +92,15 @@ class EndPart(ScalerBase):
                 return
             self._end_iteration(device, new_scale, method)
 
-    def _ends_plainly(self, new_scale: Any) -> bool:
-        """Whether the current iteration, once some optimizer has a flag, ends by advancing the rule on that
-        flag and recording it, nothing more: it scales, and there is no ``new_scale``, spike rule or process
-        group. (`_finish` takes its few steps for it when this thread opened it, out of a compiled region.)"""
+    def _ends_plainly(self, new_scale: Any, iteration: Iteration | None = None) -> bool:
+        """Whether the current iteration (``iteration``, when the caller has it), once some optimizer has a flag,
+        ends by advancing the rule on that flag and recording it, nothing more: it scales, and there is no
+        ``new_scale``, spike rule or process group. (`_finish` takes its few steps for it when this thread opened
+        it, out of a compiled region.)"""
+        if iteration is None:
+            iteration = self._iteration
         return bool(
-            new_scale is None and self._iteration.enabled and self._spikes.rule is None and self._process_group is None
+            new_scale is None and iteration.enabled and self._spikes.rule is None and self._process_group is None
         )
 
     def _end_iteration(self, device: Any, new_scale: Any, method: str) -> None:
@@ -147,20 +149,16 @@ class EndPart(ScalerBase):
 
     def _iteration_flag(self, device: Any, iteration: Iteration) -> tuple[bool, Any]:
         """Whether the host knows the iteration was finite, and the flag standing for the iteration (None
-        when no step has a flag). Known finite (`_known_finite`): the flag is the device's finite flag (nothing
-        to combine, the device may leave out what only an overflow needs, and the record needs no flag read back
-        later); else the steps' flags combined."""
+        when no step has a flag). Known finite: some optimizer has a flag, each step with one read it as "not
+        skipped" to the host, and no spike rule decided on the device; the flag is then the device's finite flag
+        (nothing to combine, the device may leave out what only an overflow needs, and the record needs no flag
+        read back later). Else the steps' flags combined."""
         flagged = iteration.flagged
         if not flagged:
             return False, None
-        if self._known_finite(flagged):
+        if self._history.host_clean == flagged and self._spikes.flag is None:
             return True, device.finite_flag()
         return False, device.combine(iteration.found_infs())
-
-    def _known_finite(self, flags: int) -> bool:
-        """Whether the host knows the iteration was finite, given how many of its optimizers have a flag: some
-        have, each step read its flag as "not skipped" to the host, and no spike rule decided on the device."""
-        return flags > 0 and self._history.host_clean == flags and self._spikes.flag is None
 
     def _finish_spike(self, device: Any, overflow: Any) -> Any:
         """End the iteration for the spike rule: its statistic enters the window if the step was applied, a

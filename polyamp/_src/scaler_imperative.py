@@ -5,6 +5,7 @@ A part of `polyamp.LossScaler` (`polyamp._src.loss_scaler` joins them).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from polyamp._src import registry
@@ -15,7 +16,14 @@ from polyamp._src.errors import (
 from polyamp._src.iteration import Stage, no_gradients_error
 from polyamp._src.scaler_base import ScalerBase, check_norm_bound
 
-__all__ = ["ImperativePart"]
+__all__ = ["ImperativePart", "masked_step"]
+
+
+def masked_step(device: Any, masked: Any, optimizer: Any, flag: Any, args: Any, kwargs: Any) -> Any:
+    """An imperative device's step with ``skip_on_device`` (``LossScaler._device_step`` when the device has
+    ``step_on_device``, ``masked``): its masked step where it can take it (a flag is known), else its step."""
+    outcome = None if flag is None else masked(optimizer, flag, args, kwargs)
+    return device.step(optimizer, flag, args, kwargs) if outcome is None else outcome
 
 
 class ImperativePart(ScalerBase):
@@ -30,13 +38,14 @@ class ImperativePart(ScalerBase):
         Raises:
             ScalerUsageError: a second call for this optimizer in the iteration, or a call after its step.
         """
-        device = self._styled("unscale_", "imperative", optimizer)
-        device.check_optimizer("unscale_", optimizer)
-        if not self._begin():
+        device = self._checked_optimizer("unscale_", optimizer)
+        iteration = self._only_iteration or self._iteration
+        if not self._begin(None, iteration):
             return
-        self._require_scaled("unscale_()")
-        self._iteration.check_unscale(optimizer, "unscale_()")
-        self._iteration.mark(optimizer, Stage.UNSCALED, device.unscale_gradients(optimizer))
+        if not iteration.scaled:
+            self._require_scaled("unscale_()")
+        iteration.check_unscale(optimizer, "unscale_()")
+        iteration.mark(optimizer, Stage.UNSCALED, device.unscale_gradients(optimizer))
 
     def unscale_and_clip_(self, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> tuple[bool, Any]:
         """PyTorch: `unscale_` with gradient-norm clipping folded in, where the device can fold it.
@@ -46,20 +55,21 @@ class ImperativePart(ScalerBase):
         it); ``(False, None)`` when they were only unscaled (the device cannot fold this case, or the scaler is
         not scaling) and the caller clips. Same rules as `unscale_`.
         """
-        device = self._styled("unscale_", "imperative", optimizer)
-        device.check_optimizer("unscale_", optimizer)
+        device = self._checked_optimizer("unscale_", optimizer)
         check_norm_bound("max_norm", max_norm)
-        if not self._begin():
+        iteration = self._only_iteration or self._iteration
+        if not self._begin(None, iteration):
             return False, None
-        self._require_scaled("unscale_()")
-        self._iteration.check_unscale(optimizer, "unscale_()")
+        if not iteration.scaled:
+            self._require_scaled("unscale_()")
+        iteration.check_unscale(optimizer, "unscale_()")
         fold = None if self._capabilities is None else self._capabilities.unscale_and_clip
         folded = None if fold is None else fold(optimizer, float(max_norm), float(norm_type))
         if folded is None:
-            self._iteration.mark(optimizer, Stage.UNSCALED, device.unscale_gradients(optimizer))
+            iteration.mark(optimizer, Stage.UNSCALED, device.unscale_gradients(optimizer))
             return False, None
         flag, total_norm = folded
-        self._iteration.mark(optimizer, Stage.UNSCALED, flag)
+        iteration.mark(optimizer, Stage.UNSCALED, flag)
         return True, total_norm
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -88,9 +98,8 @@ class ImperativePart(ScalerBase):
             pairs = args[0] if args else kwargs["grads_and_vars"]
             device = self._styled("step", "tape", optimizer)
             return self._apply(device, optimizer, pairs, "step()")
-        device = self._styled("step", "imperative", optimizer)
-        device.check_optimizer("step", optimizer)
-        iteration = self._iteration
+        device = self._checked_optimizer("step", optimizer)
+        iteration = self._only_iteration or self._iteration
         enabled = self._begin(None, iteration)
         stage = iteration.check_step(optimizer, "step()")
         if not enabled:
@@ -102,7 +111,7 @@ class ImperativePart(ScalerBase):
                 self._remember(optimizer, device.finite_flag(), False)
                 return result
             skip = self._spike_decision(device, optimizer, checked)
-            outcome = self._device_step(device, optimizer, skip, args, kwargs)
+            outcome = self._device_step(optimizer, skip, args, kwargs)
             iteration.mark(optimizer, Stage.STEPPED, checked)
             self._remember(optimizer, skip, outcome.skipped)
             return outcome.result
@@ -136,24 +145,33 @@ class ImperativePart(ScalerBase):
                 raise no_gradients_error()
             iteration.mark(optimizer, Stage.UNSCALED, found_inf)  # the gradients are unscaled now, whatever follows
         if self._spikes.rule is None:
-            outcome = self._device_step(device, optimizer, found_inf, args, kwargs)
+            outcome = self._device_step(optimizer, found_inf, args, kwargs)
             iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)
             self._remember(optimizer, outcome.found_inf, outcome.skipped)
             return outcome.result
         skip = self._spike_decision(device, optimizer, found_inf)
-        outcome = self._device_step(device, optimizer, skip, args, kwargs)
+        outcome = self._device_step(optimizer, skip, args, kwargs)
         iteration.mark(optimizer, Stage.STEPPED, found_inf)  # the scale rule sees overflows only
         self._remember(optimizer, skip, outcome.skipped)
         return outcome.result
 
-    def _device_step(self, device: Any, optimizer: Any, flag: Any, args: Any, kwargs: Any) -> Any:
-        """The device's step, or with ``skip_on_device`` its masked step where it has one and can take it."""
-        if self._skip_on_device and flag is not None and self._capabilities is not None:
-            masked = self._capabilities.step_on_device
-            outcome = None if masked is None else masked(optimizer, flag, args, kwargs)
-            if outcome is not None:
-                return outcome
-        return device.step(optimizer, flag, args, kwargs)
+    def _checked_optimizer(self, method: str, optimizer: Any) -> Any:
+        """The device, once ``optimizer`` is known to be one it steps through ``method`` (``"unscale_"`` or
+        ``"step"``): the framework's and the loop style's (`_styled`, which binds an unbound scaler), then the
+        device's ``check_optimizer``. The optimizer that passed last through ``method`` is remembered (weakly,
+        and not while a compiler traces the call) and not checked again: what is checked is its type and what
+        it holds, which a training loop does not change under the scaler."""
+        last = self._checked_optimizers[method]
+        if last is not None and last() is optimizer:
+            return self._device
+        device = self._styled(method, "imperative", optimizer)
+        device.check_optimizer(method, optimizer)
+        if not self._compiling():
+            try:
+                self._checked_optimizers[method] = weakref.ref(optimizer)
+            except TypeError:  # not weakly referenceable: checked every time
+                pass
+        return device
 
     def _spike_decision(self, device: Any, optimizer: Any, found_inf: Any) -> Any:
         """``found_inf`` combined with the spike rule's flag (imperative devices)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from functools import partial
 from threading import get_ident
 from typing import Any
 
@@ -25,6 +26,7 @@ from polyamp._src.functional import FunctionalMode
 from polyamp._src.global_policy import get_policy
 from polyamp._src.iteration import Iteration, not_scaled_error
 from polyamp._src.scaler_base import STYLE_METHODS, ScalerBase
+from polyamp._src.scaler_imperative import masked_step
 
 __all__ = ["StartPart"]
 
@@ -71,9 +73,15 @@ class StartPart(ScalerBase):
         self._adapter_device = given is not None
         self._compiling = capabilities.compiling
         self._replica = capabilities.replica
+        if capabilities.replica is not None:
+            self._only_iteration = None  # one iteration per replica: `_iteration` finds this replica's
         self._history.bind(device, capabilities, self._outcomes.optimizers)
         if capabilities.spike:
             self._spikes.bind(device)  # type: ignore[arg-type]  # a SpikeDevice
+        if capabilities.style == "imperative":
+            # The device's step, chosen once: with skip_on_device, its masked step where it has one.
+            masked = capabilities.step_on_device if self._skip_on_device else None
+            self._device_step = device.step if masked is None else partial(masked_step, device, masked)
         return device
 
     @property
@@ -84,7 +92,7 @@ class StartPart(ScalerBase):
     def _device_for(self, method: str, obj: object) -> Any:
         device = self._device
         if device is not None:
-            if self._adapter_device or self._own_types.get(type(obj), False):
+            if self._adapter_device or type(obj) in self._own_types:
                 return device
             # An adapter's device checks what it is given itself (Keras on torch computes with torch tensors).
             owner = registry.detect_backend(obj)
@@ -130,11 +138,11 @@ class StartPart(ScalerBase):
     @property
     def _iteration(self) -> Iteration:
         """The iteration in progress: one per replica where the device runs the step once per replica (see
-        ``ScalerDevice.replica``), else one."""
-        hook = self._replica
-        if hook is None:
-            return self._iterations[None]
-        replica = hook()
+        ``ScalerDevice.replica``), else one (also `_only_iteration`)."""
+        only = self._only_iteration
+        if only is not None:
+            return only
+        replica = self._replica()
         iteration = self._iterations.get(replica)
         if iteration is None:
             iteration = self._iterations[replica] = Iteration()
@@ -151,12 +159,15 @@ class StartPart(ScalerBase):
         """Whether this iteration scales, decided at its first call (``loss``: the loss it starts from, when it
         starts in ``scale``) and kept until it ends. ``iteration``: `_iteration`, when the caller has it."""
         if iteration is None:
-            iteration = self._iteration
+            iteration = self._only_iteration or self._iteration
         enabled = iteration.enabled
         # A compiler tracing the step (torch.compile) cannot trace the thread lookup; it runs in one thread.
         thread = None if self._compiling() else get_ident()
         if enabled is None:
-            iteration.enabled = enabled = self._decide_enabled(starting=True, loss=loss)
+            enabled = self._enabled_setting  # (given, it decides: `_decide_enabled` is for None, the policy's)
+            if enabled is None:
+                enabled = self._decide_enabled(starting=True, loss=loss)
+            iteration.enabled = enabled
             self._history.iteration_opened()
             self._outcomes.iteration_opened()
             iteration.guarding = not enabled and self._guards()
@@ -255,16 +266,15 @@ class StartPart(ScalerBase):
         if self._device is None and registry.detect_backend(loss) is None and not self.enabled:
             return loss  # a disabled scaler passes anything through, as torch's does
         device = self._device_for("scale", loss)
-        iteration = self._iteration
+        iteration = self._only_iteration or self._iteration
         enabled = self._begin(loss, iteration)
         if self._spikes.rule is not None and (enabled or iteration.guarding):
             self._spikes.observe_loss(loss)
         if not enabled:
             self._probe_float16(loss)
             return loss
-        iteration.stages.clear()
         scaled = device.scale(loss)
-        iteration.scaled = True
+        iteration.loss_scaled()
         return scaled
 
     def _probe_float16(self, loss: Any) -> None:

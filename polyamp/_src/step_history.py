@@ -56,7 +56,7 @@ class StepOutcomes:
     """Each optimizer's most recent outcome, held without keeping the optimizer alive where it can be weakly
     referenced, and the outcome of the last iteration."""
 
-    __slots__ = ("_records", "_unweakable", "_written", "last")
+    __slots__ = ("_asked", "_records", "_unweakable", "_written", "last")
 
     def __init__(self) -> None:
         self._records: weakref.WeakKeyDictionary[Any, OutcomeRecord] = weakref.WeakKeyDictionary()
@@ -66,6 +66,8 @@ class StepOutcomes:
         # This iteration's last step write: (storage, flag). A device may keep one outcome variable for every
         # record (Keras): the iteration's outcome, the same flag into the same storage, is then written once.
         self._written: tuple[Any, Flag] | None = None
+        # The optimizer whose record was asked for last (a weak reference) and that record: most loops step one.
+        self._asked: tuple[weakref.ref[Any], OutcomeRecord] | None = None
 
     def iteration_opened(self) -> None:
         """A new iteration: what the last one wrote says nothing about the storage now."""
@@ -77,11 +79,17 @@ class StepOutcomes:
 
     def of(self, optimizer: Any) -> OutcomeRecord | None:
         """``optimizer``'s record, or None if it was never stepped."""
+        asked = self._asked
+        if asked is not None and asked[0]() is optimizer:
+            return asked[1]
         try:
-            return self._records.get(optimizer)
+            record = self._records.get(optimizer)
         except TypeError:
             entry = self._unweakable.get(id(optimizer))
             return None if entry is None else entry[1]
+        if record is not None:
+            self._asked = (weakref.ref(optimizer), record)
+        return record
 
     def write(self, device: ScalerDevice, optimizer: Any, found_inf: Flag, skipped: bool | None) -> None:
         """Store ``optimizer``'s step flag (and the host answer, when known)."""
@@ -90,6 +98,7 @@ class StepOutcomes:
             record = OutcomeRecord(device.new_record())
             try:
                 self._records[optimizer] = record
+                self._asked = (weakref.ref(optimizer), record)
             except TypeError:  # an optimizer that cannot be weakly referenced is held for its record
                 self._unweakable[id(optimizer)] = (optimizer, record)
         device.write_record(record.storage, found_inf)
@@ -187,7 +196,8 @@ class RecordHistory:
         """End the iteration's record: ``mode`` (a key of `MODE_CODES`), skipped when ``flag`` is set or
         ``spike`` (a skip by the spike rule alone) is; ``host_skipped`` when the host already knows it was;
         ``set_scale``: the scale ``update(new_scale=...)`` set, when the host knows it (the record's
-        ``next_scale``)."""
+        ``next_scale``). The caller holds `lock` (the scaler holds it while it ends an iteration): a read from
+        another thread between the entry and its count would lose it."""
         gradients = self._gradients
         self.host_skip = False
         self.host_clean = 0
@@ -196,26 +206,25 @@ class RecordHistory:
         if self._ring is None:
             self._unknown = []
             return
-        with self.lock:  # a read from another thread between the entry and its count would lose it
-            if gradients:
-                self.recorder.attach(self._written, tuple(gradients))
-            if set_scale is not None:
-                self.recorder.attach_set_scale(self._written, set_scale)
-            unknown = self._unknown
-            if unknown:
-                self._unknown = []
-                self._deferred = (self._written, unknown, get_ident())
-            else:
-                self._deferred = None
-            self._written += 1
-            if spike is None:
-                self._device.write_history(self._ring, MODE_CODES[mode], flag)
-            else:
-                self._device.write_history(self._ring, MODE_CODES[mode], flag, spike)
-            self._pending += 1
-            # A skip the step already read to the host is reported at once; the rest in batches (one read).
-            if (host_skipped or self._pending >= self._batch) and not self._compiling():
-                self._read_ring()
+        if gradients:
+            self.recorder.attach(self._written, tuple(gradients))
+        if set_scale is not None:
+            self.recorder.attach_set_scale(self._written, set_scale)
+        unknown = self._unknown
+        if unknown:
+            self._unknown = []
+            self._deferred = (self._written, unknown, get_ident())
+        else:
+            self._deferred = None
+        self._written += 1
+        if spike is None:
+            self._device.write_history(self._ring, MODE_CODES[mode], flag)
+        else:
+            self._device.write_history(self._ring, MODE_CODES[mode], flag, spike)
+        self._pending += 1
+        # A skip the step already read to the host is reported at once; the rest in batches (one read).
+        if (host_skipped or self._pending >= self._batch) and not self._compiling():
+            self._read_ring()
 
     def restart(self, state: LossScaleState) -> None:
         """The device's variables, the ring among them, were restored by the framework (an optimizer's weights

@@ -115,6 +115,7 @@ class TorchDevice:
 
     def __init__(self, config: LossScaleConfig, state: LossScaleState) -> None:
         self._config = config
+        self._checks_unscaled = config.checks_unscaled  # (asked at every unscale; follows `_config`)
         self._host_state = state
         self._state: DeviceState | None = None
         self._state_traced = False  # made inside torch.compile's trace: a CUDA graph may own its tensors
@@ -140,7 +141,7 @@ class TorchDevice:
         self._group_work: Any = None
 
     def set_group_iteration(self, index: int) -> None:
-        """The iteration count the following reductions carry (see `_check_and_unscale`)."""
+        """The iteration count the following reductions carry (see `_reduce_over_group`)."""
         self._group_iteration = index
 
     def read_group_mismatch(self) -> bool:
@@ -187,6 +188,7 @@ class TorchDevice:
 
     def write_state(self, config: LossScaleConfig, state: LossScaleState | None) -> None:
         self._config = config
+        self._checks_unscaled = config.checks_unscaled
         if state is None:
             return
         self._host_state = state
@@ -250,8 +252,9 @@ class TorchDevice:
             raise wrong_object_error("torch", method, optimizer, "a torch.optim.Optimizer")
         if method == "step" and not is_precision_optimizer(optimizer) and not torch.compiler.is_compiling():
             # Every step of an imperative scaler passes here first: the one place to see a plain optimizer
-            # updating bfloat16/float16 weights (a PrecisionOptimizer says so itself, for its own plan).
-            warn_unplanned(optimizer, stacklevel=3)
+            # updating bfloat16/float16 weights (a PrecisionOptimizer says so itself, for its own plan). The
+            # warning points at the user's ``scaler.step`` (through the scaler's `_checked_optimizer`).
+            warn_unplanned(optimizer, stacklevel=4)
 
     def scale(self, outputs: Any) -> Any:
         if isinstance(outputs, torch.Tensor):
@@ -279,17 +282,19 @@ class TorchDevice:
         return apply(outputs)
 
     def unscale_gradients(self, optimizer: Any) -> torch.Tensor | None:
-        scale = self._state_near(optimizer).scale
+        scale = (self._state or self._state_near(optimizer)).scale
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        flag, bfloat16 = self._check_and_unscale(
+        flag, bfloat16 = unscale_gradients(
             optimizer,
             _inverse(scale),
             found_inf,
             # A PrecisionOptimizer forms its update in float32 from the unscaled float16 gradients.
             allow_fp16=is_precision_optimizer(optimizer),
             warn_bfloat16=not self._warned_bfloat16,
-            check_unscaled=self._config.checks_unscaled,
+            check_unscaled=self._checks_unscaled,
         )
+        if self._process_group is not None:
+            flag = self._reduce_over_group(flag, found_inf)
         self._warned_bfloat16 |= bfloat16
         return flag
 
@@ -300,7 +305,7 @@ class TorchDevice:
         `polyamp.backend_api.OptionalMethods`); None where they stay two: below scale 1 (the unscaled values are
         checked too), across a process group, or where the gradients cannot be folded (see
         `unscale_and_clip_gradients`)."""
-        if self._config.checks_unscaled or self._process_group is not None:
+        if self._checks_unscaled or self._process_group is not None:
             return None
         scale = self._state_near(optimizer).scale
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
@@ -325,8 +330,8 @@ class TorchDevice:
         the gradients bitwise unchanged; None when no parameter has a gradient."""
         device = self._state_near(optimizer).scale.device
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        flag, _ = self._check_and_unscale(optimizer, self._one(device), found_inf, allow_fp16=True, warn_bfloat16=False)
-        return flag
+        flag, _ = unscale_gradients(optimizer, self._one(device), found_inf, allow_fp16=True, warn_bfloat16=False)
+        return flag if self._process_group is None else self._reduce_over_group(flag, found_inf)
 
     def _one(self, device: torch.device) -> torch.Tensor:
         """An inverse scale of 1 on ``device`` (the kernel then only checks), made once: it is only read.
@@ -405,44 +410,38 @@ class TorchDevice:
             state.skipped.add_(torch.stack(uncounted).gt(0).sum())
             uncounted.clear()
 
-    def _check_and_unscale(
-        self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, **options: bool
-    ) -> tuple[torch.Tensor | None, bool]:
-        """`unscale_gradients`, then the flag reduced over the process group: ONE max all-reduce of one
-        element, issued on the device's stream (no host sync). A rank without gradients still takes part
-        (with a zero flag), so the collective matches on every rank, and then reports None as usual.
-        DTensor gradients (FSDP2) need no group: torch's DTensor rule for the unscale kernel already reduces
-        the flag over the gradients' device mesh."""
-        flag, bfloat16 = unscale_gradients(optimizer, inv_scale, found_inf, **options)
-        if self._process_group is not None:
-            local = found_inf if flag is None else flag
-            # (flag, iteration, -iteration) in one MAX all-reduce: the ranks' iterations differ exactly when the
-            # maximum of the count and the maximum of its negation do not cancel (a rank discarded an iteration
-            # alone); the flag is then set, so every rank skips, and the mismatch is kept for the host to report.
-            iteration = float(self._group_iteration)
-            packed = torch.stack(
-                [local.reshape(()).to(torch.float64), torch.tensor(iteration, dtype=torch.float64, device=local.device)]
+    def _reduce_over_group(self, flag: torch.Tensor | None, found_inf: torch.Tensor) -> torch.Tensor | None:
+        """The flag of a check (`unscale_gradients`, into ``found_inf``; None without gradients) reduced over the
+        process group: ONE max all-reduce of one element, issued on the device's stream (no host sync). A rank
+        without gradients still takes part (with a zero flag), so the collective matches on every rank, and then
+        reports None as usual. DTensor gradients (FSDP2) need no group: torch's DTensor rule for the unscale
+        kernel already reduces the flag over the gradients' device mesh."""
+        local = found_inf if flag is None else flag
+        # (flag, iteration, -iteration) in one MAX all-reduce: the ranks' iterations differ exactly when the
+        # maximum of the count and the maximum of its negation do not cancel (a rank discarded an iteration
+        # alone); the flag is then set, so every rank skips, and the mismatch is kept for the host to report.
+        iteration = float(self._group_iteration)
+        packed = torch.stack(
+            [local.reshape(()).to(torch.float64), torch.tensor(iteration, dtype=torch.float64, device=local.device)]
+        )
+        packed = torch.cat([packed, -packed[1:]])
+        if torch.compiler.is_compiling():
+            torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self._process_group)
+        else:
+            work = torch.distributed.all_reduce(
+                packed, op=torch.distributed.ReduceOp.MAX, group=self._process_group, async_op=True
             )
-            packed = torch.cat([packed, -packed[1:]])
-            if torch.compiler.is_compiling():
-                torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self._process_group)
-            else:
-                work = torch.distributed.all_reduce(
-                    packed, op=torch.distributed.ReduceOp.MAX, group=self._process_group, async_op=True
-                )
-                work.wait()  # what the synchronous form does (a stream wait on CUDA, no host sync)
-                self._group_work = work
-            mismatch = (packed[1] + packed[2]) != 0
-            local.copy_(torch.maximum(packed[0], mismatch.to(torch.float64)).to(local.dtype).reshape(local.shape))
-            known = self._group_mismatch
-            self._group_mismatch = mismatch if known is None else known | mismatch
-            if flag is not None:
-                flag = local
-        return flag, bfloat16
+            work.wait()  # what the synchronous form does (a stream wait on CUDA, no host sync)
+            self._group_work = work
+        mismatch = (packed[1] + packed[2]) != 0
+        local.copy_(torch.maximum(packed[0], mismatch.to(torch.float64)).to(local.dtype).reshape(local.shape))
+        known = self._group_mismatch
+        self._group_mismatch = mismatch if known is None else known | mismatch
+        return flag  # (``local`` itself, or None)
 
     def unscales_in_step(self, optimizer: Any) -> bool:
         # Fused kernels check the scaled gradients only; below scale 1 the unscaled ones need checking too.
-        return fused_amp_capable(optimizer) and not self._config.checks_unscaled
+        return fused_amp_capable(optimizer) and not self._checks_unscaled
 
     def step(
         self, optimizer: Any, found_inf: torch.Tensor | None, args: Sequence[Any], kwargs: Mapping[str, Any]
@@ -453,9 +452,11 @@ class TorchDevice:
                 # Check only (inverse scale 1): the fused kernel unscales by grad_scale itself, as with GradScaler.
                 device = state.scale.device
                 zero = torch.zeros((), dtype=torch.float32, device=device)
-                found_inf, _ = self._check_and_unscale(
+                found_inf, _ = unscale_gradients(
                     optimizer, self._one(device), zero, allow_fp16=True, warn_bfloat16=False
                 )
+                if self._process_group is not None:
+                    found_inf = self._reduce_over_group(found_inf, zero)
                 if found_inf is None:
                     raise no_gradients_error()
                 grad_scale: Any = state.scale * getattr(optimizer, "grad_scale", 1)

@@ -100,7 +100,25 @@ def _gradients_by_device_and_dtype(
     return grouped, has_bfloat16
 
 
-def warn_bfloat16_scaling(stacklevel: int = 6) -> None:
+def _one_group(optimizer: Any) -> tuple[torch.device, list[torch.Tensor]] | None:
+    """The optimizer's gradients and their device when `_gradients_by_device_and_dtype` would make one group of
+    them and take none of its special cases: all dense, on one device, of one dtype other than float16 and
+    bfloat16. None otherwise (or without gradients): that grouping then decides. (Built without a call per
+    gradient: the common step's gradients are all alike.)"""
+    grads = [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
+    if not grads:
+        return None
+    dtype = grads[0].dtype
+    if dtype is _FLOAT16 or dtype is _BFLOAT16:
+        return None
+    device = grads[0].device
+    for grad in grads:
+        if grad.dtype is not dtype or grad.is_sparse or grad.device != device:
+            return None
+    return device, grads
+
+
+def warn_bfloat16_scaling(stacklevel: int = 5) -> None:
     """The one warning for loss scaling over bfloat16 gradients."""
     warnings.warn(
         "Loss scaling is enabled but the gradients are bfloat16. bfloat16 has float32's range, so "
@@ -128,21 +146,21 @@ def unscale_gradients(
     Returns the found-inf flag on ``found_inf``'s device (None when no parameter has a gradient) and
     whether bfloat16 gradients were seen (warned about once when ``warn_bfloat16``).
     """
-    grouped, has_bfloat16 = _gradients_by_device_and_dtype(optimizer, allow_fp16=allow_fp16)
-    if has_bfloat16 and warn_bfloat16:
-        warn_bfloat16_scaling()
-    if not grouped:
-        return None, has_bfloat16
     home = inv_scale.device
     # As torch.no_grad(), at a fraction of the context manager's cost: the kernels write the gradients in place.
     grad_enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
-        (device, _), grads = next(iter(grouped.items()))
-        if len(grouped) == 1 and not (check_unscaled or has_bfloat16) and device == home == found_inf.device:
+        one = None if check_unscaled else _one_group(optimizer)
+        if one is not None and one[0] == home == found_inf.device:
             # The common case: one device and dtype, the caller's fresh tensors on it. One kernel, nothing else.
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            torch._amp_foreach_non_finite_check_and_unscale_(one[1], found_inf, inv_scale)
             return found_inf, False
+        grouped, has_bfloat16 = _gradients_by_device_and_dtype(optimizer, allow_fp16=allow_fp16)
+        if has_bfloat16 and warn_bfloat16:
+            warn_bfloat16_scaling()
+        if not grouped:
+            return None, has_bfloat16
         per_device_inv_scale = PerDevice(inv_scale)
         per_device_found_inf = PerDevice(found_inf)
         # The caller's fresh tensors serve their own device: no copies on the common single-device path.
