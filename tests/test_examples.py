@@ -52,6 +52,7 @@ def test_keras_fit() -> None:
     assert "loss_scale=" in out and "prediction dtype: float32" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
 def test_keras_backends(backend: str) -> None:
     pytest.importorskip("keras")

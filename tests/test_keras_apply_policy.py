@@ -583,6 +583,7 @@ def run_python(code: str, *, backend: str, timeout: float = 240.0) -> Any:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_on_other_keras_backends(backend: str) -> None:
     pytest.importorskip(backend)

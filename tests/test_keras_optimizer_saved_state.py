@@ -154,7 +154,19 @@ def test_jax_runs_the_keras_checks() -> None:
         pytest.skip("jax, keras or h5py is not installed")
     env = dict(os.environ, KERAS_BACKEND="jax", POLYAMP_KERAS_SAVED_STATE_SUBPROCESS="1", TF_CPP_MIN_LOG_LEVEL="3")
     # Every test of this module but this one (``-k`` also matches the module's name, so no name prefix selects).
-    command = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider", "-k", "not test_jax_runs"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(HERE),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "",
+        "-k",
+        "not test_jax_runs",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=HERE.parent.parent)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "passed" in result.stdout.splitlines()[-1] and "skipped" not in result.stdout.splitlines()[-1]
