@@ -291,7 +291,7 @@ class LossScaler(StartPart, ImperativePart, TapePart, EndPart, OutcomesPart, Sta
         # That iteration, while the device runs one iteration per scaler (no replica hook): the calls of a step
         # read it here instead of through `_iteration`.
         self._only_iteration: Iteration | None = self._iterations[None]
-        # Per imperative method, the optimizer it checked last (a weak reference): see `_checked_optimizer`.
+        # Per imperative method, the optimizer it checked last (a weak reference): see `ImperativePart._check`.
         self._checked_optimizers: dict[str, Any] = {"unscale_": None, "step": None}
         # An imperative device's step, ``(optimizer, flag, args, kwargs) -> StepOutcome``, chosen when it binds.
         self._device_step: Any = None

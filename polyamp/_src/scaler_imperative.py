@@ -38,7 +38,8 @@ class ImperativePart(ScalerBase):
         Raises:
             ScalerUsageError: a second call for this optimizer in the iteration, or a call after its step.
         """
-        device = self._checked_optimizer("unscale_", optimizer)
+        checked = self._checked_optimizers["unscale_"]  # (the last optimizer `_check` passed, weakly)
+        device = self._device if checked is not None and checked() is optimizer else self._check("unscale_", optimizer)
         iteration = self._only_iteration or self._iteration
         if not self._begin(None, iteration):
             return
@@ -55,7 +56,8 @@ class ImperativePart(ScalerBase):
         it); ``(False, None)`` when they were only unscaled (the device cannot fold this case, or the scaler is
         not scaling) and the caller clips. Same rules as `unscale_`.
         """
-        device = self._checked_optimizer("unscale_", optimizer)
+        checked = self._checked_optimizers["unscale_"]  # (the last optimizer `_check` passed, weakly)
+        device = self._device if checked is not None and checked() is optimizer else self._check("unscale_", optimizer)
         check_norm_bound("max_norm", max_norm)
         iteration = self._only_iteration or self._iteration
         if not self._begin(None, iteration):
@@ -98,7 +100,8 @@ class ImperativePart(ScalerBase):
             pairs = args[0] if args else kwargs["grads_and_vars"]
             device = self._styled("step", "tape", optimizer)
             return self._apply(device, optimizer, pairs, "step()")
-        device = self._checked_optimizer("step", optimizer)
+        checked = self._checked_optimizers["step"]  # (the last optimizer `_check` passed, weakly)
+        device = self._device if checked is not None and checked() is optimizer else self._check("step", optimizer)
         iteration = self._only_iteration or self._iteration
         enabled = self._begin(None, iteration)
         stage = iteration.check_step(optimizer, "step()")
@@ -155,15 +158,13 @@ class ImperativePart(ScalerBase):
         self._remember(optimizer, skip, outcome.skipped)
         return outcome.result
 
-    def _checked_optimizer(self, method: str, optimizer: Any) -> Any:
+    def _check(self, method: str, optimizer: Any) -> Any:
         """The device, once ``optimizer`` is known to be one it steps through ``method`` (``"unscale_"`` or
         ``"step"``): the framework's and the loop style's (`_styled`, which binds an unbound scaler), then the
-        device's ``check_optimizer``. The optimizer that passed last through ``method`` is remembered (weakly,
-        and not while a compiler traces the call) and not checked again: what is checked is its type and what
-        it holds, which a training loop does not change under the scaler."""
-        last = self._checked_optimizers[method]
-        if last is not None and last() is optimizer:
-            return self._device
+        device's ``check_optimizer``. The optimizer checked is remembered in ``_checked_optimizers[method]``
+        (weakly, and not while a compiler traces the call); the callers do not check it again while it is the
+        one they get: what is checked is its type and what it holds, which a training loop does not change
+        under the scaler."""
         device = self._styled(method, "imperative", optimizer)
         device.check_optimizer(method, optimizer)
         if not self._compiling():

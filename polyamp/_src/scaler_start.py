@@ -263,9 +263,11 @@ class StartPart(ScalerBase):
         Raises:
             BackendMismatchError: (a ``TypeError``) the loss belongs to another framework than the scaler.
         """
-        if self._device is None and registry.detect_backend(loss) is None and not self.enabled:
-            return loss  # a disabled scaler passes anything through, as torch's does
-        device = self._device_for("scale", loss)
+        device = self._device
+        if device is None or not (self._adapter_device or type(loss) in self._own_types):  # (else `_device_for`'s)
+            if device is None and registry.detect_backend(loss) is None and not self.enabled:
+                return loss  # a disabled scaler passes anything through, as torch's does
+            device = self._device_for("scale", loss)
         iteration = self._only_iteration or self._iteration
         enabled = self._begin(loss, iteration)
         if self._spikes.rule is not None and (enabled or iteration.guarding):

@@ -93,7 +93,8 @@ class StepOutcomes:
 
     def write(self, device: ScalerDevice, optimizer: Any, found_inf: Flag, skipped: bool | None) -> None:
         """Store ``optimizer``'s step flag (and the host answer, when known)."""
-        record = self.of(optimizer)
+        asked = self._asked  # (`of`'s first answer, without the call)
+        record = asked[1] if asked is not None and asked[0]() is optimizer else self.of(optimizer)
         if record is None:
             record = OutcomeRecord(device.new_record())
             try:

@@ -42,7 +42,7 @@ from polyamp_torch._gradients import (
     warn_bfloat16_scaling,
 )
 from polyamp_torch._masked_step import masked_step
-from polyamp_torch._precision import is_precision_optimizer, warn_unplanned
+from polyamp_torch._precision import PrecisionOptimizer, is_precision_optimizer, warn_unplanned
 from polyamp_torch._rule import OPS, DeviceState, advance, ops_for
 
 __all__ = ["TorchDevice"]
@@ -253,7 +253,7 @@ class TorchDevice:
         if method == "step" and not is_precision_optimizer(optimizer) and not torch.compiler.is_compiling():
             # Every step of an imperative scaler passes here first: the one place to see a plain optimizer
             # updating bfloat16/float16 weights (a PrecisionOptimizer says so itself, for its own plan). The
-            # warning points at the user's ``scaler.step`` (through the scaler's `_checked_optimizer`).
+            # warning points at the user's ``scaler.step`` (through the scaler's `_check`).
             warn_unplanned(optimizer, stacklevel=4)
 
     def scale(self, outputs: Any) -> Any:
@@ -289,7 +289,7 @@ class TorchDevice:
             _inverse(scale),
             found_inf,
             # A PrecisionOptimizer forms its update in float32 from the unscaled float16 gradients.
-            allow_fp16=is_precision_optimizer(optimizer),
+            allow_fp16=isinstance(optimizer, PrecisionOptimizer),  # (`is_precision_optimizer`, without the call)
             warn_bfloat16=not self._warned_bfloat16,
             check_unscaled=self._checks_unscaled,
         )
@@ -441,12 +441,15 @@ class TorchDevice:
 
     def unscales_in_step(self, optimizer: Any) -> bool:
         # Fused kernels check the scaled gradients only; below scale 1 the unscaled ones need checking too.
-        return fused_amp_capable(optimizer) and not self._checks_unscaled
+        # (The attribute first: most optimizers lack it, and are then not fused, without a call.)
+        return (
+            bool(getattr(optimizer, _FUSED_FLAG, False) and fused_amp_capable(optimizer)) and not self._checks_unscaled
+        )
 
     def step(
         self, optimizer: Any, found_inf: torch.Tensor | None, args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> StepOutcome:
-        if fused_amp_capable(optimizer):
+        if getattr(optimizer, _FUSED_FLAG, False) and fused_amp_capable(optimizer):  # (as in `unscales_in_step`)
             state = self._state_near(optimizer)
             if found_inf is None:
                 # Check only (inverse scale 1): the fused kernel unscales by grad_scale itself, as with GradScaler.
@@ -681,6 +684,9 @@ class TorchDevice:
         self._add_uncounted(state)
         return state.skipped.clone()
 
+
+#: The attribute torch's fused optimizers set (`fused_amp_capable` reads it first).
+_FUSED_FLAG = "_step_supports_amp_scaling"
 
 #: How many skip flags `TorchDevice._count` keeps before adding them to the count.
 _COUNT_BATCH = 64
