@@ -109,7 +109,7 @@ def test_a_fused_optimizers_skip_names_its_gradients_when_read_before_the_next_i
 def test_the_batched_record_read_takes_flags_of_any_shape_and_dtype() -> None:
     """The records read the iterations' flags in one stack; flags that cannot be stacked as they are (another
     shape or, with several GPUs, another device) are brought to the CPU one by one first."""
-    from polyamp_torch._device import _read_flags
+    from polyamp_torch._device_records import _read_flags
 
     assert _read_flags([torch.zeros(()), torch.tensor(True), torch.tensor(2.0)]) == [0.0, 1.0, 2.0]
     assert _read_flags([torch.zeros(()), torch.ones(1), torch.tensor(False)]) == [0.0, 1.0, 0.0]

@@ -10,10 +10,10 @@ import warnings
 from collections.abc import Sequence
 from functools import partial
 from threading import get_ident
-from typing import Any
+from typing import Any, cast
 
 from polyamp._src import registry
-from polyamp._src.backend import ScalerDevice
+from polyamp._src.backend import ImperativeDevice, ScalerDevice
 from polyamp._src.binding import DeviceCapabilities, make_device
 from polyamp._src.enabling import resolve_enabled
 from polyamp._src.errors import (
@@ -81,7 +81,8 @@ class StartPart(ScalerBase):
         if capabilities.style == "imperative":
             # The device's step, chosen once: with skip_on_device, its masked step where it has one.
             masked = capabilities.step_on_device if self._skip_on_device else None
-            self._device_step = device.step if masked is None else partial(masked_step, device, masked)
+            step = cast(ImperativeDevice, device).step
+            self._device_step = step if masked is None else partial(masked_step, device, masked)
         return device
 
     @property

@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import math
 import numbers
-import sys
 import warnings
-from collections import abc, deque
+from collections import abc
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from polyamp import InvalidConfigError, LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
-from polyamp.backend_api import StepOutcome, backend_name_for, rules
+from polyamp.backend_api import StepOutcome, backend_name_for
 from polyamp.backend_api.arguments import describe, no_gradients_error, wrong_object_error
-from polyamp.backend_api.records import ring_values
 from polyamp_torch._autocast import float16_regions_entered
+from polyamp_torch._device_records import RecordMethods, _kept
+from polyamp_torch._device_spikes import SpikeMethods
 from polyamp_torch._framework import run_uncompiled, torch
 from polyamp_torch._gradients import (
     PerDevice,
@@ -43,74 +43,14 @@ from polyamp_torch._gradients import (
 )
 from polyamp_torch._masked_step import masked_step
 from polyamp_torch._precision import PrecisionOptimizer, is_precision_optimizer, warn_unplanned
-from polyamp_torch._rule import OPS, DeviceState, advance, ops_for
+from polyamp_torch._rule import DeviceState, advance
 
 __all__ = ["TorchDevice"]
 
 _CPU = torch.device("cpu")
-SpikeWindowArrays = rules.SpikeWindowArrays
 
 
-class _History:
-    """The iterations since the records were last read: (mode code, device flag, spike-only flag) each, at
-    most ``capacity``."""
-
-    def __init__(self, capacity: int) -> None:
-        self.entries: deque[tuple[int, torch.Tensor | None, torch.Tensor | None]] = deque(maxlen=capacity)
-        self.count = 0
-
-
-def _kept(flag: torch.Tensor | None) -> torch.Tensor | None:
-    """``flag`` as a record may hold it past its iteration. A CUDA tensor that a graph of
-    ``torch.compile(mode="reduce-overhead")`` made lives in that graph's memory and is overwritten by a later
-    replay, so while CUDA-graph trees are in use on its device a CUDA flag is copied outside the trace (one
-    small kernel, no host read); otherwise the flag itself is kept."""
-    if flag is None or not flag.is_cuda or torch.compiler.is_compiling():
-        return flag
-    trees = sys.modules.get("torch._inductor.cudagraph_trees")
-    if trees is None:
-        return flag
-    container = getattr(trees, "get_container", None)
-    index = flag.device.index if flag.device.index is not None else torch.cuda.current_device()
-    if container is not None and getattr(container(index), "tree_manager", True) is None:
-        return flag
-    return flag.clone()
-
-
-def _read_flags(flags: list[torch.Tensor]) -> list[Any]:
-    """The values of 0-d flags, in one host read: stacked where they are (the usual case: one device, one
-    shape), else each brought to the CPU first (flags of several devices, or of another shape)."""
-    try:
-        stacked = torch.stack(flags)
-    except RuntimeError:
-        stacked = torch.stack([flag.reshape(()).float().cpu() for flag in flags])
-    return stacked.reshape(-1).tolist()
-
-
-class _SpikeState:
-    """The spike rule's window on the device: a float64 ring of accepted statistics, their count and the run of
-    spikes since one was accepted (made on the statistic's device at first use, from ``values`` and
-    ``run_value`` when a window was loaded before)."""
-
-    def __init__(self, rule: Any) -> None:
-        self.rule = rule
-        self.ring: torch.Tensor | None = None
-        self.count: torch.Tensor | None = None
-        self.run: torch.Tensor | None = None
-        self.values: list[float] = []
-        self.run_value = 0
-
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.ring is None or self.count is None or self.run is None:
-            ring = torch.zeros(self.rule.window, dtype=torch.float64)
-            ring[: len(self.values)] = torch.tensor(self.values, dtype=torch.float64)
-            self.ring = ring.to(device)
-            self.count = torch.tensor(len(self.values), dtype=torch.int64, device=device)
-            self.run = torch.tensor(self.run_value, dtype=torch.int64, device=device)
-        return self.ring, self.count, self.run
-
-
-class TorchDevice:
+class TorchDevice(RecordMethods, SpikeMethods):
     """polyamp's loss-scaler state on a torch device, and the device operations of a step."""
 
     def __init__(self, config: LossScaleConfig, state: LossScaleState) -> None:
@@ -558,13 +498,7 @@ class TorchDevice:
             )
         state.scale.fill_(float(new_scale))
 
-    # -- records -----------------------------------------------------------------------------------------
-
-    def skipped(self, found_inf: torch.Tensor) -> torch.Tensor:
-        return found_inf > 0
-
-    def read_flag(self, found_inf: torch.Tensor) -> bool:
-        return bool(found_inf.item() > 0)
+    # -- records (the rest: `RecordMethods`) ----------------------------------------------------------------
 
     def finite_flag(self) -> torch.Tensor:
         """A zero flag, one per device, made once: flags are only read (records, combine, counts), never
@@ -581,100 +515,6 @@ class TorchDevice:
         if state is not None:
             self._state_finite = flag
         return flag
-
-    def new_record(self) -> list[torch.Tensor | None]:
-        return [None]
-
-    def write_record(self, record: list[torch.Tensor | None], found_inf: torch.Tensor) -> None:
-        record[0] = _kept(found_inf) if found_inf.is_cuda else found_inf
-
-    def read_record(self, record: list[torch.Tensor | None]) -> torch.Tensor:
-        flag = record[0]
-        assert flag is not None, "a record is written when it is created"
-        return flag
-
-    def new_history(self, capacity: int) -> _History:
-        return _History(capacity)
-
-    def write_history(
-        self, history: _History, base: int, found_inf: torch.Tensor | None, spike: torch.Tensor | None = None
-    ) -> None:
-        # The flag tensors themselves (no kernel, no host read), unless a CUDA graph owns them (`_kept`).
-        if (found_inf is not None and found_inf.is_cuda) or (spike is not None and spike.is_cuda):
-            found_inf, spike = _kept(found_inf), _kept(spike)
-        history.entries.append((base, found_inf, spike))
-        history.count += 1
-
-    def read_history(self, history: _History) -> tuple[int, list[int]]:
-        entries = list(history.entries)
-        flags = [flag for _, found, spike in entries for flag in (found, spike) if flag is not None]
-        if not flags:  # every iteration known finite on the host: the codes are the modes
-            history.entries.clear()
-            return history.count, [base for base, _, _ in entries]
-        values = iter(_read_flags(flags))
-        bases, overflows, spikes = [], [], []
-        for base, found, spike in entries:
-            bases.append(base)
-            overflows.append(found is not None and next(values) > 0)
-            spikes.append(next(values) if spike is not None else 0.0)
-        history.entries.clear()
-        codes = rules.record_code(OPS, torch.tensor(bases), torch.tensor(overflows), torch.tensor(spikes))
-        return history.count, codes.tolist()
-
-    # -- the spike rule ----------------------------------------------------------------------------------
-
-    def new_spike_state(self, rule: Any) -> _SpikeState:
-        return _SpikeState(rule)
-
-    def spike_statistic(self, loss: Any) -> torch.Tensor:
-        """The loss as a float64 scalar (a list of losses: their sum), detached."""
-        first = loss if isinstance(loss, torch.Tensor) else loss[0]
-        statistic: torch.Tensor = rules.loss_statistic(ops_for(first), loss)
-        return statistic
-
-    def spike_grad_norm(self, optimizer: Any) -> torch.Tensor:
-        """The global L2 norm of ``optimizer``'s (unscaled) gradients, in float64."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not grads:
-            raise no_gradients_error()
-        norm: torch.Tensor = rules.grad_norm(ops_for(grads[0]), grads)
-        return norm
-
-    def spike_check(self, state: _SpikeState, x: torch.Tensor) -> torch.Tensor:
-        """The rule's decision for ``x`` as a float32 flag (1.0: a spike), on the device, no host read."""
-        spike: torch.Tensor = rules.is_spike(ops_for(x), state.rule, SpikeWindowArrays(*state.on(x.device)), x)
-        return spike.float()
-
-    def spike_finish(
-        self, state: _SpikeState, x: torch.Tensor, spike: torch.Tensor, overflow: torch.Tensor | None
-    ) -> torch.Tensor:
-        """After the iteration: ``x`` enters the window when the step was applied (emptying it first when the
-        run of spikes reached the rule's bound: a re-base); returns the flag of a skip by the spike rule alone
-        (counted by the core), or -1 when the iteration re-based (`polyamp.backend_api.SpikeDevice`)."""
-        ops = ops_for(x)
-        window = SpikeWindowArrays(*state.on(x.device))
-        overflowed = None if overflow is None else overflow.to(x.device) > 0
-        new, only, rebase = rules.finish(ops, state.rule, window, x, spike > 0, overflowed)
-        for variable, value in zip(window, new, strict=True):
-            variable.copy_(value)
-        flag: torch.Tensor = rules.spike_flag(ops, only, rebase)
-        return flag
-
-    def read_spike_window(self, state: _SpikeState) -> list[float]:
-        if state.ring is None or state.count is None:
-            return list(state.values)
-        return [float(v) for v in ring_values(int(state.count), state.ring.tolist())]
-
-    def read_spike_run(self, state: _SpikeState) -> int:
-        return state.run_value if state.run is None else int(state.run)
-
-    def write_spike_window(self, state: _SpikeState, values: list[float], run: int = 0) -> None:
-        state.values = list(values)
-        state.run_value = run
-        if state.ring is not None:
-            device = state.ring.device
-            state.ring = state.count = state.run = None
-            state.on(device)
 
     def skipped_steps(self) -> torch.Tensor:
         """The count as of this call: a tensor of its own on the state's device (no host read)."""
