@@ -4,6 +4,7 @@ type check remembered, named region policies parsed once. Each shortcut equals t
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Any
 
 import pytest
@@ -352,3 +353,85 @@ def test_the_skip_count_is_exact_whether_read_every_iteration_or_once(loop: str)
     assert held.dtype == torch.int64 and int(held) == 1  # the count at iteration 9 (iteration 3), not later ones
     _, once, _ = train(read_each=False)
     assert int(once.skipped_steps()) == len(overflows) == int(scaler.skipped_steps())
+
+
+def _scale_benchmark() -> Any:
+    """benchmarks/scale.py, whose scaler-alone sweep counts the Python calls this file's budget test asserts."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module("benchmarks.scale")
+
+
+def _policy_following_iteration(scale: Any, width: int) -> tuple[Any, Any]:
+    """The `scale` benchmark's scaler-alone iteration with ``polyamp.LossScaler()`` (``enabled=None``), and
+    that scaler."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+    for param in model.parameters():
+        param.grad = torch.full_like(param, 2.0**-20)
+    optimizer = scale._NoStep(model.parameters(), lr=0.0)
+    loss = torch.ones(())
+    scaler = polyamp.LossScaler()
+
+    def iteration() -> None:
+        scaler.scale(loss)
+        scaler.step(optimizer)
+        scaler.update()
+
+    return iteration, scaler
+
+
+@pytest.mark.parametrize("width", [8, 64])
+def test_the_scalers_iteration_makes_no_more_python_calls_than_grad_scalers(width: int) -> None:
+    """``scale`` + ``step`` + ``update`` of a `LossScaler` (records on) costs no more Python calls than
+    torch.amp.GradScaler's over the same gradients, counted exactly (the `scale` benchmark's count), and the
+    count does not grow with the model. So does a `LossScaler()` following a float16 policy, which decides at
+    each iteration's start whether to scale (and would guard under a bfloat16 one)."""
+    scale = _scale_benchmark()
+    calls = {variant: scale._python_calls(scale._scaler_iteration(variant, width)) for variant in scale.SCALERS}
+    assert calls["polyamp LossScaler"] <= calls["GradScaler"], calls
+    assert calls["polyamp LossScaler"] == scale._python_calls(scale._scaler_iteration("polyamp LossScaler", 2 * width))
+    with polyamp.policy_scope("mixed_float16"):
+        iteration, scaler = _policy_following_iteration(scale, width)
+        following = scale._python_calls(iteration)
+        assert scaler.enabled_setting is None and scaler.enabled and scaler.records()[-1].scale is not None
+    assert following <= calls["GradScaler"], (following, calls)
+
+
+def test_the_remembered_optimizer_check_and_outcome_follow_the_optimizer_given() -> None:
+    """The optimizer checked last and the outcome record read last are remembered per scaler, but a different
+    optimizer is still checked and answered for itself: two optimizers alternated, one of them overflowing
+    every other iteration, each gets its own skip; an object that is no optimizer is still refused, and a
+    plain optimizer over bfloat16 weights still warns when it first steps after another."""
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    optimizers = [torch.optim.SGD(first.parameters(), lr=0.1), torch.optim.SGD(second.parameters(), lr=0.1)]
+    scaler = polyamp.LossScaler(enabled=True)
+    x = torch.randn(8, 4)
+    for i in range(6):
+        losses = [first(x).pow(2).mean(), second(x).pow(2).mean() * (float("inf") if i % 2 else 1.0)]
+        for optimizer, loss in zip(optimizers, losses, strict=True):
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            assert bool(scaler.step_skipped(optimizer)) is (optimizer is optimizers[1] and i % 2 == 1)
+        scaler.update()
+        assert [bool(scaler.step_skipped(o)) for o in optimizers] == [False, i % 2 == 1]
+    scaler.scale(first(x).pow(2).mean()).backward()
+    with pytest.raises(polyamp.PolyampTypeError, match=r"torch\.optim\.Optimizer"):
+        scaler.step(object())
+    low = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    plain = torch.optim.SGD(low.parameters(), lr=0.1)
+    scaler.discard_iteration()
+    scaler.scale(low(x.bfloat16()).float().pow(2).mean()).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scaler.step(plain)  # (also warned: scaling bfloat16 gradients)
+    hazards = [w for w in caught if issubclass(w.category, polyamp.TrainingStateWarning)]
+    assert [str(w.message).startswith("SGD updates bfloat16 weights directly") for w in hazards] == [True]
+    assert hazards[0].filename == __file__

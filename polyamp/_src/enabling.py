@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 
 from polyamp._src.errors import type_error
-from polyamp._src.global_policy import get_policy
+from polyamp._src.global_policy import get_policy_setting
 from polyamp._src.policy import Policy
 
 __all__ = ["check_enabled", "resolve_enabled"]
@@ -53,10 +53,11 @@ def resolve_enabled(
     """
     if enabled is not None:
         return enabled
-    policy = get_policy() if policy is None else policy
-    if policy.compute_dtype == "bfloat16":
+    policy = get_policy_setting().policy if policy is None else policy  # (`get_policy`, one call less)
+    compute = policy.compute_dtype  # (asked at each iteration's start: read once)
+    if compute == "bfloat16":
         return False  # a bfloat16 policy is a choice: float16 seen elsewhere does not override it
-    if policy.compute_dtype == "float16":
+    if compute == "float16":
         if policy.param_dtype == "float16":
             warnings.warn(
                 f"Loss scaling stays off under the policy {policy.name!r}: it keeps float16 parameters, whose "

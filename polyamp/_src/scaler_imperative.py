@@ -150,7 +150,9 @@ class ImperativePart(ScalerBase):
         if self._spikes.rule is None:
             outcome = self._device_step(optimizer, found_inf, args, kwargs)
             iteration.mark(optimizer, Stage.STEPPED, outcome.found_inf)
-            self._remember(optimizer, outcome.found_inf, outcome.skipped)
+            # `_remember`, in place (every scaling step passes here)
+            self._outcomes.write(device, optimizer, outcome.found_inf, outcome.skipped)
+            self._history.note_step(optimizer, outcome.skipped)
             return outcome.result
         skip = self._spike_decision(device, optimizer, found_inf)
         outcome = self._device_step(optimizer, skip, args, kwargs)

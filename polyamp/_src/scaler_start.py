@@ -150,6 +150,9 @@ class StartPart(ScalerBase):
         return iteration
 
     def _decide_enabled(self, *, starting: bool = False, loss: Any = None) -> bool:
+        """Whether scaling is on now: the setting, else the policy's rule (`resolve_enabled`) given the device's
+        float16 hint. ``starting``: an iteration starts (from ``loss``, when it starts in ``scale``), and the
+        hint counts from here on."""
         if self._enabled_setting is not None:
             return self._enabled_setting
         hint = None if self._capabilities is None else self._capabilities.float16_in_use
@@ -165,9 +168,11 @@ class StartPart(ScalerBase):
         # A compiler tracing the step (torch.compile) cannot trace the thread lookup; it runs in one thread.
         thread = None if self._compiling() else get_ident()
         if enabled is None:
-            enabled = self._enabled_setting  # (given, it decides: `_decide_enabled` is for None, the policy's)
-            if enabled is None:
-                enabled = self._decide_enabled(starting=True, loss=loss)
+            enabled = self._enabled_setting
+            if enabled is None:  # `_decide_enabled(starting=True, loss=loss)`, in place: every iteration asks it
+                hint = None if self._capabilities is None else self._capabilities.float16_in_use
+                in_use = bool(hint(since_last_iteration=True, loss=loss)) if hint is not None else False
+                enabled = resolve_enabled(None, float16_in_use=in_use, scales_under_float32=self.scales_under_float32)
             iteration.enabled = enabled
             self._history.iteration_opened()
             self._outcomes.iteration_opened()

@@ -27,7 +27,7 @@ from typing import Any
 from polyamp import InvalidConfigError, LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError
 from polyamp.backend_api import StepOutcome, backend_name_for
 from polyamp.backend_api.arguments import describe, no_gradients_error, wrong_object_error
-from polyamp_torch._autocast import float16_regions_entered
+from polyamp_torch._autocast import _float16_regions, float16_regions_entered
 from polyamp_torch._device_records import RecordMethods, _kept
 from polyamp_torch._device_spikes import SpikeMethods
 from polyamp_torch._framework import run_uncompiled, torch
@@ -140,7 +140,7 @@ class TorchDevice(RecordMethods, SpikeMethods):
         was entered since the previous iteration started (for the first: since this device was made), or, in
         the first iteration, whose forward pass may have run before the scaler bound, ``loss`` came from
         float16 computation (`float16_computed`; not while torch.compile traces)."""
-        seen = float16_regions_entered()
+        seen = _float16_regions[0]  # (`float16_regions_entered()`: asked at each iteration's start)
         in_use = seen != self._float16_regions_seen
         if not in_use and self._first_iteration and loss is not None and not self.compiling():
             in_use = self.float16_computed(loss)

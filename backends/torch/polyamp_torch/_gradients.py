@@ -100,24 +100,6 @@ def _gradients_by_device_and_dtype(
     return grouped, has_bfloat16
 
 
-def _one_group(optimizer: Any) -> tuple[torch.device, list[torch.Tensor]] | None:
-    """The optimizer's gradients and their device when `_gradients_by_device_and_dtype` would make one group of
-    them and take none of its special cases: all dense, on one device, of one dtype other than float16 and
-    bfloat16. None otherwise (or without gradients): that grouping then decides. (Built without a call per
-    gradient: the common step's gradients are all alike.)"""
-    grads = [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
-    if not grads:
-        return None
-    dtype = grads[0].dtype
-    if dtype is _FLOAT16 or dtype is _BFLOAT16:
-        return None
-    device = grads[0].device
-    for grad in grads:
-        if grad.dtype is not dtype or grad.is_sparse or grad.device != device:
-            return None
-    return device, grads
-
-
 def warn_bfloat16_scaling(stacklevel: int = 5) -> None:
     """The one warning for loss scaling over bfloat16 gradients."""
     warnings.warn(
@@ -151,11 +133,19 @@ def unscale_gradients(
     grad_enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
-        one = None if check_unscaled else _one_group(optimizer)
-        if one is not None and one[0] == home == found_inf.device:
-            # The common case: one device and dtype, the caller's fresh tensors on it. One kernel, nothing else.
-            torch._amp_foreach_non_finite_check_and_unscale_(one[1], found_inf, inv_scale)
-            return found_inf, False
+        if not check_unscaled:
+            # The common case: every gradient dense, of one dtype (not float16 or bfloat16), on the device of the
+            # caller's fresh tensors. One kernel, nothing else (no call per gradient); any other case is left to
+            # `_gradients_by_device_and_dtype`.
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            dtype = grads[0].dtype if grads else _FLOAT16
+            if dtype is not _FLOAT16 and dtype is not _BFLOAT16 and home == found_inf.device:
+                for grad in grads:
+                    if grad.dtype is not dtype or grad.is_sparse or grad.device != home:
+                        break
+                else:
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+                    return found_inf, False
         grouped, has_bfloat16 = _gradients_by_device_and_dtype(optimizer, allow_fp16=allow_fp16)
         if has_bfloat16 and warn_bfloat16:
             warn_bfloat16_scaling()
