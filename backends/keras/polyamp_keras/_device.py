@@ -381,36 +381,50 @@ class KerasDevice:
         if not optimizer.built:  # variables cannot be created inside the cond below
             optimizer.build(variables)
         clip_norm = None if unscaled else folded_clip_norm(optimizer, grads, variables)
+        scaled_grads = list(grads)
+        keep = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
+        unscaled_grads: list[Any] | None
         if unscaled:
-            unscaled_grads = list(grads)
+            unscaled_grads = scaled_grads
             finite = all_finite(unscaled_grads)
         elif clip_norm is not None:
             # The optimizer's global-norm clip folded into the unscale: one multiply per gradient, and the norm
             # says whether all are finite (it is inf or NaN when one is, or when their squares overflow).
-            scaled_grads = list(grads)
             unscaled_grads, norm = self.unscale_and_clip_by(scaled_grads, state.scale, clip_norm)
             finite = ops.isfinite(norm)
+        elif context is None and not self._config.checks_unscaled and keras.backend.backend() == "tensorflow":
+            # As in Keras's own LossScaleOptimizer: where the scale cannot fall below 1, a gradient's unscaled
+            # value is finite exactly when its scaled value is, so the scaled gradients are checked and divided
+            # in the branch that applies them (None here). In a TensorFlow graph each division then feeds its
+            # update directly, where dividing first makes every gradient pass through memory once more.
+            unscaled_grads = None
+            finite = all_finite(scaled_grads)
         else:
-            keep = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
-            unscaled_grads, finite = unscale_and_check(grads, state.scale, keep)
+            unscaled_grads, finite = unscale_and_check(scaled_grads, state.scale, keep)
         finite = all_replicas_finite(finite)
         go = finite if veto is None else ops.logical_and(finite, ops.logical_not(ops.greater(veto, 0)))
         if context is not None:
             # Any strategy, one replica included (MirroredStrategy() on a one-GPU machine): the optimizer's
             # apply is a merge_call there too, which TensorFlow refuses inside a cond in a replica context.
+            assert unscaled_grads is not None  # (divided up front under a strategy)
             _apply_across_replicas(tf, context, optimizer, go, unscaled_grads, variables)
         else:
 
             def apply() -> Any:
+                applied = unscale(scaled_grads, state.scale, keep) if unscaled_grads is None else unscaled_grads
                 with clipping_folded(optimizer, clip_norm is not None):
-                    optimizer.apply(unscaled_grads, variables)
+                    optimizer.apply(applied, variables)
                 if advancing:
                     advance(state, False, self._config, self._add, branch=self._branch)
                 return ops.convert_to_tensor(True)
 
             def skip() -> Any:
-                # Which gradients were inf or NaN, for the records (a folded clip made them all NaN).
-                named = unscaled_grads if clip_norm is None else unscale(scaled_grads, state.scale)
+                # Which gradients were inf or NaN, for the records (a folded clip made them all NaN; unscaled_grads
+                # None: the scaled ones, whose inf and NaN are the unscaled ones' at scales of 1 and above).
+                if unscaled_grads is None:
+                    named = scaled_grads
+                else:
+                    named = unscaled_grads if clip_norm is None else unscale(scaled_grads, state.scale)
                 if veto is None:
                     self._count_non_finite(named, variables)
                 else:  # a spike skips with finite gradients: count only when they are not
