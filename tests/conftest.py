@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -212,24 +213,64 @@ class Backend:
 """
 
 
+def _register(name: str, **fields: Any) -> polyamp.backend_api.BackendSpec:
+    """Register a backend for the framework module ``name``, its module ``polyamp_<name>`` (class ``Backend``);
+    ``fields`` are the spec's optional fields."""
+    spec = polyamp.backend_api.BackendSpec(name, f"polyamp_{name}:Backend", (name,), f"pip install {name}", **fields)
+    polyamp.backend_api.register_backend(spec)
+    return spec
+
+
+#: ``install_framework(name, framework_source, backend_source)``, the fixture of that name.
+InstallFramework = Callable[[str, str, str], polyamp.backend_api.BackendSpec]
+
+
 @pytest.fixture
-def fake_framework(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeFramework:
+def install_framework(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[InstallFramework]:
+    """``install_framework(name, framework_source, backend_source)``: the modules ``name`` and ``polyamp_<name>``
+    written where they can be imported (not imported yet) and a backend registered for them, its policy hook
+    ``polyamp_<name>:apply_policy``; returns its spec. Both modules leave ``sys.modules`` after the test."""
+    names: list[str] = []
+
+    def install(name: str, framework_source: str, backend_source: str) -> polyamp.backend_api.BackendSpec:
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(framework_source))
+        (tmp_path / f"polyamp_{name}.py").write_text(textwrap.dedent(backend_source))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        names.append(name)
+        return _register(name, policy_hook=f"polyamp_{name}:apply_policy")
+
+    yield install
+    for name in names:
+        for module in (name, f"polyamp_{name}"):
+            sys.modules.pop(module, None)
+
+
+@pytest.fixture
+def fake_framework(install_framework: InstallFramework) -> FakeFramework:
     """A not-yet-imported framework module and its registered polyamp backend (with a policy hook)."""
     name = f"fakefw_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text(textwrap.dedent(_FRAMEWORK_SOURCE))
-    (tmp_path / f"polyamp_{name}.py").write_text(_BACKEND_SOURCE.format(fw=name))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    spec = polyamp.backend_api.BackendSpec(
-        name=name,
-        target=f"polyamp_{name}:Backend",
-        frameworks=(name,),
-        install_hint=f"pip install {name}",
-        policy_hook=f"polyamp_{name}:apply_policy",
-    )
-    polyamp.backend_api.register_backend(spec)
-    yield FakeFramework(name=name, backend_module=f"polyamp_{name}", spec=spec)
-    for module in (name, f"polyamp_{name}"):
-        sys.modules.pop(module, None)
+    spec = install_framework(name, _FRAMEWORK_SOURCE, _BACKEND_SOURCE.format(fw=name))
+    return FakeFramework(name=name, backend_module=f"polyamp_{name}", spec=spec)
+
+
+#: A tensor reader: (name, dtype, largest absolute value or None) for each tensor of a model or checkpoint.
+TensorReader = Callable[[object], list[tuple[str, str, "float | None"]]]
+#: ``reader_backend(name, read, suffixes)``, the fixture of that name.
+ReaderBackend = Callable[[str, TensorReader, tuple[str, ...]], None]
+
+
+@pytest.fixture
+def reader_backend(monkeypatch: pytest.MonkeyPatch) -> ReaderBackend:
+    """``reader_backend(name, read, suffixes)``: a backend for the framework ``name`` (never imported) whose
+    tensor reader is ``read``, for models of that framework and checkpoints ending in ``suffixes``."""
+
+    def register(name: str, read: TensorReader, suffixes: tuple[str, ...]) -> None:
+        module = types.ModuleType(f"polyamp_{name}")
+        module.read = read  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        _register(name, tensor_reader=f"{module.__name__}:read", checkpoint_suffixes=suffixes)
+
+    return register
 
 
 #: Seconds a test may wait for one of the long subprocesses it starts (a test suite or a benchmark run on

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -25,6 +25,9 @@ from polyamp._src import doctor
 from polyamp._src.doctor import CpuInfo, DeviceInfo, recommend
 from polyamp._src.hazards import read_tensors
 from polyamp.backend_api import BackendSpec
+
+if TYPE_CHECKING:
+    from conftest import ReaderBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_BF16_CPU = CpuInfo(False, "neither avx512_bf16 nor amx_bf16", "x86_64")
@@ -355,26 +358,14 @@ def test_unreadable_sources_say_what_to_do(tmp_path: Path) -> None:
         polyamp.check_hazards(bad, "mixed_float16")
 
 
-def test_a_registered_backend_reader_is_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    reader = types.ModuleType("polyamp_fakefw_reader")
+def test_a_registered_backend_reader_is_used(reader_backend: ReaderBackend, tmp_path: Path) -> None:
     seen: list[object] = []
 
     def read(source: object) -> list[tuple[str, str, float | None]]:
         seen.append(source)
         return [("big", "float16", 7e4), ("n", "int8", None)]
 
-    reader.read = read  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "polyamp_fakefw_reader", reader)
-    polyamp.backend_api.register_backend(
-        BackendSpec(
-            name="fakefw",
-            target="polyamp_fakefw_reader:Backend",
-            frameworks=("fakefw",),
-            install_hint="pip install fakefw",
-            tensor_reader="polyamp_fakefw_reader:read",
-            checkpoint_suffixes=(".fake", ".big.fake"),
-        )
-    )
+    reader_backend("fakefw", read, (".fake", ".big.fake"))
     model = type("Model", (), {"__module__": "fakefw.models"})()
     assert _kinds(polyamp.check_hazards(model, "mixed_float16")) == [("float16_overflow", "big")]
     path = tmp_path / "m.big.fake"
