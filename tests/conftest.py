@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import signal
 import subprocess
@@ -271,6 +272,36 @@ def reader_backend(monkeypatch: pytest.MonkeyPatch) -> ReaderBackend:
         _register(name, tensor_reader=f"{module.__name__}:read", checkpoint_suffixes=suffixes)
 
     return register
+
+
+#: The NumPy stand-in frameworks (npfw, and nptape built on it) and their backends, written against the public API.
+NUMPY_BACKENDS = Path(__file__).resolve().parent / "numpy_backend"
+
+
+@contextlib.contextmanager
+def _numpy_backend(name: str) -> Iterator[types.ModuleType]:
+    """The backend module ``polyamp_<name>`` of tests/numpy_backend (``name``: "npfw" or "nptape"), imported
+    and registered; the framework itself is ``sys.modules[name]``. Afterwards neither is importable or imported."""
+    sys.path.insert(0, str(NUMPY_BACKENDS))
+    try:
+        backend = importlib.import_module(f"polyamp_{name}")
+        polyamp.backend_api.register_backend(backend.SPEC)
+        yield backend
+    finally:
+        sys.path.remove(str(NUMPY_BACKENDS))
+        for module in ("npfw", name, f"polyamp_{name}"):
+            sys.modules.pop(module, None)
+
+
+#: ``numpy_backend(name)``, the fixture of that name.
+NumpyBackend = Callable[[str], contextlib.AbstractContextManager[types.ModuleType]]
+
+
+@pytest.fixture(scope="session")
+def numpy_backend() -> NumpyBackend:
+    """``with numpy_backend(name) as backend``: the NumPy backend ``polyamp_<name>`` (npfw or nptape), registered,
+    inside the block (`_numpy_backend`); a fixture of any scope can use it."""
+    return _numpy_backend
 
 
 #: Seconds a test may wait for one of the long subprocesses it starts (a test suite or a benchmark run on
