@@ -12,7 +12,7 @@ import textwrap
 import time
 import types
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -252,6 +252,45 @@ def fake_framework(install_framework: InstallFramework) -> FakeFramework:
     name = f"fakefw_{uuid.uuid4().hex[:8]}"
     spec = install_framework(name, _FRAMEWORK_SOURCE, _BACKEND_SOURCE.format(fw=name))
     return FakeFramework(name=name, backend_module=f"polyamp_{name}", spec=spec)
+
+
+#: ``import_without(package, module)``, the fixture of that name.
+ImportWithout = Callable[[str, str], types.ModuleType]
+
+
+@pytest.fixture
+def import_without(monkeypatch: pytest.MonkeyPatch) -> ImportWithout:
+    """``import_without(package, module)``: import ``module`` afresh while ``package`` and its submodules cannot be
+    imported (as if not installed); ``sys.modules`` is as it was after the test."""
+
+    def load(package: str, module: str) -> types.ModuleType:
+        for name in [n for n in sys.modules if n == package or n.startswith(f"{package}.")]:
+            monkeypatch.delitem(sys.modules, name)
+        monkeypatch.setitem(sys.modules, package, None)
+        monkeypatch.delitem(sys.modules, module)
+        return importlib.import_module(module)
+
+    return load
+
+
+#: ``regression_loader(batches, leave_out=())``, the fixture of that name.
+RegressionLoader = Callable[..., Any]
+
+
+@pytest.fixture
+def regression_loader() -> RegressionLoader:
+    """``regression_loader(batches, leave_out=())``: a torch DataLoader of ``batches`` batches of 4 samples (8
+    inputs, 1 target, drawn from seed 0), without the batches whose indices are in ``leave_out``."""
+    import torch
+
+    def loader(batches: int, leave_out: Collection[int] = ()) -> Any:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(batches * 4, 8, generator=generator)
+        y = torch.randn(batches * 4, 1, generator=generator)
+        keep = [i for i in range(batches * 4) if i // 4 not in leave_out]
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[keep], y[keep]), batch_size=4)
+
+    return loader
 
 
 #: A tensor reader: (name, dtype, largest absolute value or None) for each tensor of a model or checkpoint.
