@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -313,8 +315,9 @@ def reader_backend(monkeypatch: pytest.MonkeyPatch) -> ReaderBackend:
     return register
 
 
+TESTS = Path(__file__).resolve().parent
 #: The NumPy stand-in frameworks (npfw, and nptape built on it) and their backends, written against the public API.
-NUMPY_BACKENDS = Path(__file__).resolve().parent / "numpy_backend"
+NUMPY_BACKENDS = TESTS / "numpy_backend"
 
 
 @contextlib.contextmanager
@@ -341,6 +344,33 @@ def numpy_backend() -> NumpyBackend:
     """``with numpy_backend(name) as backend``: the NumPy backend ``polyamp_<name>`` (npfw or nptape), registered,
     inside the block (`_numpy_backend`); a fixture of any scope can use it."""
     return _numpy_backend
+
+
+#: ``keras_json(code, *args, backend=...)``, the fixture of that name.
+KerasJson = Callable[..., Any]
+
+
+def _keras_json(code: str, *args: str, backend: str) -> Any:
+    """Run ``code`` (``args`` its ``sys.argv[1:]``) in a fresh interpreter from tests/ with KERAS_BACKEND=backend;
+    return the JSON it prints last."""
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=TESTS,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def keras_json() -> KerasJson:
+    """``keras_json(code, *args, backend=...)``: the JSON that ``code`` prints last, run with Keras on ``backend``
+    in a fresh interpreter (Keras picks its backend once per process)."""
+    return _keras_json
 
 
 #: Seconds a test may wait for one of the long subprocesses it starts (a test suite or a benchmark run on
@@ -406,3 +436,36 @@ def run_bounded() -> Callable[..., subprocess.CompletedProcess[str]]:
     """``run_bounded(command, **popen_kwargs)``: run a long subprocess (a suite, a benchmark) to completion,
     bounded by ``POLYAMP_TEST_TIMEOUT`` seconds (default 3600); its output is captured as text."""
     return _run_bounded
+
+
+#: Set in a subprocess that runs a Keras test module on another Keras backend: there the module covers its own.
+KERAS_SUBPROCESS = "POLYAMP_KERAS_SUBPROCESS"
+#: ``run_on_keras_backend(backend, target, *args)``, the fixture of that name.
+RunOnKerasBackend = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def run_on_keras_backend() -> RunOnKerasBackend:
+    """``run_on_keras_backend(backend, target, *args)``: run ``target`` with Keras on ``backend`` in a subprocess
+    bounded as `run_bounded`, and fail with its output unless it exits 0; returns the finished process.
+
+    ``target`` is a test file (a `Path`: pytest runs every test in it, the slow ones too, ``args`` added) or a
+    module run as ``python -m target *args`` (a `str`). A test using this is skipped inside such a subprocess
+    (``POLYAMP_KERAS_SUBPROCESS=1``), and when ``backend`` is not installed.
+    """
+    if os.environ.get(KERAS_SUBPROCESS) == "1":
+        pytest.skip("a subprocess covers its own backend only")
+
+    def run(backend: str, target: Path | str, *args: str) -> subprocess.CompletedProcess[str]:
+        if importlib.util.find_spec(backend) is None:
+            pytest.skip(f"{backend} is not installed")
+        if isinstance(target, Path):
+            args = ("pytest", str(target), "-q", "-p", "no:cacheprovider", "-m", "", *args)
+        else:
+            args = (target, *args)
+        env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3", **{KERAS_SUBPROCESS: "1"})
+        result = _run_bounded([sys.executable, "-m", *args], env=env, cwd=TESTS.parent)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+        return result
+
+    return run
