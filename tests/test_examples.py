@@ -101,24 +101,20 @@ def test_quickstart() -> None:
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_jax_optax(policy: str) -> None:
-    pytest.importorskip("jax")
-    pytest.importorskip("optax")
-    out = run("jax_optax.py", "--policy", policy, "--steps", "30", "--overflow-at", "4,11")
+@pytest.mark.parametrize(
+    ("example", "needs", "skips"),
+    [
+        ("jax_optax.py", ("jax", "optax"), "skipped steps [4, 11]"),
+        ("jax_flax.py", ("optax", "flax"), "skipped steps [4, 11]; non-finite gradients in ['params/Dense_0/kernel']"),
+    ],
+    ids=["jax_optax", "jax_flax"],
+)
+def test_jax_examples(example: str, needs: tuple[str, ...], skips: str, policy: str) -> None:
+    for module in needs:
+        pytest.importorskip(module)
+    out = run(example, "--policy", policy, "--steps", "30", "--overflow-at", "4,11")
     mode = "scaling" if policy == "mixed_float16" else "guarding"
     assert f"loss scaler {mode}" in out, out
-    assert "skipped steps [4, 11]" in out, out
-    first, last = (float(v) for v in re.search(r"loss ([0-9.]+) -> ([0-9.]+)", out).groups())  # type: ignore[union-attr]
-    assert last < first
-
-
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_jax_flax(policy: str) -> None:
-    pytest.importorskip("optax")
-    pytest.importorskip("flax")
-    out = run("jax_flax.py", "--policy", policy, "--steps", "30", "--overflow-at", "4,11")
-    mode = "scaling" if policy == "mixed_float16" else "guarding"
-    assert f"loss scaler {mode}" in out, out
-    assert "skipped steps [4, 11]; non-finite gradients in ['params/Dense_0/kernel']" in out, out
+    assert skips in out, out
     first, last = (float(v) for v in re.search(r"loss ([0-9.]+) -> ([0-9.]+)", out).groups())  # type: ignore[union-attr]
     assert last < first
