@@ -8,6 +8,7 @@ import logging
 import math
 import pickle
 import warnings
+from typing import Any
 
 import pytest
 
@@ -32,6 +33,15 @@ def _set_grads(params, seed: int, scale: float = 1e-2) -> None:
     generator = torch.Generator().manual_seed(1000 + seed)
     for p in params:
         p.grad = (torch.randn(p.shape, generator=generator) * scale).to(p.dtype)
+
+
+def _step_side_by_side(opt: Any, params: list[Any], ref_opt: Any, reference: list[Any], step: int) -> None:
+    """Step ``step``'s gradients in ``params`` and the same in float32 in ``reference``; one step of each optimizer."""
+    _set_grads(params, step)
+    for r, p in zip(reference, params):
+        r.grad = p.grad.float()
+    opt.step()
+    ref_opt.step()
 
 
 def _floats(tensor: torch.Tensor) -> list[float]:
@@ -115,11 +125,7 @@ def test_master_copy_is_the_float32_result_and_the_weight_its_rounding() -> None
     reference = [p.detach().float().clone().requires_grad_() for p in params]
     ref_opt = torch.optim.SGD(reference, lr=0.3, momentum=0.9)
     for step in range(4):
-        _set_grads(params, step)
-        for r, p in zip(reference, params):
-            r.grad = p.grad.float()
-        opt.step()
-        ref_opt.step()
+        _step_side_by_side(opt, params, ref_opt, reference, step)
         for p, r in zip(params, reference):
             master = opt.state[p][MASTER_KEY]
             assert master.dtype is torch.float32 and torch.equal(master, r.detach())
@@ -413,11 +419,7 @@ def test_lr_scheduler_drives_the_wrapped_optimizer_and_the_master_matches_float3
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
         for step in range(5):
-            _set_grads(params, step)
-            for r, p in zip(reference, params):
-                r.grad = p.grad.float()
-            opt.step()
-            ref_opt.step()
+            _step_side_by_side(opt, params, ref_opt, reference, step)
             for scheduler in schedulers:
                 scheduler.step()
     assert opt.param_groups is opt.optimizer.param_groups
