@@ -1,4 +1,5 @@
-"""Shared fixtures: isolation of polyamp's process-wide state, and a throwaway framework for core tests."""
+"""Shared fixtures: isolation of polyamp's process-wide state; frameworks and backends written on the fly, and the
+NumPy backends; small training data; subprocesses (bounded, or on another Keras backend)."""
 
 from __future__ import annotations
 
@@ -256,45 +257,6 @@ def fake_framework(install_framework: InstallFramework) -> FakeFramework:
     return FakeFramework(name=name, backend_module=f"polyamp_{name}", spec=spec)
 
 
-#: ``import_without(package, module)``, the fixture of that name.
-ImportWithout = Callable[[str, str], types.ModuleType]
-
-
-@pytest.fixture
-def import_without(monkeypatch: pytest.MonkeyPatch) -> ImportWithout:
-    """``import_without(package, module)``: import ``module`` afresh while ``package`` and its submodules cannot be
-    imported (as if not installed); ``sys.modules`` is as it was after the test."""
-
-    def load(package: str, module: str) -> types.ModuleType:
-        for name in [n for n in sys.modules if n == package or n.startswith(f"{package}.")]:
-            monkeypatch.delitem(sys.modules, name)
-        monkeypatch.setitem(sys.modules, package, None)
-        monkeypatch.delitem(sys.modules, module)
-        return importlib.import_module(module)
-
-    return load
-
-
-#: ``regression_loader(batches, leave_out=())``, the fixture of that name.
-RegressionLoader = Callable[..., Any]
-
-
-@pytest.fixture
-def regression_loader() -> RegressionLoader:
-    """``regression_loader(batches, leave_out=())``: a torch DataLoader of ``batches`` batches of 4 samples (8
-    inputs, 1 target, drawn from seed 0), without the batches whose indices are in ``leave_out``."""
-    import torch
-
-    def loader(batches: int, leave_out: Collection[int] = ()) -> Any:
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(batches * 4, 8, generator=generator)
-        y = torch.randn(batches * 4, 1, generator=generator)
-        keep = [i for i in range(batches * 4) if i // 4 not in leave_out]
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[keep], y[keep]), batch_size=4)
-
-    return loader
-
-
 #: A tensor reader: (name, dtype, largest absolute value or None) for each tensor of a model or checkpoint.
 TensorReader = Callable[[object], list[tuple[str, str, "float | None"]]]
 #: ``reader_backend(name, read, suffixes)``, the fixture of that name.
@@ -346,31 +308,49 @@ def numpy_backend() -> NumpyBackend:
     return _numpy_backend
 
 
-#: ``keras_json(code, *args, backend=...)``, the fixture of that name.
-KerasJson = Callable[..., Any]
-
-
-def _keras_json(code: str, *args: str, backend: str) -> Any:
-    """Run ``code`` (``args`` its ``sys.argv[1:]``) in a fresh interpreter from tests/ with KERAS_BACKEND=backend;
-    return the JSON it prints last."""
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=TESTS,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+#: ``import_without(package, module)``, the fixture of that name.
+ImportWithout = Callable[[str, str], types.ModuleType]
 
 
 @pytest.fixture
-def keras_json() -> KerasJson:
-    """``keras_json(code, *args, backend=...)``: the JSON that ``code`` prints last, run with Keras on ``backend``
-    in a fresh interpreter (Keras picks its backend once per process)."""
-    return _keras_json
+def import_without(monkeypatch: pytest.MonkeyPatch) -> ImportWithout:
+    """``import_without(package, module)``: import ``module`` afresh while ``package`` and its submodules cannot be
+    imported (as if not installed); ``sys.modules`` is as it was after the test."""
+
+    def load(package: str, module: str) -> types.ModuleType:
+        for name in [n for n in sys.modules if n == package or n.startswith(f"{package}.")]:
+            monkeypatch.delitem(sys.modules, name)
+        monkeypatch.setitem(sys.modules, package, None)
+        monkeypatch.delitem(sys.modules, module)
+        return importlib.import_module(module)
+
+    return load
+
+
+# -- data ----------------------------------------------------------------------------------------------------
+
+
+#: ``regression_loader(batches, leave_out=())``, the fixture of that name.
+RegressionLoader = Callable[..., Any]
+
+
+@pytest.fixture
+def regression_loader() -> RegressionLoader:
+    """``regression_loader(batches, leave_out=())``: a torch DataLoader of ``batches`` batches of 4 samples (8
+    inputs, 1 target, drawn from seed 0), without the batches whose indices are in ``leave_out``."""
+    import torch
+
+    def loader(batches: int, leave_out: Collection[int] = ()) -> Any:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(batches * 4, 8, generator=generator)
+        y = torch.randn(batches * 4, 1, generator=generator)
+        keep = [i for i in range(batches * 4) if i // 4 not in leave_out]
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[keep], y[keep]), batch_size=4)
+
+    return loader
+
+
+# -- subprocesses --------------------------------------------------------------------------------------------
 
 
 #: Seconds a test may wait for one of the long subprocesses it starts (a test suite or a benchmark run on
@@ -469,3 +449,30 @@ def run_on_keras_backend() -> RunOnKerasBackend:
         return result
 
     return run
+
+
+#: ``keras_json(code, *args, backend=...)``, the fixture of that name.
+KerasJson = Callable[..., Any]
+
+
+def _keras_json(code: str, *args: str, backend: str) -> Any:
+    """Run ``code`` (``args`` its ``sys.argv[1:]``) in a fresh interpreter from tests/ with KERAS_BACKEND=backend;
+    return the JSON it prints last."""
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=TESTS,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def keras_json() -> KerasJson:
+    """``keras_json(code, *args, backend=...)``: the JSON that ``code`` prints last, run with Keras on ``backend``
+    in a fresh interpreter (Keras picks its backend once per process)."""
+    return _keras_json
