@@ -1,7 +1,8 @@
 """The device rules, each written once over `ArrayOps`: a backend's device computes the loss-scale rule, the
 spike rule, the record codes and the non-finite counts by calling these with its framework's namespace
 (`polyamp._src.rules` holds them); ``to_float32`` is the scale's rounding, ``RECIPROCAL_CEILING`` the highest
-scale whose float32 reciprocal is normal."""
+scale whose float32 reciprocal is normal. ``fp8`` holds the FP8 rules: scales from amaxes, saturating casts,
+MX block exponents, delayed scaling's amax history and the cast counts of the records."""
 
 from polyamp._src.rules import (
     ArrayOps,
@@ -16,6 +17,7 @@ from polyamp._src.rules import (
     backed_off,
     count_increments,
     finish,
+    fp8,
     grad_norm,
     grown,
     is_spike,
@@ -42,6 +44,7 @@ __all__ = [
     "backed_off",
     "count_increments",
     "finish",
+    "fp8",
     "grad_norm",
     "grown",
     "is_spike",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -115,6 +115,9 @@ class KerasOps(ArrayOps):
 
     def arange_like(self, n: int, like: Any) -> Any:
         return ops.arange(n, dtype=self.dtype(like.dtype))
+
+    def concat(self, arrays: Sequence[Any]) -> Any:
+        return ops.concatenate(list(arrays))
 
     def stop_gradient(self, x: Any) -> Any:
         return ops.stop_gradient(x)
