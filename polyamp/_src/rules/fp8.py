@@ -70,10 +70,18 @@ AMAX_EPSILON: Final = 1e-12
 _EPSILON_F32: Final = to_float32(AMAX_EPSILON)  # just below 1e-12: amax <= it exactly when amax < 1e-12
 _MIN_NORMAL: Final = 2.0**-126
 _E8M0_BIAS: Final = 127
+# The scale of an amax of 1e-12 per format, rounded to float32 once (no host arithmetic while tracing).
+_AT_EPSILON: Final = {fmt.name: to_float32(fmt.max / AMAX_EPSILON) for fmt in FORMATS.values()}
 _MAX_FACTOR: Final = 2.0**126  # the largest quantizing factor whose reciprocal (the stored scale) is normal
 
 #: How an MX block's shared exponent is rounded (see `mx_quantize`).
 MX_ROUNDINGS: Final = ("floor", "ceil", "rceil")
+
+
+def _divide(ops: ArrayOps, number: float, x: Any) -> Any:
+    """``number / x`` correctly rounded: array by array (torch computes a Python number divided by a tensor
+    as the number times the tensor's reciprocal, which can be one unit in the last place away)."""
+    return ops.full_like(x, number) / x
 
 
 def amax(ops: ArrayOps, x: Any, axis: int | None = None) -> Any:
@@ -91,11 +99,10 @@ def scale_from_amax(
     scale within a few units in the last place below ``2**k`` to ``2**k``; the saturating cast keeps the
     values finite then).
     """
-    at_epsilon = to_float32(fmt.max / AMAX_EPSILON)
+    at_epsilon = _AT_EPSILON.get(fmt.name) or to_float32(fmt.max / AMAX_EPSILON)
     tiny = amax_ <= _EPSILON_F32
-    scale = ops.where(
-        tiny, ops.full_like(amax_, at_epsilon), fmt.max / ops.where(tiny, ops.full_like(amax_, 1.0), amax_)
-    )
+    quotient = _divide(ops, fmt.max, ops.where(tiny, ops.full_like(amax_, 1.0), amax_))
+    scale = ops.where(tiny, ops.full_like(amax_, at_epsilon), quotient)
     if margin:
         scale = scale / float(2**margin)
     if power_of_two:
@@ -159,7 +166,7 @@ def _float32_exponent(ops: ArrayOps, m: Any) -> Any:
 
 
 def mx_quantize(
-    ops: ArrayOps, x: Any, fmt: Float8Format, *, block: int = 32, rounding: str = "floor"
+    ops: ArrayOps, x: Any, fmt: Float8Format, *, block: int = 32, rounding: str = "rceil"
 ) -> tuple[Any, Any]:
     """``x`` in MX form: one biased E8M0 exponent (uint8) per ``block`` values along the last axis, and the
     values cast to ``fmt`` with it (torchao's ``to_mx``, its scaling modes ``FLOOR``, ``CEIL``, ``RCEIL``).
@@ -193,7 +200,7 @@ def mx_quantize(
 def _rceil(ops: ArrayOps, blocks: Any, m: Any, fmt: Float8Format) -> tuple[Any, Any]:
     """RCEIL: the exponent of ``amax / max`` rounded up, clamped to E8M0's range (254 for an inf amax, 255
     for NaN); the values multiplied by its reciprocal."""
-    descale = m / fmt.max
+    descale = m / ops.full_like(m, fmt.max)
     finite = ops.isfinite(descale)
     safe = ops.where(finite, descale, ops.full_like(descale, 1.0))
     e = _floor_log2(ops, safe)
@@ -244,9 +251,9 @@ def delayed_scale(
         amax_compute: ``"max"`` (the history's largest) or ``"most_recent"`` (its newest).
     """
     amax_ = ops.max(history) if amax_compute == "max" else history[0]
-    previous = 1.0 / scale
+    previous = _divide(ops, 1.0, scale)
     usable = ops.logical_and(amax_ > 0.0, ops.isfinite(amax_))
     safe = ops.where(usable, amax_, ops.full_like(amax_, 1.0))
-    factor = (fmt.max / safe) / float(2**margin)
+    factor = _divide(ops, fmt.max, safe) / float(2**margin)
     usable = ops.logical_and(usable, factor <= _MAX_FACTOR)
-    return 1.0 / ops.where(usable, factor, previous)
+    return _divide(ops, 1.0, ops.where(usable, factor, previous))
