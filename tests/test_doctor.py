@@ -23,6 +23,7 @@ from polyamp import Hazard, PolyampTypeError, PolyampValueError
 from polyamp.__main__ import main
 from polyamp._src import doctor
 from polyamp._src.doctor import CpuInfo, DeviceInfo, recommend
+from polyamp._src.doctor_fp8 import Float8Advice, advise_float8
 from polyamp._src.hazards import read_tensors
 from polyamp.backend_api import BackendSpec
 
@@ -769,6 +770,34 @@ def test_the_report_names_the_version_of_tensorflow_cpu(monkeypatch: pytest.Monk
     assert "  tensorflow  2.20.0" in report.format().splitlines()
 
 
+@pytest.mark.parametrize(
+    ("capability", "support", "policy"),
+    [
+        ((10, 0), "native", "mixed_bfloat16+mxfp8"),
+        ((9, 0), "native", "float8_tensorwise"),
+        ((8, 9), "native", "float8_tensorwise"),
+        ((8, 0), "emulated", None),
+    ],
+)
+def test_the_fp8_advice_follows_the_lowest_compute_capability(
+    capability: tuple[int, int], support: str, policy: str | None
+) -> None:
+    devices = [DeviceInfo("torch", "cuda", 0, "GPU", capability), DeviceInfo("torch", "cuda", 1, "B200", (10, 0))]
+    advice = advise_float8(devices, torch_installed=True)
+    assert (advice.support, advice.policy) == (support, policy)
+    if policy is not None:
+        assert polyamp.Policy(policy).float8 is not None  # the advice is a policy the grammar takes
+
+
+def test_the_fp8_advice_without_a_gpu_or_without_torch() -> None:
+    assert advise_float8([], torch_installed=True).support == "emulated"
+    assert advise_float8([], torch_installed=False) == Float8Advice(
+        "none", None, "PyTorch is not installed: polyamp's FP8 layers run on polyamp_torch."
+    )
+    report = doctor.diagnose(frameworks=())
+    assert report.float8 is not None and "FP8: " in report.format()
+
+
 def test_doctor_json_has_stable_keys() -> None:
     result = _run("doctor", "--json")
     assert result.returncode == 0, result.stderr
@@ -784,6 +813,7 @@ def test_doctor_json_has_stable_keys() -> None:
         "cpu",
         "notes",
         "recommendation",
+        "float8",
         "check",
         "training_state",
     ]

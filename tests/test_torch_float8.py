@@ -243,6 +243,7 @@ def test_torch_compile_of_the_converted_model_has_no_graph_break(recipe: str) ->
     torch.manual_seed(0)
     stack = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64), torch.nn.Linear(64, 32))
     model = polyamp_torch.apply_policy(stack, f"float32+{recipe}")
+    polyamp_torch.record_float8(model)
     eager = copy.deepcopy(model)
     x = torch.randn(4, 8, 64)
     explained = torch._dynamo.explain(copy.deepcopy(model))(x)
@@ -259,6 +260,8 @@ def test_torch_compile_of_the_converted_model_has_no_graph_break(recipe: str) ->
             torch.testing.assert_close(mine.grad, other.grad, rtol=1e-5, atol=1e-7)
     for key, value in model.state_dict().items():
         assert torch.equal(value, eager.state_dict()[key]), key
+    counted = [(m.float8_counts, e.float8_counts) for m, e in zip(model, eager, strict=True) if recipe != "mxfp8"]
+    assert all(torch.equal(mine, other) and mine.sum() > 0 for mine, other in counted)
 
 
 def test_loss_scaling_under_float16_compute_unscales_fp8_gradients() -> None:
@@ -294,6 +297,36 @@ def test_the_bfloat16_guard_skips_a_step_whose_fp8_gradients_are_not_finite() ->
         scaler.update()
     assert scaler.last_record().mode == "guarding" and int(scaler.skipped_steps()) == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+# -- records ------------------------------------------------------------------------------------------------
+
+
+def test_records_count_saturated_and_flushed_values_per_layer_and_reset_when_read() -> None:
+    layer = torch.nn.Linear(64, 16, bias=False)
+    model = polyamp_torch.apply_policy(torch.nn.Sequential(layer), "float32+float8_delayed[amax_history_length=2]")
+    records = polyamp_torch.record_float8(model)
+    x = torch.randn(8, 64)
+    x[0, :5] = 1000.0  # past E4M3's 448 with the initial scale of 1
+    x[1, :3] = 1e-12  # below E4M3's smallest subnormal: flushed
+    model(x).sum().backward()
+    read = records.read()
+    assert list(read) == ["0"]
+    assert read["0"]["input"] == polyamp.backend_api.records.Float8CastRecord(5, 3, int((x != 0).sum()))
+    assert read["0"]["grad_output"].saturated == 0 and read["0"]["grad_output"].nonzero == 8 * 16
+    assert read["0"]["input"].flushed_fraction == 3 / int((x != 0).sum())
+    assert records.read()["0"]["input"].nonzero == 0
+
+
+def test_records_of_current_scaling_equal_the_reference_counts() -> None:
+    model = polyamp_torch.apply_policy(mlp(), "float32+float8_tensorwise")
+    records = polyamp_torch.record_float8(model)
+    x = torch.randn(16, 64) * torch.logspace(-30, 3, 64)
+    model(x).sum().backward()
+    scale = ref.current_scale(x.numpy(), "e4m3")
+    cast = ref.quantize(x.numpy(), scale, "e4m3")
+    flushed = int(np.sum((x.numpy() != 0) & (cast.astype(np.float32) == 0)))
+    assert records.read()["0"]["input"] == polyamp.backend_api.records.Float8CastRecord(0, flushed, x.numel())
 
 
 def test_the_policy_reports_its_recipe() -> None:

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from polyamp._src.doctor_fp8 import Float8Advice, advise_float8
+
 __all__ = [
     "FRAMEWORKS",
     "CpuInfo",
@@ -340,7 +342,8 @@ class Diagnosis:
     ``frameworks`` (each of torch, tensorflow, keras, jax: ``installed``, ``version``, and for keras
     ``backend`` and ``backend_source``), ``probed`` (the frameworks asked about devices), ``devices`` (list of
     `DeviceInfo.to_dict`), ``cuda`` (bool), ``cpu`` (`CpuInfo.to_dict`), ``notes`` (list of str),
-    ``recommendation`` (`Recommendation.to_dict`).
+    ``recommendation`` (`Recommendation.to_dict`), ``float8`` (`Float8Advice.to_dict`: FP8 native, emulated
+    or none, and the FP8 policy to try).
     """
 
     python: str
@@ -352,6 +355,7 @@ class Diagnosis:
     cpu: CpuInfo
     notes: tuple[str, ...]
     recommendation: Recommendation
+    float8: Float8Advice | None = None
     cuda: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -370,6 +374,7 @@ class Diagnosis:
             "cpu": self.cpu.to_dict(),
             "notes": list(self.notes),
             "recommendation": self.recommendation.to_dict(),
+            "float8": None if self.float8 is None else self.float8.to_dict(),
         }
 
     def format(self) -> str:
@@ -407,6 +412,9 @@ class Diagnosis:
         lines.append(f"  cpu         {self.cpu.machine}{capability}; native bfloat16: {native} ({self.cpu.evidence})")
         lines.append(f"Recommended policy: {self.recommendation.policy}")
         lines.append(f"  {self.recommendation.reason}")
+        if self.float8 is not None:
+            lines.append(f"FP8: {self.float8.support}" + (f"; try {self.float8.policy}" if self.float8.policy else ""))
+            lines.append(f"  {self.float8.reason}")
         return "\n".join(lines)
 
 
@@ -445,6 +453,7 @@ def diagnose(frameworks: Sequence[str] | None = None) -> Diagnosis:
         cpu=cpu,
         notes=notes,
         recommendation=recommend(devices, cpu),
+        float8=advise_float8(devices, torch_installed=bool(installed["torch"]["installed"])),
     )
 
 

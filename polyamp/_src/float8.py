@@ -18,7 +18,7 @@ from typing import Any, Final
 from polyamp._src.errors import InvalidPolicyError, describe
 from polyamp._src.rules.fp8 import FORMATS, MX_ROUNDINGS
 
-__all__ = ["FLOAT8_PRESETS", "Float8Recipe", "parse_recipe"]
+__all__ = ["CAST_ROLES", "FLOAT8_PRESETS", "Float8CastRecord", "Float8Recipe", "cast_records", "parse_recipe"]
 
 SCALINGS: Final = ("dynamic", "delayed")
 GRANULARITIES: Final = ("tensor", "row", "mx")
@@ -301,3 +301,36 @@ FLOAT8_PRESETS: Final = {
     # MXFP8: E4M3 values in 32-value blocks with an E8M0 exponent rounded up (cuBLAS, TE, torchao training).
     "mxfp8": Float8Recipe(granularity="mx", grad_output_format="e4m3"),
 }
+
+
+#: The operands whose casts the FP8 records count, in the order of a layer's count rows.
+CAST_ROLES: Final = ("input", "weight", "grad_output")
+
+
+@dataclass(frozen=True)
+class Float8CastRecord:
+    """What one layer's casts of one operand lost since the records were last read.
+
+    Attributes:
+        saturated: Values past the format's max after scaling, clamped to it.
+        flushed: Nonzero values that became zero.
+        nonzero: Nonzero values cast.
+    """
+
+    saturated: int
+    flushed: int
+    nonzero: int
+
+    @property
+    def flushed_fraction(self) -> float:
+        """``flushed / nonzero`` (0.0 when nothing nonzero was cast)."""
+        return self.flushed / self.nonzero if self.nonzero else 0.0
+
+
+def cast_records(names: list[str], counts: list[list[list[int]]]) -> dict[str, dict[str, Float8CastRecord]]:
+    """The records of layers ``names`` from their count rows (`polyamp.backend_api.rules.fp8.cast_counts` per
+    operand, in `CAST_ROLES` order), read from the device in one batch."""
+    return {
+        name: {role: Float8CastRecord(*(int(v) for v in row)) for role, row in zip(CAST_ROLES, rows, strict=True)}
+        for name, rows in zip(names, counts, strict=True)
+    }

@@ -1,7 +1,9 @@
 """Step records: the codes a device keeps per iteration (`polyamp.backend_api.rules.record_code` writes them), the ring
-they live in, the recorder that reads them, and the names of non-finite gradients."""
+they live in, the recorder that reads them, and the names of non-finite gradients; and the FP8 cast records
+(`Float8CastRecord`, made by `cast_records` from the counts `polyamp.backend_api.rules.fp8.cast_counts` keeps)."""
 
 from polyamp._src.backend import GradientCounts
+from polyamp._src.float8 import CAST_ROLES, Float8CastRecord, cast_records
 from polyamp._src.provenance import layer_of, non_finite_gradients
 from polyamp._src.records import (
     MODE_CODES,
@@ -15,13 +17,16 @@ from polyamp._src.records import (
 )
 
 __all__ = [
+    "CAST_ROLES",
     "MODE_CODES",
     "REBASE_BIT",
     "SKIP_REASONS",
     "SPIKE_BIT",
+    "Float8CastRecord",
     "GradientCounts",
     "Recorder",
     "SkipReason",
+    "cast_records",
     "layer_of",
     "non_finite_gradients",
     "ring_codes",

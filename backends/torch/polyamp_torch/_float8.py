@@ -16,11 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 from polyamp import Float8Recipe
+from polyamp.backend_api.records import Float8CastRecord, cast_records
 from polyamp.backend_api.rules import fp8
 from polyamp_torch._framework import torch
 from polyamp_torch._rule import OPS
 
-__all__ = ["Float8Linear", "convert", "restore"]
+__all__ = ["Float8Linear", "Float8Recorder", "convert", "record_float8", "restore"]
 
 _ROLES = ("input", "weight", "grad_output")
 
@@ -29,13 +30,31 @@ def _dtype(fmt: fp8.Float8Format) -> torch.dtype:
     return getattr(torch, fmt.dtype)  # type: ignore[no-any-return]
 
 
+def _cast(
+    x: torch.Tensor, scale: torch.Tensor, fmt: fp8.Float8Format, counts: torch.Tensor | None, row: int, *, divide: bool
+) -> torch.Tensor:
+    """``x`` cast with ``scale`` (`polyamp.backend_api.rules.fp8.quantize`); with ``counts``, what the cast
+    lost is added to its row ``row``."""
+    values = fp8.scaled(OPS, x.detach(), scale, divide=divide)
+    cast = fp8.saturating_cast(OPS, values, fmt)
+    if counts is not None:
+        with torch.no_grad():
+            counts[row] += fp8.cast_counts(OPS, x.detach(), values, cast, fmt)
+    return cast
+
+
 def _current(
-    x: torch.Tensor, fmt: fp8.Float8Format, axis: int | None, power_of_two: bool
+    x: torch.Tensor,
+    fmt: fp8.Float8Format,
+    axis: int | None,
+    power_of_two: bool,
+    counts: torch.Tensor | None = None,
+    row: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` cast with its own scale (one, or one per slice along ``axis``): the FP8 values and the
     dequantizing scale ``scale.reciprocal()`` that ``torch._scaled_mm`` multiplies by."""
     scale = fp8.scale_from_amax(OPS, fp8.amax(OPS, x.detach(), axis), fmt, power_of_two=power_of_two)
-    return fp8.quantize(OPS, x.detach(), scale, fmt), scale.reciprocal()
+    return _cast(x, scale, fmt, counts, row, divide=False), scale.reciprocal()
 
 
 def _row_major(a: torch.Tensor) -> torch.Tensor:
@@ -97,28 +116,30 @@ class _Float8Matmul(torch.autograd.Function):
     """``x @ w.T`` with the recipe's FP8 casts in the forward and the backward (dynamic or MX scaling)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe, counts: torch.Tensor | None
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.recipe = recipe
+        ctx.recipe, ctx.counts = recipe, counts
         formats = [fp8.FORMATS[recipe.format_of(role)] for role in _ROLES]
         if recipe.granularity == "mx":
             return torch.mm(_mx(x, formats[0], recipe), _mx(weight.to(x.dtype), formats[1], recipe).t())
         axis = None if recipe.granularity == "tensor" else -1
-        a, a_inv = _current(x, formats[0], axis, recipe.power_of_two)
-        b, b_inv = _current(weight, formats[1], axis, recipe.power_of_two)
+        a, a_inv = _current(x, formats[0], axis, recipe.power_of_two, counts, 0)
+        b, b_inv = _current(weight, formats[1], axis, recipe.power_of_two, counts, 1)
         return _scaled_mm(a, a_inv, b.t(), b_inv.t() if axis is not None else b_inv, x.dtype, fast_accum=True)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         x, weight = ctx.saved_tensors
         recipe: Float8Recipe = ctx.recipe
         formats = [fp8.FORMATS[recipe.format_of(role)] for role in _ROLES]
         if recipe.granularity == "mx":
             grad_input = torch.mm(_mx(grad, formats[2], recipe), _mx(weight.to(grad.dtype).t(), formats[1], recipe).t())
             grad_weight = torch.mm(_mx(grad.t(), formats[2], recipe), _mx(x.t(), formats[0], recipe).t())
-            return grad_input, grad_weight.to(weight.dtype), None
+            return grad_input, grad_weight.to(weight.dtype), None, None
         row = recipe.granularity == "row"
-        g, g_inv = _current(grad, formats[2], -1 if row else None, recipe.power_of_two)
+        g, g_inv = _current(grad, formats[2], -1 if row else None, recipe.power_of_two, ctx.counts, 2)
         weight_rows = row and not recipe.grad_weight_high_precision
         w, w_inv = _current(weight, formats[1], 0 if weight_rows else None, recipe.power_of_two)
         grad_input = _scaled_mm(g, g_inv, w, w_inv, grad.dtype, fast_accum=False)
@@ -128,7 +149,7 @@ class _Float8Matmul(torch.autograd.Function):
             gt, gt_inv = _current(grad, formats[2], 0 if row else None, recipe.power_of_two)
             xt, xt_inv = _current(x, formats[0], 0 if row else None, recipe.power_of_two)
             grad_weight = _scaled_mm(gt.t(), gt_inv.t() if row else gt_inv, xt, xt_inv, grad.dtype, fast_accum=False)
-        return grad_input, grad_weight.to(weight.dtype), None
+        return grad_input, grad_weight.to(weight.dtype), None, None
 
 
 class _DelayedMatmul(torch.autograd.Function):
@@ -172,7 +193,7 @@ class Float8Linear(torch.nn.Linear):
             if self.float8_recipe.scaling == "delayed":
                 out = _DelayedMatmul.apply(flat, self.weight, self)
             else:
-                out = _Float8Matmul.apply(flat, self.weight, self.float8_recipe)
+                out = _Float8Matmul.apply(flat, self.weight, self.float8_recipe, self._buffers.get("float8_counts"))
         out = out.reshape(*shape[:-1], out.shape[-1])
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
@@ -185,7 +206,7 @@ class Float8Linear(torch.nn.Linear):
         fmt = fp8.FORMATS[recipe.format_of(role)]
         history = getattr(self, f"float8_{role}_amax_history")
         scale = getattr(self, f"float8_{role}_scale")
-        cast = fp8.quantize(OPS, x.detach(), scale, fmt, divide=True)
+        cast = _cast(x, scale, fmt, self._buffers.get("float8_counts"), _ROLES.index(role), divide=True)
         used = scale.clone()
         if self.training:
             with torch.no_grad():
@@ -232,6 +253,49 @@ def restore(linear: torch.nn.Module) -> None:
 
 
 def _drop_buffers(linear: torch.nn.Module) -> None:
+    linear._buffers.pop("float8_counts", None)
     for role in _ROLES:
         for what in ("amax_history", "scale"):
             linear._buffers.pop(f"float8_{role}_{what}", None)
+
+
+class Float8Recorder:
+    """Reads the FP8 cast counts of a model's `Float8Linear` layers (see `record_float8`)."""
+
+    def __init__(self, layers: dict[str, Float8Linear]) -> None:
+        self.layers = layers
+
+    def read(self, *, reset: bool = True) -> dict[str, dict[str, Float8CastRecord]]:
+        """Each layer's `polyamp.backend_api.records.Float8CastRecord` per operand (input, weight,
+        grad_output) since the last read, in one host read for all layers; ``reset`` zeroes the counts."""
+        if not self.layers:
+            return {}
+        counts = [layer.float8_counts for layer in self.layers.values()]
+        values = torch.stack([c.to(counts[0].device) for c in counts]).tolist()
+        if reset:
+            for c in counts:
+                c.zero_()
+        return cast_records(list(self.layers), values)
+
+
+def record_float8(model: torch.nn.Module) -> Float8Recorder:
+    """Count, on the device, what the FP8 layers' casts lose: for the input and weight casts of the forward
+    and the grad-output cast of the backward, the values that saturated, the nonzero values flushed to zero
+    and the nonzero values. Nothing is read to the host until `Float8Recorder.read`. MX layers are not
+    counted (their blocks are scaled inside the MX cast).
+
+    Example::
+
+        records = polyamp_torch.record_float8(model)
+        ...  # train
+        for layer, roles in records.read().items():
+            print(layer, roles["grad_output"].flushed_fraction, roles["input"].saturated)
+    """
+    layers = {}
+    for name, sub in model.named_modules():
+        if isinstance(sub, Float8Linear) and sub.float8_recipe.granularity != "mx":
+            if "float8_counts" not in sub._buffers:
+                counts = torch.zeros(len(_ROLES), 3, dtype=torch.int64, device=sub.weight.device)
+                sub.register_buffer("float8_counts", counts, persistent=False)
+            layers[name or type(model).__name__] = sub
+    return Float8Recorder(layers)
