@@ -225,6 +225,16 @@ def test_a_checkpoint_made_under_fp8_loads_into_a_bfloat16_model_and_back(recipe
     assert torch.equal(back(x), fp8_model(x))
 
 
+def test_a_delayed_scaling_checkpoint_loads_into_a_bfloat16_model_with_its_buffers_as_the_unexpected_keys() -> None:
+    fp8_model = polyamp_torch.apply_policy(mlp(), "float8_delayed")
+    fp8_model(torch.randn(4, 64)).sum().backward()
+    plain = polyamp_torch.apply_policy(mlp(seed=1), "mixed_bfloat16")
+    result = plain.load_state_dict(fp8_model.state_dict(), strict=False)
+    assert result.missing_keys == [] and all(".float8_" in key for key in result.unexpected_keys)
+    assert len(result.unexpected_keys) == 3 * 6
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), fp8_model.parameters(), strict=True))
+
+
 # -- torch.compile and the loss scaler ----------------------------------------------------------------------
 
 
