@@ -203,7 +203,8 @@ class Float8Recipe:
             raise InvalidPolicyError(
                 f"Float8Recipe.from_dict got unknown keys {unknown}; the fields are {sorted(names)}."
             )
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        return cls(**fields)
 
     # -- which layers -------------------------------------------------------------------------------------
 
