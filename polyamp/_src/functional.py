@@ -34,6 +34,7 @@ from polyamp._src.errors import InvalidConfigError, PolyampTypeError, ScalerUsag
 from polyamp._src.provenance import non_finite_gradients
 from polyamp._src.records import DEFAULT_HISTORY, MODE_CODES, Recorder, StepRecord
 from polyamp._src.run_records import RunBooks
+from polyamp._src.run_summary import RunSummary
 from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
 from polyamp._src.skip_streak import ParameterCheck
 from polyamp._src.spikes import SpikeRule
@@ -709,3 +710,12 @@ class FunctionalLossScaler:
                     ) from exc
                 return sibling, sibling.load_state_dict(state_dict, like=like)
         return self, self.load_state_dict(state_dict, like=like)
+
+    def summary(self, state: Any, *, check_parameters: ParameterCheck | None = None) -> RunSummary:
+        """The run of ``state`` in one line (``str()`` of the result): its steps, the skipped ones by reason
+        and iteration, the loss scale's path and the layers of non-finite gradients, as
+        `polyamp.LossScaler.summary` gives them. It reads the records as `records` does (one host read) and
+        covers ``state``'s run up to ``state``'s own last iteration, every record read so far included (not only
+        the ``history`` kept): read it, or the records, at least every ``history`` iterations.
+        """
+        return self._books.summary(lambda: self.records(state, check_parameters=check_parameters))

@@ -46,6 +46,7 @@ from polyamp._src.records import (
     check_history,
     check_on_min_scale,
 )
+from polyamp._src.run_summary import RunSummary
 from polyamp._src.scaling import NOT_GIVEN, LossScaleConfig, LossScaleState, NotGiven, settings_doc, to_float32
 from polyamp._src.spike_driver import SpikeDriver
 from polyamp._src.spikes import SpikeRule, check_spike
@@ -1364,6 +1365,18 @@ class LossScaler(GradScalerSpelling, Pickled):
             f"{type(self).__name__}(scale={self.get_scale()!r}{settings}, enabled={self._enabled_setting!r}, "
             f"backend={self._backend_name!r})"
         )
+
+    def summary(self) -> RunSummary:
+        """The run so far in one line (``str()`` of the result), e.g. ``200 steps, 5 skipped (overflow at 50, 51,
+        120-122), scale 2^16 -> 2^13``: how many iterations ended, the skipped ones by reason and iteration, the
+        loss scale's path and the layers named by non-finite gradients, as a `RunSummary` (its fields hold the
+        numbers).
+
+        It covers every iteration recorded since the scaler was created (or its variables were restored by the
+        framework), not only the ``history`` records `records` keeps, and reads the device as `records` does:
+        one host read, nothing inside a compiled function. ``polyamp_torch.log_summary`` prints it every N steps.
+        """
+        return self._history.summary()
 
 
 LossScaler.__doc__ = (LossScaler.__doc__ or "").replace("{settings}", settings_doc(indent=12))

@@ -22,6 +22,7 @@ from typing import Final
 
 from polyamp._src.provenance import NonFiniteGradient
 from polyamp._src.records import Recorder, StepRecord, advance
+from polyamp._src.run_summary import RunSummary, RunTally
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
 from polyamp._src.skip_streak import ParameterCheck
 
@@ -76,6 +77,7 @@ class RunBooks:
         self._make_recorder = make_recorder
         self._history = history
         self._books: OrderedDict[int | None, _Book] = OrderedDict()
+        self._last: tuple[_Book, int] | None = None  # the book of the last read and the state's count
         # Held around each read and start: threads reading at once (a monitoring thread beside the training
         # loop) take each ring code into the books once, so each skip is logged and a collapse warned once.
         self._lock = threading.RLock()
@@ -132,6 +134,17 @@ class RunBooks:
         with self._lock:
             return self._read(run, count, codes, rule, read_state, provenance, check_parameters)
 
+    def summary(self, read: Callable[[], object]) -> RunSummary:
+        """The summary of the iterations of the state that ``read`` reads the records of (through `read`),
+        up to its own last iteration; an empty one when ``read`` reads no book (a device without records)."""
+        with self._lock:
+            self._last = None
+            read()
+            if self._last is None:
+                return RunTally().summary()
+            book, count = self._last
+            return book.recorder.summary(upto=count)
+
     def _read(
         self,
         run: int | None,
@@ -149,6 +162,7 @@ class RunBooks:
             recorder.restart(start, None)
             book = _Book(recorder, start, None)
         self._keep(run, book)
+        self._last = (book, count)
         recorder = book.recorder
         read = book.first + len(book.codes)  # == recorder.read_count
         for iteration in range(max(start, book.first), min(count, read)):

@@ -1,5 +1,6 @@
 """Step records: the codes a device keeps per iteration (`polyamp.backend_api.rules.record_code` writes them), the ring
-they live in, the recorder that reads them, and the names of non-finite gradients."""
+they live in, the recorder that reads them, the names of non-finite gradients, and the run summary every scaler's
+``summary()`` returns (`RunSummary`) with the logging hook's rule (`log_every`)."""
 
 from polyamp._src.backend import GradientCounts
 from polyamp._src.provenance import layer_of, non_finite_gradients
@@ -13,6 +14,7 @@ from polyamp._src.records import (
     ring_codes,
     ring_values,
 )
+from polyamp._src.run_summary import RunSummary, log_every
 
 __all__ = [
     "MODE_CODES",
@@ -21,8 +23,10 @@ __all__ = [
     "SPIKE_BIT",
     "GradientCounts",
     "Recorder",
+    "RunSummary",
     "SkipReason",
     "layer_of",
+    "log_every",
     "non_finite_gradients",
     "ring_codes",
     "ring_values",

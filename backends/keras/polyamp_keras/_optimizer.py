@@ -34,6 +34,7 @@ from polyamp.backend_api.arguments import (
     check_spike,
     describe,
 )
+from polyamp.backend_api.records import RunSummary
 from polyamp_keras._device import KerasDevice, clipping_folded, folded_clip_norm, is_tracer, provenance_rows
 from polyamp_keras._functional import KerasFunctional
 from polyamp_keras._gradients import gradient_counts, refuse_loss_scale_factor, unscale
@@ -372,6 +373,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         `polyamp_keras.LossScaleCallback` calls it during ``fit``. Call it eagerly (not inside a compiled step).
         """
         return self._scaler.records()
+
+    def summary(self) -> RunSummary:
+        """The run so far in one line (``str()`` of the result), as `polyamp.LossScaler.summary` gives it: the
+        steps, the skipped ones by reason and iteration, the loss scale's path and the layers of non-finite
+        gradients, over every step since the optimizer was built. Call it eagerly, e.g. after ``fit``."""
+        return self._scaler.summary()
 
     @property
     def loss_scale(self) -> Any:
