@@ -142,8 +142,8 @@ def loss_scaled(
         TrainingStateWarning: once, at the first ``init`` with bfloat16/float16 parameters when ``inner`` is not
             `precision`: a plain optimizer rounds each update to nearest, and small ones are lost.
 
-    Example::
-
+    Example:
+        ```python
         tx = polyamp_jax.loss_scaled(optax.adam(1e-3))
         opt_state = tx.init(params)
 
@@ -154,6 +154,7 @@ def loss_scaled(
             grads = jax.grad(scaled_loss)(params)
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
+        ```
     """
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise PolyampTypeError(

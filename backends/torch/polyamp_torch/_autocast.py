@@ -299,8 +299,8 @@ class PolicyRegion(contextlib.ContextDecorator):
         InvalidPolicyError / PolyampTypeError: ``policy`` is invalid.
         PolyampValueError: torch.autocast does not support ``device_type``.
 
-    Example::
-
+    Example:
+        ```python
         polyamp.set_policy("mixed_bfloat16")
         with polyamp_torch.autocast():
             logits = model(x)                  # linear layers in bfloat16
@@ -310,6 +310,7 @@ class PolicyRegion(contextlib.ContextDecorator):
 
         @polyamp_torch.autocast("mixed_float16")
         def forward(x): ...
+        ```
     """
 
     def __init__(

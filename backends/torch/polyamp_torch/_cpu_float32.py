@@ -66,9 +66,9 @@ __all__ = [
     "registered_ops",
 ]
 
-#: The ops polyamp runs in float32 (the op-class table's `polyamp.OpClass.FLOAT32` ops, which are CUDA
-#: autocast's float32 lists), with the other names torch's Python API reaches them by.
 FLOAT32_OP_NAMES = FLOAT32_OPS | {"__pow__", "__rpow__", "upsample_nearest", "upsample_bilinear"}
+"""The ops polyamp runs in float32 (the op-class table's `polyamp.OpClass.FLOAT32` ops, which are CUDA autocast's
+float32 lists), with the other names torch's Python API reaches them by."""
 
 # CUDA autocast's float32 policies, by aten overload (torch's autocast_mode.h, and ops autocast_mode.cpp
 # registers one by one: linalg_matrix_sqrth, torch >= 2.14). Overloads a torch version lacks, or that its

@@ -18,12 +18,12 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subproce
 
 warn_if_untested("polyamp_torch", {"torch": str(torch.__version__)})
 
-#: polyamp dtype names to torch dtypes.
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+"""polyamp dtype names to torch dtypes."""
 
 
 def _call(fn: Any, *args: Any) -> Any:

@@ -25,7 +25,7 @@ class RecordWriter:
     * a text entry ``<prefix>/skip`` per skipped step: its log line (reason, scale, the non-finite gradients).
 
     ``writer`` is anything with ``add_scalar(tag, value, global_step)`` and ``add_text(tag, text,
-    global_step)``, such as ``torch.utils.tensorboard.SummaryWriter``::
+    global_step)``, such as ``torch.utils.tensorboard.SummaryWriter``:
 
         board = polyamp_torch.RecordWriter(scaler, SummaryWriter("runs/amp"))
         for step, (x, y) in enumerate(loader):
