@@ -98,17 +98,17 @@ def load(path: Path) -> dict[str, Any]:
     [
         ("torch-cpu", "torch"),
         ("scale", "torch"),
-        ("guard", "torch"),
-        ("compiled", "torch"),
-        ("keras", "tensorflow"),
-        ("keras-backends", "keras"),
-        ("jax", "jmp"),
-        ("gpu-recipe", "torch"),
-        ("gpu-compiled", "torch"),
-        ("gpu-bf16", "torch"),
-        ("gpu-syncs", "torch"),
-        ("gpu-cuda-graph", "torch"),
-        ("gpu-training-state", "torch"),
+        pytest.param("guard", "torch", marks=pytest.mark.slow),
+        pytest.param("compiled", "torch", marks=pytest.mark.slow),
+        pytest.param("keras", "tensorflow", marks=pytest.mark.slow),
+        pytest.param("keras-backends", "keras", marks=pytest.mark.slow),
+        pytest.param("jax", "jmp", marks=pytest.mark.slow),
+        pytest.param("gpu-recipe", "torch", marks=pytest.mark.slow),
+        pytest.param("gpu-compiled", "torch", marks=pytest.mark.slow),
+        pytest.param("gpu-bf16", "torch", marks=pytest.mark.slow),
+        pytest.param("gpu-syncs", "torch", marks=pytest.mark.slow),
+        pytest.param("gpu-cuda-graph", "torch", marks=pytest.mark.slow),
+        pytest.param("gpu-training-state", "torch", marks=pytest.mark.slow),
     ],
 )
 def test_quick_run_writes_its_json(target: str, needs: str, tmp_path: Path, run_bounded: RunBounded) -> None:
@@ -207,6 +207,7 @@ def test_gpu_targets_refuse_to_run_without_cuda(tmp_path: Path, run_bounded: Run
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_the_gpu_suite_leaves_out_the_steps_gpu_suite_skip_names(tmp_path: Path, run_bounded: RunBounded) -> None:
     """GPU_SUITE_SKIP names steps not to run (a short lease runs the rest): each is recorded as "skipped", the
     others run as usual, and a suite of only skipped steps exits 0."""
@@ -221,6 +222,7 @@ def test_the_gpu_suite_leaves_out_the_steps_gpu_suite_skip_names(tmp_path: Path,
     assert not (tmp_path / "conformance.txt").exists() and not (tmp_path / "gpu-recipe.json").exists()
 
 
+@pytest.mark.slow
 def test_the_gpu_suite_records_every_step_and_fails_without_cuda(tmp_path: Path, run_bounded: RunBounded) -> None:
     """benchmarks/gpu_suite.sh where torch sees no CUDA device: every step still runs and is recorded, a
     conformance run whose cases were all skipped counts as "nothing ran" (its exit code 0 checked nothing),
@@ -265,6 +267,7 @@ def test_the_gpu_suite_records_every_step_and_fails_without_cuda(tmp_path: Path,
         assert "needs a CUDA device" in (tmp_path / f"{target}.log").read_text()
 
 
+@pytest.mark.slow
 def test_revisions_times_two_revisions_side_by_side(tmp_path: Path, run_bounded: RunBounded) -> None:
     """Each revision's own code runs in its worker (the worker checks where polyamp came from)."""
     pytest.importorskip("torch")
@@ -286,7 +289,14 @@ def test_docs_performance_table_is_the_committed_results() -> None:
     assert block.strip() == report.summary(report.load(ROOT / "benchmarks" / "results")).strip()
 
 
-@pytest.mark.parametrize(("backend", "needs"), [("torch", "torch"), ("jax", "optax"), ("keras-torch", "keras")])
+@pytest.mark.parametrize(
+    ("backend", "needs"),
+    [
+        ("torch", "torch"),
+        pytest.param("jax", "optax", marks=pytest.mark.slow),
+        pytest.param("keras-torch", "keras", marks=pytest.mark.slow),
+    ],
+)
 def test_training_state_quick_run_counts_each_plans_bytes(
     backend: str, needs: str, tmp_path: Path, run_bounded: RunBounded
 ) -> None:

@@ -2,6 +2,7 @@
 the tape scaler, custom loops and model.fit) and Keras on JAX with keras.distribution.DataParallel over two CPU
 devices. Each runs in a fresh process (devices are configured before the framework starts; Keras picks its
 backend once per process): tests/distributed_tf_worker.py and tests/distributed_jax_worker.py, started together.
+A one-replica MirroredStrategy (what a one-GPU machine gives) runs in this process.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -195,3 +197,99 @@ def test_keras_on_jax_data_parallel_trains_and_skips_an_overflow_in_one_shard(wo
     # A state saved under DataParallel resumes on one device.
     assert distributed["loaded_single_state"] == distributed["state"]
     assert distributed["state_dict_single"] == distributed["state"]
+
+
+# -- one replica, in this process ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("function", [True, False], ids=["tf_function", "eager"])
+def test_tape_scaler_under_a_one_replica_mirrored_strategy(function: bool) -> None:
+    """What MirroredStrategy() gives on a one-GPU machine: the apply is a merge_call there too, which must not be
+    taken inside a cond in the replica context ("merge_call called while defining a new graph")."""
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("Keras runs on another backend here")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    assert strategy.num_replicas_in_sync == 1
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = keras.optimizers.Adam(0.01)
+        optimizer.build(model.trainable_variables)
+        scaler = polyamp.LossScaler(enabled=True, init_scale=1024.0, growth_interval=2, backend="tensorflow")
+
+    def step(x: Any, y: Any, bad: Any) -> None:
+        with tf.GradientTape() as tape:
+            loss = scaler.scale(tf.reduce_mean((model(x) - y) ** 2) * bad)
+        grads = tape.gradient(loss, model.trainable_variables)
+        scaler.apply_gradients(optimizer, zip(grads, model.trainable_variables))
+
+    def train_step(x: Any, y: Any, bad: Any) -> None:
+        strategy.run(step, args=(x, y, bad))
+
+    run = tf.function(train_step) if function else train_step
+    pattern = "FOFFF"
+    x, y = tf.ones((4, 3)), tf.zeros((4, 2))
+    skipped_unchanged = []
+    for char in pattern:
+        before = [v.numpy().copy() for v in model.trainable_variables]
+        run(x, y, tf.constant(math.inf if char == "O" else 1.0))
+        after = [v.numpy() for v in model.trainable_variables]
+        skipped_unchanged.append(all(np.array_equal(a, b) for a, b in zip(before, after, strict=True)))
+    assert skipped_unchanged == [char == "O" for char in pattern]
+    assert int(optimizer.iterations.numpy()) == pattern.count("F")
+    assert int(scaler.skipped_steps().numpy()) == 1
+    assert [r.next_scale for r in scaler.records()] == polyamp.LossScaleConfig(
+        init_scale=1024.0, growth_interval=2
+    ).trajectory(pattern)
+    assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
+
+
+@pytest.mark.parametrize("function", [True, False], ids=["tf_function", "eager"])
+def test_guard_of_the_keras_optimizer_under_a_one_replica_mirrored_strategy(function: bool) -> None:
+    """The guard (enabled=None under a float32 policy) takes its cond around the inner optimizer's merge_call: not
+    in the replica context, where it would fail, model.fit included."""
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    import polyamp_keras
+
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("tf.distribute needs Keras on TensorFlow")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = polyamp_keras.LossScaleOptimizer(keras.optimizers.Adam(0.01), enabled=False, guard=True)
+        optimizer.build(model.trainable_variables)
+
+    def step(x: Any, y: Any, bad: Any) -> None:
+        with tf.GradientTape() as tape:
+            loss = optimizer.scale_loss(tf.reduce_mean((model(x) - y) ** 2) * bad)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    def train_step(x: Any, y: Any, bad: Any) -> None:
+        strategy.run(step, args=(x, y, bad))
+
+    run = tf.function(train_step) if function else train_step
+    x, y = tf.ones((4, 3)), tf.zeros((4, 2))
+    unchanged = []
+    for bad in [1.0, math.nan, 1.0]:
+        before = [v.numpy().copy() for v in model.trainable_variables]
+        run(x, y, tf.constant(bad))
+        unchanged.append(
+            all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.trainable_variables, strict=True))
+        )
+    assert unchanged == [False, True, False]
+    assert int(optimizer.iterations.numpy()) == 2 and int(optimizer.skipped_steps.numpy()) == 1
+    assert [(r.mode, r.reason) for r in optimizer.records()] == [
+        ("guarding", None),
+        ("guarding", "non_finite"),
+        ("guarding", None),
+    ]
+    with strategy.scope():
+        fitted = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        fitted.compile(polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), enabled=None), "mse")
+    history = fitted.fit(np.ones((8, 3), "float32"), np.zeros((8, 2), "float32"), batch_size=4, verbose=0)
+    assert math.isfinite(history.history["loss"][-1]) and int(fitted.optimizer.iterations.numpy()) == 2

@@ -389,6 +389,81 @@ def test_backend_spec_checks_its_suffixes(suffixes: object) -> None:
         BackendSpec("x", "x:y", ("x",), "pip install x", checkpoint_suffixes=suffixes)  # type: ignore[arg-type]
 
 
+# --- readers: sparse and float8 tensors ------------------------------------------------------------------
+
+FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+
+
+@pytest.mark.filterwarnings("ignore:Sparse:UserWarning")  # torch's notes on sparse invariants and CSR's beta state
+def test_sparse_tensors_are_read_through_their_values(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "sparse.pt"
+    # Two entries at the same index sum to 80000 once coalesced; the dense tensor is never built.
+    coo = torch.sparse_coo_tensor([[0, 0], [1, 1]], [40000.0, 40000.0], (3, 3))
+    torch.save(
+        {"coo": coo, "csr": torch.eye(3).mul(5000.0).to_sparse_csr(), "empty": torch.zeros(2, 2).to_sparse()}, path
+    )
+    found = polyamp.check_hazards(path, "mixed_float16")
+    assert [(h.kind, h.name, h.value) for h in found] == [
+        ("float16_overflow", "coo", 80000.0),
+        ("float16_range", "csr", 5000.0),
+    ]
+
+
+def _float8(torch: Any, dtype: str, values: list[float]) -> Any:
+    return torch.tensor(values).to(getattr(torch, dtype))
+
+
+@pytest.mark.parametrize("dtype", FLOAT8)
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_float8_checkpoints_report_their_range(tmp_path: Path, dtype: str, suffix: str) -> None:
+    torch = pytest.importorskip("torch")
+    values = [0.25, 2.0, 8.0] if dtype == "float8_e8m0fnu" else [0.25, 2.0, -8.0]  # e8m0: powers of two, no sign
+    state = {"w": _float8(torch, dtype, values), "n": torch.tensor([3])}
+    path = tmp_path / f"m{suffix}"
+    if suffix == ".pt":
+        torch.save(state, path)
+    else:
+        pytest.importorskip("safetensors.torch").save_file(state, str(path))
+    assert sorted(read_tensors(path)) == [("n", "int64", None), ("w", dtype, 8.0)]
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors", ""])
+def test_float8_e8m0_reaches_2_127_and_overflows_float16(tmp_path: Path, suffix: str) -> None:
+    torch = pytest.importorskip("torch")
+    state = {"scales": _float8(torch, "float8_e8m0fnu", [1.0, 2.0**127])}
+    source: object = state
+    if suffix:
+        source = tmp_path / f"m{suffix}"
+        if suffix == ".pt":
+            torch.save(state, source)
+        else:
+            pytest.importorskip("safetensors.torch").save_file(state, str(source))
+    (hazard,) = polyamp.check_hazards(source, "mixed_float16")
+    assert (hazard.kind, hazard.dtype, hazard.value) == ("float16_overflow", "float8_e8m0fnu", 2.0**127)
+    assert polyamp.check_hazards(source, "mixed_bfloat16") == []
+
+
+def test_float8_nan_is_non_finite() -> None:
+    torch = pytest.importorskip("torch")
+    (hazard,) = polyamp.check_hazards({"w": _float8(torch, "float8_e4m3fn", [1.0, float("nan")])}, "float32")
+    assert (hazard.kind, hazard.dtype) == ("non_finite", "float8_e4m3fn")
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_large_float8_tensors_are_read_in_blocks(tmp_path: Path, suffix: str) -> None:
+    torch = pytest.importorskip("torch")
+    weight = torch.zeros(6, 2**20, dtype=torch.float8_e5m2)  # 6 MiB: more than one block
+    weight[5, -1] = 40000.0  # the last element of the last block
+    path = tmp_path / f"m{suffix}"
+    if suffix == ".pt":
+        torch.save({"w": weight}, path)
+    else:
+        pytest.importorskip("safetensors.torch").save_file({"w": weight}, str(path))
+    (hazard,) = polyamp.check_hazards(path, "mixed_float16")
+    assert (hazard.kind, hazard.dtype, hazard.value) == ("float16_range", "float8_e5m2", 40960.0)
+
+
 # --- readers: Keras ---------------------------------------------------------------------------------------
 
 

@@ -53,6 +53,7 @@ def test_keras_fit() -> None:
     assert re.search(r"run: 8 steps, (none|\d+) skipped", out), out  # the optimizer's summary of the 8 batches
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
 def test_keras_backends(backend: str) -> None:
     pytest.importorskip("keras")

@@ -506,6 +506,7 @@ def test_keras_refuses_a_non_layer_and_a_bad_every() -> None:
     assert not any("call" in layer.__dict__ for layer in model._flatten_layers())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(SUBPROCESS, reason="a subprocess covers its own Keras backend only")
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_keras_on_every_backend(backend: str, run_bounded: RunBounded) -> None:
@@ -515,7 +516,7 @@ def test_keras_on_every_backend(backend: str, run_bounded: RunBounded) -> None:
     if keras.backend.backend() == backend:
         pytest.skip(f"this process runs Keras on {backend}")
     env = dict(os.environ, KERAS_BACKEND=backend, POLYAMP_FORWARD_WATCH_SUBPROCESS="1", TF_CPP_MIN_LOG_LEVEL="3")
-    command = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider", "-k", "keras"]
+    command = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider", "-m", "", "-k", "keras"]
     result = run_bounded(command, env=env, cwd=HERE.parent.parent)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1].startswith("5 passed"), result.stdout[-2000:]

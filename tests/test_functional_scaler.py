@@ -4,13 +4,15 @@ For random sequences of losses, gradient sizes and planted inf/NaN gradients, sc
 guarding (``enabled=False, guard=True``), with and without a `polyamp.SpikeRule` (on the loss and on the
 gradient norm, ``max_consecutive`` included), the functional form (state in, state out) and the stateful
 `polyamp.LossScaler` give the same scales, skip decisions, records, skip counts, state dicts and parameters,
-and a skipped step leaves the parameters as they were.
+and a skipped step leaves the parameters as they were. ``FunctionalLossScaler.init`` starts only from a state
+the rule can reach.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import sys
 import threading
 from collections.abc import Iterator
@@ -25,7 +27,14 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import polyamp  # noqa: E402
-from polyamp import FunctionalLossScaler, LossScaleConfig, LossScaleState, SpikeRule  # noqa: E402
+from polyamp import (  # noqa: E402
+    FunctionalLossScaler,
+    InvalidConfigError,
+    LossScaleConfig,
+    LossScaleState,
+    PolyampTypeError,
+    SpikeRule,
+)
 from polyamp.backend_api import FunctionalGuardingDevice  # noqa: E402
 
 HERE = Path(__file__).resolve().parent / "numpy_backend"
@@ -500,3 +509,55 @@ def test_a_device_without_the_protocols_refuses_what_it_cannot_do(npfw: Any) -> 
     state = fn.update(state, found_inf)
     assert fn.read(state) == config.next_state(config.initial_state(), True)
     assert int(fn.skipped_steps(state)) == 1
+
+
+# -- FunctionalLossScaler.init: the state a run starts from ------------------------------------------------------
+
+
+class _StubDevice:
+    """A functional device that hands back the host state it is initialised with."""
+
+    def init(self, state: LossScaleState) -> LossScaleState:
+        return state
+
+
+def _functional(**settings: Any) -> FunctionalLossScaler:
+    stub: Any = lambda config: _StubDevice()  # noqa: E731 - a FunctionalDevice factory for init() alone
+    return FunctionalLossScaler(stub, LossScaleConfig(**settings), True)
+
+
+@pytest.mark.parametrize(
+    ("state", "fragment"),
+    [
+        (LossScaleState(math.nan), "finite positive number representable in float32. Received: scale=nan"),
+        (LossScaleState(0.0), "Received: scale=0.0"),
+        (LossScaleState(math.inf), "Received: scale=inf"),
+        (LossScaleState(-2.0), "Received: scale=-2.0"),
+        (LossScaleState(1e39), "Received: scale=1e+39"),  # finite in float64, inf in float32
+        (LossScaleState(1e-40), "scale=1e-40 is below min_scale"),  # a float32 subnormal
+        (LossScaleState(1024.0, growth_tracker=2000), "growth tracker must be in [0, growth_interval=2000)"),
+        (LossScaleState(1024.0, hysteresis_left=0), "hysteresis_left must be in [1, hysteresis=1]"),
+    ],
+)
+def test_functional_init_refuses_impossible_states(state: LossScaleState, fragment: str) -> None:
+    with pytest.raises(InvalidConfigError) as caught:
+        _functional().init(state)
+    assert "FunctionalLossScaler.init() cannot start from this state" in str(caught.value)
+    assert fragment in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "state",
+    [LossScaleState("1024"), LossScaleState(1024.0, growth_tracker=1.5), 1024.0],  # type: ignore[arg-type]
+    ids=["str_scale", "float_tracker", "not_a_state"],
+)
+def test_functional_init_refuses_wrong_types(state: Any) -> None:
+    with pytest.raises(PolyampTypeError, match=r"FunctionalLossScaler\.init"):
+        _functional().init(state)
+
+
+def test_functional_init_takes_a_valid_state_rounded_to_float32() -> None:
+    functional = _functional(hysteresis=2, min_scale=0.5)
+    # the state's "scaler" entry is what the device made from the (validated, rounded) host state
+    assert functional.init(LossScaleState(np.float64(3.0000001), 5, 2))["scaler"] == LossScaleState(3.0, 5, 2)
+    assert functional.init()["scaler"] == LossScaleState(65536.0, 0, 2)

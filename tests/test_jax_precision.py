@@ -544,7 +544,7 @@ def test_the_harness_trainer_follows_the_plan_and_skips_without_a_trace(policy: 
     x = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (16, 8)))
     y = np.arange(16) % 4
     trainer.step(x, y)
-    assert {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(trainer.weights)} == {"bfloat16"}
+    assert {str(leaf.dtype) for leaf in trainer.weights()} == {"bfloat16"}
     plan = polyamp.Policy(policy)
     state = trainer.optimizer_state()
     assert sum(leaf.dtype == np.float32 and leaf.ndim > 0 for leaf in state) == (12 if plan.keeps_master else 0)

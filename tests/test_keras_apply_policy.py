@@ -539,13 +539,12 @@ for policy in ("mixed_float16", "mixed_bfloat16"):
     with tempfile.TemporaryDirectory() as tmp:
         applied.save(tmp + "/m.keras")
         loaded = keras.models.load_model(tmp + "/m.keras")
-    r["loaded equal"] = bool(np.array_equal(keras.ops.convert_to_numpy(loaded(x)),
-    keras.ops.convert_to_numpy(applied(x)))) r["loaded computes"] = {l.name: l.compute_dtype for l in
-    loaded.get_layer("net").layers} applied.compile(optimizer=keras.optimizers.SGD(0.1),
-    loss="sparse_categorical_crossentropy") before = [np.array(keras.ops.convert_to_numpy(v)) for v in
-    model.trainable_weights] loss = applied.fit(x, np.array([0, 1, 2]), epochs=1, batch_size=3,
-    verbose=0).history["loss"][0] r["fit"] = [bool(np.isfinite(loss)), all(not np.array_equal(b,
-    keras.ops.convert_to_numpy(v))
+    r["loaded equal"] = bool(np.array_equal(keras.ops.convert_to_numpy(loaded(x)), keras.ops.convert_to_numpy(applied(x))))
+    r["loaded computes"] = {l.name: l.compute_dtype for l in loaded.get_layer("net").layers}
+    applied.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    before = [np.array(keras.ops.convert_to_numpy(v)) for v in model.trainable_weights]
+    loss = applied.fit(x, np.array([0, 1, 2]), epochs=1, batch_size=3, verbose=0).history["loss"][0]
+    r["fit"] = [bool(np.isfinite(loss)), all(not np.array_equal(b, keras.ops.convert_to_numpy(v))
                 for b, v in zip(before, model.trainable_weights)), type(applied.optimizer).__name__]
     xs = np.random.default_rng(4).normal(size=(4, 8)).astype("float32")
     r["ops"] = {
@@ -557,8 +556,7 @@ for policy in ("mixed_float16", "mixed_bfloat16"):
     }
     x3 = np.random.default_rng(1).normal(size=(2, 4, 8)).astype("float32")
     classes = {"log_softmax": L.Activation("log_softmax"), "group_norm": L.GroupNormalization(groups=2),
-               "unit_norm": L.UnitNormalization(), "rms_norm": L.RMSNormalization(), "batch_norm":
-               L.BatchNormalization()}
+               "unit_norm": L.UnitNormalization(), "rms_norm": L.RMSNormalization(), "batch_norm": L.BatchNormalization()}
     r["classes"] = {name: polyamp_keras.op_output_dtype(layer, x3, policy) for name, layer in classes.items()}
     inputs = keras.Input((4, 8))
     attention = L.MultiHeadAttention(2, 4)
@@ -585,6 +583,7 @@ def run_python(code: str, *, backend: str, timeout: float = 240.0) -> Any:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_on_other_keras_backends(backend: str) -> None:
     pytest.importorskip(backend)

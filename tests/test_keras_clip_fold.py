@@ -171,6 +171,7 @@ def test_folding_decision() -> None:
     assert folded_clip_norm(keras.optimizers.SGD(global_clipnorm=2.0), [None] * len(grads), variables) is None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(SUBPROCESS, reason="a subprocess covers its own backend only")
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
 def test_on_every_keras_backend(backend: str, run_bounded: RunBounded) -> None:
@@ -179,6 +180,6 @@ def test_on_every_keras_backend(backend: str, run_bounded: RunBounded) -> None:
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"{backend} is not installed")
     env = dict(os.environ, KERAS_BACKEND=backend, POLYAMP_KERAS_SUBPROCESS="1", TF_CPP_MIN_LOG_LEVEL="3")
-    command = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider"]
+    command = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider", "-m", ""]
     result = run_bounded(command, env=env, cwd=HERE.parent.parent)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

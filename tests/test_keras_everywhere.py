@@ -683,15 +683,19 @@ def _run(run_bounded: RunBounded, command: list[str], backend: str) -> subproces
     return run_bounded(command, env=env, cwd=HERE.parent.parent)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(SUBPROCESS, reason="a subprocess covers its own backend only")
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_on_every_keras_backend(backend: str, run_bounded: RunBounded) -> None:
     if not _installed(backend):
         pytest.skip(f"{backend} is not installed")
-    result = _run(run_bounded, [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider"], backend)
+    result = _run(
+        run_bounded, [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider", "-m", ""], backend
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(SUBPROCESS, reason="a subprocess covers its own backend only")
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_conformance_suite_on_every_keras_backend(backend: str, run_bounded: RunBounded) -> None:

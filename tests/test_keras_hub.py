@@ -295,6 +295,7 @@ print(json.dumps(module.scenario(sys.argv[1])))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_on_other_keras_backends(backend: str, tmp_path: Path) -> None:
     if importlib.util.find_spec(backend) is None:

@@ -1,4 +1,5 @@
-"""Reading a scaler's records from another thread while the training thread trains.
+"""A scaler and threads: reading its records from another thread while the training thread trains, and one
+scaler driven by two threads.
 
 A monitoring thread polls ``records()``, ``last_record()``, ``get_scale()``, ``skipped_steps()`` and
 ``step_skipped()`` as fast as it can while the main thread trains a tiny model with overflows injected at
@@ -9,7 +10,7 @@ training thread is about to zero and recompute, so that counting must stay in th
 
 The history is small because the scaler reads its records by itself every ``history // 2`` iterations: the
 trainer's own reads then meet the monitor's often, and the thread switch interval is short for the same
-reason. Each run is a subprocess, so a crash of the interpreter fails the test instead of ending the session.
+reason. Each monitoring run is a subprocess, so a crash of the interpreter fails the test instead of ending the session.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from polyamp import ScalerUsageError
 
 torch = pytest.importorskip("torch")
 
@@ -261,3 +264,26 @@ def test_only_the_training_thread_counts_the_gradients_of_a_skip() -> None:
     last = scaler.records()[-1]
     assert last.iteration == 1 and last.skipped and last.gradients == ()
     assert len(counted_in) == 1
+
+
+def test_one_scaler_shared_by_two_threads_says_so() -> None:
+    import threading
+
+    import polyamp_torch
+
+    scaler = polyamp_torch.TorchLossScaler("cpu")
+    param = torch.nn.Parameter(torch.ones(2))
+    scaler.scale(param.sum()).backward()  # this thread's iteration is open
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            scaler.scale(param.sum())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and isinstance(errors[0], ScalerUsageError)
+    assert "started by another thread" in str(errors[0]) and "own LossScaler" in str(errors[0])

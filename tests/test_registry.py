@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pytest
 
 import polyamp
@@ -48,6 +49,11 @@ def test_unknown_backend_names_the_known_ones() -> None:
 def test_backend_name_must_be_a_string() -> None:
     with pytest.raises(PolyampTypeError, match="backend name must be a string"):
         polyamp.backend_api.get_backend(3)  # type: ignore[arg-type]
+
+
+def test_get_backend_with_an_array_is_a_type_error_naming_it() -> None:
+    with pytest.raises(PolyampTypeError, match=r"must be a string such as 'torch'\. Received: array\(\[1\., 2\.\]\)"):
+        polyamp.backend_api.get_backend(np.array([1.0, 2.0]))  # type: ignore[arg-type]
 
 
 def test_backend_loads_lazily_and_is_cached(fake_framework: FakeFramework) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
 import pytest
 
 from polyamp import InvalidConfigError, LossScaleConfig, LossScaleState, PolyampTypeError
@@ -55,6 +57,23 @@ def test_pattern_accepts_booleans() -> None:
     assert config.trajectory([False, False, True]) == config.trajectory("FFO") == [65536, 131072, 65536]
 
 
+@pytest.mark.parametrize(
+    "pattern",
+    [[np.array([True, False])], [np.array([True])], [np.array([[False]])], np.array(False)],
+    ids=["two_flags_in_one_item", "one_element_array", "nested_array", "zero_d_array"],
+)
+def test_an_overflow_pattern_takes_only_scalar_flags(pattern: Any) -> None:
+    with pytest.raises(PolyampTypeError, match=r"overflow pattern") as caught:
+        LossScaleConfig().trajectory(pattern)
+    assert "array(" in str(caught.value)
+
+
+def test_an_overflow_pattern_takes_numpy_bools() -> None:
+    config = LossScaleConfig(growth_interval=2)
+    assert config.trajectory([np.False_, np.True_]) == config.trajectory("FO") == [65536.0, 32768.0]
+    assert config.trajectory(np.array([False, True])) == [65536.0, 32768.0]
+
+
 def test_min_scale_floors_backoff() -> None:
     config = LossScaleConfig(init_scale=8.0, min_scale=3.0)
     assert config.trajectory("OOOO") == [4.0, 3.0, 3.0, 3.0]
@@ -67,6 +86,16 @@ def test_the_default_floor_is_one_or_a_lower_initial_scale() -> None:
     assert LossScaleConfig(init_scale=0.5).trajectory("OOFO") == [0.5, 0.5, 0.5, 0.5]
     assert LossScaleConfig(init_scale=0.5).floor_f32 == 0.5 and LossScaleConfig().floor_f32 == 1.0
     assert LossScaleConfig(init_scale=0.5, growth_interval=1).trajectory("FO") == [1.0, 0.5]
+
+
+def test_the_floor_is_1_without_min_scale_and_settings_below_float32s_normals_are_refused() -> None:
+    assert LossScaleConfig().floor_f32 == 1.0 and not LossScaleConfig().checks_unscaled
+    assert LossScaleConfig(init_scale=0.25).floor_f32 == 0.25
+    assert LossScaleConfig(min_scale=2.0**-126).checks_unscaled
+    assert LossScaleConfig(backoff_factor=1e-300).trajectory("OO") == [1.0, 1.0]
+    for bad in ({"min_scale": 1e-40, "init_scale": 1e-40}, {"init_scale": 1e-45}, {"min_scale": 0.0}):
+        with pytest.raises(InvalidConfigError, match="2\\*\\*-126"):
+            LossScaleConfig(**bad)
 
 
 def test_max_scale_caps_growth() -> None:

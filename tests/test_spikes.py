@@ -1,4 +1,5 @@
-"""The spike rule: its reference on stored traces, and the device decisions of torch and TensorFlow against it."""
+"""The spike rule: its arguments, its reference on stored traces (statistics near float64's range included), and
+the device decisions of torch and TensorFlow against it."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import math
 import pickle
 from typing import Any
 
+import numpy as np
 import pytest
 
 import polyamp
-from polyamp import LossScaleConfig, PolyampValueError, ScalerUsageError, SpikeRule
+from polyamp import LossScaleConfig, PolyampTypeError, PolyampValueError, ScalerUsageError, SpikeRule
+from polyamp._src.spikes import MAX_WINDOW
 
 # -- the reference ---------------------------------------------------------------------------------------------
 
@@ -55,6 +58,54 @@ def test_reference_on_a_stored_trace() -> None:
 def test_bad_rules_say_what_is_allowed(kwargs: dict[str, Any], fragment: str) -> None:
     with pytest.raises(PolyampValueError, match=fragment.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         SpikeRule(**kwargs)
+
+
+def test_a_threshold_beyond_floats_range_is_a_value_error_naming_it() -> None:
+    with pytest.raises(PolyampValueError, match=r"threshold=\.\.\.\) must be a finite positive number") as caught:
+        SpikeRule(threshold=10**400)
+    assert "(of type int)" in str(caught.value) and "1000000" in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["yes", None, 1, math.nan], ids=["str", "none", "int", "nan"])
+def test_two_sided_must_be_a_bool(value: object) -> None:
+    with pytest.raises(PolyampTypeError, match=r"`SpikeRule\(two_sided=\.\.\.\)` must be a bool\. Received: "):
+        SpikeRule(two_sided=value)  # type: ignore[arg-type]
+    assert SpikeRule(two_sided=True).two_sided is True
+
+
+@pytest.mark.parametrize("field", ["window", "warmup"])
+@pytest.mark.parametrize("value", [MAX_WINDOW + 1, 10**8, 10**12])
+def test_window_and_warmup_are_bounded(field: str, value: int) -> None:
+    kwargs = {"window": MAX_WINDOW, field: value}
+    with pytest.raises(PolyampValueError, match=rf"SpikeRule\({field}=\.\.\.\) must be an int from 2 to 65,536\."):
+        SpikeRule(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_largest_window_is_accepted() -> None:
+    assert MAX_WINDOW == 65_536
+    assert SpikeRule(window=MAX_WINDOW, warmup=MAX_WINDOW).min_values == MAX_WINDOW
+
+
+def test_on_must_be_a_string() -> None:
+    # an array holding 'loss' compares equal to 'loss' element-wise: it must not be taken for the string
+    with pytest.raises(PolyampValueError, match=r"must be 'loss' or 'grad_norm'\. Received: array\(\['loss'\]"):
+        SpikeRule(on=np.array(["loss"]))  # type: ignore[arg-type]
+
+
+#: Statistics whose squared deviations (above ~1.3e154) or sums (above ~1.8e308) overflow float64.
+HUGE_TRACES = {
+    "squares_overflow": [1e200, 1.0, 1.0, 1.0, 1.0, 2e154, 1.0, 1.0],
+    "sum_overflows": [1e308, 1e308, 1e308, 1e308, 1.0, 1e308],
+    "big_but_representable": [1e150, 1.1e150, 0.9e150, 1e150, 5e150, 1e150],
+}
+
+
+def test_the_reference_decides_huge_statistics_without_overflowing() -> None:
+    rule = SpikeRule("loss", window=4, threshold=3.0)
+    assert rule.decide(HUGE_TRACES["squares_overflow"]) == [False] * 8
+    assert rule.decide(HUGE_TRACES["sum_overflows"]) == [False] * 6
+    assert rule.decide(HUGE_TRACES["big_but_representable"]) == [False] * 4 + [True, False]
+    assert rule.is_spike([0.0, 0.0, 0.0, 2e154], 1e155) is False  # sigma is inf on the devices: no spike
 
 
 # -- torch -----------------------------------------------------------------------------------------------------
@@ -365,3 +416,44 @@ def test_a_spike_on_an_overflowing_step_skips_a_fused_optimizer(enabled: bool) -
     assert scaler.records()[-1].skipped
     assert torch.equal(weight.detach(), before)
     assert int(scaler.skipped_steps()) == 1
+
+
+# -- huge statistics on the devices ------------------------------------------------------------------------------
+
+
+def _torch_decisions(rule: SpikeRule, trace: list[float]) -> list[bool]:
+    torch = pytest.importorskip("torch")
+    weight = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    scaler = polyamp.LossScaler(spike=rule)
+    skipped = []
+    for value in trace:
+        optimizer.zero_grad()
+        scaler.scale(weight * value).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped.append(bool(scaler.step_skipped(optimizer)))
+    return skipped
+
+
+def _tensorflow_decisions(rule: SpikeRule, trace: list[float]) -> list[bool]:
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    weight = tf.Variable(1.0, dtype=tf.float64)
+    optimizer = keras.optimizers.SGD(0.0)
+    scaler = polyamp.LossScaler(spike=rule, backend="tensorflow")
+    skipped = []
+    for value in trace:
+        with tf.GradientTape() as tape:
+            loss = scaler.scale(weight * value)
+        scaler.apply_gradients(optimizer, [(tape.gradient(loss, weight), weight)])
+        skipped.append(bool(scaler.step_skipped()))
+    return skipped
+
+
+@pytest.mark.parametrize("trace", list(HUGE_TRACES), ids=list(HUGE_TRACES))
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_the_devices_decide_huge_statistics_as_the_reference(backend: str, trace: str) -> None:
+    rule = SpikeRule("loss", window=4, threshold=3.0)
+    run = _torch_decisions if backend == "torch" else _tensorflow_decisions
+    assert run(rule, HUGE_TRACES[trace]) == rule.decide(HUGE_TRACES[trace])

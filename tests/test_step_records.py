@@ -1,4 +1,5 @@
-"""Skip reasons, the guard without scaling, step records and scale collapse (torch and TensorFlow).
+"""Skip reasons, the guard without scaling, step records, their rate-limited logging and scale collapse (torch
+and TensorFlow).
 
 The conformance suite checks the shared semantics on every backend (test_guard_skips_non_finite_steps_without_scaling,
 test_records_replay_the_scale_of_every_step); these tests check the rest against plain torch side by side.
@@ -14,6 +15,7 @@ import pytest
 
 import polyamp
 from polyamp import LossScaleConfig, PolyampValueError, ScaleCollapseError
+from polyamp._src.records import LOGGED_SKIPS, MAX_HISTORY, Recorder, StepRecord
 
 torch = pytest.importorskip("torch")
 
@@ -210,6 +212,14 @@ def test_bad_record_settings_say_what_is_allowed(kwargs: dict[str, Any], fragmen
         polyamp.LossScaler(**kwargs)
 
 
+@pytest.mark.parametrize("history", [MAX_HISTORY + 1, 10**9])
+def test_history_is_bounded(history: int) -> None:
+    with pytest.raises(PolyampValueError, match=r"`history` must be an int from 1 to 65,536") as caught:
+        polyamp.LossScaler(history=history)
+    assert f"Received: {history} (of type int)" in str(caught.value)
+    assert polyamp.LossScaler(history=MAX_HISTORY).state_dict()["scale"] == 65536.0
+
+
 def test_records_survive_pickling_settings() -> None:
     import pickle
 
@@ -324,6 +334,63 @@ def test_record_writer_puts_the_records_in_tensorboard(tmp_path: Any) -> None:
     assert [e.step for e in events.Tensors("polyamp/skip/text_summary")] == [1]
     with pytest.raises(polyamp.PolyampTypeError, match="add_scalar/add_text"):
         polyamp_torch.RecordWriter(scaler, object())
+
+
+# -- the logging of skipped steps is rate-limited -----------------------------------------------------------
+
+
+def _polyamp_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "polyamp"]
+
+
+def test_a_storm_of_guarded_skips_logs_a_handful_of_lines(caplog: pytest.LogCaptureFixture) -> None:
+    """200 guarded steps with a NaN gradient (a bfloat16 storm): 8 lines, then one each at 16, 32, 64, 128."""
+    caplog.set_level(logging.INFO, logger="polyamp")
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler = polyamp.LossScaler()
+    with polyamp.policy_scope("mixed_bfloat16"):
+        for _ in range(200):
+            optimizer.zero_grad()
+            scaler.scale((weight * math.nan).sum()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    records = scaler.records()
+    assert len([r for r in records if r.skipped]) == 200 and int(scaler.skipped_steps()) == 200
+    lines = _polyamp_lines(caplog)
+    assert all(level == logging.WARNING for level, _ in lines)
+    assert [message.split(":")[1].strip() for _, message in lines[:LOGGED_SKIPS]] == [
+        f"iteration {i}" for i in range(LOGGED_SKIPS)
+    ]
+    assert "further ones are summarised when their count reaches 16, 32, 64" in lines[LOGGED_SKIPS - 1][1]
+    summaries = [message for _, message in lines[LOGGED_SKIPS:]]
+    assert [m.split(" steps skipped")[0] for m in summaries] == [
+        "polyamp: 16",
+        "polyamp: 32",
+        "polyamp: 64",
+        "polyamp: 128",
+    ]
+    assert "16 steps skipped (non_finite) so far, 8 since the last such line, in iterations 8 to 15" in summaries[0]
+    assert "128 steps skipped (non_finite) so far, 64 since the last such line, in iterations 64 to 127" in summaries[3]
+    assert "The last one: iteration 127: step skipped (non_finite)" in summaries[3]
+    assert len(lines) == LOGGED_SKIPS + 4
+
+
+def test_each_reason_has_its_own_budget(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="polyamp")
+    recorder = Recorder(64, "ignore")
+    config = LossScaleConfig()
+    reasons = ["non_finite"] * 20 + ["loss_spike"] * 3
+    for i, reason in enumerate(reasons):
+        record = StepRecord(i, True, reason, "guarding", None, None)  # type: ignore[arg-type]
+        recorder._report(record, config)
+    lines = [message for _, message in _polyamp_lines(caplog)]
+    assert len(lines) == LOGGED_SKIPS + 1 + 3
+    assert [line for line in lines if "(loss_spike)" in line] == [
+        lines[-3],
+        lines[-2],
+        lines[-1],
+    ] and lines[-1].startswith("polyamp: iteration 22: step skipped (loss_spike)")
 
 
 # -- parameters that hold inf or NaN: every step skipped, and the records say why -----------------------------

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -453,3 +455,42 @@ def test_callback_values_reach_later_callbacks_and_tensorboard(tmp_path: Path) -
         for event in tf.compat.v1.train.summary_iterator(str(event_file)):
             tags.update(value.tag for value in event.summary.value)
     assert {"epoch_loss_scale", "epoch_skipped_steps"} <= tags
+
+
+# -- settings once fit traced them; unscaled gradients left unapplied -------------------------------------------
+
+
+def test_keras_optimizer_refuses_new_settings_after_fit_traced_them() -> None:
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    optimizer = polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.SGD(0.0), enabled=True)
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 1), "float32")
+    model.fit(x, y, batch_size=4, verbose=0)
+    with pytest.raises(ScalerUsageError, match="has already traced them"):
+        optimizer.load_state_dict(dict(optimizer.state_dict(), hysteresis=3, hysteresis_left=3))
+    assert optimizer.state_dict()["hysteresis"] == 1
+    optimizer.load_state_dict(dict(optimizer.state_dict(), scale=1024.0))  # same settings: the scale loads
+    model.fit(x, np.full((4, 1), np.inf, "float32"), batch_size=4, verbose=0)
+    assert optimizer.get_scale() == 512.0 and tf.executing_eagerly()
+
+
+def test_keras_optimizer_unscaled_gradients_left_unapplied_do_not_leak_into_the_next_iteration() -> None:
+    w = tf.Variable([0.0])
+    optimizer = polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.SGD(1.0), enabled=True)
+
+    def grads() -> list[Any]:
+        with tf.GradientTape() as tape:
+            scaled = optimizer.scale_loss(tf.reduce_sum(w * 3.0))
+        return tape.gradient(scaled, [w])
+
+    optimizer.get_unscaled_gradients(grads())  # inspected, never applied
+    optimizer.apply_gradients(zip(grads(), [w]))  # fresh scaled gradients: unscaled once, here
+    assert w.numpy()[0] == -3.0  # not -3 * 65536
+    refs = []
+    for _ in range(50):
+        scaled = grads()
+        refs.append(weakref.ref(scaled[0]))
+        optimizer.get_unscaled_gradients(scaled)
+        del scaled
+    gc.collect()
+    assert sum(ref() is not None for ref in refs) <= 1  # only the last stage holds its gradients

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import os
 import re
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -602,3 +604,122 @@ def test_a_checkpoint_restore_follows_the_state_dict_rules(tmp_path: Path) -> No
     with pytest.raises(polyamp.StateDictError, match="not the JSON its save wrote"):
         tf.train.Checkpoint(scaler=scaler).restore(other).expect_partial()
     assert scaler.state_dict() == before
+
+
+# -- settings once traced, unscale stages, bad scales inside a graph, long runs of NaN steps ------------------------
+
+
+def test_tensorflow_refuses_new_settings_once_traced_and_takes_new_state() -> None:
+    scaler = polyamp.LossScaler(growth_interval=10, enabled=True)
+    w = tf.Variable([1.0])
+    opt = keras.optimizers.SGD(0.0)
+    opt.build([w])
+
+    @tf.function
+    def step(bad: Any) -> None:
+        with tf.GradientTape() as tape:
+            scaled = scaler.scale(tf.reduce_sum(w) * bad)
+        scaler.apply_gradients(opt, zip(tape.gradient(scaled, [w]), [w]))
+
+    step(tf.constant(1.0))
+    with pytest.raises(ScalerUsageError, match="already traced a step"):
+        scaler.load_state_dict(dict(scaler.state_dict(), hysteresis=3, hysteresis_left=3))
+    assert scaler.config.hysteresis == 1
+    state = dict(scaler.state_dict(), scale=1024.0, _growth_tracker=9)
+    scaler.load_state_dict(state)  # same settings: the scale and counters load at any time
+    step(tf.constant(1.0))
+    assert scaler.get_scale() == 2048.0
+    with pytest.raises(ScalerUsageError, match="already traced"):
+        scaler.set_growth_factor(4.0)
+
+
+def test_an_unscale_left_without_its_apply_does_not_leak_into_the_next_iteration() -> None:
+    scaler = polyamp.LossScaler(enabled=True)
+    w = tf.Variable([0.0])
+    opt = keras.optimizers.SGD(1.0)
+
+    def grads() -> list[Any]:
+        with tf.GradientTape() as tape:
+            scaled = scaler.scale(tf.reduce_sum(w * 3.0))
+        return tape.gradient(scaled, [w])
+
+    scaler.unscale(grads())  # inspected, never applied
+    scaler.apply_gradients(opt, zip(grads(), [w]))  # fresh scaled gradients: unscaled once, here
+    assert w.numpy()[0] == -3.0  # not -3 * 65536
+    first = grads()
+    scaler.unscale(first)
+    with pytest.raises(ScalerUsageError, match="scaled gradients that were passed to unscale"):
+        scaler.apply_gradients(opt, zip(first, [w]))
+
+
+def test_unscale_stages_do_not_pile_up() -> None:
+    scaler = polyamp.LossScaler(enabled=True, backend="tensorflow")
+    refs = []
+    for _ in range(200):
+        scaler.scale(tf.constant(1.0))
+        grads = [tf.ones((64, 64))]
+        refs.append(weakref.ref(grads[0]))
+        scaler.unscale(grads)
+        del grads
+    gc.collect()
+    assert sum(ref() is not None for ref in refs) <= 1  # only the last stage holds its gradients
+
+
+@pytest.mark.parametrize("new_scale", [math.nan, -5.0, 0.0, 2.0**30])
+def test_update_with_a_bad_symbolic_scale_in_a_tf_function_is_refused(new_scale: float) -> None:
+    """Inside a tf.function the value is known only when the graph runs: the graph checks it then."""
+    scaler = polyamp.LossScaler(enabled=True, max_scale=2.0**20, backend="tensorflow")
+    w = tf.Variable([1.0])
+    opt = keras.optimizers.SGD(0.0)
+    opt.build([w])
+
+    @tf.function
+    def step(value: Any) -> None:
+        with tf.GradientTape() as tape:
+            scaled = scaler.scale(tf.reduce_sum(w))
+        scaler.step(opt, zip(tape.gradient(scaled, [w]), [w]))
+        scaler.update(new_scale=value)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"update\(new_scale\) needs a finite scale"):
+        step(tf.constant(new_scale))
+    assert scaler.get_scale() == 65536.0
+    step(tf.constant(512.0))
+    assert scaler.get_scale() == 512.0
+    scaler.load_state_dict(scaler.state_dict())  # its own state dict still loads
+
+
+@pytest.mark.parametrize("which", ["tensorflow_scaler", "keras_optimizer"])
+def test_200_nan_steps_then_20_finite_ones_train_on_finite_weights(which: str) -> None:
+    w = tf.Variable([1.0, 2.0])
+    if which == "keras_optimizer":
+        optimizer = polyamp_tensorflow.LossScaleOptimizer(keras.optimizers.SGD(0.01), enabled=True)
+
+        def step(bad: float) -> None:
+            with tf.GradientTape() as tape:
+                scaled = optimizer.scale_loss(tf.reduce_sum(w * w) * bad)
+            optimizer.apply_gradients(zip(tape.gradient(scaled, [w]), [w]))
+
+        def skipped() -> bool:
+            return bool(optimizer.last_skipped.numpy())
+
+        scale = optimizer.get_scale
+    else:
+        scaler = polyamp_tensorflow.TensorFlowLossScaler(enabled=True)
+        inner = keras.optimizers.SGD(0.01)
+
+        def step(bad: float) -> None:
+            with tf.GradientTape() as tape:
+                scaled = scaler.scale(tf.reduce_sum(w * w) * bad)
+            scaler.apply_gradients(inner, zip(tape.gradient(scaled, [w]), [w]))
+
+        def skipped() -> bool:
+            return bool(scaler.step_skipped())
+
+        scale = scaler.get_scale
+    for _ in range(200):
+        step(math.nan)
+    assert scale() == 1.0 and np.array_equal(w.numpy(), [1.0, 2.0])
+    for _ in range(20):
+        step(1.0)
+        assert not skipped()  # training goes on: never stuck skipping
+    assert np.isfinite(w.numpy()).all() and w.numpy()[0] < 1.0

@@ -55,7 +55,7 @@ DATA = [(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)), torch.te
 PATTERN = [False, True, False, False, True, False]
 
 
-@pytest.mark.parametrize("clip", [False, True], ids=["", "clipped"])
+@pytest.mark.parametrize("clip", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["", "clipped"])
 @pytest.mark.parametrize(
     ("fused", "on_device"),
     [(False, False), (True, False), (False, True)],

@@ -1,4 +1,5 @@
-"""The torch scaler's own behaviour: the device state machine vs the reference, skip records, errors."""
+"""The torch scaler's own behaviour: the device state machine vs the reference, skip records, errors, and long
+runs of overflows that must never leave a non-finite weight."""
 
 from __future__ import annotations
 
@@ -193,6 +194,24 @@ def test_update_rejects_bad_new_scales_and_keeps_the_scale(new_scale: Any, error
     assert scaler.get_scale() == 65536.0
 
 
+@pytest.mark.parametrize(
+    "new_scale",
+    [torch.tensor(math.nan), torch.tensor(math.inf), torch.tensor(0.0), torch.tensor(-5.0), torch.tensor(2.0**30)],
+    ids=["nan", "inf", "zero", "negative", "above_max"],
+)
+def test_update_with_a_bad_tensor_scale_is_refused(new_scale: Any) -> None:
+    scaler = polyamp_torch.TorchLossScaler("cpu", max_scale=2.0**20)
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler.scale(param.sum()).backward()
+    scaler.step(opt)
+    with pytest.raises(InvalidConfigError):
+        scaler.update(new_scale)
+    scaler.update(torch.tensor(512.0))
+    assert scaler.get_scale() == 512.0
+    scaler.load_state_dict(scaler.state_dict())  # its own state dict still loads
+
+
 # -- misuse -------------------------------------------------------------------------------------------
 
 
@@ -248,6 +267,17 @@ def test_step_without_gradients_raises(setup: tuple[Any, Any, Any]) -> None:
     scaler.scale(param.sum())
     with pytest.raises(ScalerUsageError, match="none of the optimizer's parameters has a gradient"):
         scaler.step(opt)
+
+
+def test_fused_step_without_gradients_and_step_skipped_of_a_non_optimizer() -> None:
+    scaler = polyamp_torch.TorchLossScaler("cpu")
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.Adam([param], fused=True)
+    scaler.scale(param.sum())
+    with pytest.raises(ScalerUsageError, match="none of the optimizer's parameters has a gradient"):
+        scaler.step(opt)
+    with pytest.raises(PolyampTypeError, match=r"step_skipped\(\) takes a torch.optim.Optimizer"):
+        scaler.step_skipped(0.0)
 
 
 @pytest.mark.parametrize("how", ["keyword", "positional"])
@@ -501,3 +531,71 @@ def test_a_skipped_first_step_of_a_fused_sgd_leaves_no_uninitialised_momentum(
     skipped, native = run(skip_first=True), run(skip_first=False)
     assert all(torch.isfinite(p).all() for p in skipped)
     assert all(torch.equal(a, b) for a, b in zip(skipped, native))
+
+
+# -- long runs of overflows and scales below one -----------------------------------------------------------
+
+
+def _linear_step(model: Any, opt: Any, scaler: Any, *, nan: bool) -> None:
+    opt.zero_grad()
+    scaler.scale(model(torch.ones(1, 4)).sum()).backward()
+    if nan:
+        model.weight.grad[0, 0] = math.nan
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused_adam"])
+def test_150_overflows_then_a_finite_step_keeps_the_weights_finite(fused: bool) -> None:
+    def run(scaler: Any) -> Any:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.Adam(model.parameters(), fused=True) if fused else torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(150):
+            _linear_step(model, opt, scaler, nan=True)
+        _linear_step(model, opt, scaler, nan=False)
+        return model
+
+    if not fused:  # torch itself fails here: 1/scale overflows to inf and SGD applies it
+        assert not torch.isfinite(run(torch.amp.GradScaler("cpu")).weight).all()
+    scaler = polyamp_torch.TorchLossScaler("cpu")
+    model = run(scaler)
+    assert torch.isfinite(model.weight).all() and torch.isfinite(model.bias).all()
+    assert scaler.get_scale() == 1.0 and not bool(scaler.step_skipped())
+
+
+@pytest.mark.slow
+def test_a_periodic_inf_for_10000_steps_never_corrupts_the_weights() -> None:
+    """An inf every 50 steps (which no scale cures): the scale settles at the floor, training goes on."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = polyamp_torch.TorchLossScaler("cpu")
+    for step in range(10_000):
+        _linear_step(model, opt, scaler, nan=step % 50 == 49)
+    assert torch.isfinite(model.weight).all()
+    assert scaler.get_scale() == 1.0 and int(scaler.skipped_steps()) == 200
+    # The reference agrees: 16 halvings from 2**16 reach the floor, which holds.
+    assert LossScaleConfig().trajectory([i % 50 == 49 for i in range(10_000)])[-1] == 1.0
+
+
+def test_below_one_with_min_scale_the_unscaled_gradients_are_checked() -> None:
+    """With min_scale < 1, 1/scale > 1 can overflow a finite scaled gradient: that step is skipped."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    for fused in (False, True):
+        opt = torch.optim.Adam([param], fused=True) if fused else torch.optim.SGD([param], lr=1.0)
+        scaler = polyamp_torch.TorchLossScaler("cpu", init_scale=2.0**-100, min_scale=2.0**-120)
+        scaler.scale(param.sum()).backward()
+        param.grad.fill_(2.0**40)  # finite; unscaled: 2**140, beyond float32
+        scaler.step(opt)
+        scaler.update()
+        assert bool(scaler.step_skipped(opt)) and torch.equal(param.detach(), torch.zeros(2))
+        param.grad = None
+
+
+def test_a_native_checkpoint_below_the_floor_resumes_at_the_floor_with_a_warning() -> None:
+    native = torch.amp.GradScaler("cpu", init_scale=2.0**-130 * 8)
+    scaler = polyamp_torch.TorchLossScaler("cpu")
+    state = dict(native.state_dict(), scale=0.0)
+    with pytest.warns(UserWarning, match="below the lowest scale polyamp uses"):
+        scaler.load_state_dict(state)
+    assert scaler.get_scale() == 1.0

@@ -447,6 +447,7 @@ def test_expectations_name_upstream_tests() -> None:
         assert test in known and chosen <= known[test], f"SELECTED: {test} {sorted(chosen - known.get(test, set()))}"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get(OTHER_BACKENDS_VARIABLE) == "0", reason="this process covers one backend")
 @pytest.mark.parametrize("backend", [b for b in KERAS_BACKENDS if b != BACKEND])
 def test_on_keras_backend(backend: str, run_bounded: Callable[..., subprocess.CompletedProcess[str]]) -> None:
@@ -456,7 +457,7 @@ def test_on_keras_backend(backend: str, run_bounded: Callable[..., subprocess.Co
     env = dict(os.environ, KERAS_BACKEND=backend, **{OTHER_BACKENDS_VARIABLE: "0"})
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     result = run_bounded(
-        [sys.executable, "-m", "pytest", __file__, "-p", "no:cacheprovider", "-q", "-rfE"],
+        [sys.executable, "-m", "pytest", __file__, "-p", "no:cacheprovider", "-m", "", "-q", "-rfE"],
         env=env,
         cwd=Path(__file__).resolve().parents[1],
     )

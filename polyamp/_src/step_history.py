@@ -280,7 +280,7 @@ class RecordHistory:
         check = None if self._capabilities is None else self._capabilities.non_finite_parameters
         if check is None or self._compiling():
             return None
-        return check(self._optimizers() if self._optimizers is not None else [])  # type: ignore[no-any-return]
+        return check(self._optimizers() if self._optimizers is not None else [])
 
     def _state_or_none(self) -> LossScaleState | None:
         return None if self._compiling() or self._device is None else self._device.read_state()

@@ -36,7 +36,6 @@ from polyamp._src.backend import (
     FunctionalSpikeDevice,
     GuardingDevice,
     ImperativeDevice,
-    OptionalMethods,
     ProvenanceDevice,
     RecordingDevice,
     ScalerDevice,
@@ -44,6 +43,7 @@ from polyamp._src.backend import (
     StepOutcome,
     TapeDevice,
 )
+from polyamp._src.optional_methods import OptionalMethods
 from polyamp._src.registry import (
     BackendSpec,
     backend_name_for,

@@ -13,6 +13,10 @@ Run it anywhere polyamp is installed, with NumPy:
 
 It prints one row per case and exits non-zero if a case fails. A backend lists its known, documented
 differences in ``Harness.divergences``; those cases must fail (a passing one is reported as a failure).
+
+A harness may build on `HarnessBase` and its trainers and loops on `TrainerBase`, `FunctionalTrainerBase` and
+`LoopBase`, which hold what every harness shares (the device check, ``trainer()``, each step under the
+trainer's policy, parameters and optimizer state as NumPy) and leave it what is its framework's.
 """
 
 from polyamp.conformance._context import (
@@ -28,6 +32,14 @@ from polyamp.conformance._context import (
     requires,
     skip,
     stop_reporting,
+)
+from polyamp.conformance._harness import (
+    FunctionalScalerView,
+    FunctionalTrainerBase,
+    HarnessBase,
+    LoopBase,
+    TrainerBase,
+    TrainerSettings,
 )
 from polyamp.conformance._protocol import (
     CAPABILITIES,
@@ -57,11 +69,17 @@ __all__ = [
     "OPS",
     "CaseResult",
     "CaseSkipped",
+    "FunctionalScalerView",
+    "FunctionalTrainerBase",
     "Harness",
+    "HarnessBase",
     "HarnessUnavailable",
     "Loop",
+    "LoopBase",
     "Reporter",
     "Trainer",
+    "TrainerBase",
+    "TrainerSettings",
     "assert_close",
     "assert_dtype",
     "assert_equal_arrays",

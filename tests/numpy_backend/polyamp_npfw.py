@@ -3,10 +3,11 @@
 
 It is the worked example of the README's "Backends" section: a spec that imports nothing, a backend
 object, an imperative device form (PyTorch-style loop), a functional device form (state in, state out)
-and a conformance harness declaring what it can do. Both device forms keep step records, guard and decide
-a `polyamp.SpikeRule` (the stateful `RecordingDevice` / `GuardingDevice` / `SpikeDevice` and the
-functional `FunctionalRecordingDevice` / `FunctionalGuardingDevice` / `FunctionalSpikeDevice`), with the same
-array arithmetic: the pure functions below, which the stateful form applies to trees it keeps.
+and a conformance harness (on `polyamp.conformance.HarnessBase`) declaring what it can do. Both device
+forms keep step records, guard and decide a `polyamp.SpikeRule` (the stateful `RecordingDevice` /
+`GuardingDevice` / `SpikeDevice` and the functional `FunctionalRecordingDevice` / `FunctionalGuardingDevice`
+/ `FunctionalSpikeDevice`), with the same array arithmetic: the pure functions below, which the stateful form
+applies to trees it keeps.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from typing import Any
 import npfw
 import numpy as np
 
-import polyamp
-from polyamp import LossScaleConfig, LossScaler, LossScaleState, Policy, PolyampTypeError, SpikeRule, StepRecord
+from polyamp import LossScaleConfig, LossScaler, LossScaleState, Policy, PolyampTypeError, SpikeRule
 from polyamp.backend_api import BackendSpec, StepOutcome, rules
 from polyamp.backend_api.arguments import wrong_object_error
 from polyamp.backend_api.records import ring_codes, ring_values
 from polyamp.backend_api.rules import ArrayOps
-from polyamp.conformance import HarnessUnavailable
+from polyamp.conformance import FunctionalTrainerBase, HarnessBase, LoopBase, TrainerBase, TrainerSettings
 
 #: What a package would publish through the ``polyamp.backends`` entry-point group.
 SPEC = BackendSpec(
@@ -224,8 +224,7 @@ class NumpyDevice:
     def skipped_steps(self) -> np.int64:
         return np.int64(self._tree["skipped"])
 
-    # -- GuardingDevice (and check_gradients_finite)
-    # --------------------------------------------------------------------
+    # -- GuardingDevice, with check_gradients_finite ---------------------------------------------------------
 
     def check_gradients_finite(self, optimizer: npfw.Optimizer) -> np.float32 | None:
         grads = [p.grad for p in optimizer.params if p.grad is not None]
@@ -364,14 +363,6 @@ class NumpyBackend:
 # -- the conformance harness ----------------------------------------------------------------------------
 
 
-def _optimizer(kind: str, params: Sequence[npfw.Parameter]) -> npfw.Optimizer:
-    if kind == "sgd":
-        return npfw.SGD(params, lr=0.1, momentum=0.9)
-    if kind == "adam":
-        return npfw.Adam(params, lr=0.01)
-    raise ValueError(f"unknown optimizer {kind!r}")
-
-
 def _clip(params: Sequence[npfw.Parameter], max_norm: float) -> None:
     grads = [p.grad for p in params if p.grad is not None]
     norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads))
@@ -381,22 +372,20 @@ def _clip(params: Sequence[npfw.Parameter], max_norm: float) -> None:
             param.grad = (param.grad * factor).astype(np.float32)
 
 
-class NumpyTrainer:
-    def __init__(
-        self, policy: Policy, scaler: Mapping[str, Any] | None, optimizer: str, clip: float | None, seed: int
-    ) -> None:
-        self.params_ = npfw.mlp(seed)
-        self.opt = _optimizer(optimizer, self.params_)
-        self.clip = clip
-        self.policy = policy
-        with polyamp.policy_scope(policy):  # enabled=None follows this trainer's policy
-            self.scaler = None if scaler is None else LossScaler(**scaler, backend="npfw")
+def _slots(optimizer: npfw.Optimizer) -> list[Any]:
+    return [value for state in optimizer.state for _, value in sorted(state.items())]
 
-    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
-        with polyamp.policy_scope(self.policy):  # the program this trainer stands for set this policy
-            return self._step(x, y, overflow)
 
-    def _step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
+class NumpyTrainer(TrainerBase):
+    def __init__(self, harness: NumpyHarness, policy: Policy, settings: TrainerSettings) -> None:
+        super().__init__(harness, policy, settings)
+        self.params_ = params = npfw.mlp(settings.seed)
+        self.opt = settings.make_optimizer(
+            {"sgd": lambda: npfw.SGD(params, lr=0.1, momentum=0.9), "adam": lambda: npfw.Adam(params, lr=0.01)}
+        )
+        self.scaler = self.make_scaler()
+
+    def run_step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
         self.opt.zero_grad()
         loss = npfw.loss(self.params_, x, y)
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -404,10 +393,10 @@ class NumpyTrainer:
             grad = self.params_[0].grad
             assert grad is not None
             grad.reshape(-1)[0] = np.inf
-        if self.clip is not None:
+        if self.settings.clip is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.opt)
-            _clip(self.params_, self.clip)
+            _clip(self.params_, self.settings.clip)
         if self.scaler is not None:
             self.scaler.step(self.opt)
             self.scaler.update()
@@ -415,29 +404,22 @@ class NumpyTrainer:
             self.opt.step()
         return loss.value
 
-    def params(self) -> list[np.ndarray]:
-        return [p.data.copy() for p in self.params_]
+    def weights(self) -> list[np.ndarray]:
+        return [p.data for p in self.params_]
 
-    def optimizer_state(self) -> list[np.ndarray]:
-        return [np.array(value) for state in self.opt.state for _, value in sorted(state.items())]
-
-    def step_skipped(self) -> bool:
-        return self.scaler is not None and bool(self.scaler.step_skipped(self.opt))
+    def slots(self) -> list[Any]:
+        return _slots(self.opt)
 
 
-class NumpyLoop:
-    def __init__(self, policy: Policy, scaler: Mapping[str, Any], seed: int) -> None:
-        self.params_ = npfw.mlp(seed)
-        self.optimizers = [_optimizer("sgd", self.params_[:2]), _optimizer("sgd", self.params_[2:])]
-        with polyamp.policy_scope(policy):
-            self.scaler = LossScaler(**scaler, backend="npfw")
-        self._batch = 0
+class NumpyLoop(LoopBase):
+    def __init__(self, harness: NumpyHarness, policy: Policy, settings: TrainerSettings) -> None:
+        super().__init__(harness, policy, settings)
+        self.params_ = npfw.mlp(settings.seed)
+        self.optimizers = [npfw.SGD(group, lr=0.1, momentum=0.9) for group in (self.params_[:2], self.params_[2:])]
+        self.scaler = self.make_scaler()
 
-    def backward(self, overflow: Collection[int] = ()) -> None:
-        rng = np.random.default_rng(self._batch)
-        self._batch += 1
-        x = rng.normal(size=(16, 8)).astype(np.float32)
-        y = rng.integers(0, 4, size=(16,))
+    def run_backward(self, overflow: Collection[int]) -> None:
+        x, y = self.next_batch()
         for optimizer in self.optimizers:
             optimizer.zero_grad()
         self.scaler.scale(npfw.loss(self.params_, x, y)).backward()
@@ -446,53 +428,23 @@ class NumpyLoop:
             assert grad is not None
             grad.reshape(-1)[0] = np.inf
 
-    def unscale(self, index: int) -> None:
-        self.scaler.unscale_(self.optimizers[index])
+    def weights(self, index: int) -> list[np.ndarray]:
+        return [p.data for p in self.optimizers[index].params]
 
-    def step(self, index: int) -> None:
-        self.scaler.step(self.optimizers[index])
-
-    def update(self) -> None:
-        self.scaler.update()
-
-    def params(self, index: int) -> list[np.ndarray]:
-        return [p.data.copy() for p in self.optimizers[index].params]
-
-    def optimizer_state(self, index: int) -> list[np.ndarray]:
-        return [np.array(value) for state in self.optimizers[index].state for _, value in sorted(state.items())]
+    def slots(self, index: int) -> list[Any]:
+        return _slots(self.optimizers[index])
 
 
-class _FunctionalView:
-    """What the cases read from a functional trainer's ``scaler``: the state dict, the records and the skip
-    count of the current state."""
-
-    def __init__(self, trainer: NumpyFunctionalTrainer) -> None:
-        self._trainer = trainer
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._trainer.fn.state_dict(self._trainer.state)
-
-    def records(self) -> list[StepRecord]:
-        return self._trainer.fn.records(self._trainer.state)
-
-    def skipped_steps(self) -> Any:
-        return self._trainer.fn.skipped_steps(self._trainer.state)
-
-
-class NumpyFunctionalTrainer:
+class NumpyFunctionalTrainer(FunctionalTrainerBase):
     """SGD with momentum written as a pure function, driven through `polyamp.FunctionalLossScaler` (the guard,
     records and spike rule included, as the scaler's options ask)."""
 
-    def __init__(self, policy: Policy, scaler: Mapping[str, Any], seed: int) -> None:
-        with polyamp.policy_scope(policy):
-            self.fn = LossScaler(**scaler).functional(backend="npfw")
-        self.state = self.fn.init()
-        self.arrays = [p.data for p in npfw.mlp(seed)]
+    def __init__(self, harness: NumpyHarness, policy: Policy, settings: TrainerSettings) -> None:
+        super().__init__(harness, policy, settings)
+        self.arrays = [p.data for p in npfw.mlp(settings.seed)]
         self.momentum = [np.zeros_like(a) for a in self.arrays]
-        self.scaler = _FunctionalView(self)
-        self._skipped: Any = None
 
-    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
+    def run_step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
         value, grads = npfw.loss_and_grads(self.arrays, x, y)
         scale = np.float32(self.fn.scale(self.state, 1.0))  # d(scaled loss)/d(loss)
         grads = [(g * scale).astype(np.float32) for g in grads]
@@ -506,48 +458,29 @@ class NumpyFunctionalTrainer:
             found_inf, (arrays, momentum), (self.arrays, self.momentum), spike=spike
         )
         self.state = self.fn.update(self.state, found_inf, spike=spike)
-        self._skipped = self.fn.skipped(found_inf, spike)
+        self.skipped = self.fn.skipped(found_inf, spike)
         return value
 
-    def params(self) -> list[np.ndarray]:
-        return [a.copy() for a in self.arrays]
+    def weights(self) -> list[np.ndarray]:
+        return self.arrays
 
-    def optimizer_state(self) -> list[np.ndarray]:
-        return [m.copy() for m in self.momentum]
-
-    def step_skipped(self) -> bool:
-        return _is_set(self._skipped)
+    def slots(self) -> list[np.ndarray]:
+        return self.momentum
 
 
-class NumpyHarness:
+class NumpyHarness(HarnessBase):
     """npfw on the CPU. It computes in float32 whatever the policy (no "low_precision" capability), and has
     no op classes or model dtypes to report."""
 
     backend = "npfw"
     devices = ("cpu",)
-    divergences: Mapping[str, str] = {}
-
-    def __init__(self, device: str) -> None:
-        if device != "cpu":
-            raise HarnessUnavailable(f"npfw runs on the CPU only, not {device!r}")
-        self.device = device
-
-    def trainer(
-        self,
-        policy: Policy,
-        *,
-        scaler: Mapping[str, Any] | None = None,
-        optimizer: str = "sgd",
-        clip: float | None = None,
-        seed: int = 0,
-    ) -> NumpyTrainer:
-        return NumpyTrainer(policy, scaler, optimizer, clip, seed)
+    trainer_class = NumpyTrainer
 
     def loop(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> NumpyLoop:
-        return NumpyLoop(policy, scaler, seed)
+        return NumpyLoop(self, policy, self.settings(scaler, seed=seed))
 
     def functional_trainer(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> NumpyFunctionalTrainer:
-        return NumpyFunctionalTrainer(policy, scaler, seed)
+        return NumpyFunctionalTrainer(self, policy, self.settings(scaler, seed=seed))
 
     def passes_loss_through(self, scaler: LossScaler) -> bool:
         loss = npfw.Tensor(1.5)

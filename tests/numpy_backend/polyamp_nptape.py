@@ -18,13 +18,12 @@ from typing import Any
 import nptape
 import numpy as np
 
-import polyamp
 from polyamp import LossScaleConfig, LossScaler, LossScaleState, Policy, PolyampTypeError, SpikeRule
 from polyamp.backend_api import BackendSpec, StepOutcome, rules
 from polyamp.backend_api.arguments import wrong_object_error
 from polyamp.backend_api.records import ring_codes, ring_values
 from polyamp.backend_api.rules import ArrayOps
-from polyamp.conformance import HarnessUnavailable
+from polyamp.conformance import HarnessBase, LoopBase, TrainerBase, TrainerSettings
 
 SPEC = BackendSpec(
     name="nptape",
@@ -260,83 +259,65 @@ class TapeBackend:
 # -- the conformance harness ----------------------------------------------------------------------------
 
 
-def _optimizer(kind: str) -> nptape.Optimizer:
-    if kind == "sgd":
-        return nptape.SGD(lr=0.1, momentum=0.9)
-    if kind == "adam":
-        return nptape.Adam(lr=0.01)
-    raise ValueError(f"unknown optimizer {kind!r}")
-
-
 def _clip(grads: Sequence[np.ndarray], max_norm: float) -> list[np.ndarray]:
     norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads))
     factor = np.float32(min(1.0, max_norm / (norm + 1e-6)))
     return [(g * factor).astype(np.float32) for g in grads]
 
 
-class TapeTrainer:
+def _slots(optimizer: nptape.Optimizer) -> list[Any]:
+    return [*(value for state in optimizer.state.values() for _, value in sorted(state.items())), optimizer.iterations]
+
+
+class TapeTrainer(TrainerBase):
     """A GradientTape-style loop: scale, gradient, (unscale, clip,) apply_gradients."""
 
     #: The variable whose gradient ``step(overflow=True)`` plants an inf into.
     planted = "dense_1/kernel"
 
-    def __init__(
-        self, policy: Policy, scaler: Mapping[str, Any] | None, optimizer: str, clip: float | None, seed: int
-    ) -> None:
-        self.variables = nptape.mlp(seed)
-        self.opt = _optimizer(optimizer)
-        self.clip = clip
-        self.policy = policy
-        with polyamp.policy_scope(policy):
-            self.scaler = None if scaler is None else LossScaler(**scaler, backend="nptape")
+    def __init__(self, harness: TapeHarness, policy: Policy, settings: TrainerSettings) -> None:
+        super().__init__(harness, policy, settings)
+        self.variables = nptape.mlp(settings.seed)
+        self.opt = settings.make_optimizer(
+            {"sgd": lambda: nptape.SGD(lr=0.1, momentum=0.9), "adam": lambda: nptape.Adam(lr=0.01)}
+        )
+        self.scaler = self.make_scaler()
 
-    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
-        with polyamp.policy_scope(self.policy):
-            return self._step(x, y, overflow)
-
-    def _step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
+    def run_step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
         loss = nptape.loss(self.variables, x, y)
         grads = nptape.gradient(self.scaler.scale(loss) if self.scaler is not None else loss, self.variables)
         if overflow:
             grads[0].reshape(-1)[0] = np.inf
-        if self.clip is not None:
+        if self.settings.clip is not None:
             if self.scaler is not None:
                 grads = self.scaler.unscale(grads)
-            grads = _clip(grads, self.clip)
+            grads = _clip(grads, self.settings.clip)
         if self.scaler is not None:
             self.scaler.apply_gradients(self.opt, zip(grads, self.variables, strict=True))
         else:
             self.opt.apply(grads, self.variables)
         return loss.value
 
-    def params(self) -> list[np.ndarray]:
-        return [v.data.copy() for v in self.variables]
+    def weights(self) -> list[np.ndarray]:
+        return [v.data for v in self.variables]
 
-    def optimizer_state(self) -> list[np.ndarray]:
-        slots = [np.array(value) for state in self.opt.state.values() for _, value in sorted(state.items())]
-        return [*slots, np.array(self.opt.iterations)]
-
-    def step_skipped(self) -> bool:
-        return self.scaler is not None and bool(self.scaler.step_skipped(self.opt))
+    def slots(self) -> list[Any]:
+        return _slots(self.opt)
 
 
-class TapeLoop:
+class TapeLoop(LoopBase):
     """One iteration call by call, with two optimizers (one per layer), gradients held as values."""
 
-    def __init__(self, policy: Policy, scaler: Mapping[str, Any], seed: int) -> None:
-        self.variables = nptape.mlp(seed)
+    def __init__(self, harness: TapeHarness, policy: Policy, settings: TrainerSettings) -> None:
+        super().__init__(harness, policy, settings)
+        self.variables = nptape.mlp(settings.seed)
         self.groups = [self.variables[:2], self.variables[2:]]
-        self.optimizers = [_optimizer("sgd"), _optimizer("sgd")]
-        with polyamp.policy_scope(policy):
-            self.scaler = LossScaler(**scaler, backend="nptape")
+        self.optimizers = [nptape.SGD(lr=0.1, momentum=0.9), nptape.SGD(lr=0.1, momentum=0.9)]
+        self.scaler = self.make_scaler()
         self.grads: list[list[np.ndarray]] = [[], []]
-        self._batch = 0
 
-    def backward(self, overflow: Collection[int] = ()) -> None:
-        rng = np.random.default_rng(self._batch)
-        self._batch += 1
-        x = rng.normal(size=(16, 8)).astype(np.float32)
-        y = rng.integers(0, 4, size=(16,))
+    def run_backward(self, overflow: Collection[int]) -> None:
+        x, y = self.next_batch()
         grads = nptape.gradient(self.scaler.scale(nptape.loss(self.variables, x, y)), self.variables)
         self.grads = [grads[:2], grads[2:]]
         for index in overflow:
@@ -348,44 +329,23 @@ class TapeLoop:
     def step(self, index: int) -> None:
         self.scaler.step(self.optimizers[index], zip(self.grads[index], self.groups[index], strict=True))
 
-    def update(self) -> None:
-        self.scaler.update()
+    def weights(self, index: int) -> list[np.ndarray]:
+        return [v.data for v in self.groups[index]]
 
-    def params(self, index: int) -> list[np.ndarray]:
-        return [v.data.copy() for v in self.groups[index]]
-
-    def optimizer_state(self, index: int) -> list[np.ndarray]:
-        optimizer = self.optimizers[index]
-        slots = [np.array(value) for state in optimizer.state.values() for _, value in sorted(state.items())]
-        return [*slots, np.array(optimizer.iterations)]
+    def slots(self, index: int) -> list[Any]:
+        return _slots(self.optimizers[index])
 
 
-class TapeHarness:
+class TapeHarness(HarnessBase):
     """nptape on the CPU: it computes in float32 whatever the policy (no "low_precision"), and guards."""
 
     backend = "nptape"
     devices = ("cpu",)
     capabilities = frozenset({"guard"})
-    divergences: Mapping[str, str] = {}
-
-    def __init__(self, device: str) -> None:
-        if device != "cpu":
-            raise HarnessUnavailable(f"nptape runs on the CPU only, not {device!r}")
-        self.device = device
-
-    def trainer(
-        self,
-        policy: Policy,
-        *,
-        scaler: Mapping[str, Any] | None = None,
-        optimizer: str = "sgd",
-        clip: float | None = None,
-        seed: int = 0,
-    ) -> TapeTrainer:
-        return TapeTrainer(policy, scaler, optimizer, clip, seed)
+    trainer_class = TapeTrainer
 
     def loop(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> TapeLoop:
-        return TapeLoop(policy, scaler, seed)
+        return TapeLoop(self, policy, self.settings(scaler, seed=seed))
 
     def passes_loss_through(self, scaler: LossScaler) -> bool:
         loss = nptape.Tensor(1.5)

@@ -18,8 +18,15 @@ import numpy as np
 import optax
 
 import polyamp
-from polyamp import LossScaler, Policy, StepRecord
-from polyamp.conformance import HarnessUnavailable
+from polyamp import Policy
+from polyamp.conformance import (
+    FunctionalScalerView,
+    FunctionalTrainerBase,
+    HarnessBase,
+    HarnessUnavailable,
+    TrainerBase,
+    TrainerSettings,
+)
 from polyamp_jax._autocast import autocast
 from polyamp_jax._casting import cast_to_param
 from polyamp_jax._optax import LossScaledState, loss_scaled, scale_loss
@@ -80,61 +87,26 @@ def _plant_inf(grads: Any) -> Any:
     return {**grads, "w1": grads["w1"].at[0, 0].set(jnp.inf)}
 
 
-def _leaves(tree: Any) -> list[np.ndarray]:
-    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree)]
-
-
-class _View:
-    """What the cases read from a trainer's ``scaler``: the state dict, the records and the skip count."""
-
-    def __init__(self, read: Any, write: Any) -> None:
-        self._read = read  # () -> (FunctionalLossScaler, its state)
-        self._write = write  # new state -> None
-
-    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        fn, state = self._read()
-        self._write(fn.load_state_dict(saved, like=state))
-
-    def state_dict(self) -> dict[str, Any]:
-        fn, state = self._read()
-        return fn.state_dict(state)  # type: ignore[no-any-return]
-
-    def records(self) -> list[StepRecord]:
-        fn, state = self._read()
-        return fn.records(state)  # type: ignore[no-any-return]
-
-    def skipped_steps(self) -> Any:
-        fn, state = self._read()
-        return fn.skipped_steps(state)
-
-
-class _OptaxTrainer:
+class _OptaxTrainer(TrainerBase):
     """The classifier trained by one jitted step through ``loss_scaled(optax.sgd/adam)`` (or the bare optax
     transformation without a scaler)."""
 
-    def __init__(
-        self, policy: Policy, scaler: Mapping[str, Any] | None, optimizer: str, clip: float | None, seed: int
-    ) -> None:
-        self.policy = policy
-        self.weights = _mlp(seed, policy)
-        if optimizer == "sgd":
-            inner = optax.sgd(0.1, momentum=0.9)
-        elif optimizer == "adam":
-            inner = optax.adam(0.01)
-        else:
-            raise ValueError(f"unknown optimizer {optimizer!r}; the harness knows 'sgd' and 'adam'")
-        if clip is not None:  # after unscaling: loss_scaled hands the chain unscaled gradients
-            inner = optax.chain(optax.clip_by_global_norm(clip), inner)
+    def __init__(self, harness: JaxHarness, policy: Policy, settings: TrainerSettings) -> None:
+        super().__init__(harness, policy, settings)
+        self.tree = _mlp(settings.seed, policy)
+        inner = settings.make_optimizer({"sgd": lambda: optax.sgd(0.1, momentum=0.9), "adam": lambda: optax.adam(0.01)})
+        if settings.clip is not None:  # after unscaling: loss_scaled hands the chain unscaled gradients
+            inner = optax.chain(optax.clip_by_global_norm(settings.clip), inner)
         if policy.has_training_state_plan:  # master copies, state dtype and rounding of the plan
             inner = precision(inner, policy)
+        scaler = settings.scaler
         with polyamp.policy_scope(policy):
             self.tx = inner if scaler is None else loss_scaled(inner, **scaler)
-        self.opt_state = self.tx.init(self.weights)
-        self.scaler = (
-            None
-            if scaler is None
-            else _View(lambda: (self.opt_state.fn, self.opt_state.scaler), self._load_scaler_state)
-        )
+        self.opt_state = self.tx.init(self.tree)
+        if scaler is not None:
+            self.scaler = FunctionalScalerView(
+                lambda: (self.opt_state.fn, self.opt_state.scaler), self._load_scaler_state
+            )
         self._step = jax.jit(self._pure_step, static_argnames=("overflow",))
         self._skipped_before: int | None = None
         self.planted = "w1"  # the parameter step(overflow=True) plants an inf into
@@ -155,22 +127,22 @@ class _OptaxTrainer:
         updates, opt_state = self.tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
+    def run_step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
         if self.scaler is not None:
             self._skipped_before = int(self.scaler.skipped_steps())
-        self.weights, self.opt_state, loss = self._step(
-            self.weights, self.opt_state, jnp.asarray(x), jnp.asarray(y), overflow=overflow
+        self.tree, self.opt_state, loss = self._step(
+            self.tree, self.opt_state, jnp.asarray(x), jnp.asarray(y), overflow=overflow
         )
         return float(loss)
 
-    def params(self) -> list[np.ndarray]:
-        return [leaf.astype(np.float32) for leaf in _leaves(self.weights)]
+    def weights(self) -> list[Any]:
+        return jax.tree_util.tree_leaves(self.tree)
 
-    def optimizer_state(self) -> list[np.ndarray]:
+    def slots(self) -> list[Any]:
         """The optimizer's slots, and under a training-state plan its master copies, compensation buffers and
         random key (`polyamp_jax.PrecisionState`'s leaves)."""
         inner = self.opt_state.inner if isinstance(self.opt_state, LossScaledState) else self.opt_state
-        return _leaves(inner)
+        return jax.tree_util.tree_leaves(inner)
 
     def step_skipped(self) -> bool:
         if self.scaler is None or self._skipped_before is None:
@@ -178,19 +150,14 @@ class _OptaxTrainer:
         return int(self.scaler.skipped_steps()) > self._skipped_before
 
 
-class _FunctionalTrainer:
+class _FunctionalTrainer(FunctionalTrainerBase):
     """SGD with momentum written by hand as one jitted function, driven through the functional scaler
     (``polyamp.LossScaler(...).functional(backend="jax")``, the guard, records and spike rule included)."""
 
-    def __init__(self, policy: Policy, scaler: Mapping[str, Any], seed: int) -> None:
-        self.policy = policy
-        with polyamp.policy_scope(policy):
-            self.fn = LossScaler(**scaler).functional(backend="jax")
-        self.state = self.fn.init()
-        self.weights = _mlp(seed, policy)
-        self.momentum = jax.tree_util.tree_map(jnp.zeros_like, self.weights)
-        self.scaler = _View(lambda: (self.fn, self.state), lambda state: setattr(self, "state", state))
-        self._skipped: Any = None
+    def __init__(self, harness: JaxHarness, policy: Policy, settings: TrainerSettings) -> None:
+        super().__init__(harness, policy, settings)
+        self.tree = _mlp(settings.seed, policy)
+        self.momentum = jax.tree_util.tree_map(jnp.zeros_like, self.tree)
         self._step = jax.jit(self._pure_step, static_argnames=("overflow",))
 
     def _pure_step(self, weights: Any, momentum: Any, state: Any, x: Any, y: Any, *, overflow: bool) -> Any:
@@ -210,23 +177,20 @@ class _FunctionalTrainer:
         weights, momentum = fn.apply_if_finite(found_inf, (new_weights, new_momentum), (weights, momentum), spike=spike)
         return weights, momentum, fn.update(state, found_inf, spike=spike), fn.skipped(found_inf, spike), loss
 
-    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
-        self.weights, self.momentum, self.state, self._skipped, loss = self._step(
-            self.weights, self.momentum, self.state, jnp.asarray(x), jnp.asarray(y), overflow=overflow
+    def run_step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
+        self.tree, self.momentum, self.state, self.skipped, loss = self._step(
+            self.tree, self.momentum, self.state, jnp.asarray(x), jnp.asarray(y), overflow=overflow
         )
         return float(loss)
 
-    def params(self) -> list[np.ndarray]:
-        return [leaf.astype(np.float32) for leaf in _leaves(self.weights)]
+    def weights(self) -> list[Any]:
+        return jax.tree_util.tree_leaves(self.tree)
 
-    def optimizer_state(self) -> list[np.ndarray]:
-        return _leaves(self.momentum)
-
-    def step_skipped(self) -> bool:
-        return self._skipped is not None and bool(np.asarray(self._skipped) > 0)
+    def slots(self) -> list[Any]:
+        return jax.tree_util.tree_leaves(self.momentum)
 
 
-class JaxHarness:
+class JaxHarness(HarnessBase):
     """JAX on its default CPU or GPU device."""
 
     backend = "jax"
@@ -235,16 +199,14 @@ class JaxHarness:
     # None: loss_scaled's skip selects negative zeros, which XLA does not fold into the parameter update (it
     # folded the positive zeros it once selected, rounding Adam's last bit apart from a step without the scaler).
     divergences: Mapping[str, str] = {}
+    trainer_class = _OptaxTrainer
 
-    def __init__(self, device: str) -> None:
+    def check_device(self, device: str) -> None:
         platforms = {d.platform for d in jax.devices()}
         if device == "cuda" and "gpu" not in platforms:
             raise HarnessUnavailable("JAX sees no GPU")
         if device == "cpu" and "gpu" in platforms:
             raise HarnessUnavailable("JAX computes on the GPU in this process; run cpu targets without one")
-        if device not in ("cpu", "cuda"):
-            raise HarnessUnavailable(f"the jax harness runs on cpu and cuda devices, not {device!r}")
-        self.device = device
 
     def op_dtype(self, op: str, policy: Policy) -> str:
         rng = np.random.default_rng(0)
@@ -258,16 +220,5 @@ class JaxHarness:
         output = autocast(_forward, policy=policy)(params, jnp.ones((2, 8)))
         return [str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(params)], str(output.dtype)
 
-    def trainer(
-        self,
-        policy: Policy,
-        *,
-        scaler: Mapping[str, Any] | None = None,
-        optimizer: str = "sgd",
-        clip: float | None = None,
-        seed: int = 0,
-    ) -> _OptaxTrainer:
-        return _OptaxTrainer(policy, scaler, optimizer, clip, seed)
-
     def functional_trainer(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> _FunctionalTrainer:
-        return _FunctionalTrainer(policy, scaler, seed)
+        return _FunctionalTrainer(self, policy, self.settings(scaler, seed=seed))

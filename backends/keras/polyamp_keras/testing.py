@@ -18,7 +18,7 @@ import numpy as np
 
 import polyamp
 from polyamp import Policy
-from polyamp.conformance import HarnessUnavailable
+from polyamp.conformance import HarnessBase, HarnessUnavailable, TrainerBase, TrainerSettings
 from polyamp_keras._keras import keras
 from polyamp_keras._models import op_output_dtype
 from polyamp_keras._optimizer import LossScaleOptimizer
@@ -109,25 +109,20 @@ def apply(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:
         variable.assign(value)
 
 
-class _KerasTrainer:
-    def __init__(
-        self, policy: Policy, scaler: Mapping[str, Any] | None, optimizer: str, clip: float | None, seed: int
-    ) -> None:
-        self.policy = policy
-        self.clip = clip
+class _KerasTrainer(TrainerBase):
+    def __init__(self, harness: KerasHarness, policy: Policy, settings: TrainerSettings) -> None:
+        super().__init__(harness, policy, settings)
         with polyamp.policy_scope(policy):
-            keras.utils.set_random_seed(seed)
+            keras.utils.set_random_seed(settings.seed)
             self.model = cast_outputs(_mlp(), policy)
-        if optimizer == "sgd":
-            inner = keras.optimizers.SGD(0.1, momentum=0.9)
-        elif optimizer == "adam":
-            inner = keras.optimizers.Adam(0.01)
-        else:
-            raise ValueError(f"unknown optimizer {optimizer!r}; the harness knows 'sgd' and 'adam'")
+        inner = settings.make_optimizer(
+            {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: keras.optimizers.Adam(0.01)}
+        )
         if policy.has_training_state_plan:  # the model's variables are in policy.param_dtype already
             inner = PrecisionOptimizer(inner, policy)
         self.variables = list(self.model.trainable_variables)
         self.planted = str(self.variables[0].path)  # the variable step(overflow=True) plants an inf into
+        scaler = settings.scaler
         self.wrapper: LossScaleOptimizer | None = None if scaler is None else LossScaleOptimizer(inner, **scaler)
         # The conformance cases read the scaler the optimizer runs: records, skip count, state dict.
         self.scaler = None if self.wrapper is None else self.wrapper.scaler
@@ -136,26 +131,25 @@ class _KerasTrainer:
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         self._jitted: dict[bool, Any] = {}  # JAX: the compiled step, with and without a planted inf
 
-    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
-        with polyamp.policy_scope(self.policy):  # the program this trainer stands for set this policy
-            if keras_backend() == "jax":
-                return self._jitted_step(x, y, overflow)
-            inputs, targets = ops.convert_to_tensor(x), ops.convert_to_tensor(y)
-            loss, grads = gradients(
-                lambda: self.loss_fn(targets, self.model(inputs, training=True)),
-                self.variables,
-                self.opt,
-                scaled=self.wrapper is not None,
-            )
-            grads = list(grads)
-            if overflow:
-                grads[0] = _plant_inf(grads[0])
-            if self.clip is not None:
-                if self.wrapper is not None:
-                    grads = self.wrapper.get_unscaled_gradients(grads)
-                grads = _clip_by_global_norm(grads, self.clip)
-            apply(self.opt, grads, self.variables)
-            return float(_numpy(loss))
+    def run_step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
+        if keras_backend() == "jax":
+            return self._jitted_step(x, y, overflow)
+        inputs, targets = ops.convert_to_tensor(x), ops.convert_to_tensor(y)
+        loss, grads = gradients(
+            lambda: self.loss_fn(targets, self.model(inputs, training=True)),
+            self.variables,
+            self.opt,
+            scaled=self.wrapper is not None,
+        )
+        grads = list(grads)
+        if overflow:
+            grads[0] = _plant_inf(grads[0])
+        if self.settings.clip is not None:
+            if self.wrapper is not None:
+                grads = self.wrapper.get_unscaled_gradients(grads)
+            grads = _clip_by_global_norm(grads, self.settings.clip)
+        apply(self.opt, grads, self.variables)
+        return float(_numpy(loss))
 
     def _jitted_step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
         """JAX: the whole step in one ``jax.jit`` (as ``fit`` compiles it): the loss scaled and differentiated,
@@ -191,22 +185,25 @@ class _KerasTrainer:
         grads = list(grads)
         if overflow:
             grads[0] = _plant_inf(grads[0])
-        if self.clip is not None:
+        if self.settings.clip is not None:
             if self.wrapper is not None:
                 with keras.StatelessScope(state_mapping=opt_mapping):
                     grads = self.wrapper.get_unscaled_gradients(grads)
-            grads = _clip_by_global_norm(grads, self.clip)
+            grads = _clip_by_global_norm(grads, self.settings.clip)
         new_values, new_opt_values = self.opt.stateless_apply(opt_values, grads, values)
         return loss, list(new_values), list(new_opt_values)
 
-    def params(self) -> list[np.ndarray]:
-        return [_numpy(v).astype(np.float32) for v in self.variables]
+    def to_numpy(self, value: Any) -> np.ndarray:
+        return _numpy(value)
 
-    def optimizer_state(self) -> list[np.ndarray]:
+    def weights(self) -> list[Any]:
+        return self.variables
+
+    def slots(self) -> list[Any]:
         # With a training-state plan, the PrecisionOptimizer's variables: slots, master copies, compensation
         # buffers, the random state and the inner optimizer's iterations and learning rate.
         inner = self.wrapper.inner_optimizer if self.wrapper is not None else self.opt
-        return [_numpy(v) for v in inner.variables]
+        return list(inner.variables)
 
     def step_skipped(self) -> bool:
         return self.wrapper is not None and bool(_numpy(self.wrapper.last_skipped))
@@ -256,7 +253,7 @@ def _device_available(device: str) -> bool:
         return False
 
 
-class KerasHarness:
+class KerasHarness(HarnessBase):
     """Keras 3 on this process's backend, on one device type ("<backend>-cpu" or "<backend>-cuda").
 
     Keras computes on the default device of its backend; this harness does not move computation, so a
@@ -267,8 +264,9 @@ class KerasHarness:
     devices = (f"{keras_backend()}-cpu", f"{keras_backend()}-cuda")
     capabilities = frozenset({"low_precision", "guard", "precision"})
     divergences: Mapping[str, str] = DIVERGENCES
+    trainer_class = _KerasTrainer
 
-    def __init__(self, device: str) -> None:
+    def check_device(self, device: str) -> None:
         backend, _, kind = device.rpartition("-")
         if backend != keras_backend():
             raise HarnessUnavailable(
@@ -283,7 +281,6 @@ class KerasHarness:
             raise HarnessUnavailable(
                 f"Keras on {backend} computes on the GPU in this process; run cpu targets without one"
             )
-        self.device = device
 
     def op_dtype(self, op: str, policy: Policy) -> str:
         return keras_op_dtype(op, policy)
@@ -294,17 +291,6 @@ class KerasHarness:
             output = model(ops.convert_to_tensor(np.ones((2, 8), "float32")))
         dtypes = [str(keras.backend.standardize_dtype(v.dtype)) for v in model.trainable_variables]
         return dtypes, str(keras.backend.standardize_dtype(output.dtype))
-
-    def trainer(
-        self,
-        policy: Policy,
-        *,
-        scaler: Mapping[str, Any] | None = None,
-        optimizer: str = "sgd",
-        clip: float | None = None,
-        seed: int = 0,
-    ) -> _KerasTrainer:
-        return _KerasTrainer(policy, scaler, optimizer, clip, seed)
 
     def new_scaler(self, **settings: Any) -> LossScaleOptimizer:
         return LossScaleOptimizer(keras.optimizers.SGD(0.0), **settings)

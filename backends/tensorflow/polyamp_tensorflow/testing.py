@@ -12,7 +12,7 @@ import numpy as np
 
 import polyamp
 from polyamp import LossScaler, Policy
-from polyamp.conformance import HarnessUnavailable
+from polyamp.conformance import HarnessBase, HarnessUnavailable, LoopBase, TrainerBase, TrainerSettings
 from polyamp_keras import cast_outputs
 from polyamp_keras.testing import DIVERGENCES, keras_op_dtype
 from polyamp_tensorflow._framework import keras, tf
@@ -30,40 +30,29 @@ def _mlp() -> Any:
     return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
 
 
-class _KerasTrainer:
-    def __init__(
-        self,
-        device: str,
-        policy: Policy,
-        scaler: Mapping[str, Any] | None,
-        optimizer: str,
-        clip: float | None,
-        seed: int,
-    ) -> None:
-        self.device = device
-        self.clip = clip
-        self.policy = policy
-        with tf.device(device), polyamp.policy_scope(policy):
-            keras.utils.set_random_seed(seed)
-            self.model = cast_outputs(_mlp(), policy)
-            self.scaler: LossScaler | None = None if scaler is None else LossScaler(**scaler, backend="tensorflow")
-        if optimizer == "sgd":
-            self.opt = keras.optimizers.SGD(0.1, momentum=0.9)
-        elif optimizer == "adam":
-            self.opt = keras.optimizers.Adam(0.01)
-        else:
-            raise ValueError(f"unknown optimizer {optimizer!r}; the harness knows 'sgd' and 'adam'")
+def _model_and_scaler(driver: TrainerBase | LoopBase, device: str) -> tuple[Any, LossScaler | None]:
+    """The seeded model and the scaler of a trainer or loop, made on ``device`` under its policy."""
+    with tf.device(device), polyamp.policy_scope(driver.policy):
+        keras.utils.set_random_seed(driver.settings.seed)
+        return cast_outputs(_mlp(), driver.policy), driver.make_scaler()
+
+
+class _KerasTrainer(TrainerBase):
+    def __init__(self, harness: TensorFlowHarness, policy: Policy, settings: TrainerSettings) -> None:
+        super().__init__(harness, policy, settings)
+        self.device = harness.tf_device
+        self.model, self.scaler = _model_and_scaler(self, self.device)
+        self.opt = settings.make_optimizer(
+            {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: keras.optimizers.Adam(0.01)}
+        )
         self.opt.build(self.model.trainable_variables)
         #: The variable ``step(overflow=True)`` plants an inf in (its first gradient element).
         self.planted = str(self.model.trainable_variables[0].path)
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
-        with polyamp.policy_scope(self.policy):  # the program this trainer stands for set this policy
-            return self._step(x, y, overflow)
-
-    def _step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
+    def run_step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
         variables = self.model.trainable_variables
+        clip = self.settings.clip
         with tf.device(self.device):
             with tf.GradientTape() as tape:
                 loss = self.loss_fn(y, self.model(x, training=True))
@@ -71,36 +60,33 @@ class _KerasTrainer:
             grads = tape.gradient(scaled, variables)
             if overflow:
                 grads[0] = tf.tensor_scatter_nd_update(grads[0], [[0] * len(grads[0].shape)], [float("inf")])
-            if self.clip is not None:
+            if clip is not None:
                 if self.scaler is not None:
                     grads = self.scaler.unscale(grads)
-                grads, _ = tf.clip_by_global_norm(grads, self.clip)
+                grads, _ = tf.clip_by_global_norm(grads, clip)
             if self.scaler is not None:
                 self.scaler.apply_gradients(self.opt, zip(grads, variables, strict=True))
             else:
                 self.opt.apply_gradients(zip(grads, variables, strict=True))
         return float(loss.numpy())
 
-    def params(self) -> list[np.ndarray]:
-        return [np.array(v.value.numpy(), dtype=np.float32) for v in self.model.trainable_variables]
+    def to_numpy(self, value: Any) -> np.ndarray:
+        return np.asarray(value.numpy())
 
-    def optimizer_state(self) -> list[np.ndarray]:
-        return [np.array(v.value.numpy()) for v in self.opt.variables]
+    def weights(self) -> list[Any]:
+        return [v.value for v in self.model.trainable_variables]
 
-    def step_skipped(self) -> bool:
-        return self.scaler is not None and bool(self.scaler.step_skipped(self.opt).numpy())
+    def slots(self) -> list[Any]:
+        return [v.value for v in self.opt.variables]
 
 
-class _KerasLoop:
+class _KerasLoop(LoopBase):
     """A two-layer model, one SGD optimizer per layer, driven call by call (see `polyamp.conformance.Loop`)."""
 
-    def __init__(self, device: str, policy: Policy, scaler: Mapping[str, Any], seed: int) -> None:
-        self.device = device
-        self.policy = policy
-        with tf.device(device), polyamp.policy_scope(policy):
-            keras.utils.set_random_seed(seed)
-            self.model = cast_outputs(_mlp(), policy)
-            self.scaler = LossScaler(**scaler, backend="tensorflow")
+    def __init__(self, harness: TensorFlowHarness, policy: Policy, settings: TrainerSettings) -> None:
+        super().__init__(harness, policy, settings)
+        self.device = harness.tf_device
+        self.model, self.scaler = _model_and_scaler(self, self.device)
         dense = [layer for layer in self.model.layers[0].layers if isinstance(layer, keras.layers.Dense)]
         self._variables = [layer.trainable_variables for layer in dense]
         self.optimizers = [keras.optimizers.SGD(0.1, momentum=0.9) for _ in dense]
@@ -108,17 +94,9 @@ class _KerasLoop:
             optimizer.build(variables)
         self.grads: list[list[Any]] = [[], []]
         self._loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        self._batch = 0
 
-    def backward(self, overflow: Collection[int] = ()) -> None:
-        with polyamp.policy_scope(self.policy):
-            self._backward(overflow)
-
-    def _backward(self, overflow: Collection[int]) -> None:
-        rng = np.random.default_rng(self._batch)
-        self._batch += 1
-        x = rng.normal(size=(16, 8)).astype("float32")
-        y = rng.integers(0, 4, size=(16,))
+    def run_backward(self, overflow: Collection[int]) -> None:
+        x, y = self.next_batch()
         with tf.device(self.device):
             with tf.GradientTape() as tape:
                 scaled = self.scaler.scale(self._loss_fn(y, self.model(x, training=True)))
@@ -135,69 +113,57 @@ class _KerasLoop:
         with tf.device(self.device):
             self.scaler.step(self.optimizers[index], zip(self.grads[index], self._variables[index], strict=True))
 
-    def update(self) -> None:
-        self.scaler.update()
+    def to_numpy(self, value: Any) -> np.ndarray:
+        return np.asarray(value.numpy())
 
-    def params(self, index: int) -> list[np.ndarray]:
-        return [np.array(v.value.numpy(), dtype=np.float32) for v in self._variables[index]]
+    def weights(self, index: int) -> list[Any]:
+        return [v.value for v in self._variables[index]]
 
-    def optimizer_state(self, index: int) -> list[np.ndarray]:
-        return [np.array(v.value.numpy()) for v in self.optimizers[index].variables]
+    def slots(self, index: int) -> list[Any]:
+        return [v.value for v in self.optimizers[index].variables]
 
 
-class TensorFlowHarness:
+class TensorFlowHarness(HarnessBase):
     """TensorFlow / Keras 3 on one device type ("cpu" or "cuda")."""
 
     backend = "tensorflow"
     devices = ("cpu", "cuda")
     capabilities = frozenset({"low_precision", "guard"})
     divergences: Mapping[str, str] = DIVERGENCES
+    trainer_class = _KerasTrainer
 
-    def __init__(self, device: str) -> None:
+    def check_device(self, device: str) -> None:
         if keras.backend.backend() != "tensorflow":
             raise HarnessUnavailable(
                 f"Keras runs on {keras.backend.backend()} in this process; the tensorflow harness needs "
                 "KERAS_BACKEND=tensorflow"
             )
-        if device == "cuda":
-            if not tf.config.list_physical_devices("GPU"):
-                raise HarnessUnavailable(f"TensorFlow {tf.__version__} sees no GPU")
-            self._device = "/GPU:0"
-        elif device == "cpu":
-            self._device = "/CPU:0"
-        else:
-            raise HarnessUnavailable(f"the tensorflow harness runs on 'cpu' and 'cuda', not {device!r}")
-        self.device = device
+        if device == "cuda" and not tf.config.list_physical_devices("GPU"):
+            raise HarnessUnavailable(f"TensorFlow {tf.__version__} sees no GPU")
+
+    @property
+    def tf_device(self) -> str:
+        """The TensorFlow device the harness computes on."""
+        return "/GPU:0" if self.device == "cuda" else "/CPU:0"
 
     def _tensor(self, shape: tuple[int, ...], seed: int = 0) -> Any:
-        with tf.device(self._device):
+        with tf.device(self.tf_device):
             return tf.constant(np.random.default_rng(seed).normal(size=shape).astype("float32"))
 
     def op_dtype(self, op: str, policy: Policy) -> str:
-        with tf.device(self._device):
+        with tf.device(self.tf_device):
             return keras_op_dtype(op, policy)
 
     def model_dtypes(self, policy: Policy) -> tuple[list[str], str]:
-        with tf.device(self._device), polyamp.policy_scope(policy):
+        with tf.device(self.tf_device), polyamp.policy_scope(policy):
             model = cast_outputs(_mlp(), policy)
             output = model(self._tensor((2, 8)))
         return [_dtype_name(v) for v in model.trainable_variables], _dtype_name(output)
 
-    def trainer(
-        self,
-        policy: Policy,
-        *,
-        scaler: Mapping[str, Any] | None = None,
-        optimizer: str = "sgd",
-        clip: float | None = None,
-        seed: int = 0,
-    ) -> _KerasTrainer:
-        return _KerasTrainer(self._device, policy, scaler, optimizer, clip, seed)
-
     def tiny_gradient(
         self, x: np.ndarray, w: np.ndarray, factor: float, policy: Policy, scaler: LossScaler | None
     ) -> np.ndarray:
-        with tf.device(self._device), polyamp.policy_scope(policy):
+        with tf.device(self.tf_device), polyamp.policy_scope(policy):
             layer = keras.layers.Dense(w.shape[1], use_bias=False)
             layer.build((None, w.shape[0]))
             layer.kernel.assign(w)
@@ -214,4 +180,4 @@ class TensorFlowHarness:
         return scaler.scale(loss) is loss
 
     def loop(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> _KerasLoop:
-        return _KerasLoop(self._device, policy, scaler, seed)
+        return _KerasLoop(self, policy, self.settings(scaler, seed=seed))

@@ -6,14 +6,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
-import polyamp
 from polyamp import LossScaler, Policy
-from polyamp.conformance import HarnessUnavailable
+from polyamp.conformance import HarnessBase, HarnessUnavailable, LoopBase, TrainerBase, TrainerSettings
 from polyamp_torch._autocast import autocast
 from polyamp_torch._framework import torch
 from polyamp_torch._modules import apply_policy
@@ -37,44 +36,37 @@ def _state_array(value: object) -> np.ndarray:
     return tensor.detach().cpu().numpy().copy()
 
 
+def _state_values(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> Iterator[object]:
+    """The optimizer's state values of each parameter in turn, by key."""
+    for param in params:
+        for _, value in sorted(optimizer.state.get(param, {}).items()):
+            yield value
+
+
 def _dtype_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-class _TorchTrainer:
-    def __init__(
-        self,
-        device: str,
-        policy: Policy,
-        scaler: Mapping[str, Any] | None,
-        optimizer: str,
-        clip: float | None,
-        seed: int,
-    ) -> None:
-        self.device = device
-        self.policy = policy
-        self.clip = clip
-        torch.manual_seed(seed)
-        self.model = apply_policy(_mlp().to(device), policy, device_type=device)
+class _TorchTrainer(TrainerBase):
+    def __init__(self, harness: TorchHarness, policy: Policy, settings: TrainerSettings) -> None:
+        super().__init__(harness, policy, settings)
+        self.device = harness.device
+        torch.manual_seed(settings.seed)
+        self.model = apply_policy(_mlp().to(self.device), policy, device_type=self.device)
         params = list(self.model.named_parameters())  # torch keeps the names (param_names) for the records
         #: The parameter ``step(overflow=True)`` plants an inf in (its first gradient element).
         self.planted = params[0][0]
-        if optimizer == "sgd":
-            self.opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-        elif optimizer == "adam":
-            self.opt = torch.optim.Adam(params, lr=0.01)
-        else:
-            raise ValueError(f"unknown optimizer {optimizer!r}; the harness knows 'sgd' and 'adam'")
+        self.opt: torch.optim.Optimizer = settings.make_optimizer(
+            {
+                "sgd": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                "adam": lambda: torch.optim.Adam(params, lr=0.01),
+            }
+        )
         if policy.has_training_state_plan:  # the parameters are in the policy's param dtype (apply_policy)
-            self.opt = PrecisionOptimizer(self.opt, policy, seed=seed)
-        with polyamp.policy_scope(policy):  # enabled=None follows this trainer's policy
-            self.scaler: LossScaler | None = None if scaler is None else LossScaler(**scaler, backend="torch")
+            self.opt = PrecisionOptimizer(self.opt, policy, seed=settings.seed)
+        self.scaler = self.make_scaler()
 
-    def step(self, x: np.ndarray, y: np.ndarray, *, overflow: bool = False) -> float:
-        with polyamp.policy_scope(self.policy):  # the program this trainer stands for set this policy
-            return self._step(x, y, overflow)
-
-    def _step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
+    def run_step(self, x: np.ndarray, y: np.ndarray, overflow: bool) -> float:
         inputs = torch.from_numpy(x).to(self.device)
         targets = torch.from_numpy(y).to(self.device)
         self.opt.zero_grad(set_to_none=True)
@@ -85,10 +77,10 @@ class _TorchTrainer:
             grad = dict(self.model.named_parameters())[self.planted].grad
             assert grad is not None, "the planted parameter has a gradient after backward"
             grad.view(-1)[0] = float("inf")
-        if self.clip is not None:
+        if self.settings.clip is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.opt)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.clip)
         if self.scaler is not None:
             self.scaler.step(self.opt)
             self.scaler.update()
@@ -96,43 +88,33 @@ class _TorchTrainer:
             self.opt.step()
         return float(loss.detach().float().cpu())
 
-    def params(self) -> list[np.ndarray]:
-        return [p.detach().float().cpu().numpy().copy() for p in self.model.parameters()]
+    def to_numpy(self, value: object) -> np.ndarray:
+        return _state_array(value)
 
-    def optimizer_state(self) -> list[np.ndarray]:
+    def weights(self) -> Iterator[torch.Tensor]:
+        return self.model.parameters()
+
+    def slots(self) -> Iterator[object]:
         """Every state tensor per parameter, by key: the slots and, under a training-state plan, the master copy
         (``polyamp_master``) and compensation buffer (``polyamp_compensation``), each as stored."""
-        arrays = []
-        for param in self.model.parameters():
-            for _, value in sorted(self.opt.state.get(param, {}).items()):
-                arrays.append(_state_array(value))
-        return arrays
-
-    def step_skipped(self) -> bool:
-        return self.scaler is not None and bool(self.scaler.step_skipped(self.opt))
+        return _state_values(self.opt, self.model.parameters())
 
 
-class _TorchLoop:
+class _TorchLoop(LoopBase):
     """A two-layer model, one SGD optimizer per layer, driven call by call (see `polyamp.conformance.Loop`)."""
 
-    def __init__(self, device: str, policy: Policy, scaler: Mapping[str, Any], seed: int) -> None:
-        self.device = device
-        self.policy = policy
-        torch.manual_seed(seed)
-        mlp = _mlp().to(device)
+    def __init__(self, harness: TorchHarness, policy: Policy, settings: TrainerSettings) -> None:
+        super().__init__(harness, policy, settings)
+        self.device = harness.device
+        torch.manual_seed(settings.seed)
+        mlp = _mlp().to(self.device)
         layers: list[torch.nn.Module] = [mlp[0], mlp[2]]
-        self.model = apply_policy(mlp, policy, device_type=device)
+        self.model = apply_policy(mlp, policy, device_type=self.device)
         self.optimizers = [torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9) for layer in layers]
         self._layers = layers
-        with polyamp.policy_scope(policy):
-            self.scaler = LossScaler(**scaler, backend="torch")
-        self._batch = 0
+        self.scaler = self.make_scaler()
 
-    def backward(self, overflow: Collection[int] = ()) -> None:
-        with polyamp.policy_scope(self.policy):
-            self._backward(overflow)
-
-    def _backward(self, overflow: Collection[int]) -> None:
+    def run_backward(self, overflow: Collection[int]) -> None:
         generator = torch.Generator().manual_seed(self._batch)
         self._batch += 1
         x = torch.randn(16, 8, generator=generator).to(self.device)
@@ -147,25 +129,14 @@ class _TorchLoop:
             assert grad is not None
             grad.view(-1)[0] = float("inf")
 
-    def unscale(self, index: int) -> None:
-        self.scaler.unscale_(self.optimizers[index])
+    def to_numpy(self, value: object) -> np.ndarray:
+        return _state_array(value)
 
-    def step(self, index: int) -> None:
-        self.scaler.step(self.optimizers[index])
+    def weights(self, index: int) -> Iterator[torch.Tensor]:
+        return self._layers[index].parameters()
 
-    def update(self) -> None:
-        self.scaler.update()
-
-    def params(self, index: int) -> list[np.ndarray]:
-        return [p.detach().float().cpu().numpy().copy() for p in self._layers[index].parameters()]
-
-    def optimizer_state(self, index: int) -> list[np.ndarray]:
-        optimizer = self.optimizers[index]
-        arrays = []
-        for param in self._layers[index].parameters():
-            for _, value in sorted(optimizer.state.get(param, {}).items()):
-                arrays.append(_state_array(value))
-        return arrays
+    def slots(self, index: int) -> Iterator[object]:
+        return _state_values(self.optimizers[index], self._layers[index].parameters())
 
 
 #: Why the records of a run with ``skip_on_device=True`` name no parameter when read after later steps.
@@ -176,7 +147,7 @@ SKIPPED_ON_DEVICE_NAMES = (
 )
 
 
-class TorchHarness:
+class TorchHarness(HarnessBase):
     """PyTorch on one device type ("cpu" or "cuda")."""
 
     backend = "torch"
@@ -184,18 +155,19 @@ class TorchHarness:
     capabilities = frozenset({"low_precision", "guard", "precision"})
     #: PyTorch follows polyamp's semantics everywhere (on CPU, polyamp regions supply CUDA's float32 ops).
     divergences: Mapping[str, str] = {}
+    trainer_class = _TorchTrainer
 
     def __init__(self, device: str) -> None:
-        if device == "cuda" and not torch.cuda.is_available():
-            raise HarnessUnavailable(f"torch {torch.__version__} sees no CUDA device")
-        if device not in ("cpu", "cuda"):
-            raise HarnessUnavailable(f"the torch harness runs on 'cpu' and 'cuda', not {device!r}")
-        self.device = device
+        super().__init__(device)
         #: ``POLYAMP_TORCH_SKIP_ON_DEVICE=1``: every case's scaler takes ``skip_on_device=True``, so the suite
         #: checks the masked commit's semantics against the same expectations.
-        self.skip_on_device = os.environ.get("POLYAMP_TORCH_SKIP_ON_DEVICE") == "1"
-        if self.skip_on_device:
+        if os.environ.get("POLYAMP_TORCH_SKIP_ON_DEVICE") == "1":
+            self.extra_scaler_options = {"skip_on_device": True}
             self.divergences = {"names_read_late": SKIPPED_ON_DEVICE_NAMES}
+
+    def check_device(self, device: str) -> None:
+        if device == "cuda" and not torch.cuda.is_available():
+            raise HarnessUnavailable(f"torch {torch.__version__} sees no CUDA device")
 
     def _tensor(self, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
         generator = torch.Generator().manual_seed(seed)
@@ -232,23 +204,6 @@ class TorchHarness:
             output = model(self._tensor((2, 8)))
         return [_dtype_name(p) for p in model.parameters()], _dtype_name(output)
 
-    def _scaler_options(self, scaler: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-        """The case's scaler options, with ``skip_on_device=True`` added when the run asks for it."""
-        if scaler is None or not self.skip_on_device:
-            return scaler
-        return {**scaler, "skip_on_device": True}
-
-    def trainer(
-        self,
-        policy: Policy,
-        *,
-        scaler: Mapping[str, Any] | None = None,
-        optimizer: str = "sgd",
-        clip: float | None = None,
-        seed: int = 0,
-    ) -> _TorchTrainer:
-        return _TorchTrainer(self.device, policy, self._scaler_options(scaler), optimizer, clip, seed)
-
     def tiny_gradient(
         self, x: np.ndarray, w: np.ndarray, factor: float, policy: Policy, scaler: LossScaler | None
     ) -> np.ndarray:
@@ -272,6 +227,4 @@ class TorchHarness:
         return scaler.scale(loss) is loss
 
     def loop(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> _TorchLoop:
-        options = self._scaler_options(scaler)
-        assert options is not None
-        return _TorchLoop(self.device, policy, options, seed)
+        return _TorchLoop(self, policy, self.settings(scaler, seed=seed))
