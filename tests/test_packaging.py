@@ -20,6 +20,7 @@ import sys
 import tarfile
 import tomllib
 import zipfile
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -46,50 +47,60 @@ BACKENDS = {
     "keras": ("polyamp_keras", ("keras",)),
     "jax": ("polyamp_jax", ("jax", "optax")),
 }
+#: The conftest fixture run_bounded: a subprocess bounded by POLYAMP_TEST_TIMEOUT.
+RunBounded = Callable[..., "subprocess.CompletedProcess[str]"]
+
 #: Which framework modules a bare ``import polyamp`` must leave unimported.
 FRAMEWORKS = ("torch", "tensorflow", "keras", "jax", "numpy")
 
 
-def _run(*args: str | Path, cwd: Path | None = None) -> str:
-    result = subprocess.run(
-        [str(arg) for arg in args],
-        cwd=cwd,
-        env={
-            **{key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME")},
-            "TF_CPP_MIN_LOG_LEVEL": "2",
-            "PYTHONNOUSERSITE": "1",
-        },
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+def _run(run_bounded: RunBounded, *args: str | Path, cwd: Path | None = None) -> str:
+    """The command's output; it must succeed. Run without PYTHONPATH, so a source checkout never stands in for
+    what was built and installed."""
+    environment = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME")}
+    environment |= {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONNOUSERSITE": "1"}
+    result = run_bounded([str(arg) for arg in args], cwd=cwd, env=environment)
     assert result.returncode == 0, f"{args}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result.stdout
 
 
 @pytest.fixture(scope="module")
-def dists(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def dists(run_bounded: RunBounded, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The sdist and the wheel built from it (without build isolation: the test extra holds hatchling)."""
     for module in ("build", "twine", "hatchling"):
         pytest.importorskip(module, reason=f"{module} is not installed: pip install '.[test]' brings it")
     out = tmp_path_factory.mktemp("dist")
-    _run(sys.executable, "-m", "build", "--no-isolation", "--outdir", out, ROOT)
+    _run(run_bounded, sys.executable, "-m", "build", "--no-isolation", "--outdir", out, ROOT)
     sdists, wheels = sorted(out.glob("*.tar.gz")), sorted(out.glob("*.whl"))
     assert len(sdists) == 1 and len(wheels) == 1, sorted(out.iterdir())
     return {"sdist": sdists[0], "wheel": wheels[0]}
 
 
 @pytest.fixture(scope="module")
-def venv(dists: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def venv(run_bounded: RunBounded, dists: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh virtual environment with the wheel alone installed, which sees this environment's frameworks
     after its own site-packages."""
     root = tmp_path_factory.mktemp("venv") / "venv"
-    _run(sys.executable, "-m", "venv", root)
-    python = root / "bin" / "python"
-    _run(python, "-m", "pip", "install", "--no-deps", "--no-index", "--disable-pip-version-check", dists["wheel"])
-    own = Path(_run(python, "-I", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").strip())
+    _run(run_bounded, sys.executable, "-m", "venv", root)
+    python = _python(root)
+    _run(
+        run_bounded,
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-index",
+        "--disable-pip-version-check",
+        dists["wheel"],
+    )
+    own = Path(_run(run_bounded, python, "-I", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").strip())
     (own / "zz_frameworks.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     return root
+
+
+def _python(venv: Path) -> Path:
+    return venv / ("Scripts" if os.name == "nt" else "bin") / "python"
 
 
 def _public_names() -> list[str]:
@@ -99,13 +110,13 @@ def _public_names() -> list[str]:
     raise AssertionError("polyamp/__init__.py has no __all__")
 
 
-def _in_venv(venv: Path, script: str) -> Any:
+def _in_venv(run_bounded: RunBounded, venv: Path, script: str) -> Any:
     """What ``script`` prints as JSON, run isolated (no PYTHONPATH, no working folder) by the venv's Python."""
-    return json.loads(_run(venv / "bin" / "python", "-I", "-c", script, cwd=venv).strip().splitlines()[-1])
+    return json.loads(_run(run_bounded, _python(venv), "-I", "-c", script, cwd=venv).strip().splitlines()[-1])
 
 
-def test_twine_check_passes_on_the_sdist_and_the_wheel(dists: dict[str, Path]) -> None:
-    out = _run(sys.executable, "-m", "twine", "check", "--strict", dists["sdist"], dists["wheel"])
+def test_twine_check_passes_on_the_sdist_and_the_wheel(run_bounded: RunBounded, dists: dict[str, Path]) -> None:
+    out = _run(run_bounded, sys.executable, "-m", "twine", "check", "--strict", dists["sdist"], dists["wheel"])
     assert out.count("PASSED") == 2, out
 
 
@@ -134,8 +145,9 @@ def test_the_sdist_holds_what_builds_the_wheel_and_the_readme(dists: dict[str, P
         assert PurePosixPath(path) in names, path
 
 
-def test_the_core_imports_from_the_fresh_environment_without_any_framework(venv: Path) -> None:
+def test_the_core_imports_from_the_fresh_environment_without_any_framework(run_bounded: RunBounded, venv: Path) -> None:
     found = _in_venv(
+        run_bounded,
         venv,
         "import json, site, sys\n"
         f"sys.path = [p for p in sys.path if p not in {site.getsitepackages()!r}]\n"
@@ -152,12 +164,15 @@ def test_the_core_imports_from_the_fresh_environment_without_any_framework(venv:
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_each_backend_imports_from_the_fresh_environment_with_its_extra(backend: str, venv: Path) -> None:
+def test_each_backend_imports_from_the_fresh_environment_with_its_extra(
+    backend: str, run_bounded: RunBounded, venv: Path
+) -> None:
     package, frameworks = BACKENDS[backend]
     missing = [name for name in frameworks if importlib.util.find_spec(name) is None]
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed: pip install 'polyamp[{backend}]'")
     paths = _in_venv(
+        run_bounded,
         venv,
         "import json, sys\n"
         f"import polyamp, {package}\n"
@@ -169,9 +184,10 @@ def test_each_backend_imports_from_the_fresh_environment_with_its_extra(backend:
 
 
 @pytest.fixture(scope="module")
-def installed(venv: Path) -> dict[str, Any]:
+def installed(run_bounded: RunBounded, venv: Path) -> dict[str, Any]:
     """The installed distribution's requirements, extras, location and pytest plugins, read in the venv."""
     return _in_venv(
+        run_bounded,
         venv,
         "import json\n"
         "from importlib import metadata\n"
