@@ -47,7 +47,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _is_case(function: Any) -> bool:
-    return getattr(function, "__module__", None) == CASES_MODULE
+    module = getattr(function, "__module__", None) or ""
+    return module == CASES_MODULE or module.startswith(CASES_MODULE + ".")
 
 
 def _targets(config: pytest.Config) -> list[tuple[str, str]]:
