@@ -13,6 +13,9 @@ A backend never imports ``polyamp._src``; it imports this package (and ``polyamp
   (steps without scaling checked), `ProvenanceDevice` / `FunctionalProvenanceDevice` (which gradients held
   inf/NaN), `SpikeDevice` / `FunctionalSpikeDevice` (`polyamp.SpikeRule`); and the `OptionalMethods`, one
   capability each. The core reads which a device has once, when a scaler binds;
+* `ArrayDevice`, the stateful device work written once over `rules.ArrayOps` for a framework of eager,
+  replaceable arrays (the scale, the skip count, step records, the spike window): such a backend adds only
+  its loss scaling, unscaling and step;
 * the device rules (`rules`): the loss-scale rule, the spike rule, the record codes and the non-finite counts,
   written once over `rules.ArrayOps`, which a device calls with its framework's namespace;
 * the core's helpers, by subject, so that messages and numerics match: `arguments` (checks and wording),
@@ -25,6 +28,7 @@ the device form only performs device operations. A complete worked example is th
 test suite (tests/numpy_backend/).
 """
 
+from polyamp._src.array_device import ArrayDevice
 from polyamp._src.backend import (
     Backend,
     Flag,
@@ -65,6 +69,7 @@ from polyamp.backend_api import (
 )
 
 __all__ = [
+    "ArrayDevice",
     "Backend",
     "BackendSpec",
     "Flag",
