@@ -58,19 +58,6 @@ class OutcomesPart(ScalerBase):
         """
         return self._history.summary()
 
-    def restored_on_device(self) -> None:
-        """Say that the bound device's variables were restored by the framework itself (an optimizer's
-        weights loaded from a Keras file): the records go on from the restored ring, replayed from the
-        restored state. Read `records` before restoring: those records belong to the state replaced.
-
-        Raises:
-            ScalerUsageError: the scaler is not bound.
-        """
-        if self._device is None:
-            raise ScalerUsageError("restored_on_device() needs a bound scaler: nothing was restored on a device.")
-        self._skipped_before = 0  # the restored variables hold the run's skip count
-        self._history.restart(self._device.read_state())
-
     def _remember(self, optimizer: Any, found_inf: Any, skipped: bool | None) -> None:
         self._outcomes.write(self._device, optimizer, found_inf, skipped)
         self._history.note_step(optimizer, skipped)

@@ -22,7 +22,7 @@ from polyamp import (
     SpikeRule,
     StateDictError,
 )
-from polyamp.backend_api import detect_backend
+from polyamp.backend_api import ScalerAdapter, detect_backend
 from polyamp.backend_api.arguments import (
     NOT_GIVEN,
     NOT_SCALED_RULE,
@@ -439,7 +439,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self._saved_state(store)
         self.records()  # the records so far belong to the state being replaced
         super().load_own_variables(store)
-        self._scaler.restored_on_device()
+        ScalerAdapter(self._scaler).restored_on_device()
 
     def _joined_provenance(self, store: Any) -> Any:
         """``store`` as this optimizer's variables lay out, when it was saved with the non-finite counts and
@@ -564,7 +564,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
     def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
         """The stateless step (JAX; what ``model.fit`` uses there): variables in, new values out.
 
-        The scaler's host-side decisions are `polyamp.LossScaler.functional_iteration`'s, the device values
+        The scaler's host-side decisions are `polyamp.backend_api.ScalerAdapter.functional_iteration`'s, the device values
         `polyamp.FunctionalLossScaler`'s over this optimizer's variables; a skipped step's parameters and
         inner optimizer state are the old ones, selected inside the compiled step.
         """
@@ -579,7 +579,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         trainable = [v.value if isinstance(v, keras.Variable) else v for v in trainable_variables]
         if any(is_tracer(value) for value in [*grads, *trainable]):
             self._device.note_traced()
-        mode, unscaled = self._scaler.functional_iteration(grads, "stateless_apply()")
+        mode, unscaled = ScalerAdapter(self._scaler).functional_iteration(grads, "stateless_apply()")
         if mode == "scaling":
             refuse_loss_scale_factor(self.inner_optimizer, "a LossScaleOptimizer wraps it")
         fn = self._functional_form(mode)
