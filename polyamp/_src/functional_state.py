@@ -24,14 +24,7 @@ from polyamp._src.run_summary import RunSummary
 from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
 from polyamp._src.skip_streak import ParameterCheck
 from polyamp._src.spikes import SpikeRule
-from polyamp._src.state_dict import (
-    is_disabled_torch_state,
-    parse_skipped_steps,
-    parse_spike_run,
-    parse_spike_window,
-    parse_state_dict,
-    to_state_dict,
-)
+from polyamp._src.state_dict import is_disabled_torch_state, parse_scaler_state, to_state_dict
 
 __all__ = ["FunctionalMode", "FunctionalStatePart"]
 
@@ -216,11 +209,10 @@ class FunctionalStatePart:
             if counting:
                 fresh["provenance"] = self._provenance_device("load_state_dict()").provenance_reset(like["provenance"])
             return fresh
-        config, host = parse_state_dict(state_dict, self._config, loader_disabled=disabled)
         rule = self._rule
-        window = parse_spike_window(state_dict, None if rule is None else rule.window)
-        run = parse_spike_run(state_dict)
-        skipped = parse_skipped_steps(state_dict)
+        config, host, window, run, skipped = parse_scaler_state(
+            state_dict, self._config, loader_disabled=disabled, window=None if rule is None else rule.window
+        )
         if config != self._config and self._traced is not None and self._traced():
             changed = ", ".join(
                 f"{name}: {old!r} -> {new!r}"
