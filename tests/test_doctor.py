@@ -894,3 +894,26 @@ def test_doctor_reports_the_training_state_per_plan() -> None:
     assert "  bfloat16_kahan                 2      2       0      2             2      8" in text
     bad = _run("doctor", "--parameters", "lots")
     assert bad.returncode == 2 and "expected a positive number of parameters" in bad.stderr and "'lots'" in bad.stderr
+
+
+def test_devices_come_from_each_backends_device_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    import polyamp_torch._devices
+
+    specs = polyamp.backend_api.backend_specs()
+    assert {name: specs[name].device_probe for name in doctor.FRAMEWORKS} == {
+        "torch": "polyamp_torch._devices:probe_devices",
+        "tensorflow": "polyamp_tensorflow._devices:probe_devices",
+        "jax": "polyamp_jax._devices:probe_devices",
+    }
+    found = [("cuda", 0, "NVIDIA H100 80GB HBM3", (9, 0)), ("cuda", 1, "NVIDIA H100 80GB HBM3", (9, 0))]
+    monkeypatch.setattr(polyamp_torch._devices, "probe_devices", lambda: (found, []))
+    report = doctor.diagnose(frameworks=["torch"])
+    assert [(d.framework, d.kind, d.index, d.name, d.compute_capability) for d in report.devices] == [
+        ("torch", *device) for device in found
+    ]
+    assert report.recommendation.policy == "mixed_bfloat16" and report.notes == ()
+    monkeypatch.setattr(polyamp_torch._devices, "probe_devices", lambda: 1 / 0)
+    broken = doctor.diagnose(frameworks=["torch"])
+    assert broken.devices == () and broken.probed == ()
+    assert broken.notes == ("torch: could not list devices (ZeroDivisionError: division by zero)",)

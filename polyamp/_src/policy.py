@@ -324,7 +324,7 @@ class Policy:
         PolyampTypeError: (a ``TypeError``) ``spec`` is neither a string nor a `Policy`, or both a spec
             and keywords were given.
 
-    Example:
+    Examples:
         >>> import polyamp
         >>> policy = polyamp.Policy("mixed_bfloat16")
         >>> policy.param_dtype, policy.compute_dtype, policy.output_dtype

@@ -171,8 +171,8 @@ def advance(
 
     ``branch``: the finite half branches on the growth test (`rules.at_interval`), so that the steps that do
     not grow (all but one in ``growth_interval``) run only the tracker's count; else it selects, with no
-    branch. For a backend whose branch is an operation of the step (TensorFlow), where each operation costs a
-    few microseconds; the values are the same either way. Not under a ``StatelessScope`` (an assignment inside
+    branch. For a backend whose branch is an operation of the step (TensorFlow), where every operation run
+    costs; the values are the same either way. Not under a ``StatelessScope`` (an assignment inside
     a traced branch would leave it) nor where a branch reads its predicate to the host (PyTorch).
     """
     if overflow:

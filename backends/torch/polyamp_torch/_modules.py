@@ -198,11 +198,12 @@ def apply_policy(
     A parameter shared by submodules that would get different parameter dtypes (e.g. an embedding tied to
     a head kept in float32 under a bfloat16-parameter policy) stays in the widest of them, with a warning.
 
-    Example::
-
+    Example:
+        ```python
         model = polyamp_torch.apply_policy(model, "mixed_float16", keep_float32=["head", "*norm*"])
         with torch.no_grad():
             logits = model(x)                  # float32 logits; body in float16, head and norms in float32
+        ```
     """
     if not isinstance(module, torch.nn.Module):
         raise PolyampTypeError(f"apply_policy() takes a torch.nn.Module. Received: {describe(module)}.")

@@ -61,6 +61,12 @@ class ArrayOps:
         device has no float64 (Apple's MPS)."""
         return contextlib.nullcontext()
 
+    def quiet(self) -> AbstractContextManager[Any]:
+        """A context in which overflow and invalid operations give inf and NaN without a warning (NumPy's
+        ``errstate``; other namespaces do not warn)."""
+        errstate = getattr(self.xp, "errstate", None)
+        return errstate(all="ignore") if errstate is not None else contextlib.nullcontext()
+
     # -- elementwise ------------------------------------------------------------------------------------
 
     def where(self, condition: Any, x: Any, y: Any) -> Any:
