@@ -74,17 +74,16 @@ class Float8Recipe:
         InvalidPolicyError: a field outside its allowed values, or a combination no kernel runs (delayed
             scaling with rows or MX blocks, a power-of-two rounding of MX scales, which are powers of two).
 
-    Example:
-        >>> import polyamp
-        >>> recipe = polyamp.Float8Recipe.preset("float8_rowwise")
-        >>> recipe.granularity, recipe.power_of_two, recipe.grad_output_format
-        ('row', True, 'e4m3')
-        >>> polyamp.Policy("float8_rowwise").float8 == recipe
-        True
-        >>> polyamp.Policy("mixed_bfloat16+float8_delayed[amax_history_length=16]").float8.amax_history_length
-        16
-        >>> polyamp.Float8Recipe.from_dict(recipe.to_dict()) == recipe
-        True
+    >>> import polyamp
+    >>> recipe = polyamp.Float8Recipe.preset("float8_rowwise")
+    >>> recipe.granularity, recipe.power_of_two, recipe.grad_output_format
+    ('row', True, 'e4m3')
+    >>> polyamp.Policy("float8_rowwise").float8 == recipe
+    True
+    >>> polyamp.Policy("mixed_bfloat16+float8_delayed[amax_history_length=16]").float8.amax_history_length
+    16
+    >>> polyamp.Float8Recipe.from_dict(recipe.to_dict()) == recipe
+    True
     """
 
     scaling: str = "dynamic"

@@ -40,7 +40,7 @@ def _cast(
     if counts is not None:
         with torch.no_grad():
             counts[row] += fp8.cast_counts(OPS, x.detach(), values, cast, fmt)
-    return cast
+    return cast  # type: ignore[no-any-return]
 
 
 def _current(
@@ -109,7 +109,7 @@ def _mx(x: torch.Tensor, fmt: fp8.Float8Format, recipe: Float8Recipe) -> torch.T
     exponents, values = fp8.mx_quantize(OPS, wide, fmt, block=recipe.mx_block, rounding=recipe.mx_rounding)
     scale = torch.where(exponents == 255, torch.nan, torch.exp2(exponents.float() - 127.0))
     blocks = values.float().reshape(*scale.shape, recipe.mx_block) * scale.unsqueeze(-1)
-    return blocks.reshape(wide.shape)[:, :columns].to(x.dtype)
+    return blocks.reshape(wide.shape)[:, :columns].to(x.dtype)  # type: ignore[no-any-return]
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -191,13 +191,13 @@ class Float8Linear(torch.nn.Linear):
         flat = input.reshape(-1, shape[-1])
         with torch.autocast(device_type, enabled=False):
             if self.float8_recipe.scaling == "delayed":
-                out = _DelayedMatmul.apply(flat, self.weight, self)
+                out = _DelayedMatmul.apply(flat, self.weight, self)  # type: ignore[no-untyped-call]
             else:
-                out = _Float8Matmul.apply(flat, self.weight, self.float8_recipe, self._buffers.get("float8_counts"))
+                out = _Float8Matmul.apply(flat, self.weight, self.float8_recipe, self._buffers.get("float8_counts"))  # type: ignore[no-untyped-call]
         out = out.reshape(*shape[:-1], out.shape[-1])
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
-        return out
+        return out  # type: ignore[no-any-return]
 
     def _delayed_cast(self, role: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` cast with the role's stored scale, and that scale; in training mode the next scale and
@@ -226,7 +226,7 @@ def convert(linear: torch.nn.Linear, recipe: Float8Recipe) -> None:
     the weight's device, kept when the recipe's history length is unchanged)."""
     previous = getattr(linear, "float8_recipe", None)
     linear.__class__ = Float8Linear
-    linear.float8_recipe = recipe
+    linear.float8_recipe = recipe  # type: ignore[assignment]
     keep = (
         previous is not None
         and previous.scaling == "delayed"
@@ -249,7 +249,7 @@ def restore(linear: torch.nn.Module) -> None:
     if isinstance(linear, Float8Linear):
         _drop_buffers(linear)
         del linear.float8_recipe
-        linear.__class__ = torch.nn.Linear
+        linear.__class__ = torch.nn.Linear  # type: ignore[assignment]
 
 
 def _drop_buffers(linear: torch.nn.Module) -> None:
@@ -270,7 +270,7 @@ class Float8Recorder:
         grad_output) since the last read, in one host read for all layers; ``reset`` zeroes the counts."""
         if not self.layers:
             return {}
-        counts = [layer.float8_counts for layer in self.layers.values()]
+        counts: list[torch.Tensor] = [layer.float8_counts for layer in self.layers.values()]  # type: ignore[misc]
         values = torch.stack([c.to(counts[0].device) for c in counts]).tolist()
         if reset:
             for c in counts:
