@@ -284,12 +284,13 @@ def record_float8(model: torch.nn.Module) -> Float8Recorder:
     and the nonzero values. Nothing is read to the host until `Float8Recorder.read`. MX layers are not
     counted (their blocks are scaled inside the MX cast).
 
-    Example::
-
+    Example:
+        ```python
         records = polyamp_torch.record_float8(model)
         ...  # train
         for layer, roles in records.read().items():
             print(layer, roles["grad_output"].flushed_fraction, roles["input"].saturated)
+        ```
     """
     layers = {}
     for name, sub in model.named_modules():
