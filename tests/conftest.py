@@ -411,7 +411,7 @@ def _run_bounded(command: Sequence[str], **kwargs: Any) -> subprocess.CompletedP
     return subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run_bounded() -> Callable[..., subprocess.CompletedProcess[str]]:
     """``run_bounded(command, **popen_kwargs)``: run a long subprocess (a suite, a benchmark) to completion,
     bounded by ``POLYAMP_TEST_TIMEOUT`` seconds (default 3600); its output is captured as text."""

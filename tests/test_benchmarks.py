@@ -99,6 +99,7 @@ def load(path: Path) -> dict[str, Any]:
         ("torch-cpu", "torch"),
         ("scale", "torch"),
         pytest.param("guard", "torch", marks=pytest.mark.slow),
+        pytest.param("fp8", "torchao", marks=pytest.mark.slow),
         pytest.param("compiled", "torch", marks=pytest.mark.slow),
         pytest.param("keras", "tensorflow", marks=pytest.mark.slow),
         pytest.param("keras-backends", "keras", marks=pytest.mark.slow),

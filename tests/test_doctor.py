@@ -23,6 +23,7 @@ from polyamp import Hazard, PolyampTypeError, PolyampValueError
 from polyamp.__main__ import main
 from polyamp._src import doctor
 from polyamp._src.doctor import CpuInfo, DeviceInfo, recommend
+from polyamp._src.doctor_fp8 import Float8Advice, advise_float8
 from polyamp._src.hazards import read_tensors
 from polyamp.backend_api import BackendSpec
 
@@ -760,6 +761,34 @@ def test_the_report_names_the_version_of_tensorflow_cpu(monkeypatch: pytest.Monk
     assert "  tensorflow  2.20.0" in report.format().splitlines()
 
 
+@pytest.mark.parametrize(
+    ("capability", "support", "policy"),
+    [
+        ((10, 0), "native", "mixed_bfloat16+mxfp8"),
+        ((9, 0), "native", "float8_tensorwise"),
+        ((8, 9), "native", "float8_tensorwise"),
+        ((8, 0), "emulated", None),
+    ],
+)
+def test_the_fp8_advice_follows_the_lowest_compute_capability(
+    capability: tuple[int, int], support: str, policy: str | None
+) -> None:
+    devices = [DeviceInfo("torch", "cuda", 0, "GPU", capability), DeviceInfo("torch", "cuda", 1, "B200", (10, 0))]
+    advice = advise_float8(devices, torch_installed=True)
+    assert (advice.support, advice.policy) == (support, policy)
+    if policy is not None:
+        assert polyamp.Policy(policy).float8 is not None  # the advice is a policy the grammar takes
+
+
+def test_the_fp8_advice_without_a_gpu_or_without_torch() -> None:
+    assert advise_float8([], torch_installed=True).support == "emulated"
+    assert advise_float8([], torch_installed=False) == Float8Advice(
+        "none", None, "PyTorch is not installed: polyamp's FP8 layers run on polyamp_torch."
+    )
+    report = doctor.diagnose(frameworks=())
+    assert report.float8 is not None and "FP8: " in report.format()
+
+
 def test_doctor_json_has_stable_keys() -> None:
     result = _run("doctor", "--json")
     assert result.returncode == 0, result.stderr
@@ -775,6 +804,7 @@ def test_doctor_json_has_stable_keys() -> None:
         "cpu",
         "notes",
         "recommendation",
+        "float8",
         "check",
         "training_state",
     ]
@@ -855,3 +885,26 @@ def test_doctor_reports_the_training_state_per_plan() -> None:
     assert "  bfloat16_kahan                 2      2       0      2             2      8" in text
     bad = _run("doctor", "--parameters", "lots")
     assert bad.returncode == 2 and "expected a positive number of parameters" in bad.stderr and "'lots'" in bad.stderr
+
+
+def test_devices_come_from_each_backends_device_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    import polyamp_torch._devices
+
+    specs = polyamp.backend_api.backend_specs()
+    assert {name: specs[name].device_probe for name in doctor.FRAMEWORKS} == {
+        "torch": "polyamp_torch._devices:probe_devices",
+        "tensorflow": "polyamp_tensorflow._devices:probe_devices",
+        "jax": "polyamp_jax._devices:probe_devices",
+    }
+    found = [("cuda", 0, "NVIDIA H100 80GB HBM3", (9, 0)), ("cuda", 1, "NVIDIA H100 80GB HBM3", (9, 0))]
+    monkeypatch.setattr(polyamp_torch._devices, "probe_devices", lambda: (found, []))
+    report = doctor.diagnose(frameworks=["torch"])
+    assert [(d.framework, d.kind, d.index, d.name, d.compute_capability) for d in report.devices] == [
+        ("torch", *device) for device in found
+    ]
+    assert report.recommendation.policy == "mixed_bfloat16" and report.notes == ()
+    monkeypatch.setattr(polyamp_torch._devices, "probe_devices", lambda: 1 / 0)
+    broken = doctor.diagnose(frameworks=["torch"])
+    assert broken.devices == () and broken.probed == ()
+    assert broken.notes == ("torch: could not list devices (ZeroDivisionError: division by zero)",)

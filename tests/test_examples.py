@@ -50,6 +50,7 @@ def test_keras_fit() -> None:
     losses = [float(v) for v in re.findall(r"loss=([0-9.]+)", out)]
     assert len(losses) == 2 and losses[1] < losses[0]
     assert "loss_scale=" in out and "prediction dtype: float32" in out
+    assert re.search(r"run: 8 steps, (none|\d+) skipped", out), out  # the optimizer's summary of the 8 batches
 
 
 @pytest.mark.slow

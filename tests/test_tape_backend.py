@@ -207,3 +207,12 @@ def test_an_iteration_of_several_steps_or_with_a_spike_rule_advances_the_rule_at
         state = config.next_state(state, overflow)
         assert scaler.get_state() == state
         assert calls.take() == {"apply": 1 if kind == "spike_rule" else 2, "update": 1}
+
+
+def test_a_new_array_backend_device_fits_in_two_hundred_lines() -> None:
+    """nptape's spec, device form and backend, on `ArrayDevice`: what a new array framework's backend writes."""
+    source = (Path(__file__).parent / "numpy_backend" / "polyamp_nptape.py").read_text().splitlines()
+    start = next(i for i, line in enumerate(source) if line.startswith("SPEC = "))
+    end = next(i for i, line in enumerate(source) if line.startswith("# -- the conformance harness"))
+    assert "class TapeDevice(ArrayDevice):" in source[start:end]
+    assert end - start <= 200

@@ -43,7 +43,7 @@ def prepare_accelerator(
 ) -> LossScaler:
     """Put polyamp's loss scaler in ``accelerator`` in place of Accelerate's ``torch.amp.GradScaler``.
 
-    Call it after creating the ``Accelerator`` and before ``accelerator.prepare(...)``::
+    Call it after creating the ``Accelerator`` and before ``accelerator.prepare(...)``:
 
         accelerator = Accelerator(mixed_precision="fp16")   # or "bf16"
         scaler = polyamp_torch.accelerate.prepare_accelerator(accelerator)

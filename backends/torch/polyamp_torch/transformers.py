@@ -134,7 +134,7 @@ def prepare_trainer(
 ) -> LossScaler:
     """Train a ``transformers.Trainer`` with polyamp's loss scaler, and log its numbers.
 
-    Call it after creating the Trainer and before ``trainer.train()``::
+    Call it after creating the Trainer and before ``trainer.train()``:
 
         args = TrainingArguments(..., bf16=True)   # or fp16=True on a GPU
         trainer = Trainer(model=model, args=args, train_dataset=data)
