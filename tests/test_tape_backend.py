@@ -10,6 +10,7 @@ TensorFlow's are) and ``polyamp_nptape``, its backend.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
