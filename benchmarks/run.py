@@ -9,6 +9,7 @@ CPU targets (run here, results in benchmarks/RESULTS.md):
     python benchmarks/run.py scale         # per-step overhead as the model grows, plus a PNG plot
     python benchmarks/run.py guard         # the bfloat16 guard's and the step records' cost
     python benchmarks/run.py compiled      # the whole step under torch.compile: compiles, then step time
+    python benchmarks/run.py fp8           # the FP8 training step, polyamp's conversion vs torchao's
     python benchmarks/run.py cpu           # the six above, each in its own process, then `report`
     python benchmarks/run.py revisions --range BASE..HEAD   # the same step on two revisions of polyamp
 
@@ -106,6 +107,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=40, help="calls timed as the compile phase")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (--quick uses 'eager')")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="as for torch-cpu (the step times)")
+    p = target("fp8", "the FP8 training step on the CPU, polyamp's conversion vs torchao's")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--rounds", type=int, default=21)
+    p.add_argument("--round-seconds", type=float, default=0.2, help="time per variant per round")
     p = target("scale", "per-step overhead vs model size, with a plot")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--rounds", type=int, default=7)
@@ -209,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import compiled
 
         _common_write(compiled.run(args), args)
+    elif args.target == "fp8":
+        from benchmarks import fp8
+
+        _common_write(fp8.run(args), args)
     elif args.target == "scale":
         from benchmarks import scale
 

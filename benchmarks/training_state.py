@@ -83,6 +83,11 @@ class Config:
     score_fraction: float = 0.05
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def untimed_steps(self) -> int:
+        """The first steps, left out of the step time (compilation, first allocations)."""
+        return min(10, self.steps // 2)
+
     def learning_rate(self, step: int) -> float:
         """The learning rate of step ``step`` (0-based): linear warmup, then cosine to ``final_lr`` x peak."""
         warm = max(1, round(self.warmup * self.steps))
@@ -178,6 +183,32 @@ class Run:
     timed_steps: int
     bytes_per_parameter: float
     breakdown: dict[str, float]
+
+
+def run_steps(
+    config: Config, batches: Iterator[np.ndarray], step: Callable[[np.ndarray], float]
+) -> tuple[list[float], float]:
+    """``step`` on each of ``config.steps`` batches: the losses it returns, and the seconds taken by the steps after
+    the first ``config.untimed_steps``."""
+    losses: list[float] = []
+    started = 0.0
+    for index in range(config.steps):
+        if index == config.untimed_steps:
+            started = time.perf_counter()
+        losses.append(step(next(batches)))
+    return losses, time.perf_counter() - started
+
+
+def plan_rows(
+    results: list[dict[str, Any]], cells: Callable[[dict[str, Any], dict[str, Any]], list[str]]
+) -> list[list[str]]:
+    """One table row per backend and plan of ``results``: the backend, the plan, then ``cells(result, values)`` of
+    that backend's result and that plan's values."""
+    return [
+        [result["backend"], plan, *cells(result, values)]
+        for result in results
+        for plan, values in result["plans"].items()
+    ]
 
 
 def score(losses: list[float], config: Config) -> float:
@@ -323,21 +354,17 @@ def payload(results: list[dict[str, Any]], out: Path, *, quick: bool) -> dict[st
             notes.append("plot not drawn: matplotlib is not installed (pip install matplotlib)")
     from benchmarks import _common
 
-    rows = []
-    for result in results:
-        for plan, values in result["plans"].items():
-            rows.append(
-                [
-                    result["backend"],
-                    plan,
-                    ",".join(map(str, result["config"]["seeds"])),
-                    f"{values['bytes_per_parameter']:.2f}",
-                    f"{values['final_loss']:.4f}",
-                    _common.fmt_ratio(values["loss_ratio"]),
-                    _common.fmt_ms(values["ms_per_step"]),
-                    _common.fmt_ratio(values["time_ratio"]),
-                ]
-            )
+    def cells(result: dict[str, Any], values: dict[str, Any]) -> list[str]:
+        return [
+            ",".join(map(str, result["config"]["seeds"])),
+            f"{values['bytes_per_parameter']:.2f}",
+            f"{values['final_loss']:.4f}",
+            _common.fmt_ratio(values["loss_ratio"]),
+            _common.fmt_ms(values["ms_per_step"]),
+            _common.fmt_ratio(values["time_ratio"]),
+        ]
+
+    rows = plan_rows(results, cells)
     config = Config()
     return _common.result(
         "training-state",

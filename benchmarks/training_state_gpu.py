@@ -36,7 +36,7 @@ import numpy as np
 
 import polyamp
 from benchmarks import _common
-from benchmarks.training_state import PLANS, POLICY_OF, REFERENCE, Config, decayed, initial_weights
+from benchmarks.training_state import PLANS, POLICY_OF, REFERENCE, Config, decayed, initial_weights, plan_rows
 
 NATIVE = ("torch AMP: float32 weights, fused AdamW", "bfloat16 weights, fused AdamW (no plan)")
 
@@ -258,20 +258,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         part.unlink()
     else:
         notes.append(f"the JAX part did not run (exit {code}: JAX, optax or JAX's GPU backend is missing)")
-    rows = []
-    for result in results:
-        for name, values in result["plans"].items():
-            rows.append(
-                [
-                    result["backend"],
-                    name,
-                    f"{values['bytes_per_parameter']:.2f}",
-                    _common.fmt_ms(values["ms_per_step"]),
-                    f"{values['tokens_per_second'] / 1e3:.1f}k",
-                    _common.fmt_ratio(values["time_ratio"]),
-                    "n/a" if values["peak_step_mib"] is None else f"{values['peak_step_mib']:.0f}",
-                ]
-            )
+
+    def cells(result: dict[str, Any], values: dict[str, Any]) -> list[str]:
+        return [
+            f"{values['bytes_per_parameter']:.2f}",
+            _common.fmt_ms(values["ms_per_step"]),
+            f"{values['tokens_per_second'] / 1e3:.1f}k",
+            _common.fmt_ratio(values["time_ratio"]),
+            "n/a" if values["peak_step_mib"] is None else f"{values['peak_step_mib']:.0f}",
+        ]
+
+    rows = plan_rows(results, cells)
     c = config
     accelerator = None
     if args.device == "cuda":

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import polyamp_jax
 
 import polyamp
-from benchmarks.training_state import POLICY_OF, Chain, Config, Run, decayed, initial_weights
+from benchmarks.training_state import POLICY_OF, Chain, Config, Run, decayed, initial_weights, run_steps
 
 
 def _layer_norm(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
@@ -72,16 +72,14 @@ def train(plan: str, seed: int, config: Config, chain: Chain) -> Run:
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
+    def one(tokens: np.ndarray) -> float:
+        nonlocal params, state
+        params, state, loss = step(params, state, jnp.asarray(tokens))
+        return float(loss)
+
     batches = chain.batches(seed)
-    losses: list[float] = []
-    warm = min(10, config.steps // 2)
-    started = 0.0
-    for index in range(config.steps):
-        if index == warm:
-            started = time.perf_counter()
-        params, state, loss = step(params, state, jnp.asarray(next(batches)))
-        losses.append(float(loss))
-    seconds = time.perf_counter() - started
+    losses, seconds = run_steps(config, batches, one)
     grads = jax.grad(loss_fn)(params, jnp.asarray(next(batches)), config)
     counted = polyamp_jax.measure_state_bytes(params, state, grads)
-    return Run(plan, seed, losses, seconds, config.steps - warm, counted.per_parameter, counted.breakdown())
+    timed = config.steps - config.untimed_steps
+    return Run(plan, seed, losses, seconds, timed, counted.per_parameter, counted.breakdown())

@@ -113,9 +113,7 @@ def train(plan: str, seed: int, config: Config, chain: Chain) -> Run:
     steps = np.arange(1, len(losses) + 1)
     running = np.asarray(losses, np.float64)
     per_step = running * steps - np.concatenate([[0.0], running[:-1] * steps[:-1]])
-    warm = min(10, config.steps // 2)
-    seconds = times[-1] - times[warm - 1]
+    seconds = times[-1] - times[config.untimed_steps - 1]
     measured = polyamp_keras.measure_state_bytes(optimizer)
-    return Run(
-        plan, seed, per_step.tolist(), seconds, config.steps - warm, measured.per_parameter, measured.breakdown()
-    )
+    timed = config.steps - config.untimed_steps
+    return Run(plan, seed, per_step.tolist(), seconds, timed, measured.per_parameter, measured.breakdown())

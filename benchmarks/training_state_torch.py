@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import torch
@@ -11,7 +10,7 @@ import torch.nn.functional as F
 
 import polyamp
 import polyamp_torch
-from benchmarks.training_state import POLICY_OF, Chain, Config, Run, decayed, initial_weights
+from benchmarks.training_state import POLICY_OF, Chain, Config, Run, decayed, initial_weights, run_steps
 
 
 class GPT(torch.nn.Module):
@@ -62,14 +61,9 @@ def train(plan: str, seed: int, config: Config, chain: Chain) -> Run:
     inner = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=True)
     optimizer = polyamp_torch.PrecisionOptimizer(inner, policy, seed=seed)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: config.learning_rate(step) / config.lr)
-    batches = chain.batches(seed)
-    losses: list[float] = []
-    warm = min(10, config.steps // 2)
-    started = 0.0
-    for step in range(config.steps):
-        if step == warm:
-            started = time.perf_counter()
-        tokens = torch.from_numpy(next(batches)).long()
+
+    def one(batch: np.ndarray) -> float:
+        tokens = torch.from_numpy(batch).long()
         with polyamp_torch.autocast(policy):
             logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, config.vocab), tokens[:, 1:].reshape(-1))
@@ -77,7 +71,9 @@ def train(plan: str, seed: int, config: Config, chain: Chain) -> Run:
         loss.backward()
         optimizer.step()
         schedule.step()
-        losses.append(loss.item())
-    seconds = time.perf_counter() - started
+        return loss.item()
+
+    losses, seconds = run_steps(config, chain.batches(seed), one)
     measured = polyamp_torch.measure_state_bytes(optimizer)
-    return Run(plan, seed, losses, seconds, config.steps - warm, measured.per_parameter, measured.breakdown())
+    timed = config.steps - config.untimed_steps
+    return Run(plan, seed, losses, seconds, timed, measured.per_parameter, measured.breakdown())

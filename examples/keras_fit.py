@@ -53,11 +53,13 @@ def main() -> None:
     )
     for epoch in range(args.epochs):
         logs = {key: values[epoch] for key, values in history.history.items()}
+        scale = f"loss_scale={logs['loss_scale']:.0f} " if "loss_scale" in logs else ""  # only while scaling
         print(
             f"epoch {epoch + 1}: loss={logs['loss']:.4f} accuracy={logs['accuracy']:.4f} "
-            f"loss_scale={logs['loss_scale']:.0f} skipped_steps={logs['skipped_steps']}"
+            f"{scale}skipped_steps={logs['skipped_steps']}"
         )
     print(f"prediction dtype: {model.predict(x[:4], verbose=0).dtype}")
+    print(f"run: {model.optimizer.summary()}")
 
 
 if __name__ == "__main__":

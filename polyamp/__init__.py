@@ -23,6 +23,7 @@ from polyamp._src.errors import (
     ScalerUsageError,
     StateDictError,
 )
+from polyamp._src.float8 import Float8Recipe
 from polyamp._src.forward_watch import ForwardReport, NonFiniteOutput
 from polyamp._src.functional import FunctionalLossScaler
 from polyamp._src.global_policy import get_policy, get_policy_setting, policy_scope, set_policy
@@ -43,6 +44,7 @@ __all__ = [
     "BackendMismatchError",
     "BackendNotInstalledError",
     "CheckpointError",
+    "Float8Recipe",
     "ForwardReport",
     "FunctionalLossScaler",
     "Hazard",

@@ -1,16 +1,21 @@
-"""Shared fixtures: isolation of polyamp's process-wide state, and a throwaway framework for core tests."""
+"""Shared fixtures: isolation of polyamp's process-wide state; frameworks and backends written on the fly, and the
+NumPy backends; small training data; subprocesses (bounded, or on another Keras backend)."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import types
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,24 +217,140 @@ class Backend:
 """
 
 
+def _register(name: str, **fields: Any) -> polyamp.backend_api.BackendSpec:
+    """Register a backend for the framework module ``name``, its module ``polyamp_<name>`` (class ``Backend``);
+    ``fields`` are the spec's optional fields."""
+    spec = polyamp.backend_api.BackendSpec(name, f"polyamp_{name}:Backend", (name,), f"pip install {name}", **fields)
+    polyamp.backend_api.register_backend(spec)
+    return spec
+
+
+#: ``install_framework(name, framework_source, backend_source)``, the fixture of that name.
+InstallFramework = Callable[[str, str, str], polyamp.backend_api.BackendSpec]
+
+
 @pytest.fixture
-def fake_framework(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeFramework:
+def install_framework(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[InstallFramework]:
+    """``install_framework(name, framework_source, backend_source)``: the modules ``name`` and ``polyamp_<name>``
+    written where they can be imported (not imported yet) and a backend registered for them, its policy hook
+    ``polyamp_<name>:apply_policy``; returns its spec. Both modules leave ``sys.modules`` after the test."""
+    names: list[str] = []
+
+    def install(name: str, framework_source: str, backend_source: str) -> polyamp.backend_api.BackendSpec:
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(framework_source))
+        (tmp_path / f"polyamp_{name}.py").write_text(textwrap.dedent(backend_source))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        names.append(name)
+        return _register(name, policy_hook=f"polyamp_{name}:apply_policy")
+
+    yield install
+    for name in names:
+        for module in (name, f"polyamp_{name}"):
+            sys.modules.pop(module, None)
+
+
+@pytest.fixture
+def fake_framework(install_framework: InstallFramework) -> FakeFramework:
     """A not-yet-imported framework module and its registered polyamp backend (with a policy hook)."""
     name = f"fakefw_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text(textwrap.dedent(_FRAMEWORK_SOURCE))
-    (tmp_path / f"polyamp_{name}.py").write_text(_BACKEND_SOURCE.format(fw=name))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    spec = polyamp.backend_api.BackendSpec(
-        name=name,
-        target=f"polyamp_{name}:Backend",
-        frameworks=(name,),
-        install_hint=f"pip install {name}",
-        policy_hook=f"polyamp_{name}:apply_policy",
-    )
-    polyamp.backend_api.register_backend(spec)
-    yield FakeFramework(name=name, backend_module=f"polyamp_{name}", spec=spec)
-    for module in (name, f"polyamp_{name}"):
-        sys.modules.pop(module, None)
+    spec = install_framework(name, _FRAMEWORK_SOURCE, _BACKEND_SOURCE.format(fw=name))
+    return FakeFramework(name=name, backend_module=f"polyamp_{name}", spec=spec)
+
+
+#: A tensor reader: (name, dtype, largest absolute value or None) for each tensor of a model or checkpoint.
+TensorReader = Callable[[object], list[tuple[str, str, "float | None"]]]
+#: ``reader_backend(name, read, suffixes)``, the fixture of that name.
+ReaderBackend = Callable[[str, TensorReader, tuple[str, ...]], None]
+
+
+@pytest.fixture
+def reader_backend(monkeypatch: pytest.MonkeyPatch) -> ReaderBackend:
+    """``reader_backend(name, read, suffixes)``: a backend for the framework ``name`` (never imported) whose
+    tensor reader is ``read``, for models of that framework and checkpoints ending in ``suffixes``."""
+
+    def register(name: str, read: TensorReader, suffixes: tuple[str, ...]) -> None:
+        module = types.ModuleType(f"polyamp_{name}")
+        module.read = read  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        _register(name, tensor_reader=f"{module.__name__}:read", checkpoint_suffixes=suffixes)
+
+    return register
+
+
+TESTS = Path(__file__).resolve().parent
+#: The NumPy stand-in frameworks (npfw, and nptape built on it) and their backends, written against the public API.
+NUMPY_BACKENDS = TESTS / "numpy_backend"
+
+
+@contextlib.contextmanager
+def _numpy_backend(name: str) -> Iterator[types.ModuleType]:
+    """The backend module ``polyamp_<name>`` of tests/numpy_backend (``name``: "npfw" or "nptape"), imported
+    and registered; the framework itself is ``sys.modules[name]``. Afterwards neither is importable or imported."""
+    sys.path.insert(0, str(NUMPY_BACKENDS))
+    try:
+        backend = importlib.import_module(f"polyamp_{name}")
+        polyamp.backend_api.register_backend(backend.SPEC)
+        yield backend
+    finally:
+        sys.path.remove(str(NUMPY_BACKENDS))
+        for module in ("npfw", name, f"polyamp_{name}"):
+            sys.modules.pop(module, None)
+
+
+#: ``numpy_backend(name)``, the fixture of that name.
+NumpyBackend = Callable[[str], contextlib.AbstractContextManager[types.ModuleType]]
+
+
+@pytest.fixture(scope="session")
+def numpy_backend() -> NumpyBackend:
+    """``with numpy_backend(name) as backend``: the NumPy backend ``polyamp_<name>`` (npfw or nptape), registered,
+    inside the block (`_numpy_backend`); a fixture of any scope can use it."""
+    return _numpy_backend
+
+
+#: ``import_without(package, module)``, the fixture of that name.
+ImportWithout = Callable[[str, str], types.ModuleType]
+
+
+@pytest.fixture
+def import_without(monkeypatch: pytest.MonkeyPatch) -> ImportWithout:
+    """``import_without(package, module)``: import ``module`` afresh while ``package`` and its submodules cannot be
+    imported (as if not installed); ``sys.modules`` is as it was after the test."""
+
+    def load(package: str, module: str) -> types.ModuleType:
+        for name in [n for n in sys.modules if n == package or n.startswith(f"{package}.")]:
+            monkeypatch.delitem(sys.modules, name)
+        monkeypatch.setitem(sys.modules, package, None)
+        monkeypatch.delitem(sys.modules, module)
+        return importlib.import_module(module)
+
+    return load
+
+
+# -- data ----------------------------------------------------------------------------------------------------
+
+
+#: ``regression_loader(batches, leave_out=())``, the fixture of that name.
+RegressionLoader = Callable[..., Any]
+
+
+@pytest.fixture
+def regression_loader() -> RegressionLoader:
+    """``regression_loader(batches, leave_out=())``: a torch DataLoader of ``batches`` batches of 4 samples (8
+    inputs, 1 target, drawn from seed 0), without the batches whose indices are in ``leave_out``."""
+    import torch
+
+    def loader(batches: int, leave_out: Collection[int] = ()) -> Any:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(batches * 4, 8, generator=generator)
+        y = torch.randn(batches * 4, 1, generator=generator)
+        keep = [i for i in range(batches * 4) if i // 4 not in leave_out]
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[keep], y[keep]), batch_size=4)
+
+    return loader
+
+
+# -- subprocesses --------------------------------------------------------------------------------------------
 
 
 #: Seconds a test may wait for one of the long subprocesses it starts (a test suite or a benchmark run on
@@ -290,8 +411,68 @@ def _run_bounded(command: Sequence[str], **kwargs: Any) -> subprocess.CompletedP
     return subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run_bounded() -> Callable[..., subprocess.CompletedProcess[str]]:
     """``run_bounded(command, **popen_kwargs)``: run a long subprocess (a suite, a benchmark) to completion,
     bounded by ``POLYAMP_TEST_TIMEOUT`` seconds (default 3600); its output is captured as text."""
     return _run_bounded
+
+
+#: Set in a subprocess that runs a Keras test module on another Keras backend: there the module covers its own.
+KERAS_SUBPROCESS = "POLYAMP_KERAS_SUBPROCESS"
+#: ``run_on_keras_backend(backend, target, *args)``, the fixture of that name.
+RunOnKerasBackend = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def run_on_keras_backend() -> RunOnKerasBackend:
+    """``run_on_keras_backend(backend, target, *args)``: run ``target`` with Keras on ``backend`` in a subprocess
+    bounded as `run_bounded`, and fail with its output unless it exits 0; returns the finished process.
+
+    ``target`` is a test file (a `Path`: pytest runs every test in it, the slow ones too, ``args`` added) or a
+    module run as ``python -m target *args`` (a `str`). A test using this is skipped inside such a subprocess
+    (``POLYAMP_KERAS_SUBPROCESS=1``), and when ``backend`` is not installed.
+    """
+    if os.environ.get(KERAS_SUBPROCESS) == "1":
+        pytest.skip("a subprocess covers its own backend only")
+
+    def run(backend: str, target: Path | str, *args: str) -> subprocess.CompletedProcess[str]:
+        if importlib.util.find_spec(backend) is None:
+            pytest.skip(f"{backend} is not installed")
+        if isinstance(target, Path):
+            args = ("pytest", str(target), "-q", "-p", "no:cacheprovider", "-m", "", *args)
+        else:
+            args = (target, *args)
+        env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3", **{KERAS_SUBPROCESS: "1"})
+        result = _run_bounded([sys.executable, "-m", *args], env=env, cwd=TESTS.parent)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+        return result
+
+    return run
+
+
+#: ``keras_json(code, *args, backend=...)``, the fixture of that name.
+KerasJson = Callable[..., Any]
+
+
+def _keras_json(code: str, *args: str, backend: str) -> Any:
+    """Run ``code`` (``args`` its ``sys.argv[1:]``) in a fresh interpreter from tests/ with KERAS_BACKEND=backend;
+    return the JSON it prints last."""
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=TESTS,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def keras_json() -> KerasJson:
+    """``keras_json(code, *args, backend=...)``: the JSON that ``code`` prints last, run with Keras on ``backend``
+    in a fresh interpreter (Keras picks its backend once per process)."""
+    return _keras_json

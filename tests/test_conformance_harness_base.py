@@ -56,11 +56,7 @@ def _harness(fw: Any) -> type[HarnessBase]:
             loss = fw.Tensor(float(x.sum()))
             scaled = self.scaler.scale(loss) if self.scaler is not None else loss
             self.opt.grad = math.inf if overflow else scaled.value  # the gradient of the scaled loss
-            if self.scaler is not None:
-                self.scaler.step(self.opt)
-                self.scaler.update()
-            else:
-                self.opt.step()
+            self.optimizer_step()
             return loss.value
 
         def weights(self) -> list[np.ndarray]:

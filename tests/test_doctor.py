@@ -12,7 +12,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -23,8 +23,12 @@ from polyamp import Hazard, PolyampTypeError, PolyampValueError
 from polyamp.__main__ import main
 from polyamp._src import doctor
 from polyamp._src.doctor import CpuInfo, DeviceInfo, recommend
+from polyamp._src.doctor_fp8 import Float8Advice, advise_float8
 from polyamp._src.hazards import read_tensors
 from polyamp.backend_api import BackendSpec
+
+if TYPE_CHECKING:
+    from conftest import ReaderBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_BF16_CPU = CpuInfo(False, "neither avx512_bf16 nor amx_bf16", "x86_64")
@@ -355,26 +359,14 @@ def test_unreadable_sources_say_what_to_do(tmp_path: Path) -> None:
         polyamp.check_hazards(bad, "mixed_float16")
 
 
-def test_a_registered_backend_reader_is_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    reader = types.ModuleType("polyamp_fakefw_reader")
+def test_a_registered_backend_reader_is_used(reader_backend: ReaderBackend, tmp_path: Path) -> None:
     seen: list[object] = []
 
     def read(source: object) -> list[tuple[str, str, float | None]]:
         seen.append(source)
         return [("big", "float16", 7e4), ("n", "int8", None)]
 
-    reader.read = read  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "polyamp_fakefw_reader", reader)
-    polyamp.backend_api.register_backend(
-        BackendSpec(
-            name="fakefw",
-            target="polyamp_fakefw_reader:Backend",
-            frameworks=("fakefw",),
-            install_hint="pip install fakefw",
-            tensor_reader="polyamp_fakefw_reader:read",
-            checkpoint_suffixes=(".fake", ".big.fake"),
-        )
-    )
+    reader_backend("fakefw", read, (".fake", ".big.fake"))
     model = type("Model", (), {"__module__": "fakefw.models"})()
     assert _kinds(polyamp.check_hazards(model, "mixed_float16")) == [("float16_overflow", "big")]
     path = tmp_path / "m.big.fake"
@@ -769,6 +761,34 @@ def test_the_report_names_the_version_of_tensorflow_cpu(monkeypatch: pytest.Monk
     assert "  tensorflow  2.20.0" in report.format().splitlines()
 
 
+@pytest.mark.parametrize(
+    ("capability", "support", "policy"),
+    [
+        ((10, 0), "native", "mixed_bfloat16+mxfp8"),
+        ((9, 0), "native", "float8_tensorwise"),
+        ((8, 9), "native", "float8_tensorwise"),
+        ((8, 0), "emulated", None),
+    ],
+)
+def test_the_fp8_advice_follows_the_lowest_compute_capability(
+    capability: tuple[int, int], support: str, policy: str | None
+) -> None:
+    devices = [DeviceInfo("torch", "cuda", 0, "GPU", capability), DeviceInfo("torch", "cuda", 1, "B200", (10, 0))]
+    advice = advise_float8(devices, torch_installed=True)
+    assert (advice.support, advice.policy) == (support, policy)
+    if policy is not None:
+        assert polyamp.Policy(policy).float8 is not None  # the advice is a policy the grammar takes
+
+
+def test_the_fp8_advice_without_a_gpu_or_without_torch() -> None:
+    assert advise_float8([], torch_installed=True).support == "emulated"
+    assert advise_float8([], torch_installed=False) == Float8Advice(
+        "none", None, "PyTorch is not installed: polyamp's FP8 layers run on polyamp_torch."
+    )
+    report = doctor.diagnose(frameworks=())
+    assert report.float8 is not None and "FP8: " in report.format()
+
+
 def test_doctor_json_has_stable_keys() -> None:
     result = _run("doctor", "--json")
     assert result.returncode == 0, result.stderr
@@ -784,6 +804,7 @@ def test_doctor_json_has_stable_keys() -> None:
         "cpu",
         "notes",
         "recommendation",
+        "float8",
         "check",
         "training_state",
     ]
@@ -864,3 +885,26 @@ def test_doctor_reports_the_training_state_per_plan() -> None:
     assert "  bfloat16_kahan                 2      2       0      2             2      8" in text
     bad = _run("doctor", "--parameters", "lots")
     assert bad.returncode == 2 and "expected a positive number of parameters" in bad.stderr and "'lots'" in bad.stderr
+
+
+def test_devices_come_from_each_backends_device_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    import polyamp_torch._devices
+
+    specs = polyamp.backend_api.backend_specs()
+    assert {name: specs[name].device_probe for name in doctor.FRAMEWORKS} == {
+        "torch": "polyamp_torch._devices:probe_devices",
+        "tensorflow": "polyamp_tensorflow._devices:probe_devices",
+        "jax": "polyamp_jax._devices:probe_devices",
+    }
+    found = [("cuda", 0, "NVIDIA H100 80GB HBM3", (9, 0)), ("cuda", 1, "NVIDIA H100 80GB HBM3", (9, 0))]
+    monkeypatch.setattr(polyamp_torch._devices, "probe_devices", lambda: (found, []))
+    report = doctor.diagnose(frameworks=["torch"])
+    assert [(d.framework, d.kind, d.index, d.name, d.compute_capability) for d in report.devices] == [
+        ("torch", *device) for device in found
+    ]
+    assert report.recommendation.policy == "mixed_bfloat16" and report.notes == ()
+    monkeypatch.setattr(polyamp_torch._devices, "probe_devices", lambda: 1 / 0)
+    broken = doctor.diagnose(frameworks=["torch"])
+    assert broken.devices == () and broken.probed == ()
+    assert broken.notes == ("torch: could not list devices (ZeroDivisionError: division by zero)",)

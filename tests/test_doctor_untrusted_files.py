@@ -12,11 +12,10 @@ import struct
 import subprocess
 import sys
 import tracemalloc
-import types
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -25,7 +24,9 @@ import polyamp.backend_api
 from polyamp import CheckpointError, PolyampError, PolyampTypeError, PolyampValueError
 from polyamp.__main__ import main
 from polyamp._src.checkpoints import MAX_CONFIG_BYTES, chunk_indices
-from polyamp.backend_api import BackendSpec
+
+if TYPE_CHECKING:
+    from conftest import ReaderBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,25 +157,12 @@ def test_a_corrupt_weights_file_is_a_checkpoint_error(tmp_path: Path) -> None:
 
 
 def test_any_error_of_a_reader_on_a_file_becomes_a_checkpoint_error(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    reader_backend: ReaderBackend, tmp_path: Path
 ) -> None:
-    reader = types.ModuleType("polyamp_brokenfw_reader")
-
     def read(source: object) -> list[tuple[str, str, float | None]]:
         raise RecursionError("maximum recursion depth exceeded")
 
-    reader.read = read  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "polyamp_brokenfw_reader", reader)
-    polyamp.backend_api.register_backend(
-        BackendSpec(
-            name="brokenfw",
-            target="polyamp_brokenfw_reader:Backend",
-            frameworks=("brokenfw",),
-            install_hint="pip install brokenfw",
-            tensor_reader="polyamp_brokenfw_reader:read",
-            checkpoint_suffixes=(".broken",),
-        )
-    )
+    reader_backend("brokenfw", read, (".broken",))
     path = tmp_path / "m.broken"
     path.write_text("")
     with pytest.raises(

@@ -50,6 +50,7 @@ def test_keras_fit() -> None:
     losses = [float(v) for v in re.findall(r"loss=([0-9.]+)", out)]
     assert len(losses) == 2 and losses[1] < losses[0]
     assert "loss_scale=" in out and "prediction dtype: float32" in out
+    assert re.search(r"run: 8 steps, (none|\d+) skipped", out), out  # the optimizer's summary of the 8 batches
 
 
 @pytest.mark.slow
@@ -101,24 +102,20 @@ def test_quickstart() -> None:
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_jax_optax(policy: str) -> None:
-    pytest.importorskip("jax")
-    pytest.importorskip("optax")
-    out = run("jax_optax.py", "--policy", policy, "--steps", "30", "--overflow-at", "4,11")
+@pytest.mark.parametrize(
+    ("example", "needs", "skips"),
+    [
+        ("jax_optax.py", ("jax", "optax"), "skipped steps [4, 11]"),
+        ("jax_flax.py", ("optax", "flax"), "skipped steps [4, 11]; non-finite gradients in ['params/Dense_0/kernel']"),
+    ],
+    ids=["jax_optax", "jax_flax"],
+)
+def test_jax_examples(example: str, needs: tuple[str, ...], skips: str, policy: str) -> None:
+    for module in needs:
+        pytest.importorskip(module)
+    out = run(example, "--policy", policy, "--steps", "30", "--overflow-at", "4,11")
     mode = "scaling" if policy == "mixed_float16" else "guarding"
     assert f"loss scaler {mode}" in out, out
-    assert "skipped steps [4, 11]" in out, out
-    first, last = (float(v) for v in re.search(r"loss ([0-9.]+) -> ([0-9.]+)", out).groups())  # type: ignore[union-attr]
-    assert last < first
-
-
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_jax_flax(policy: str) -> None:
-    pytest.importorskip("optax")
-    pytest.importorskip("flax")
-    out = run("jax_flax.py", "--policy", policy, "--steps", "30", "--overflow-at", "4,11")
-    mode = "scaling" if policy == "mixed_float16" else "guarding"
-    assert f"loss scaler {mode}" in out, out
-    assert "skipped steps [4, 11]; non-finite gradients in ['params/Dense_0/kernel']" in out, out
+    assert skips in out, out
     first, last = (float(v) for v in re.search(r"loss ([0-9.]+) -> ([0-9.]+)", out).groups())  # type: ignore[union-attr]
     assert last < first

@@ -15,9 +15,8 @@ import logging
 import math
 import sys
 import threading
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -37,7 +36,9 @@ from polyamp import (  # noqa: E402
 )
 from polyamp.backend_api import FunctionalGuardingDevice  # noqa: E402
 
-HERE = Path(__file__).resolve().parent / "numpy_backend"
+if TYPE_CHECKING:
+    from conftest import NumpyBackend
+
 PROPERTY = settings(
     max_examples=25, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -53,18 +54,9 @@ Step = tuple[float, float, str | None]
 
 
 @pytest.fixture(scope="module")
-def npfw() -> Iterator[Any]:
-    sys.path.insert(0, str(HERE))
-    try:
-        import npfw as module
-        import polyamp_npfw
-
-        polyamp.backend_api.register_backend(polyamp_npfw.SPEC)
-        yield module
-    finally:
-        sys.path.remove(str(HERE))
-        for name in ("npfw", "polyamp_npfw"):
-            sys.modules.pop(name, None)
+def npfw(numpy_backend: NumpyBackend) -> Iterator[Any]:
+    with numpy_backend("npfw"):
+        yield sys.modules["npfw"]
 
 
 @st.composite
@@ -227,15 +219,25 @@ def _run_both(npfw: Any, options: dict[str, Any], steps: list[Step]) -> tuple[St
     return stateful, functional, skips
 
 
-@pytest.mark.parametrize("on", [None, "loss", "grad_norm"])
-@pytest.mark.parametrize("mode", ["scaling", "guarding"])
-@PROPERTY
-@given(data=st.data(), steps=sequences(), config=configs)
+def over_modes_and_rules(test: Callable[..., None]) -> Callable[..., None]:
+    """A property over drawn runs (``steps``) and settings (``config``), for each mode and each quantity a spike
+    rule watches (``on``; None: no rule), the rule drawn with ``data`` (`_drawn_options`)."""
+    drawn = PROPERTY(given(data=st.data(), steps=sequences(), config=configs)(test))
+    by_mode = pytest.mark.parametrize("mode", ["scaling", "guarding"])(drawn)
+    return pytest.mark.parametrize("on", [None, "loss", "grad_norm"])(by_mode)
+
+
+def _drawn_options(data: Any, mode: str, on: str | None, config: dict[str, Any]) -> tuple[SpikeRule | None, Any]:
+    """A rule watching ``on`` drawn with ``data``, and the scaler options of ``mode`` with it and ``config``."""
+    rule = data.draw(rules(on))
+    return rule, _options(mode, rule, config)
+
+
+@over_modes_and_rules
 def test_functional_form_equals_the_loss_scaler(
     npfw: Any, mode: str, on: str | None, data: Any, steps: list[Step], config: dict[str, Any]
 ) -> None:
-    rule = data.draw(rules(on))
-    options = _options(mode, rule, config)
+    rule, options = _drawn_options(data, mode, on, config)
     stateful, functional, skips = _run_both(npfw, options, steps)
     fn, state = functional.fn, functional.state
     assert fn.mode == mode
@@ -264,16 +266,12 @@ def test_functional_form_equals_the_loss_scaler(
         assert "spike_window" not in fn.state_dict(state)
 
 
-@pytest.mark.parametrize("on", [None, "loss", "grad_norm"])
-@pytest.mark.parametrize("mode", ["scaling", "guarding"])
-@PROPERTY
-@given(data=st.data(), steps=sequences(), config=configs)
+@over_modes_and_rules
 def test_a_state_dict_resumes_across_the_two_forms(
     npfw: Any, mode: str, on: str | None, data: Any, steps: list[Step], config: dict[str, Any]
 ) -> None:
-    rule = data.draw(rules(on))
     """Half a run on one form, saved, resumed on the other: the same state dicts as one uninterrupted run."""
-    options = _options(mode, rule, config)
+    _, options = _drawn_options(data, mode, on, config)
     half = len(steps) // 2
     whole = Stateful(npfw, options)
     for step in steps:
@@ -463,29 +461,15 @@ def test_misuse_says_what_was_received_and_what_to_pass(npfw: Any) -> None:
 class _Unguarded:
     """A functional device offering only `FunctionalDevice` (npfw's, without its optional protocols)."""
 
+    METHODS = ("init", "read", "skipped_count", "scale", "unscale", "update", "select")
+
     def __init__(self, inner: Any) -> None:
         self._inner = inner
 
-    def init(self, state: LossScaleState) -> Any:
-        return self._inner.init(state)
-
-    def read(self, tree: Any) -> LossScaleState:
-        return self._inner.read(tree)
-
-    def skipped_count(self, tree: Any) -> Any:
-        return self._inner.skipped_count(tree)
-
-    def scale(self, tree: Any, loss: Any) -> Any:
-        return self._inner.scale(tree, loss)
-
-    def unscale(self, tree: Any, grads: Any) -> Any:
-        return self._inner.unscale(tree, grads)
-
-    def update(self, tree: Any, found_inf: Any) -> Any:
-        return self._inner.update(tree, found_inf)
-
-    def select(self, found_inf: Any, if_skipped: Any, if_applied: Any) -> Any:
-        return self._inner.select(found_inf, if_skipped, if_applied)
+    def __getattr__(self, name: str) -> Any:
+        if name in self.METHODS:
+            return getattr(self._inner, name)
+        raise AttributeError(name)
 
 
 def test_a_device_without_the_protocols_refuses_what_it_cannot_do(npfw: Any) -> None:

@@ -6,14 +6,9 @@ with Keras on JAX and on PyTorch in subprocesses (Keras picks its backend once p
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -24,7 +19,9 @@ import polyamp  # noqa: E402
 import polyamp_keras  # noqa: E402
 from polyamp import PolyampTypeError, PolyampValueError  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+if TYPE_CHECKING:
+    from conftest import KerasJson
+
 LAYERS = keras.layers
 LOW = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
 X = np.random.default_rng(0).normal(size=(3, 6)).astype("float32")
@@ -568,26 +565,11 @@ print(json.dumps(result))
 """
 
 
-def run_python(code: str, *, backend: str, timeout: float = 240.0) -> Any:
-    """Run ``code`` with KERAS_BACKEND=backend; return the JSON it prints last."""
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT / "tests",
-        timeout=timeout,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_on_other_keras_backends(backend: str) -> None:
+def test_on_other_keras_backends(backend: str, keras_json: KerasJson) -> None:
     pytest.importorskip(backend)
-    result = run_python(OTHER_BACKEND, backend=backend)
+    result = keras_json(OTHER_BACKEND, backend=backend)
     assert result.pop("backend") == backend
     for policy, low in LOW.items():
         assert result[policy] == {

@@ -10,13 +10,8 @@ stateful ``apply`` on TensorFlow and torch, the jitted ``stateless_apply`` on JA
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -27,10 +22,11 @@ import polyamp  # noqa: E402
 import polyamp_keras  # noqa: E402
 from polyamp_keras.testing import keras_backend  # noqa: E402
 
+if TYPE_CHECKING:
+    from conftest import RunOnKerasBackend
+
 BACKEND = keras_backend()
 HERE = Path(__file__).resolve()
-SUBPROCESS = os.environ.get("POLYAMP_KERAS_SUBPROCESS") == "1"
-RunBounded = Callable[..., "subprocess.CompletedProcess[str]"]
 INF_BATCHES = (3, 7)  # batches whose inputs hold an inf: every gradient is NaN there, the step is skipped
 
 
@@ -172,14 +168,8 @@ def test_folding_decision() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(SUBPROCESS, reason="a subprocess covers its own backend only")
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
-def test_on_every_keras_backend(backend: str, run_bounded: RunBounded) -> None:
+def test_on_every_keras_backend(backend: str, run_on_keras_backend: RunOnKerasBackend) -> None:
     if backend == BACKEND:
         pytest.skip("this process runs that backend")
-    if importlib.util.find_spec(backend) is None:
-        pytest.skip(f"{backend} is not installed")
-    env = dict(os.environ, KERAS_BACKEND=backend, POLYAMP_KERAS_SUBPROCESS="1", TF_CPP_MIN_LOG_LEVEL="3")
-    command = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider", "-m", ""]
-    result = run_bounded(command, env=env, cwd=HERE.parent.parent)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    run_on_keras_backend(backend, HERE)

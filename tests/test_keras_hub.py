@@ -9,14 +9,9 @@ downloaded.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-import textwrap
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -27,35 +22,31 @@ keras_hub = pytest.importorskip("keras_hub")
 import polyamp  # noqa: E402
 import polyamp_keras  # noqa: E402
 
+if TYPE_CHECKING:
+    from conftest import KerasJson
+
 HERE = Path(__file__).resolve()
-ROOT = HERE.parent.parent
 VOCABULARY, LENGTH, BATCH = 32, 8, 2
 SETTINGS = {"growth_interval": 2, "backoff_factor": 0.25, "hysteresis": 1}
+#: The backbones' size: one block, two heads, width 16.
+BACKBONE = {
+    "vocabulary_size": VOCABULARY,
+    "num_layers": 1,
+    "num_heads": 2,
+    "hidden_dim": 16,
+    "intermediate_dim": 32,
+    "max_sequence_length": LENGTH,
+}
 
 
 def gpt2() -> Any:
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCABULARY,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=LENGTH,
-    )
-    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    return keras_hub.models.GPT2CausalLM(backbone=keras_hub.models.GPT2Backbone(**BACKBONE), preprocessor=None)
 
 
 def bert_classifier() -> Any:
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=VOCABULARY,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
-        max_sequence_length=LENGTH,
-    )
+    backbone = keras_hub.models.BertBackbone(**BACKBONE)
     return keras_hub.models.BertTextClassifier(backbone, num_classes=2, preprocessor=None)
 
 
@@ -297,20 +288,9 @@ print(json.dumps(module.scenario(sys.argv[1])))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_on_other_keras_backends(backend: str, tmp_path: Path) -> None:
+def test_on_other_keras_backends(backend: str, tmp_path: Path, keras_json: KerasJson) -> None:
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"{backend} is not installed")
-    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    code = textwrap.dedent(OTHER_BACKEND.format(path=str(HERE)))
-    completed = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT / "tests",
-        timeout=300,
-    )
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    result = keras_json(OTHER_BACKEND.format(path=str(HERE)), str(tmp_path), backend=backend)
     assert result["backend"] == backend
     check(result)

@@ -6,15 +6,9 @@ subprocesses (Keras picks its backend once per process).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -23,7 +17,9 @@ keras = pytest.importorskip("keras")
 import polyamp  # noqa: E402
 import polyamp_keras  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+if TYPE_CHECKING:
+    from conftest import KerasJson
+
 TIMEOUT = 10.0
 
 
@@ -240,23 +236,8 @@ def test_serialization_names_are_unchanged_and_old_configs_load() -> None:
 # -- subprocesses: import orders, other Keras backends -------------------------------------------------------
 
 
-def run_python(code: str, *, backend: str, timeout: float = 120.0) -> Any:
-    """Run ``code`` with KERAS_BACKEND=backend; return the JSON it prints last."""
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT / "tests",
-        timeout=timeout,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_polyamp_keras_needs_no_other_framework(backend: str) -> None:
+def test_polyamp_keras_needs_no_other_framework(backend: str, keras_json: KerasJson) -> None:
     """Part of D4: with Keras on JAX or torch, the policy path imports neither TensorFlow nor more."""
     pytest.importorskip(backend)
     code = """
@@ -272,10 +253,10 @@ def test_polyamp_keras_needs_no_other_framework(backend: str) -> None:
     print(json.dumps([keras.backend.backend(), sorted(after - before), "tensorflow" in sys.modules,
                       [layer.compute_dtype for layer in model.layers[1:]]]))
     """
-    assert run_python(code, backend=backend) == [backend, [], False, ["bfloat16", "float32"]]
+    assert keras_json(code, backend=backend) == [backend, [], False, ["bfloat16", "float32"]]
 
 
-def test_keras_imported_first_in_a_worker_follows_in_every_thread() -> None:
+def test_keras_imported_first_in_a_worker_follows_in_every_thread(keras_json: KerasJson) -> None:
     """D3: set_policy, then a worker imports keras; every thread's layers follow, the main thread's too."""
     pytest.importorskip("jax")
     code = """
@@ -309,14 +290,14 @@ def test_keras_imported_first_in_a_worker_follows_in_every_thread() -> None:
     print(json.dumps(seen))
     """
     expected = ["float16", "float32"]
-    assert run_python(code, backend="jax") == {
+    assert keras_json(code, backend="jax") == {
         "importing thread": expected,
         "thread started before the import": expected,
         "main thread": expected,
     }
 
 
-def test_a_keras_that_keeps_its_policy_elsewhere_gets_the_calling_thread_and_a_warning() -> None:
+def test_a_keras_that_keeps_its_policy_elsewhere_gets_the_calling_thread_and_a_warning(keras_json: KerasJson) -> None:
     """Should Keras change how it stores its default policy, polyamp says so and does what it can."""
     pytest.importorskip("jax")
     code = """
@@ -333,14 +314,14 @@ def test_a_keras_that_keeps_its_policy_elsewhere_gets_the_calling_thread_and_a_w
     thread.start(); thread.join()
     print(json.dumps([[str(w.message) for w in caught], keras.config.dtype_policy().name, worker]))
     """
-    messages, here, worker = run_python(code, backend="jax")
+    messages, here, worker = keras_json(code, backend="jax")
     assert len(messages) == 1 and messages[0].startswith("polyamp cannot find where Keras"), messages
     assert (here, worker) == ("mixed_bfloat16", ["float32"])
 
 
 @pytest.mark.tensorflow
 @pytest.mark.parametrize("moment", ["keras_appears", "tensorflow_appears", "watched"])
-def test_set_policy_while_another_thread_imports_keras(moment: str) -> None:
+def test_set_policy_while_another_thread_imports_keras(moment: str, keras_json: KerasJson) -> None:
     """D4: set_policy mid-import (Keras on TensorFlow, which imports for seconds) neither raises nor
     blocks, leaves TensorFlow importable, and every thread's Keras follows once the import is done."""
     pytest.importorskip("tensorflow")
@@ -383,7 +364,7 @@ def test_set_policy_while_another_thread_imports_keras(moment: str) -> None:
     result["tensorflow works"] = float(tf.constant(1.0) + 1.0)
     print(json.dumps(result))
     """
-    result = run_python(code, backend="tensorflow")
+    result = keras_json(code, backend="tensorflow")
     assert result.pop("mid-import") is True, "the import finished before set_policy: the test proves nothing"
     assert result.pop("set_policy seconds") < 1.0
     assert result == {

@@ -8,15 +8,11 @@ with momentum), so Keras-on-torch, Keras-on-JAX and Keras-on-TensorFlow follow t
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -31,11 +27,12 @@ from polyamp import InvalidConfigError, PolyampTypeError, StateDictError, Traini
 from polyamp.backend_api.training_state import KAHAN_KEY, MASTER_KEY, write_update  # noqa: E402
 from polyamp_keras.testing import apply, keras_backend  # noqa: E402
 
+if TYPE_CHECKING:
+    from conftest import RunOnKerasBackend
+
 ops = keras.ops
 BACKEND = keras_backend()
-RunBounded = Callable[..., "subprocess.CompletedProcess[str]"]
 HERE = Path(__file__).resolve()
-SUBPROCESS = os.environ.get("POLYAMP_KERAS_SUBPROCESS") == "1"
 LR, MOMENTUM = 0.01, 0.9
 
 
@@ -477,15 +474,9 @@ def test_bad_arguments_are_refused_clearly() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(SUBPROCESS, reason="a subprocess covers its own backend only")
 @pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_on_every_keras_backend(backend: str, run_bounded: RunBounded) -> None:
-    if importlib.util.find_spec(backend) is None:
-        pytest.skip(f"{backend} is not installed")
-    env = dict(os.environ, KERAS_BACKEND=backend, POLYAMP_KERAS_SUBPROCESS="1", TF_CPP_MIN_LOG_LEVEL="3")
-    command = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider", "-m", ""]
-    result = run_bounded(command, env=env, cwd=HERE.parent.parent)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+def test_on_every_keras_backend(backend: str, run_on_keras_backend: RunOnKerasBackend) -> None:
+    run_on_keras_backend(backend, HERE)
 
 
 @pytest.mark.parametrize("width", [4, 4096])  # 4096 x 5 weights: TensorFlow captures them as an input, not a constant

@@ -192,11 +192,11 @@ def test_first_party_device_forms_implement_what_fits_their_loop_style(
 
 
 def test_the_public_surface_is_small() -> None:
-    """Training code needs at most 35 names from polyamp; a backend at most 45 from polyamp.backend_api (its
+    """Training code needs at most 36 names from polyamp; a backend at most 45 from polyamp.backend_api (its
     helpers sit in submodules by subject)."""
     import polyamp.backend_api as api
 
-    assert len(polyamp.__all__) <= 35
+    assert len(polyamp.__all__) <= 36
     assert len(api.__all__) <= 45
     assert all(callable(getattr(api.OptionalMethods, name)) for name in ("apply_and_advance", "compiling"))
 

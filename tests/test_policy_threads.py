@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import textwrap
 import threading
 import time
 import types
@@ -16,7 +15,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -25,6 +24,9 @@ import polyamp.backend_api
 from polyamp import Policy
 from polyamp._src import import_hooks
 from polyamp.backend_api.policies import PolicyOverrides
+
+if TYPE_CHECKING:
+    from conftest import InstallFramework
 
 TIMEOUT = 10.0  # seconds any wait below may take before the test fails instead of hanging
 
@@ -304,47 +306,29 @@ class SlowFramework:
 
 
 @pytest.fixture
-def slow_framework(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SlowFramework]:
+def slow_framework(install_framework: InstallFramework, monkeypatch: pytest.MonkeyPatch) -> Iterator[SlowFramework]:
     name = f"slowfw_{uuid.uuid4().hex[:8]}"
     gate = types.ModuleType(f"{name}_gate")
     gate.entered, gate.release = threading.Event(), threading.Event()  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, gate.__name__, gate)
-    (tmp_path / f"{name}.py").write_text(
-        textwrap.dedent(
-            f"""
-            import {gate.__name__} as gate
-            gate.entered.set()
-            if not gate.release.wait({TIMEOUT}):
-                raise RuntimeError("the test never let this import finish")
-            DONE = True
-            """
-        )
-    )
-    (tmp_path / f"polyamp_{name}.py").write_text(
-        textwrap.dedent(
-            f"""
-            import threading
-            import {name} as fw
-            CALLS = []
-            def apply_policy(policy, overrides):
-                CALLS.append((policy.name, getattr(fw, "DONE", False), threading.current_thread().name))
-            """
-        )
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    spec = polyamp.backend_api.BackendSpec(
-        name=name,
-        target=f"polyamp_{name}:Backend",
-        frameworks=(name,),
-        install_hint=f"pip install {name}",
-        policy_hook=f"polyamp_{name}:apply_policy",
-    )
-    polyamp.backend_api.register_backend(spec)
+    framework_source = f"""
+        import {gate.__name__} as gate
+        gate.entered.set()
+        if not gate.release.wait({TIMEOUT}):
+            raise RuntimeError("the test never let this import finish")
+        DONE = True
+        """
+    backend_source = f"""
+        import threading
+        import {name} as fw
+        CALLS = []
+        def apply_policy(policy, overrides):
+            CALLS.append((policy.name, getattr(fw, "DONE", False), threading.current_thread().name))
+        """
+    spec = install_framework(name, framework_source, backend_source)
     framework = SlowFramework(name, gate.entered, gate.release, spec)  # type: ignore[attr-defined]
     yield framework
     framework.release.set()
-    for module in (name, f"polyamp_{name}"):
-        sys.modules.pop(module, None)
 
 
 def eventually(condition: Callable[[], bool]) -> None:
@@ -354,17 +338,23 @@ def eventually(condition: Callable[[], bool]) -> None:
         time.sleep(0.005)
 
 
-def test_set_policy_does_not_wait_for_an_import_in_another_thread(slow_framework: SlowFramework) -> None:
-    """D4: the framework is mid-import in another thread (not watched by polyamp) when set_policy runs."""
-    importer = start(slow_framework.import_it, "importer")
-    wait(slow_framework.entered)
-    setter = start(lambda: polyamp.set_policy("mixed_float16"), "setter")
+def set_policy_during_the_import(framework: SlowFramework, name: str) -> None:
+    """The framework's import starts in thread "importer"; while it is held, set_policy(name) runs in thread
+    "setter" and must return before the import is let go."""
+    importer = start(framework.import_it, "importer")
+    wait(framework.entered)
+    setter = start(lambda: polyamp.set_policy(name), "setter")
     setter.join(2.0)
     returned_during_import = not setter.is_alive()
-    slow_framework.release.set()
+    framework.release.set()
     importer.finish()
     setter.finish()
     assert returned_during_import, "set_policy waited for another thread's import"
+
+
+def test_set_policy_does_not_wait_for_an_import_in_another_thread(slow_framework: SlowFramework) -> None:
+    """D4: the framework is mid-import in another thread (not watched by polyamp) when set_policy runs."""
+    set_policy_during_the_import(slow_framework, "mixed_float16")
     eventually(lambda: f"polyamp_{slow_framework.name}" in sys.modules and bool(slow_framework.calls()))
     assert [(name, done) for name, done, _ in slow_framework.calls()] == [("mixed_float16", True)]
 
@@ -372,15 +362,7 @@ def test_set_policy_does_not_wait_for_an_import_in_another_thread(slow_framework
 def test_an_import_polyamp_watches_delivers_the_latest_policy(slow_framework: SlowFramework) -> None:
     """D4: set_policy (watching the framework), the import starts in B, set_policy again mid-import."""
     polyamp.set_policy("mixed_bfloat16")
-    importer = start(slow_framework.import_it, "importer")
-    wait(slow_framework.entered)
-    setter = start(lambda: polyamp.set_policy("mixed_float16"), "setter")
-    setter.join(2.0)
-    returned_during_import = not setter.is_alive()
-    slow_framework.release.set()
-    importer.finish()
-    setter.finish()
-    assert returned_during_import, "set_policy waited for another thread's import"
+    set_policy_during_the_import(slow_framework, "mixed_float16")
     # The hook ran inside the import, in the importing thread, before `import` returned there.
     assert slow_framework.calls() == [("mixed_float16", True, "importer")]
     polyamp.set_policy("float16")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,11 +33,12 @@ SOAK_CONFIGS = [
 ]
 
 
-def _torch_states(config: dict[str, Any], pattern: list[bool]) -> list[tuple[float, int, int]]:
+def _torch_steps(config: dict[str, Any], pattern: list[bool]) -> Iterator[Any]:
+    """A torch scaler with ``config`` through one step per entry of ``pattern`` (True: an infinite gradient),
+    yielded after each step's update."""
     scaler = polyamp_torch.TorchLossScaler("cpu", **config)
     param = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([param], lr=0.0)
-    states = []
     for overflow in pattern:
         scaler.scale(param.sum() * 0.0).backward()
         if overflow:
@@ -44,6 +46,12 @@ def _torch_states(config: dict[str, Any], pattern: list[bool]) -> list[tuple[flo
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
+        yield scaler
+
+
+def _torch_states(config: dict[str, Any], pattern: list[bool]) -> list[tuple[float, int, int]]:
+    states = []
+    for scaler in _torch_steps(config, pattern):
         state = scaler.get_state()
         states.append((state.scale, state.growth_tracker, state.hysteresis_left))
     return states
@@ -80,19 +88,10 @@ def test_a_10000_step_soak_on_torch_matches_the_reference(index: int) -> None:
     config = {**SOAK_CONFIGS[index], "growth_interval": SOAK_CONFIGS[index].get("growth_interval", 25)}
     rng = random.Random(index)
     pattern = [rng.random() < 0.05 for _ in range(10_000)]
-    scaler = polyamp_torch.TorchLossScaler("cpu", **config)
-    param = torch.nn.Parameter(torch.zeros(2))
-    opt = torch.optim.SGD([param], lr=0.0)
     reference = LossScaleConfig(**config).states(pattern)
     scales = torch.empty(len(pattern))
-    for step, overflow in enumerate(pattern):
-        scaler.scale(param.sum() * 0.0).backward()
-        if overflow:
-            param.grad[0] = math.inf
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        scales[step] = scaler.device_form._state.scale  # type: ignore[union-attr]  # device copy, no host read
+    for step, scaler in enumerate(_torch_steps(config, pattern)):
+        scales[step] = scaler.device_form._state.scale  # device copy, no host read
     assert scales.tolist() == [s.scale for s in reference]
 
 

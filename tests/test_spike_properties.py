@@ -8,8 +8,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -19,6 +18,9 @@ from hypothesis import strategies as st  # noqa: E402
 
 import polyamp  # noqa: E402
 from polyamp import SpikeRule  # noqa: E402
+
+if TYPE_CHECKING:
+    from conftest import NumpyBackend
 
 PROPERTY = settings(
     max_examples=25, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
@@ -191,22 +193,11 @@ def test_tensorflow_tape_loop_decides_as_the_reference(
 
 # -- the tape-style nptape backend -----------------------------------------------------------------------------
 
-NPTAPE = Path(__file__).resolve().parent / "numpy_backend"
-
 
 @pytest.fixture(scope="module")
-def nptape() -> Iterator[Any]:
-    sys.path.insert(0, str(NPTAPE))
-    try:
-        import nptape as module
-        import polyamp_nptape
-
-        polyamp.backend_api.register_backend(polyamp_nptape.SPEC)
-        yield module
-    finally:
-        sys.path.remove(str(NPTAPE))
-        for name in ("npfw", "nptape", "polyamp_nptape"):
-            sys.modules.pop(name, None)
+def nptape(numpy_backend: NumpyBackend) -> Iterator[Any]:
+    with numpy_backend("nptape"):
+        yield sys.modules["nptape"]
 
 
 def _nptape_loss(nptape: Any, value: float, *, overflow: bool) -> Any:

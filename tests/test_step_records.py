@@ -32,6 +32,17 @@ def _batch(step: int) -> tuple[Any, Any]:
     return torch.randn(6, 8, generator=generator), torch.randint(0, 4, (6,), generator=generator)
 
 
+def _scaled_backward(scaler: Any, model: Any, opt: Any, step: int) -> tuple[Any, Any]:
+    """Step ``step``'s batch through ``model`` under polyamp's autocast and the scaled loss's backward pass (the
+    gradients zeroed first); returns the batch."""
+    x, y = _batch(step)
+    opt.zero_grad()
+    with polyamp_torch.autocast():
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    return x, y
+
+
 def _polyamp_messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "polyamp" and r.levelno == level]
 
@@ -49,11 +60,7 @@ def test_bfloat16_guard_skips_the_planted_inf_and_equals_plain_torch_otherwise(
     scaler = polyamp.LossScaler()
     with polyamp.policy_scope("mixed_bfloat16"):
         for step in range(20):
-            x, y = _batch(step)
-            opt.zero_grad()
-            with polyamp_torch.autocast():
-                loss = torch.nn.functional.cross_entropy(guarded(x), y)
-            scaler.scale(loss).backward()
+            x, y = _scaled_backward(scaler, guarded, opt, step)
             if step == 7:
                 dict(guarded.named_parameters())["2.weight"].grad[1, 2] = math.inf
                 before = [t.clone() for t in [*guarded.parameters(), *_adam_state(opt)]]
@@ -91,11 +98,7 @@ def test_a_fused_optimizers_skip_names_its_gradients_when_read_before_the_next_i
     scaler = polyamp.LossScaler()
     with polyamp.policy_scope(policy):
         for step in range(4):
-            x, y = _batch(step)
-            opt.zero_grad()
-            with polyamp_torch.autocast():
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
+            _scaled_backward(scaler, model, opt, step)
             if step in (1, 2):
                 model[2].weight.grad[1, 2] = math.nan if step == 1 else math.inf
             scaler.step(opt)
@@ -124,11 +127,7 @@ def _train(scaler: Any, *, inf_at: tuple[int, ...], steps: int = 4, policy: str 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with polyamp.policy_scope(policy):
         for step in range(steps):
-            x, y = _batch(step)
-            opt.zero_grad()
-            with polyamp_torch.autocast():
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
+            _scaled_backward(scaler, model, opt, step)
             if step in inf_at:
                 model[0].weight.grad[0, 0] = math.inf
             scaler.step(opt)
@@ -416,11 +415,7 @@ def test_torch_non_finite_parameters_are_named_once_the_skips_run_on(
             if step == 5:  # what an overflowed optimizer state leaves: a parameter that is NaN
                 with torch.no_grad():
                     model[2].weight[1, 3] = math.nan
-            x, y = _batch(step)
-            opt.zero_grad()
-            with polyamp_torch.autocast():
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
+            _scaled_backward(scaler, model, opt, step)
             if step == 2:  # a bad batch: one skip, the parameters are fine
                 model[0].bias.grad[0] = math.inf
             scaler.step(opt)

@@ -615,11 +615,17 @@ def test_a_checkpoint_restore_follows_the_state_dict_rules(tmp_path: Path) -> No
 # -- settings once traced, unscale stages, bad scales inside a graph, long runs of NaN steps ------------------------
 
 
-def test_tensorflow_refuses_new_settings_once_traced_and_takes_new_state() -> None:
-    scaler = polyamp.LossScaler(growth_interval=10, enabled=True)
+def _one_still_weight() -> tuple[Any, Any]:
+    """A one-element weight and an SGD built for it with learning rate 0: steps run, the weight stays 1."""
     w = tf.Variable([1.0])
     opt = keras.optimizers.SGD(0.0)
     opt.build([w])
+    return w, opt
+
+
+def test_tensorflow_refuses_new_settings_once_traced_and_takes_new_state() -> None:
+    scaler = polyamp.LossScaler(growth_interval=10, enabled=True)
+    w, opt = _one_still_weight()
 
     @tf.function
     def step(bad: Any) -> None:
@@ -675,9 +681,7 @@ def test_unscale_stages_do_not_pile_up() -> None:
 def test_update_with_a_bad_symbolic_scale_in_a_tf_function_is_refused(new_scale: float) -> None:
     """Inside a tf.function the value is known only when the graph runs: the graph checks it then."""
     scaler = polyamp.LossScaler(enabled=True, max_scale=2.0**20, backend="tensorflow")
-    w = tf.Variable([1.0])
-    opt = keras.optimizers.SGD(0.0)
-    opt.build([w])
+    w, opt = _one_still_weight()
 
     @tf.function
     def step(value: Any) -> None:

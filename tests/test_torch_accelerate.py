@@ -7,11 +7,9 @@ installed by hand (Accelerate runs fp16 only on accelerators, so on CPU only the
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -24,7 +22,10 @@ import polyamp  # noqa: E402
 import polyamp_torch  # noqa: E402
 from polyamp_torch.accelerate import prepare_accelerator  # noqa: E402
 
-BATCH, BATCHES = 4, 8
+if TYPE_CHECKING:
+    from conftest import ImportWithout, RegressionLoader
+
+BATCHES = 8
 
 
 @pytest.fixture(autouse=True)
@@ -49,14 +50,6 @@ def model_with_plants(bad: set[int]) -> torch.nn.Module:
 
     model[0].weight.register_hook(plant)
     return model
-
-
-def loader(leave_out: set[int] = frozenset(), batches: int = BATCHES) -> Any:  # type: ignore[assignment]
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(batches * BATCH, 8, generator=generator)
-    y = torch.randn(batches * BATCH, 1, generator=generator)
-    keep = [i for i in range(batches * BATCH) if i // BATCH not in leave_out]
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[keep], y[keep]), batch_size=BATCH)
 
 
 def train(
@@ -87,13 +80,13 @@ def same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
-def test_bf16_guard_skips_what_accelerate_would_apply() -> None:
+def test_bf16_guard_skips_what_accelerate_would_apply(regression_loader: RegressionLoader) -> None:
     bad = {2, 5}
     accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
     scaler = prepare_accelerator(accelerator)
     assert accelerator.scaler is scaler and not scaler.enabled and scaler.guarding
     guarded = model_with_plants(bad)
-    skipped, _ = train(accelerator, guarded, loader(), clip=True)
+    skipped, _ = train(accelerator, guarded, regression_loader(BATCHES), clip=True)
     assert skipped == [i in bad for i in range(BATCHES)]
     assert int(scaler.skipped_steps()) == 2
     assert [(r.iteration, r.reason) for r in scaler.records() if r.skipped] == [(2, "non_finite"), (5, "non_finite")]
@@ -102,13 +95,15 @@ def test_bf16_guard_skips_what_accelerate_would_apply() -> None:
     native = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
     assert native.scaler is None
     reference = model_with_plants(set())
-    native_skipped, _ = train(native, reference, loader(leave_out=bad), clip=True)
+    native_skipped, _ = train(native, reference, regression_loader(BATCHES, leave_out=bad), clip=True)
     assert native_skipped == [False] * (BATCHES - len(bad))
     assert same_parameters(guarded, reference)
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_fp16_scaler_is_gradscaler_bit_for_bit(tmp_path: Path, accumulation: int) -> None:
+def test_fp16_scaler_is_gradscaler_bit_for_bit(
+    tmp_path: Path, accumulation: int, regression_loader: RegressionLoader
+) -> None:
     bad = {2, 5}  # backward passes: with accumulation 2, the first micro-batch of step 1, the second of step 2
 
     def run(scaler: Any) -> tuple[torch.nn.Module, list[bool], list[float], Any]:
@@ -121,7 +116,7 @@ def test_fp16_scaler_is_gradscaler_bit_for_bit(tmp_path: Path, accumulation: int
             accelerator.scaler = scaler  # the same installation, by hand, for torch's GradScaler
         model = model_with_plants(bad)
         region = torch.autocast("cpu", dtype=torch.float16)
-        skipped, scales = train(accelerator, model, loader(batches=BATCHES * accumulation), region=region)
+        skipped, scales = train(accelerator, model, regression_loader(BATCHES * accumulation), region=region)
         return model, skipped, scales, accelerator
 
     native_model, native_skipped, native_scales, _ = run(torch.amp.GradScaler("cpu", growth_interval=2))
@@ -170,10 +165,6 @@ def test_arguments() -> None:
         prepare_accelerator(accelerator)
 
 
-def test_without_accelerate_the_import_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [n for n in sys.modules if n == "accelerate" or n.startswith("accelerate.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "accelerate", None)
-    monkeypatch.delitem(sys.modules, "polyamp_torch.accelerate")
+def test_without_accelerate_the_import_says_what_to_install(import_without: ImportWithout) -> None:
     with pytest.raises(polyamp.BackendNotInstalledError, match=r"pip install accelerate"):
-        importlib.import_module("polyamp_torch.accelerate")
+        import_without("accelerate", "polyamp_torch.accelerate")

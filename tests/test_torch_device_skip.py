@@ -38,12 +38,17 @@ def _optimizer(kind: str, form: str, params: Any) -> Any:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **options)
 
 
-def _train(
-    scaler: Any, kind: str, form: str, *, clip: bool = False, steps: int = 14, inf_at: tuple[int, ...] = INF_AT
-) -> tuple[Any, Any, list[Any]]:
+def _model_and_optimizer(kind: str, form: str) -> tuple[Any, Any]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    opt = _optimizer(kind, form, model.parameters())
+    return model, _optimizer(kind, form, model.parameters())
+
+
+def _steps(
+    scaler: Any, model: Any, opt: Any, *, clip: bool = False, steps: int = 14, inf_at: tuple[int, ...] = INF_AT
+) -> list[Any]:
+    """``steps`` float16 steps on one random batch, a gradient made inf or NaN at the steps in ``inf_at``;
+    ``scaler.step``'s result of each."""
     x, y = torch.randn(32, 8), torch.randn(32, 4)
     results = []
     for index in range(steps):
@@ -58,7 +63,12 @@ def _train(
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         results.append(scaler.step(opt))
         scaler.update()
-    return model, opt, results
+    return results
+
+
+def _train(scaler: Any, kind: str, form: str, **options: Any) -> tuple[Any, Any, list[Any]]:
+    model, opt = _model_and_optimizer(kind, form)
+    return model, opt, _steps(scaler, model, opt, **options)
 
 
 def _assert_same(ours: tuple[Any, Any, list[Any]], theirs: tuple[Any, Any, list[Any]]) -> None:
@@ -180,9 +190,7 @@ def test_what_is_left_to_the_host() -> None:
 def _train_with_hooks(scaler: Any, form: str, hooks: str) -> tuple[Any, list[str], list[Any]]:
     """`_train`'s Adam run with step hooks that count their calls and keep an EMA of the weights (a post-hook);
     ``hooks`` is "own" (on the optimizer) or "global" (torch's, for every optimizer)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    opt = _optimizer("adam", form, model.parameters())
+    model, opt = _model_and_optimizer("adam", form)
     calls: list[str] = []
     ema = [p.detach().clone() for p in model.parameters()]
 
@@ -205,16 +213,7 @@ def _train_with_hooks(scaler: Any, form: str, hooks: str) -> tuple[Any, list[str
             torch_optimizer.register_optimizer_step_post_hook(post),
         ]
     try:
-        x, y = torch.randn(32, 8), torch.randn(32, 4)
-        for index in range(10):
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = torch.nn.functional.mse_loss(model(x), y)
-            scaler.scale(loss).backward()
-            if index in INF_AT:
-                model[0].weight.grad[3, 2] = math.inf if index % 2 else math.nan
-            scaler.step(opt)
-            scaler.update()
+        _steps(scaler, model, opt, steps=10)
     finally:
         for handle in handles:
             handle.remove()

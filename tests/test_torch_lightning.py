@@ -5,12 +5,11 @@ A small model trains on CPU with infinite gradients planted at chosen steps (a g
 
 from __future__ import annotations
 
-import importlib
 import logging
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -23,7 +22,10 @@ import polyamp  # noqa: E402
 import polyamp_torch  # noqa: E402
 from polyamp_torch.lightning import PolyampPrecision  # noqa: E402
 
-BATCH, BATCHES = 4, 8
+if TYPE_CHECKING:
+    from conftest import ImportWithout, RegressionLoader
+
+BATCHES = 8
 
 
 @pytest.fixture(autouse=True)
@@ -58,14 +60,6 @@ class Net(pl.LightningModule):  # type: ignore[misc]
 
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam(self.parameters(), lr=1e-2)
-
-
-def loader(leave_out: set[int] = frozenset(), batches: int = BATCHES) -> Any:  # type: ignore[assignment]
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(batches * BATCH, 8, generator=generator)
-    y = torch.randn(batches * BATCH, 1, generator=generator)
-    keep = [i for i in range(batches * BATCH) if i // BATCH not in leave_out]
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[keep], y[keep]), batch_size=BATCH)
 
 
 class Metrics(pl.loggers.Logger):  # type: ignore[misc]
@@ -137,17 +131,19 @@ def same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
-def test_float16_is_lightnings_16_mixed_bit_for_bit() -> None:
+def test_float16_is_lightnings_16_mixed_bit_for_bit(regression_loader: RegressionLoader) -> None:
     # Same op classification (torch's CPU lists), same scaler settings: only the scaler's implementation differs.
     bad = {2, 5}
     native_model, polyamp_model = Net(bad), Net(bad)
     native, _, native_scales = fit(
-        MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", growth_interval=2)), native_model, loader()
+        MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", growth_interval=2)),
+        native_model,
+        regression_loader(BATCHES),
     )
     plugin = PolyampPrecision(
         "mixed_float16", scaler=polyamp_torch.TorchLossScaler("cpu", growth_interval=2), cpu_float32_ops=False
     )
-    trainer, metrics, scales = fit(plugin, polyamp_model, loader())
+    trainer, metrics, scales = fit(plugin, polyamp_model, regression_loader(BATCHES))
     assert trainer.precision == native.precision == "16-mixed"
     assert same_parameters(native_model, polyamp_model)
     after = [32768.0, 32768.0, 16384.0, 16384.0, 32768.0, 16384.0, 16384.0, 32768.0]  # growth_interval=2
@@ -165,7 +161,7 @@ def test_float16_is_lightnings_16_mixed_bit_for_bit() -> None:
     assert metrics.column("skipped_steps/overflow") == [1.0, 1.0, 2.0, 2.0, 2.0, 3.0, 3.0, 3.0]
 
 
-def test_bfloat16_guard_skips_what_lightning_would_apply() -> None:
+def test_bfloat16_guard_skips_what_lightning_would_apply(regression_loader: RegressionLoader) -> None:
     # Lightning's "bf16-mixed" has no scaler and refuses one; polyamp's plugin guards: the run equals Lightning's
     # on the data without the planted batches (a skipped step leaves parameters and Adam's state unchanged).
     with pytest.raises(Exception, match="does not use a scaler"):
@@ -173,11 +169,16 @@ def test_bfloat16_guard_skips_what_lightning_would_apply() -> None:
     bad = {2, 5}
     polyamp_model = Net(bad)
     plugin = PolyampPrecision("mixed_bfloat16", cpu_float32_ops=False)
-    trainer, metrics, _ = fit(plugin, polyamp_model, loader())
+    trainer, metrics, _ = fit(plugin, polyamp_model, regression_loader(BATCHES))
     assert trainer.precision == "bf16-mixed"
     assert not plugin.scaler.enabled and plugin.scaler.guarding
     native_model = Net()
-    fit(MixedPrecision("bf16-mixed", "cpu"), native_model, loader(leave_out=bad), max_steps=BATCHES - len(bad))
+    fit(
+        MixedPrecision("bf16-mixed", "cpu"),
+        native_model,
+        regression_loader(BATCHES, leave_out=bad),
+        max_steps=BATCHES - len(bad),
+    )
     assert same_parameters(native_model, polyamp_model)
     assert all(bool(p.isfinite().all()) for p in polyamp_model.parameters())
     assert metrics.column("loss_scale") == [None] * BATCHES  # not scaling
@@ -185,7 +186,7 @@ def test_bfloat16_guard_skips_what_lightning_would_apply() -> None:
     assert metrics.column("skipped_steps/non_finite") == [None, None, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
     # The planted batches would have put inf into Lightning's parameters.
     unguarded = Net(bad)
-    fit(MixedPrecision("bf16-mixed", "cpu"), unguarded, loader(), max_steps=3)
+    fit(MixedPrecision("bf16-mixed", "cpu"), unguarded, regression_loader(BATCHES), max_steps=3)
     assert not all(bool(p.isfinite().all()) for p in unguarded.parameters())
 
 
@@ -194,15 +195,15 @@ def test_bfloat16_guard_skips_what_lightning_would_apply() -> None:
     reason="polyamp's CPU regions run CUDA's float32 op list (here layer_norm) where torch's CPU autocast, which "
     "Lightning's plugin uses, runs bfloat16; cpu_float32_ops=False gives torch's lists (tested above).",
 )
-def test_default_cpu_classification_is_lightnings() -> None:
+def test_default_cpu_classification_is_lightnings(regression_loader: RegressionLoader) -> None:
     native_model, polyamp_model = Net(), Net()
-    fit(MixedPrecision("bf16-mixed", "cpu"), native_model, loader(), max_steps=3)
-    fit(PolyampPrecision("mixed_bfloat16"), polyamp_model, loader(), max_steps=3)
+    fit(MixedPrecision("bf16-mixed", "cpu"), native_model, regression_loader(BATCHES), max_steps=3)
+    fit(PolyampPrecision("mixed_bfloat16"), polyamp_model, regression_loader(BATCHES), max_steps=3)
     assert same_parameters(native_model, polyamp_model)
 
 
 @pytest.mark.parametrize("saved_by", ["polyamp", "lightning"])
-def test_checkpoints_keep_the_scaler(tmp_path: Path, saved_by: str) -> None:
+def test_checkpoints_keep_the_scaler(tmp_path: Path, saved_by: str, regression_loader: RegressionLoader) -> None:
     """An epoch, a checkpoint, a resumed second epoch: the same as two epochs in one go."""
 
     def plugin(kind: str) -> Any:
@@ -212,7 +213,7 @@ def test_checkpoints_keep_the_scaler(tmp_path: Path, saved_by: str) -> None:
             "mixed_float16", scaler=polyamp_torch.TorchLossScaler("cpu", growth_interval=2), cpu_float32_ops=False
         )
 
-    data = loader(batches=3)
+    data = regression_loader(3)
     straight = Net({4})
     _, _, straight_scales = fit(plugin("polyamp"), straight, data, max_steps=-1, max_epochs=2)
     first = Net({4})
@@ -230,7 +231,7 @@ def test_checkpoints_keep_the_scaler(tmp_path: Path, saved_by: str) -> None:
     assert resumed_plugin.scaler.get_scale() == straight_scales.scales[-1]
 
 
-def test_a_resumed_run_logs_the_skip_count_on(tmp_path: Path) -> None:
+def test_a_resumed_run_logs_the_skip_count_on(tmp_path: Path, regression_loader: RegressionLoader) -> None:
     """The logged skipped_steps of a run resumed from a checkpoint go on from the checkpoint's count: the scaler's
     state dict carries it (GradScaler's keys stay as they are)."""
 
@@ -238,7 +239,7 @@ def test_a_resumed_run_logs_the_skip_count_on(tmp_path: Path) -> None:
         scaler = polyamp_torch.TorchLossScaler("cpu", growth_interval=2)
         return PolyampPrecision("mixed_float16", scaler=scaler, cpu_float32_ops=False)
 
-    data = loader(batches=3)
+    data = regression_loader(3)
     _, straight_metrics, _ = fit(plugin(), Net({1, 4}), data, max_steps=-1, max_epochs=2)
     # (the first step overflows at the initial scale, 2**16, as well as the planted ones)
     assert straight_metrics.column("skipped_steps") == [1.0, 2.0, 2.0, 2.0, 3.0, 3.0]
@@ -252,7 +253,7 @@ def test_a_resumed_run_logs_the_skip_count_on(tmp_path: Path) -> None:
     assert int(resumed.scaler.skipped_steps()) == 3
 
 
-def test_manual_optimization_and_accumulation() -> None:
+def test_manual_optimization_and_accumulation(regression_loader: RegressionLoader) -> None:
     class Manual(Net):
         def __init__(self, bad: set[int]) -> None:
             super().__init__(bad)
@@ -266,13 +267,13 @@ def test_manual_optimization_and_accumulation() -> None:
 
     model = Manual({1})
     plugin = PolyampPrecision("mixed_bfloat16", log=False)
-    _, metrics, _ = fit(plugin, model, loader(), max_steps=4)
+    _, metrics, _ = fit(plugin, model, regression_loader(BATCHES), max_steps=4)
     assert int(plugin.scaler.skipped_steps()) == 1
     assert metrics.column("skipped_steps") == [None] * len(metrics.rows)  # log=False
 
     accumulating = Net({3})  # the fourth backward: the second accumulated step
     plugin = PolyampPrecision("mixed_bfloat16")
-    _, metrics, _ = fit(plugin, accumulating, loader(), max_steps=3, accumulate_grad_batches=2)
+    _, metrics, _ = fit(plugin, accumulating, regression_loader(BATCHES), max_steps=3, accumulate_grad_batches=2)
     assert [(r.iteration, r.skipped) for r in plugin.scaler.records()] == [(0, False), (1, True), (2, False)]
 
 
@@ -306,11 +307,7 @@ def test_import_polyamp_torch_does_not_import_lightning() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_without_lightning_the_import_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [n for n in sys.modules if n == "lightning" or n.startswith("lightning.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "lightning", None)
-    monkeypatch.delitem(sys.modules, "polyamp_torch.lightning")
+def test_without_lightning_the_import_says_what_to_install(import_without: ImportWithout) -> None:
     with pytest.raises(polyamp.BackendNotInstalledError, match=r"pip install lightning") as caught:
-        importlib.import_module("polyamp_torch.lightning")
+        import_without("lightning", "polyamp_torch.lightning")
     assert isinstance(caught.value, ImportError)

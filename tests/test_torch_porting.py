@@ -77,6 +77,16 @@ def test_cuda_without_cuda_disables_with_a_warning_as_grad_scaler_does() -> None
         assert not torch.amp.GradScaler("cuda").is_enabled()
 
 
+def _step(scaler: Any, param: torch.nn.Parameter, opt: torch.optim.Optimizer, bad: float | None) -> None:
+    """One scaled step of ``opt`` on ``param.sum()``; ``bad``, when given, replaces the first gradient entry."""
+    opt.zero_grad()
+    scaler.scale(param.sum()).backward()
+    if bad is not None:
+        param.grad[0] = bad
+    scaler.step(opt)
+    scaler.update()
+
+
 def test_setters_change_the_rule_as_grad_scalers_do() -> None:
     scaler = polyamp_torch.TorchLossScaler("cpu", growth_interval=1)
     scaler.set_growth_factor(4.0)
@@ -86,13 +96,8 @@ def test_setters_change_the_rule_as_grad_scalers_do() -> None:
     param = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([param], lr=0.1)
     scales = []
-    for bad in (False, False, True):
-        opt.zero_grad()
-        scaler.scale(param.sum()).backward()
-        if bad:
-            param.grad[0] = math.nan
-        scaler.step(opt)
-        scaler.update()
+    for bad in (None, None, math.nan):
+        _step(scaler, param, opt, bad)
         scales.append(scaler.get_scale())
     assert scales == [65536.0, 262144.0, 32768.0]
     with pytest.raises(polyamp.InvalidConfigError, match="growth_factor"):
@@ -286,13 +291,8 @@ def test_scheduler_guard_is_an_lr_scheduler_and_keeps_its_count_across_a_resume(
     scaler = polyamp_torch.TorchLossScaler("cpu")
     guard = polyamp_torch.SchedulerGuard(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), scaler)
     assert isinstance(guard, torch.optim.lr_scheduler.LRScheduler)
-    for bad in (True, False, True):
-        opt.zero_grad()
-        scaler.scale(param.sum()).backward()
-        if bad:
-            param.grad[0] = math.inf
-        scaler.step(opt)
-        scaler.update()
+    for bad in (math.inf, None, math.inf):
+        _step(scaler, param, opt, bad)
         guard.step()
     assert guard.held_back == 2 and guard.last_epoch == 1 and guard.get_last_lr() == [0.5]
     saved = pickle.loads(pickle.dumps(guard.state_dict()))

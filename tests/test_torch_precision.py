@@ -8,6 +8,7 @@ import logging
 import math
 import pickle
 import warnings
+from typing import Any
 
 import pytest
 
@@ -32,6 +33,15 @@ def _set_grads(params, seed: int, scale: float = 1e-2) -> None:
     generator = torch.Generator().manual_seed(1000 + seed)
     for p in params:
         p.grad = (torch.randn(p.shape, generator=generator) * scale).to(p.dtype)
+
+
+def _step_side_by_side(opt: Any, params: list[Any], ref_opt: Any, reference: list[Any], step: int) -> None:
+    """Step ``step``'s gradients in ``params`` and the same in float32 in ``reference``; one step of each optimizer."""
+    _set_grads(params, step)
+    for r, p in zip(reference, params):
+        r.grad = p.grad.float()
+    opt.step()
+    ref_opt.step()
 
 
 def _floats(tensor: torch.Tensor) -> list[float]:
@@ -115,11 +125,7 @@ def test_master_copy_is_the_float32_result_and_the_weight_its_rounding() -> None
     reference = [p.detach().float().clone().requires_grad_() for p in params]
     ref_opt = torch.optim.SGD(reference, lr=0.3, momentum=0.9)
     for step in range(4):
-        _set_grads(params, step)
-        for r, p in zip(reference, params):
-            r.grad = p.grad.float()
-        opt.step()
-        ref_opt.step()
+        _step_side_by_side(opt, params, ref_opt, reference, step)
         for p, r in zip(params, reference):
             master = opt.state[p][MASTER_KEY]
             assert master.dtype is torch.float32 and torch.equal(master, r.detach())
@@ -279,6 +285,33 @@ def _loss(model: torch.nn.Module, step: int) -> torch.Tensor:
     return model(x).float().pow(2).mean()
 
 
+def _train_with_a_bad_step(
+    model: torch.nn.Module,
+    opt: PrecisionOptimizer,
+    scaler: polyamp.LossScaler,
+    steps: int,
+    bad: tuple[int, int, int, float],
+) -> bool:
+    """``steps`` steps on `_loss`; at step ``bad[0]`` element ``bad[2]`` of parameter ``bad[1]``'s gradient is set
+    to ``bad[3]``, and that step must leave every tensor of the training state bit for bit as it was. Returns
+    ``scaler.step_skipped(opt)`` read right after that step."""
+    params = list(model.parameters())
+    bad_step, index, element, value = bad
+    skipped = False
+    for step in range(steps):
+        opt.zero_grad()
+        scaler.scale(_loss(model, step)).backward()
+        if step == bad_step:
+            before = _snapshot(opt, params)
+            params[index].grad.view(-1)[element] = value
+        scaler.step(opt)
+        scaler.update()
+        if step == bad_step:
+            skipped = scaler.step_skipped(opt)
+            assert _bitwise_equal(_snapshot(opt, params), before)
+    return skipped
+
+
 def test_loss_scaler_skips_an_overflowing_step_of_float16_kahan_leaving_all_state_intact() -> None:
     model = _model(torch.float16)
     params = list(model.parameters())
@@ -287,16 +320,7 @@ def test_loss_scaler_skips_an_overflowing_step_of_float16_kahan_leaving_all_stat
         # (enabled=True: under float16 parameters the scaler leaves scaling off unless told the update is
         # formed in float32, which PrecisionOptimizer does)
         scaler = polyamp.LossScaler(init_scale=256.0, enabled=True)
-        for step in range(4):
-            opt.zero_grad()
-            scaler.scale(_loss(model, step)).backward()
-            if step == 2:
-                before = _snapshot(opt, params)
-                params[0].grad.view(-1)[3] = float("inf")
-            scaler.step(opt)
-            scaler.update()
-            if step == 2:
-                assert _bitwise_equal(_snapshot(opt, params), before)
+        _train_with_a_bad_step(model, opt, scaler, 4, (2, 0, 3, float("inf")))
     records = scaler.records()
     assert [(r.skipped, r.reason) for r in records] == [(False, None), (False, None), (True, "overflow"), (False, None)]
     assert float(opt.state[params[0]]["step"]) == 3.0
@@ -379,17 +403,7 @@ def test_guard_skips_a_non_finite_bfloat16_step_leaving_all_state_and_the_stream
     with polyamp.policy_scope("bfloat16_stochastic"):
         opt = PrecisionOptimizer(torch.optim.AdamW(params, lr=1e-2))
         scaler = polyamp.LossScaler()  # no scaling under bfloat16: it guards
-        for step in range(3):
-            opt.zero_grad()
-            scaler.scale(_loss(model, step)).backward()
-            if step == 1:
-                before = _snapshot(opt, params)
-                params[2].grad.view(-1)[0] = float("nan")
-            scaler.step(opt)
-            scaler.update()
-            if step == 1:
-                assert scaler.step_skipped(opt)
-                assert _bitwise_equal(_snapshot(opt, params), before)
+        assert _train_with_a_bad_step(model, opt, scaler, 3, (1, 2, 0, float("nan")))
     assert [(r.skipped, r.reason) for r in scaler.records()] == [(False, None), (True, "non_finite"), (False, None)]
 
 
@@ -405,11 +419,7 @@ def test_lr_scheduler_drives_the_wrapped_optimizer_and_the_master_matches_float3
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
         for step in range(5):
-            _set_grads(params, step)
-            for r, p in zip(reference, params):
-                r.grad = p.grad.float()
-            opt.step()
-            ref_opt.step()
+            _step_side_by_side(opt, params, ref_opt, reference, step)
             for scheduler in schedulers:
                 scheduler.step()
     assert opt.param_groups is opt.optimizer.param_groups

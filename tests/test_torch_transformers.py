@@ -10,7 +10,7 @@ import dataclasses
 import inspect
 import io
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -20,10 +20,14 @@ transformers = pytest.importorskip("transformers")
 import polyamp  # noqa: E402
 import polyamp_torch  # noqa: E402
 
+if TYPE_CHECKING:
+    from conftest import ImportWithout
+
 VOCAB, LENGTH, SAMPLES = 100, 8, 16
 
 
-def tiny_bert() -> Any:
+def tiny_bert(**config: Any) -> Any:
+    """A two-layer BERT classifier, width 32, from seed 0; ``config``: more BertConfig settings."""
     torch.manual_seed(0)
     config = transformers.BertConfig(
         vocab_size=VOCAB,
@@ -33,6 +37,7 @@ def tiny_bert() -> Any:
         intermediate_size=64,
         max_position_embeddings=32,
         num_labels=2,
+        **config,
     )
     return transformers.BertForSequenceClassification(config)
 
@@ -149,19 +154,7 @@ class Rows(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 def planted_bert(bad: set[int]) -> Any:
     """A dropout-free tiny BERT whose classifier weight gradient is inf at the backward passes in ``bad``."""
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        num_labels=2,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    model = transformers.BertForSequenceClassification(config)
+    model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     count = [0]
 
     def plant(grad: torch.Tensor) -> torch.Tensor:
@@ -254,18 +247,11 @@ def test_trainer_checkpoints_resume_polyamps_scaler(tmp_path: Path) -> None:
     assert {step: count for step, count in logged(resumed).items() if step > 3} == {4: 2.0, 5: 2.0, 6: 2.0}
 
 
-def test_prepare_trainer_arguments_and_the_missing_package_hint(monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib
-    import sys
-
+def test_prepare_trainer_arguments_and_the_missing_package_hint(import_without: ImportWithout) -> None:
     polyamp_transformers = pytest.importorskip("polyamp_torch.transformers")
     with pytest.raises(polyamp.PolyampTypeError, match=r"takes a transformers.Trainer.*prepare_accelerator"):
         polyamp_transformers.prepare_trainer(object())
     with pytest.raises(polyamp.PolyampTypeError, match=r"needs the polyamp\.LossScaler"):
         polyamp_transformers.PolyampCallback(object())  # type: ignore[arg-type]
-    for name in [n for n in sys.modules if n == "transformers" or n.startswith("transformers.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "transformers", None)
-    monkeypatch.delitem(sys.modules, "polyamp_torch.transformers")
     with pytest.raises(polyamp.BackendNotInstalledError, match=r"pip install transformers accelerate"):
-        importlib.import_module("polyamp_torch.transformers")
+        import_without("transformers", "polyamp_torch.transformers")

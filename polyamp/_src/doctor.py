@@ -36,6 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from polyamp._src import registry
+from polyamp._src.doctor_fp8 import Float8Advice, advise_float8
+
 __all__ = [
     "FRAMEWORKS",
     "CpuInfo",
@@ -48,7 +51,8 @@ __all__ = [
     "recommended_policy",
 ]
 
-#: The frameworks the doctor can probe for devices, in the order it imports them (torch before TensorFlow).
+#: The frameworks the doctor can probe for devices (through their backend's ``BackendSpec.device_probe``), in
+#: the order it imports them (torch before TensorFlow).
 FRAMEWORKS: Final = ("torch", "tensorflow", "jax")
 _REPORTED: Final = ("torch", "tensorflow", "keras", "jax")
 _CPU_BF16_FLAGS: Final = frozenset({"avx512_bf16", "amx_bf16"})
@@ -278,60 +282,6 @@ def _keras_backend() -> tuple[str, str]:
     return "tensorflow", "Keras's default"
 
 
-def _capability(value: object) -> tuple[int, int] | None:
-    if isinstance(value, (tuple, list)) and len(value) == 2:
-        return int(value[0]), int(value[1])
-    if isinstance(value, str) and "." in value:
-        major, _, minor = value.partition(".")
-        if major.isdigit() and minor.isdigit():
-            return int(major), int(minor)
-    return None
-
-
-def _probe_torch(torch: Any, devices: list[DeviceInfo], notes: list[str]) -> None:
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            cc = tuple(torch.cuda.get_device_capability(i))
-            devices.append(DeviceInfo("torch", "cuda", i, str(torch.cuda.get_device_name(i)), _capability(cc)))
-    elif torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-        notes.append(f"torch {torch.__version__} is built without CUDA")
-    else:
-        notes.append(f"torch {torch.__version__} (CUDA {torch.version.cuda}): torch.cuda.is_available() is False")
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        devices.append(DeviceInfo("torch", "mps", 0, "Apple MPS"))
-
-
-def _probe_tensorflow(tf: Any, devices: list[DeviceInfo], notes: list[str]) -> None:
-    gpus = tf.config.list_physical_devices("GPU")
-    for i, gpu in enumerate(gpus):
-        details = tf.config.experimental.get_device_details(gpu)
-        cc = _capability(details.get("compute_capability"))
-        devices.append(DeviceInfo("tensorflow", "cuda", i, str(details.get("device_name", gpu.name)), cc))
-    for i, tpu in enumerate(tf.config.list_physical_devices("TPU")):
-        devices.append(DeviceInfo("tensorflow", "tpu", i, str(tpu.name)))
-    if not gpus:
-        built = "built with CUDA" if tf.test.is_built_with_cuda() else "built without CUDA"
-        notes.append(f"tensorflow {tf.__version__} ({built}) lists no GPU")
-
-
-def _probe_jax(jax: Any, devices: list[DeviceInfo], notes: list[str]) -> None:
-    platforms = set()
-    for d in jax.devices():
-        platforms.add(d.platform)
-        if d.platform == "gpu":
-            cc = _capability(getattr(d, "compute_capability", None))
-            kind = "cuda" if cc is not None or "nvidia" in str(d.device_kind).lower() else "gpu"
-            devices.append(DeviceInfo("jax", kind, d.id, str(d.device_kind), cc))
-        elif d.platform == "tpu":
-            devices.append(DeviceInfo("jax", "tpu", d.id, str(d.device_kind)))
-    if "gpu" not in platforms:
-        notes.append(f"jax {jax.__version__} runs on {', '.join(sorted(platforms))}")
-
-
-_PROBES: Final = {"torch": _probe_torch, "tensorflow": _probe_tensorflow, "jax": _probe_jax}
-
-
 @dataclass(frozen=True)
 class Diagnosis:
     """What the doctor found: versions, devices, the CPU, and the recommended policy.
@@ -340,7 +290,8 @@ class Diagnosis:
     ``frameworks`` (each of torch, tensorflow, keras, jax: ``installed``, ``version``, and for keras
     ``backend`` and ``backend_source``), ``probed`` (the frameworks asked about devices), ``devices`` (list of
     `DeviceInfo.to_dict`), ``cuda`` (bool), ``cpu`` (`CpuInfo.to_dict`), ``notes`` (list of str),
-    ``recommendation`` (`Recommendation.to_dict`).
+    ``recommendation`` (`Recommendation.to_dict`), ``float8`` (`Float8Advice.to_dict`: FP8 native, emulated
+    or none, and the FP8 policy to try).
     """
 
     python: str
@@ -352,6 +303,7 @@ class Diagnosis:
     cpu: CpuInfo
     notes: tuple[str, ...]
     recommendation: Recommendation
+    float8: Float8Advice | None = None
     cuda: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -370,6 +322,7 @@ class Diagnosis:
             "cpu": self.cpu.to_dict(),
             "notes": list(self.notes),
             "recommendation": self.recommendation.to_dict(),
+            "float8": None if self.float8 is None else self.float8.to_dict(),
         }
 
     def format(self) -> str:
@@ -407,6 +360,9 @@ class Diagnosis:
         lines.append(f"  cpu         {self.cpu.machine}{capability}; native bfloat16: {native} ({self.cpu.evidence})")
         lines.append(f"Recommended policy: {self.recommendation.policy}")
         lines.append(f"  {self.recommendation.reason}")
+        if self.float8 is not None:
+            lines.append(f"FP8: {self.float8.support}" + (f"; try {self.float8.policy}" if self.float8.policy else ""))
+            lines.append(f"  {self.float8.reason}")
         return "\n".join(lines)
 
 
@@ -445,6 +401,7 @@ def diagnose(frameworks: Sequence[str] | None = None) -> Diagnosis:
         cpu=cpu,
         notes=notes,
         recommendation=recommend(devices, cpu),
+        float8=advise_float8(devices, torch_installed=bool(installed["torch"]["installed"])),
     )
 
 
@@ -468,15 +425,20 @@ def _probe(
             if report_missing:
                 notes.append(f"{name} is not installed")
             continue
+        spec = registry.backend_specs()[name]
         try:
-            module = importlib.import_module(name)
-            _PROBES[name](module, devices, notes)
+            probe = registry.load_target(
+                spec.device_probe or "", backend=name, install_hint=spec.install_hint, frameworks=spec.frameworks
+            )
+            found, said = probe()
         except Exception as exc:  # a broken install is reported, not fatal
             notes.append(f"{name}: could not list devices ({type(exc).__name__}: {exc})")
             continue
+        devices.extend(DeviceInfo(name, kind, index, device, cc) for kind, index, device, cc in found)
+        notes.extend(said)
         probed.append(name)
         if name == "torch":
-            torch = module
+            torch = sys.modules["torch"]
     return tuple(devices), tuple(notes), tuple(probed), cpu_info(torch)
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "LOGGER_NAME",
     "ForwardPass",
     "ForwardReport",
+    "ForwardWatchBase",
     "NonFiniteOutput",
     "WatchedCall",
     "check_watch_every",
@@ -362,3 +363,100 @@ class ForwardPass:
                 )
             )
         return forward_report(calls, step=self.step)
+
+
+class ForwardWatchBase:
+    """A forward watch's handle, the same on every backend: it counts the model's calls, opens a `ForwardPass`
+    for one call in ``every``, and reports and logs each watched pass when the model's call returns.
+
+    A backend installs its hooks in ``__init__``, calls `_enter_call` and `_exit_call` around every layer
+    call, and gives `_check` (and, optionally, `_version`) for `ForwardPass`, `_read` (the pass's checks read
+    to the host, then `ForwardPass.report`), `_installed` and `_uninstall`.
+    """
+
+    _version: Callable[[Any], Hashable] | None = None
+
+    def __init__(self, model: Any, every: int) -> None:
+        self.every = check_watch_every(every)
+        self.model = model
+        self._forwards = 0
+        self._depth = 0
+        self._forward: ForwardPass | None = None
+        self._last: ForwardReport | None = None
+
+    def _check(self, tensor: Any) -> Any:
+        """A tensor's finiteness check on its device (no host read)."""
+        raise NotImplementedError
+
+    def _read(self, forward: ForwardPass) -> ForwardReport | None:
+        """``forward``'s report: its checks read to the host, then `ForwardPass.report`."""
+        raise NotImplementedError
+
+    def _installed(self) -> bool:
+        raise NotImplementedError
+
+    def _uninstall(self) -> None:
+        raise NotImplementedError
+
+    def _counts(self, key: Any, inputs: Sequence[Any]) -> bool:
+        """Whether a call of the model counts as a forward pass (a backend leaves out calls it cannot watch)."""
+        return True
+
+    def _enter_call(self, key: Any, path: str, root: bool, inputs: Iterable[Any]) -> ForwardPass | None:
+        """A layer call begins (``root``: the model's own), with these floating inputs; returns the open pass."""
+        if root:
+            if self._depth == 0:
+                inputs = list(inputs)
+                if self._counts(key, inputs):
+                    if self._forwards % self.every == 0:
+                        self._forward = ForwardPass(self._forwards, self._check, self._version)
+                    self._forwards += 1
+            self._depth += 1
+        forward = self._forward
+        if forward is not None:
+            forward.begin(key, path, inputs)
+        return forward
+
+    def _exit_call(self, key: Any, root: bool, forward: ForwardPass | None, outputs: Iterable[Any]) -> None:
+        """The call `_enter_call` returned ``forward`` for returns these floating outputs."""
+        if forward is not None and forward is self._forward:
+            forward.end(key, outputs)
+        if root:
+            self._depth -= 1
+            if self._depth == 0 and self._forward is not None:
+                finished, self._forward = self._forward, None
+                self._last = self._read(finished)
+                log_forward_report(self._last)
+
+    def report(self) -> ForwardReport | None:
+        """The report of the last watched forward pass: None when all its outputs were finite (or none ran)."""
+        return self._last
+
+    @property
+    def forwards(self) -> int:
+        """How many times the model was called (eagerly) since the watch began, watched or not."""
+        return self._forwards
+
+    @property
+    def active(self) -> bool:
+        """Whether the watch is in place."""
+        return self._installed()
+
+    def remove(self) -> None:
+        """Take the watch off; the model is as before. `report` keeps the last report."""
+        self._uninstall()
+        self._forward = None
+        self._depth = 0
+
+    def __enter__(self) -> ForwardWatchBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def _model_label(self) -> str:
+        return type(self.model).__name__
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return f"ForwardWatch({self._model_label()}, every={self.every}, {state}, forwards={self._forwards})"

@@ -73,8 +73,9 @@ def _check_flag(flag: Any, method: str) -> None:
 class FunctionalLossScaler(FunctionalStatePart):
     """Loss scaling as pure functions of a state, from `polyamp.LossScaler.functional`.
 
-    Example (shape of a jitted step; ``grad_fn`` and ``apply`` are the framework's)::
-
+    Example:
+        ```python
+        # shape of a jitted step; grad_fn and apply are the framework's
         fn = scaler.functional()
         state = fn.init()
 
@@ -84,13 +85,14 @@ class FunctionalLossScaler(FunctionalStatePart):
             new_params, new_opt_state = apply(grads, params, opt_state)
             params, opt_state = fn.apply_if_finite(found_inf, (new_params, new_opt_state), (params, opt_state))
             return params, opt_state, fn.update(state, found_inf)
+        ```
 
     With scaling disabled (``enabled`` decided when `functional` was called) and no guard, every function
     passes its input through and the flag is None.
 
     The guard, the records and the spike rule follow the options of the `polyamp.LossScaler` that made this
     object (``guard=``, ``history=``, ``spike=``, ``on_min_scale=``). With a `polyamp.SpikeRule`, the step asks
-    `spike` for the iteration's decision and hands it to `apply_if_finite` and `update`::
+    `spike` for the iteration's decision and hands it to `apply_if_finite` and `update`:
 
         scaler = polyamp.LossScaler(spike=polyamp.SpikeRule("loss", window=64))
         fn = scaler.functional(backend="...")
@@ -420,8 +422,9 @@ class FunctionalLossScaler(FunctionalStatePart):
         """One iteration after the backward pass, in polyamp's order: unscale (or check) the gradients, ask
         the spike rule, take the inner step, keep the old values on a skip, advance the state.
 
-        Example (a jitted step; ``loss_fn`` and ``apply`` are the framework's)::
-
+        Example:
+            ```python
+            # a jitted step; loss_fn and apply are the framework's
             def train_step(params, opt_state, state, batch):
                 grads = grad(lambda p: fn.scale(state, loss_fn(p, batch)))(params)
                 out = fn.step(
@@ -432,6 +435,7 @@ class FunctionalLossScaler(FunctionalStatePart):
                 )
                 (params, opt_state), state = out.result, out.state
                 return params, opt_state, state
+            ```
 
         Args:
             state: The iteration's state.

@@ -20,17 +20,11 @@ from polyamp._src.errors import InvalidConfigError, PolyampTypeError, ScalerUsag
 from polyamp._src.provenance import non_finite_gradients
 from polyamp._src.records import StepRecord
 from polyamp._src.run_records import RunBooks
+from polyamp._src.run_summary import RunSummary
 from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
 from polyamp._src.skip_streak import ParameterCheck
 from polyamp._src.spikes import SpikeRule
-from polyamp._src.state_dict import (
-    is_disabled_torch_state,
-    parse_skipped_steps,
-    parse_spike_run,
-    parse_spike_window,
-    parse_state_dict,
-    to_state_dict,
-)
+from polyamp._src.state_dict import is_disabled_torch_state, parse_scaler_state, to_state_dict
 
 __all__ = ["FunctionalMode", "FunctionalStatePart"]
 
@@ -168,6 +162,15 @@ class FunctionalStatePart:
             run, count, codes, self._scale_rule, lambda: self.read(state), provenance, check_parameters
         )
 
+    def summary(self, state: Any, *, check_parameters: ParameterCheck | None = None) -> RunSummary:
+        """The run of ``state`` in one line (``str()`` of the result): its steps, the skipped ones by reason
+        and iteration, the loss scale's path and the layers of non-finite gradients, as
+        `polyamp.LossScaler.summary` gives them. It reads the records as `records` does (one host read) and
+        covers ``state``'s run up to ``state``'s own last iteration, every record read so far included (not only
+        the ``history`` kept): read it, or the records, at least every ``history`` iterations.
+        """
+        return self._books.summary(lambda: self.records(state, check_parameters=check_parameters))
+
     def state_dict(self, state: Any) -> dict[str, Any]:
         """A state dict interchangeable with `polyamp.LossScaler.state_dict`'s (the spike window and its run
         included, with a rule)."""
@@ -206,11 +209,10 @@ class FunctionalStatePart:
             if counting:
                 fresh["provenance"] = self._provenance_device("load_state_dict()").provenance_reset(like["provenance"])
             return fresh
-        config, host = parse_state_dict(state_dict, self._config, loader_disabled=disabled)
         rule = self._rule
-        window = parse_spike_window(state_dict, None if rule is None else rule.window)
-        run = parse_spike_run(state_dict)
-        skipped = parse_skipped_steps(state_dict)
+        config, host, window, run, skipped = parse_scaler_state(
+            state_dict, self._config, loader_disabled=disabled, window=None if rule is None else rule.window
+        )
         if config != self._config and self._traced is not None and self._traced():
             changed = ", ".join(
                 f"{name}: {old!r} -> {new!r}"

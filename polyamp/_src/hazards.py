@@ -236,7 +236,7 @@ def check_hazards(
         PolyampTypeError: no reader handles the object's framework, or ``max_bytes`` is not an int.
         BackendNotInstalledError: the reader's framework (or ``safetensors``) is not installed.
 
-    Example:
+    Examples:
         >>> import polyamp
         >>> polyamp.check_hazards(model, "mixed_float16")  # doctest: +SKIP
         [Hazard(kind='float16_overflow', name='proj.weight', ...)]

@@ -146,8 +146,9 @@ class LossScaler(StartPart, ImperativePart, TapePart, EndPart, OutcomesPart, Sta
         Backends offer subclasses bound from construction (``polyamp_torch.TorchLossScaler``,
         ``polyamp_tensorflow.TensorFlowLossScaler``).
 
-        Example (PyTorch; a TensorFlow loop uses ``apply_gradients`` instead of ``step``/``update``)::
-
+        Example:
+            ```python
+            # PyTorch; a TensorFlow loop uses apply_gradients instead of step/update
             import polyamp, polyamp_torch
 
             polyamp.set_policy("mixed_float16")
@@ -159,6 +160,7 @@ class LossScaler(StartPart, ImperativePart, TapePart, EndPart, OutcomesPart, Sta
                 scaler.scale(loss).backward()
                 scaler.step(opt)
                 scaler.update()
+            ```
 
         The pure state machine, without a framework:
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import difflib
-from typing import Final, TypeAlias
+from typing import TYPE_CHECKING, Final, TypeAlias
 
 from polyamp._src.errors import InvalidPolicyError, PolyampTypeError, describe
+
+if TYPE_CHECKING:
+    from polyamp._src.float8 import Float8Recipe
 
 __all__ = [
     "DTYPE_NAMES",
@@ -85,7 +88,10 @@ _GRAMMAR: Final = (
     "Or a spec of comma-separated key=value pairs with keys params|p, compute|c, output|o, master|m, state|s "
     "(dtypes float32|f32|full, float16|f16, bfloat16|bf16) and rounding|r (nearest, stochastic, kahan); "
     "params, compute and output default to float32, master to params, state to master, rounding to nearest; "
-    "e.g. 'params=float32,compute=bfloat16,output=float32' or 'params=bf16,compute=bf16,rounding=kahan'."
+    "e.g. 'params=float32,compute=bfloat16,output=float32' or 'params=bf16,compute=bf16,rounding=kahan'. "
+    "Any of these may be followed by '+' and an FP8 recipe ('mixed_bfloat16+float8_rowwise'); an FP8 preset "
+    "alone ('float8_tensorwise', 'float8_rowwise', 'float8_rowwise_gw_hp', 'float8_delayed', 'mxfp8') runs "
+    "on 'mixed_bfloat16'."
 )
 
 
@@ -147,8 +153,28 @@ def _did_you_mean(text: str) -> str:
         return f" Did you mean {familiar!r} ({dtypes[0]} parameters, {dtypes[1]} compute, {dtypes[2]} outputs)?" + (
             " For float16 parameters too, 'float16'." if familiar == "mixed_float16" else ""
         )
-    hint = difflib.get_close_matches(text, (*POLICY_NAMES, *PRESET_NAMES, AUTO), n=1)
+    from polyamp._src.float8 import FLOAT8_PRESETS
+
+    hint = difflib.get_close_matches(text, (*POLICY_NAMES, *PRESET_NAMES, *FLOAT8_PRESETS, AUTO), n=1)
     return f" Did you mean {hint[0]!r}?" if hint else ""
+
+
+def _split_float8(spec: str) -> tuple[str, Float8Recipe | None]:
+    """The base policy text and the FP8 recipe of ``"<policy>+<recipe>"`` or of a recipe alone (whose base is
+    ``"mixed_bfloat16"``); ``(spec, None)`` without one."""
+    from polyamp._src.float8 import FLOAT8_PRESETS, parse_recipe
+
+    base, plus, recipe = spec.partition("+")
+    if plus:
+        if not base.strip() or not recipe.strip():
+            raise InvalidPolicyError(
+                f"Policy spec {spec!r} has an empty side of '+': write '<policy>+<fp8 recipe>', e.g. "
+                "'mixed_bfloat16+float8_rowwise'."
+            )
+        return base, parse_recipe(recipe)
+    if spec.strip().lower().partition("[")[0].strip() in FLOAT8_PRESETS:
+        return "mixed_bfloat16", parse_recipe(spec)
+    return spec, None
 
 
 def _parse_spec(spec: str) -> tuple[tuple[str, str, str], tuple[str | None, str | None, str | None]]:
@@ -284,15 +310,21 @@ class Policy:
             float32 state), ``"bfloat16_kahan"`` and ``"bfloat16_stochastic"`` (bfloat16 weights, compute and
             state, updated with that rounding); all three output float32. The mixed policies keep float32
             parameters, which are their own master copy.
+        float8: An FP8 recipe for the linear layers (`polyamp.Float8Recipe`, or its text), or in the spec
+            string ``"<policy>+<recipe>"``: ``"mixed_bfloat16+float8_rowwise"``. A preset alone
+            (``"float8_tensorwise"``, ``"float8_rowwise"``, ``"float8_rowwise_gw_hp"``, ``"float8_delayed"``,
+            ``"mxfp8"``) runs on ``"mixed_bfloat16"``; ``"float8_delayed[amax_history_length=16]"`` changes a
+            preset's field. See the FP8 guide.
 
     Raises:
         InvalidPolicyError: (a ``ValueError``) the name, spec or a dtype is not understood, or the training
             state cannot be meant (a master less precise than the parameters, float16 state, stochastic or
-            Kahan rounding of a float32 master, stochastic rounding of float16 weights).
+            Kahan rounding of a float32 master, stochastic rounding of float16 weights), or the FP8 recipe
+            is not understood.
         PolyampTypeError: (a ``TypeError``) ``spec`` is neither a string nor a `Policy`, or both a spec
             and keywords were given.
 
-    Example:
+    Examples:
         >>> import polyamp
         >>> policy = polyamp.Policy("mixed_bfloat16")
         >>> policy.param_dtype, policy.compute_dtype, policy.output_dtype
@@ -310,11 +342,15 @@ class Policy:
         ('bfloat16_kahan', 'bfloat16', 'bfloat16', 'kahan')
         >>> polyamp.Policy("bfloat16", state="float32").name
         'params=bfloat16,compute=bfloat16,output=bfloat16,state=float32'
+        >>> fp8 = polyamp.Policy("float8_rowwise")
+        >>> fp8.compute_dtype, fp8.float8.granularity, polyamp.Policy("mixed_float16+float8_delayed").name
+        ('bfloat16', 'row', 'mixed_float16+float8_delayed')
     """
 
-    __slots__ = ("_dtypes", "_plan")
+    __slots__ = ("_dtypes", "_float8", "_plan")
     _dtypes: tuple[str, str, str]
     _plan: tuple[str, str, str]
+    _float8: Float8Recipe | None
 
     def __init__(
         self,
@@ -326,6 +362,7 @@ class Policy:
         master: object = None,
         state: object = None,
         rounding: str | None = None,
+        float8: Float8Recipe | str | None = None,
     ) -> None:
         keywords = (param, compute, output)
         if spec is not None and any(k is not None for k in keywords):
@@ -335,11 +372,14 @@ class Policy:
                 "spec and change one dtype."
             )
         plan: tuple[str | None, str | None, str | None] = (None, None, None)
+        recipe: Float8Recipe | None = None
         if isinstance(spec, Policy):
             dtypes = spec._dtypes
             plan = spec._given_plan()
+            recipe = spec._float8
         elif isinstance(spec, str):
-            dtypes, plan = _parse_spec(spec)
+            base, recipe = _split_float8(spec)
+            dtypes, plan = _parse_spec(base)
         elif spec is None:
             dtypes = tuple(  # type: ignore[assignment]
                 "float32" if value is None else canonical_dtype(value, what=name)
@@ -372,6 +412,7 @@ class Policy:
         )
         object.__setattr__(self, "_dtypes", dtypes)
         object.__setattr__(self, "_plan", resolved)
+        object.__setattr__(self, "_float8", _recipe(float8) if float8 is not None else recipe)
 
     def _given_plan(self) -> tuple[str | None, str | None, str | None]:
         # The plan with its defaults left out, so that replace(param=...) moves a default master along.
@@ -413,6 +454,11 @@ class Policy:
         return self._plan[2]
 
     @property
+    def float8(self) -> Float8Recipe | None:
+        """The FP8 recipe the policy's linear layers run with (`polyamp.Float8Recipe`), or None."""
+        return self._float8
+
+    @property
     def keeps_master(self) -> bool:
         """True when the optimizer updates a master copy more precise than the parameters."""
         return self._plan[0] != self._dtypes[0]
@@ -425,7 +471,14 @@ class Policy:
     @property
     def name(self) -> str:
         """The Keras name or preset name when one matches, else the canonical spec string (the plan's keys
-        only where they differ from their defaults)."""
+        only where they differ from their defaults); with an FP8 recipe, ``"+"`` and its text after it (the
+        recipe's text alone on ``"mixed_bfloat16"``)."""
+        if self._float8 is None:
+            return self._base_name()
+        base = self._base_name()
+        return self._float8.spec if base == "mixed_bfloat16" else f"{base}+{self._float8.spec}"
+
+    def _base_name(self) -> str:
         preset = _PRESET_OF.get((self._dtypes, self._plan))
         if preset is not None:
             return preset
@@ -459,9 +512,10 @@ class Policy:
         master: object = None,
         state: object = None,
         rounding: str | None = None,
+        float8: Float8Recipe | str | bool | None = None,
     ) -> Policy:
         """Return a new policy with the given fields changed and the others kept (a master, state or rounding
-        left at its default follows the new parameter dtype).
+        left at its default follows the new parameter dtype; ``float8=False`` drops the FP8 recipe).
 
         >>> Policy("mixed_float16").replace(output="float16").name
         'params=float32,compute=float16,output=float16'
@@ -477,6 +531,7 @@ class Policy:
             master=given[0] if master is None else master,
             state=given[1] if state is None else state,
             rounding=given[2] if rounding is None else rounding,
+            float8=self._float8 if float8 is None or float8 is True else (float8 or None),
         )
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -487,11 +542,11 @@ class Policy:
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Policy):
-            return self._dtypes == other._dtypes and self._plan == other._plan
+            return self._dtypes == other._dtypes and self._plan == other._plan and self._float8 == other._float8
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(("polyamp.Policy", self._dtypes, self._plan))
+        return hash(("polyamp.Policy", self._dtypes, self._plan, self._float8))
 
     def __repr__(self) -> str:
         return f"Policy({self.name!r})"
@@ -501,6 +556,19 @@ class Policy:
 
     def __reduce__(self) -> tuple[type[Policy], tuple[str]]:
         return (Policy, (self.name,))
+
+
+def _recipe(value: object) -> Float8Recipe:
+    from polyamp._src.float8 import Float8Recipe, parse_recipe
+
+    if isinstance(value, Float8Recipe):
+        return value
+    if isinstance(value, str):
+        return parse_recipe(value)
+    raise PolyampTypeError(
+        f"`float8` must be a polyamp.Float8Recipe or a recipe's text such as 'float8_rowwise'. Received: "
+        f"{describe(value)}."
+    )
 
 
 def _is_framework_policy(value: object) -> bool:

@@ -28,6 +28,7 @@ from typing import Final, Literal, TypeVar
 
 from polyamp._src.errors import PolyampError, PolyampValueError, describe
 from polyamp._src.provenance import NonFiniteGradient
+from polyamp._src.run_summary import RunSummary, RunTally
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
 from polyamp._src.skip_streak import ParameterCheck, SkipStreak
 
@@ -306,6 +307,7 @@ class Recorder:
         self._skip_counts: dict[str, int] = {}  # skipped steps by reason, for the rate limit of their log lines
         self._quiet_since: dict[str, int] = {}  # by reason: the first iteration skipped since its last line
         self.streak = SkipStreak()  # the run of skips the records end with, and non-finite parameters behind it
+        self.tally = RunTally()  # every record made, for `summary`
         #: Held while entries are consumed (reentrant: a caller may hold it around its read of the ring).
         self.lock = threading.RLock()
 
@@ -352,6 +354,11 @@ class Recorder:
             self._size -= dropped
             excess -= dropped
 
+    def summary(self, upto: int | None = None) -> RunSummary:
+        """The summary of every iteration consumed (up to, not including, ``upto`` when given)."""
+        with self.lock:
+            return self.tally.summary(upto)
+
     def attach(self, iteration: int, gradients: tuple[NonFiniteGradient, ...]) -> None:
         """The non-finite gradients of ``iteration`` (added to those already attached)."""
         if gradients:
@@ -379,6 +386,7 @@ class Recorder:
             record = self.records[position]
             if record.iteration == iteration:
                 self.records[position] = replace(record, gradients=record.gradients + gradients)
+                self.tally.add_layers(iteration, tuple(dict.fromkeys(g.layer for g in gradients)))
                 return
             if record.iteration < iteration:
                 return
@@ -394,6 +402,7 @@ class Recorder:
         self.anchor = state
         self.gradients.clear()
         self.streak = SkipStreak()
+        self.tally = RunTally(count)
 
     def rewind(self, iteration: int, state: LossScaleState | None) -> None:
         """Forget the records from ``iteration`` on (their iterations ran again otherwise, from an older state):
@@ -403,6 +412,7 @@ class Recorder:
         self._size = len(kept)
         self.read_count = iteration
         self.anchor = state
+        self.tally.rewind(iteration, state)
         for stale in [i for i in self.gradients if i >= iteration]:
             del self.gradients[stale]
 
@@ -446,6 +456,7 @@ class Recorder:
             )
             state = None
         first = count - len(kept)
+        self.tally.unrecorded(first)
         skipped = [bool(code & 1) and not code & SPIKE_BIT for code in kept]
         self.streak.read(first, skipped, check_parameters, continued=not missing)
         offset = 0
@@ -457,6 +468,7 @@ class Recorder:
                     end += 1
                 steps = end - offset
                 run = _Run(first + offset, steps, state, config)
+                self.tally.add_run(first + offset, steps, state, config)
                 if self._collapsed:  # the records may end the collapse episode: made and reported now
                     for record in run.made():
                         self._keep(record, 1)
@@ -496,6 +508,7 @@ class Recorder:
                 rebased=rebased and not flagged,
             )
             self._keep(record, 1)
+            self.tally.add(record)
             self._report(record, config)
         self.read_count = count
         for stale in [i for i in self.gradients if i < count]:
@@ -504,6 +517,8 @@ class Recorder:
             del self.set_scales[stale]
         if state is None:
             state = read_state()
+            if state is not None:
+                self.tally.now(state)
         self.anchor = state
 
     def _log_skip(self, record: StepRecord, reason: str) -> None:

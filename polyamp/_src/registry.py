@@ -87,6 +87,10 @@ class BackendSpec:
         reads_trees: Whether ``tensor_reader`` also reads nested containers of arrays that no backend's
             ``frameworks`` own (a framework's pytrees, e.g. Flax's states); asked, while its framework is
             imported, for objects no other reader takes.
+        device_probe: Optional ``"module:function"`` for ``polyamp doctor``: called with no arguments once the
+            framework is importable, it returns the accelerators the framework sees, as ``(kind, index, name,
+            compute capability or None)`` tuples (kind ``"cuda"``, ``"mps"``, ``"tpu"`` or ``"gpu"``), and notes
+            saying why there are none.
     """
 
     name: str
@@ -101,6 +105,7 @@ class BackendSpec:
     checkpoint_suffixes: tuple[str, ...] = field(default=())
     checkpoint_markers: tuple[str, ...] = field(default=())
     reads_trees: bool = False
+    device_probe: str | None = None
 
     def __post_init__(self) -> None:
         for attr in ("name", "target", "install_hint"):
@@ -176,6 +181,7 @@ _FIRST_PARTY: Final = (
         harness="polyamp_torch.testing:TorchHarness",
         tensor_reader="polyamp_torch._tensors:read_tensors",
         checkpoint_suffixes=(".pt", ".pth", ".bin", ".ckpt", ".safetensors"),
+        device_probe="polyamp_torch._devices:probe_devices",
     ),
     BackendSpec(
         name="tensorflow",
@@ -183,6 +189,7 @@ _FIRST_PARTY: Final = (
         frameworks=("tensorflow",),
         install_hint="pip install 'polyamp[tensorflow]'",
         harness="polyamp_tensorflow.testing:TensorFlowHarness",
+        device_probe="polyamp_tensorflow._devices:probe_devices",
     ),
     BackendSpec(
         name="keras",
@@ -204,6 +211,7 @@ _FIRST_PARTY: Final = (
         tensor_reader="polyamp_jax._tensors:read_tensors",
         checkpoint_markers=("_METADATA", "_CHECKPOINT_METADATA"),  # an orbax checkpoint
         reads_trees=True,
+        device_probe="polyamp_jax._devices:probe_devices",
     ),
 )
 

@@ -22,6 +22,7 @@ from typing import Final
 
 from polyamp._src.provenance import NonFiniteGradient
 from polyamp._src.records import Recorder, StepRecord, advance
+from polyamp._src.run_summary import RunSummary, RunTally
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
 from polyamp._src.skip_streak import ParameterCheck
 
@@ -76,6 +77,7 @@ class RunBooks:
         self._make_recorder = make_recorder
         self._history = history
         self._books: OrderedDict[int | None, _Book] = OrderedDict()
+        self._last: tuple[_Book, int] | None = None  # the book of the last read and the state's count
         # Held around each read and start: threads reading at once (a monitoring thread beside the training
         # loop) take each ring code into the books once, so each skip is logged and a collapse warned once.
         self._lock = threading.RLock()
@@ -130,46 +132,46 @@ class RunBooks:
             check_parameters: Counts the parameters' non-finite values, asked once per run of skips, or None.
         """
         with self._lock:
-            return self._read(run, count, codes, rule, read_state, provenance, check_parameters)
+            start = count - len(codes)  # the iteration of codes[0]
+            book = self._books.get(run)
+            if book is None:  # a run not seen here: read from the ring's oldest code, at an unknown state
+                recorder = self._make_recorder()
+                recorder.restart(start, None)
+                book = _Book(recorder, start, None)
+            self._keep(run, book)
+            self._last = (book, count)
+            recorder = book.recorder
+            read = book.first + len(book.codes)  # == recorder.read_count
+            for iteration in range(max(start, book.first), min(count, read)):
+                if codes[iteration - start] != book.codes[iteration - book.first]:  # stepped again from an older state
+                    recorder.rewind(iteration, book.state_at(iteration, rule))
+                    del book.codes[iteration - book.first :]
+                    book.attached = min(book.attached, iteration - 1)
+                    read = iteration
+                    break
+            if provenance is not None and provenance[0] > book.attached:
+                at, gradients = provenance
+                book.attached = at
+                if recorder.find(at) is None:
+                    recorder.attach(at, gradients())
+                else:
+                    recorder.amend(at, gradients())
+            if count > read:
+                recorder.consume(count, codes, rule, read_state, check_parameters)
+                if start > read:  # the ring lost codes between two reads: the book restarts at its oldest
+                    book.first, book.origin, book.codes = start, None, list(codes)
+                else:
+                    book.codes.extend(codes[read - start :])
+                book.trim(self._history, rule)
+            return [record for record in recorder.records if record.iteration < count]
 
-    def _read(
-        self,
-        run: int | None,
-        count: int,
-        codes: Sequence[int],
-        rule: LossScaleConfig,
-        read_state: Callable[[], LossScaleState | None],
-        provenance: tuple[int, Callable[[], tuple[NonFiniteGradient, ...]]] | None,
-        check_parameters: ParameterCheck | None,
-    ) -> list[StepRecord]:
-        start = count - len(codes)  # the iteration of codes[0]
-        book = self._books.get(run)
-        if book is None:  # a run not seen here: read from the ring's oldest code, at an unknown state
-            recorder = self._make_recorder()
-            recorder.restart(start, None)
-            book = _Book(recorder, start, None)
-        self._keep(run, book)
-        recorder = book.recorder
-        read = book.first + len(book.codes)  # == recorder.read_count
-        for iteration in range(max(start, book.first), min(count, read)):
-            if codes[iteration - start] != book.codes[iteration - book.first]:  # stepped again from an older state
-                recorder.rewind(iteration, book.state_at(iteration, rule))
-                del book.codes[iteration - book.first :]
-                book.attached = min(book.attached, iteration - 1)
-                read = iteration
-                break
-        if provenance is not None and provenance[0] > book.attached:
-            at, gradients = provenance
-            book.attached = at
-            if recorder.find(at) is None:
-                recorder.attach(at, gradients())
-            else:
-                recorder.amend(at, gradients())
-        if count > read:
-            recorder.consume(count, codes, rule, read_state, check_parameters)
-            if start > read:  # the ring lost codes between two reads: the book restarts at its oldest
-                book.first, book.origin, book.codes = start, None, list(codes)
-            else:
-                book.codes.extend(codes[read - start :])
-            book.trim(self._history, rule)
-        return [record for record in recorder.records if record.iteration < count]
+    def summary(self, read: Callable[[], object]) -> RunSummary:
+        """The summary of the iterations of the state that ``read`` reads the records of (through `read`),
+        up to its own last iteration; an empty one when ``read`` reads no book (a device without records)."""
+        with self._lock:
+            self._last = None
+            read()
+            if self._last is None:
+                return RunTally().summary()
+            book, count = self._last
+            return book.recorder.summary(upto=count)

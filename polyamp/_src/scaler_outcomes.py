@@ -16,6 +16,7 @@ from polyamp._src.iteration import Stage
 from polyamp._src.records import (
     StepRecord,
 )
+from polyamp._src.run_summary import RunSummary
 from polyamp._src.scaler_base import ScalerBase
 from polyamp._src.step_history import OutcomeRecord
 
@@ -45,18 +46,17 @@ class OutcomesPart(ScalerBase):
         records = self.records()
         return records[-1] if records else None
 
-    def restored_on_device(self) -> None:
-        """Say that the bound device's variables were restored by the framework itself (an optimizer's
-        weights loaded from a Keras file): the records go on from the restored ring, replayed from the
-        restored state. Read `records` before restoring: those records belong to the state replaced.
+    def summary(self) -> RunSummary:
+        """The run so far in one line (``str()`` of the result), e.g. ``200 steps, 5 skipped (overflow at 50, 51,
+        120-122), scale 2^16 -> 2^13``: how many iterations ended, the skipped ones by reason and iteration, the
+        loss scale's path and the layers named by non-finite gradients, as a `RunSummary` (its fields hold the
+        numbers).
 
-        Raises:
-            ScalerUsageError: the scaler is not bound.
+        It covers every iteration recorded since the scaler was created (or its variables were restored by the
+        framework), not only the ``history`` records `records` keeps, and reads the device as `records` does:
+        one host read, nothing inside a compiled function. ``polyamp_torch.log_summary`` prints it every N steps.
         """
-        if self._device is None:
-            raise ScalerUsageError("restored_on_device() needs a bound scaler: nothing was restored on a device.")
-        self._skipped_before = 0  # the restored variables hold the run's skip count
-        self._history.restart(self._device.read_state())
+        return self._history.summary()
 
     def _remember(self, optimizer: Any, found_inf: Any, skipped: bool | None) -> None:
         self._outcomes.write(self._device, optimizer, found_inf, skipped)

@@ -7,7 +7,6 @@ A part of `polyamp.LossScaler` (`polyamp._src.loss_scaler` joins them).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from functools import partial
 from threading import get_ident
 from typing import Any, cast
@@ -22,7 +21,6 @@ from polyamp._src.errors import (
     ScalerUsageError,
     describe,
 )
-from polyamp._src.functional import FunctionalMode
 from polyamp._src.global_policy import get_policy
 from polyamp._src.iteration import Iteration, not_scaled_error
 from polyamp._src.scaler_base import STYLE_METHODS, ScalerBase
@@ -222,43 +220,6 @@ class StartPart(ScalerBase):
         if not self._warned_unscaled_loss:
             self._warned_unscaled_loss = True
             warnings.warn(warning(method), UserWarning, stacklevel=4)
-
-    def functional_iteration(self, grads: Sequence[Any], method: str) -> tuple[FunctionalMode, bool]:
-        """One iteration whose device work is the functional form's (`FunctionalLossScaler` over state an
-        adapter holds, e.g. a jitted stateless step): the host-side decisions, made as `apply_gradients` makes
-        them, and the iteration ended.
-
-        Decides whether the iteration scales (or guards, or is off), applies the iteration rule and takes a
-        pending `unscale` stage of ``grads``; the caller runs the functional form in that mode, whose
-        ``update`` writes the iteration's record into the same ring this scaler's `records` reads.
-
-        Args:
-            grads: The gradients the step receives (to match a pending `unscale` stage).
-            method: The caller's name, for errors.
-
-        Returns:
-            The mode (``"scaling"``, ``"guarding"`` or ``"off"``) and whether ``grads`` are unscaled already.
-
-        Raises:
-            ScalerUsageError: as `apply_gradients` (a loss not scaled in this iteration, gradients that went
-                into `unscale`).
-        """
-        enabled = self._begin()
-        iteration = self._iteration
-        unscaled = False
-        mode: FunctionalMode
-        if enabled:
-            self._require_scaled(method)
-            stage = iteration.stages.check(grads, method)
-            if stage is not None:
-                iteration.stages.consume(stage)
-                unscaled = True
-            mode = "scaling"
-        else:
-            mode = "guarding" if iteration.guarding else "off"
-        iteration.close()
-        self._history.written_elsewhere()
-        return mode, unscaled
 
     def scale(self, loss: Any) -> Any:
         """Multiply a loss (or a list/tuple of losses) by the current scale.

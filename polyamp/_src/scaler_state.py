@@ -17,14 +17,7 @@ from polyamp._src.errors import (
 from polyamp._src.functional import FunctionalLossScaler
 from polyamp._src.scaler_base import ScalerBase
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
-from polyamp._src.state_dict import (
-    is_disabled_torch_state,
-    parse_skipped_steps,
-    parse_spike_run,
-    parse_spike_window,
-    parse_state_dict,
-    to_state_dict,
-)
+from polyamp._src.state_dict import is_disabled_torch_state, parse_scaler_state, to_state_dict
 
 __all__ = ["StatePart"]
 
@@ -81,11 +74,10 @@ class StatePart(ScalerBase):
         if disabled and is_disabled_torch_state(state_dict):
             self._refuse_mid_iteration("load_state_dict() was called")
             return
-        config, state = parse_state_dict(state_dict, self._config, loader_disabled=disabled)
         rule = self._spikes.rule
-        window = parse_spike_window(state_dict, None if rule is None else rule.window)
-        run = parse_spike_run(state_dict)
-        skipped = parse_skipped_steps(state_dict)
+        config, state, window, run, skipped = parse_scaler_state(
+            state_dict, self._config, loader_disabled=disabled, window=None if rule is None else rule.window
+        )
         self._refuse_mid_iteration("load_state_dict() was called")
         with self._history.lock:  # a reader in another thread sees the old state and records, or the new
             self.records()  # the records so far belong to the state being replaced

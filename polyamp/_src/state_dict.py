@@ -11,7 +11,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from polyamp._src.errors import InvalidConfigError, PolyampTypeError, StateDictError, describe
 from polyamp._src.scaling import LossScaleConfig, LossScaleState, to_float32
@@ -69,6 +69,13 @@ def to_state_dict(
     return result
 
 
+def _count(state_dict: Mapping[str, Any], key: str, what: str) -> int:
+    value = state_dict.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise _fail(f"'{key}' must be an int >= 0 ({what}). Received: {describe(value)}.")
+    return int(value)
+
+
 def parse_skipped_steps(state_dict: Mapping[str, Any]) -> int:
     """The count of skipped iterations a state dict carries, validated: 0 when it carries none (a
     ``torch.amp.GradScaler`` dict, which counts none, or one written before polyamp saved the count).
@@ -76,12 +83,7 @@ def parse_skipped_steps(state_dict: Mapping[str, Any]) -> int:
     Raises:
         StateDictError: ``skipped_steps`` is not an int >= 0.
     """
-    value = state_dict.get("skipped_steps", 0)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise _fail(
-            f"'skipped_steps' must be an int >= 0 (the iterations the scaler skipped). Received: {describe(value)}."
-        )
-    return int(value)
+    return _count(state_dict, "skipped_steps", "the iterations the scaler skipped")
 
 
 def parse_spike_run(state_dict: Mapping[str, Any]) -> int:
@@ -91,12 +93,7 @@ def parse_spike_run(state_dict: Mapping[str, Any]) -> int:
     Raises:
         StateDictError: ``spike_run`` is not an int >= 0.
     """
-    value = state_dict.get("spike_run", 0)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise _fail(
-            f"'spike_run' must be an int >= 0 (the spike rule's consecutive spikes). Received: {describe(value)}."
-        )
-    return int(value)
+    return _count(state_dict, "spike_run", "the spike rule's consecutive spikes")
 
 
 def parse_spike_window(state_dict: Mapping[str, Any], window: int | None) -> list[float] | None:
@@ -218,3 +215,32 @@ def parse_state_dict(
     except InvalidConfigError as exc:
         raise _fail(str(exc)) from exc
     return config, state
+
+
+class ParsedState(NamedTuple):
+    """Everything a scaler's state dict restores, validated (`parse_scaler_state`)."""
+
+    config: LossScaleConfig
+    state: LossScaleState
+    spike_window: list[float] | None
+    spike_run: int
+    skipped_steps: int
+
+
+def parse_scaler_state(
+    state_dict: Mapping[str, Any], config: LossScaleConfig, *, loader_disabled: bool, window: int | None
+) -> ParsedState:
+    """A scaler's whole state dict (`parse_state_dict`, `parse_spike_window` with the loader's spike
+    ``window``, `parse_spike_run`, `parse_skipped_steps`), for `LossScaler` and `FunctionalLossScaler`.
+
+    Raises:
+        StateDictError: any part is malformed or inconsistent (nothing is restored).
+    """
+    loaded, state = parse_state_dict(state_dict, config, loader_disabled=loader_disabled)
+    return ParsedState(
+        loaded,
+        state,
+        parse_spike_window(state_dict, window),
+        parse_spike_run(state_dict),
+        parse_skipped_steps(state_dict),
+    )

@@ -26,6 +26,7 @@ from polyamp._src.binding import DeviceCapabilities
 from polyamp._src.errors import ScalerUsageError
 from polyamp._src.provenance import NonFiniteGradient, non_finite_gradients
 from polyamp._src.records import MODE_CODES, SPIKE_BIT, Recorder, StepRecord
+from polyamp._src.run_summary import RunSummary
 from polyamp._src.scaling import LossScaleConfig, LossScaleState
 
 __all__ = ["GROUP_MISMATCH", "OutcomeRecord", "RecordHistory", "StepOutcomes"]
@@ -259,6 +260,12 @@ class RecordHistory:
             if self._ring is not None and not self._compiling():
                 self._read_ring()
             return list(self.recorder.records)
+
+    def summary(self) -> RunSummary:
+        """The summary of every iteration recorded, after reading the device's new ones (from any thread)."""
+        with self.lock:
+            self.read()
+            return self.recorder.summary()
 
     def _read_ring(self) -> None:
         """Read the device's new entries into records (with `lock` held)."""

@@ -9,14 +9,19 @@ setup that happens to work keeps working.
 
 from __future__ import annotations
 
+import importlib
 import re
 import warnings
+from typing import Any
+
+from polyamp._src.errors import BackendNotInstalledError
 
 __all__ = [
     "MINIMUM_PYTHON",
     "MINIMUM_VERSIONS",
     "VERSIONS_PAGE",
     "UntestedVersionWarning",
+    "import_framework",
     "parse_version",
     "untested",
     "warn_if_untested",
@@ -103,3 +108,14 @@ def warn_if_untested(package: str, versions: dict[str, str], *, stacklevel: int 
     )
     warnings.warn(message, UntestedVersionWarning, stacklevel=stacklevel + 1)
     return message
+
+
+def import_framework(module: str, who: str, what: str, hint: str) -> Any:
+    """Import the framework ``module`` for the backend package ``who``; its absence (not a broken dependency
+    of it) raises `polyamp.BackendNotInstalledError` saying ``who`` needs ``what`` and how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != module.partition(".")[0]:
+            raise
+        raise BackendNotInstalledError(f"{who} needs {what}, which is not installed. {hint}") from exc

@@ -13,6 +13,11 @@ A backend never imports ``polyamp._src``; it imports this package (and ``polyamp
   (steps without scaling checked), `ProvenanceDevice` / `FunctionalProvenanceDevice` (which gradients held
   inf/NaN), `SpikeDevice` / `FunctionalSpikeDevice` (`polyamp.SpikeRule`); and the `OptionalMethods`, one
   capability each. The core reads which a device has once, when a scaler binds;
+* `ArrayDevice`, the stateful device work written once over `rules.ArrayOps` for a framework of eager,
+  replaceable arrays (the scale, the skip count, step records, the spike window): such a backend adds only
+  its loss scaling, unscaling and step;
+* `ScalerAdapter`, for an adapter that runs a `polyamp.LossScaler` inside its framework's machinery (a
+  jitted stateless step, variables the framework restores);
 * the device rules (`rules`): the loss-scale rule, the spike rule, the record codes and the non-finite counts,
   written once over `rules.ArrayOps`, which a device calls with its framework's namespace;
 * the core's helpers, by subject, so that messages and numerics match: `arguments` (checks and wording),
@@ -25,6 +30,8 @@ the device form only performs device operations. A complete worked example is th
 test suite (tests/numpy_backend/).
 """
 
+from polyamp._src.adapter import ScalerAdapter
+from polyamp._src.array_device import ArrayDevice
 from polyamp._src.backend import (
     Backend,
     Flag,
@@ -65,6 +72,7 @@ from polyamp.backend_api import (
 )
 
 __all__ = [
+    "ArrayDevice",
     "Backend",
     "BackendSpec",
     "Flag",
@@ -79,6 +87,7 @@ __all__ = [
     "OptionalMethods",
     "ProvenanceDevice",
     "RecordingDevice",
+    "ScalerAdapter",
     "ScalerDevice",
     "SpikeDevice",
     "StepOutcome",

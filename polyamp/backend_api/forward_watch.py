@@ -4,6 +4,7 @@ output is decided here."""
 from polyamp._src.forward_watch import (
     LOGGER_NAME,
     ForwardPass,
+    ForwardWatchBase,
     WatchedCall,
     check_watch_every,
     forward_report,
@@ -14,6 +15,7 @@ from polyamp._src.forward_watch import (
 __all__ = [
     "LOGGER_NAME",
     "ForwardPass",
+    "ForwardWatchBase",
     "WatchedCall",
     "check_watch_every",
     "forward_report",

@@ -6,7 +6,7 @@ non-finite gradient, read dtypes and values as NumPy). Each backend ships its ha
 `polyamp.backend_api.BackendSpec` (``harness="package.module:Class"``); the class is called with a device type and
 raises `HarnessUnavailable` (a skip with the reason) where it cannot run.
 
-Run it anywhere polyamp is installed, with NumPy::
+Run it anywhere polyamp is installed, with NumPy:
 
     python -m polyamp.conformance                              # every backend, cpu and cuda
     python -m polyamp.conformance --backend torch --device cuda

@@ -194,6 +194,15 @@ class TrainerBase(_Driver):
 
         return [np.array(self.to_numpy(slot)) for slot in self.slots()]
 
+    def optimizer_step(self) -> None:
+        """An imperative loop's step of ``opt``: ``scaler.step`` and ``scaler.update``, or ``opt.step()``
+        without a scaler."""
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+
     def step_skipped(self) -> bool:
         """Whether the scaler skipped the last step of ``opt`` (False without a scaler)."""
         return self.scaler is not None and bool(self.to_numpy(self.scaler.step_skipped(self.opt)))

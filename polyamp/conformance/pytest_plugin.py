@@ -6,7 +6,7 @@ a test module of your own doing ``from polyamp.conformance.cases import *``), it
 ``harness`` / ``harness_pair`` arguments over the targets of every registered backend that ships a harness
 (`polyamp.backend_api.BackendSpec(harness=...)`, first-party or from the ``polyamp.backends`` entry points) on the
 devices that harness declares, with ids like ``[torch-cpu]`` or ``[torch-cpu+tensorflow-cpu]``. A
-third-party backend therefore runs the suite with no edit to polyamp::
+third-party backend therefore runs the suite with no edit to polyamp:
 
     pytest --pyargs polyamp.conformance.suite --polyamp-backend mybackend --polyamp-device cuda
 

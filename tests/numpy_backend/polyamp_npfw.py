@@ -397,11 +397,7 @@ class NumpyTrainer(TrainerBase):
             if self.scaler is not None:
                 self.scaler.unscale_(self.opt)
             _clip(self.params_, self.settings.clip)
-        if self.scaler is not None:
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            self.opt.step()
+        self.optimizer_step()
         return loss.value
 
     def weights(self) -> list[np.ndarray]:

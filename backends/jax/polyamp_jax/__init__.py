@@ -11,7 +11,8 @@
   leaves are left alone. `module_dtypes` gives Flax layers the policy (``dtype``, ``param_dtype``).
 * `loss_scaled` - polyamp's loss scaling as an optax transformation: the scale, the skip of non-finite (or
   spiking) steps, the guard, step records and the spike window in its state, in-graph; `scale_loss` scales a
-  loss with it, `records` / `state_dict` / `load_state_dict` read and restore it.
+  loss with it, `records` / `state_dict` / `load_state_dict` read and restore it, `summary` gives the run in one
+  line and `log_summary` shows it every N steps (printed, or as a tqdm bar's postfix).
 * `precision` - any optax optimizer following the policy's training-state plan (a float32 master copy,
   moments in bfloat16, stochastic or Kahan-compensated writes of bfloat16 weights); `convert_precision_state`
   carries a state saved under one plan into another, `measure_state_bytes` counts what a state costs.
@@ -40,11 +41,13 @@ from polyamp_jax._functional import JaxFunctional, all_finite
 from polyamp_jax._optax import (
     LossScaledState,
     load_state_dict,
+    log_summary,
     loss_scaled,
     records,
     scale_loss,
     scaler_of,
     state_dict,
+    summary,
 )
 from polyamp_jax._precision import PrecisionState, precision
 from polyamp_jax._training_state import convert_precision_state, measure_state_bytes
@@ -69,6 +72,7 @@ __all__ = [
     "convert_precision_state",
     "jmp_compat",
     "load_state_dict",
+    "log_summary",
     "loss_scaled",
     "measure_state_bytes",
     "module_dtypes",
@@ -77,4 +81,5 @@ __all__ = [
     "scale_loss",
     "scaler_of",
     "state_dict",
+    "summary",
 ]

@@ -52,10 +52,6 @@ from polyamp import OpClass, Policy, get_policy, op_class
 
 __all__ = ["COMPUTE_PRIMITIVES", "FLOAT32_PRIMITIVES", "PRIMITIVE_OPS", "autocast"]
 
-#: Each JAX primitive that stands for an op of polyamp's op-class table (`polyamp.backend_api.policies.OP_CLASSES`),
-#: by the table's name. The table decides the class; a primitive not named here computes in the widest dtype of its
-#: operands. JAX's ``x ** n`` with a Python integer ``n`` is ``integer_pow``, a chain of multiplications,
-#: and is not ``pow``.
 PRIMITIVE_OPS: Mapping[str, str] = MappingProxyType(
     {
         "dot_general": "matmul",
@@ -81,10 +77,14 @@ PRIMITIVE_OPS: Mapping[str, str] = MappingProxyType(
         "sinh": "sinh",
     }
 )
-#: Primitives that run in the policy's compute dtype.
+"""Each JAX primitive that stands for an op of polyamp's op-class table (`polyamp.backend_api.policies.OP_CLASSES`), by
+the table's name. The table decides the class; a primitive not named here computes in the widest dtype of its
+operands. JAX's ``x ** n`` with a Python integer ``n`` is ``integer_pow``, a chain of multiplications, and is not
+``pow``."""
 COMPUTE_PRIMITIVES = frozenset(p for p, op in PRIMITIVE_OPS.items() if op_class(op, strict=True) is OpClass.COMPUTE)
-#: Primitives that run in float32 whatever the compute dtype.
+"""Primitives that run in the policy's compute dtype."""
 FLOAT32_PRIMITIVES = frozenset(p for p, op in PRIMITIVE_OPS.items() if op_class(op, strict=True) is OpClass.FLOAT32)
+"""Primitives that run in float32 whatever the compute dtype."""
 #: Call-like primitives whose body is interpreted by class; the closed jaxpr is under one of these params.
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call"})

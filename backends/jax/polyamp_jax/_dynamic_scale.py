@@ -178,8 +178,8 @@ class DynamicScale:
             outside ``[minimum_scale, 2**126]``, or a traced ``scale``/``fin_steps`` (make it outside
             ``jax.jit``).
 
-    Example::
-
+    Example:
+        ```python
         dynamic_scale = polyamp_jax.DynamicScale(growth_interval=2000)
         state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3),
                                   dynamic_scale=dynamic_scale)
@@ -195,6 +195,7 @@ class DynamicScale:
                 opt_state=jax.tree_util.tree_map(select, new_state.opt_state, state.opt_state),
                 dynamic_scale=dynamic_scale,
             ), loss
+        ```
     """
 
     growth_factor: float = 2.0

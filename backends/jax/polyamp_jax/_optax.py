@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -19,11 +19,22 @@ import optax
 
 from polyamp import FunctionalLossScaler, LossScaler, Policy, PolyampTypeError, SpikeRule, StepRecord
 from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.records import RunSummary, log_every
 from polyamp_jax._dynamic_scale import DynamicScale
 from polyamp_jax._functional import JaxFunctional, non_finite_parameters
 from polyamp_jax._precision import PrecisionState, warn_unplanned
 
-__all__ = ["LossScaledState", "load_state_dict", "loss_scaled", "records", "scale_loss", "scaler_of", "state_dict"]
+__all__ = [
+    "LossScaledState",
+    "load_state_dict",
+    "log_summary",
+    "loss_scaled",
+    "records",
+    "scale_loss",
+    "scaler_of",
+    "state_dict",
+    "summary",
+]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -131,8 +142,8 @@ def loss_scaled(
         TrainingStateWarning: once, at the first ``init`` with bfloat16/float16 parameters when ``inner`` is not
             `precision`: a plain optimizer rounds each update to nearest, and small ones are lost.
 
-    Example::
-
+    Example:
+        ```python
         tx = polyamp_jax.loss_scaled(optax.adam(1e-3))
         opt_state = tx.init(params)
 
@@ -143,6 +154,7 @@ def loss_scaled(
             grads = jax.grad(scaled_loss)(params)
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
+        ```
     """
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise PolyampTypeError(
@@ -261,6 +273,54 @@ def records(opt_state: Any, params: Any = None) -> list[StepRecord]:
     which skips every later step, a warning names them and says to restore a checkpoint."""
     fn, state = _view(opt_state, "records()")
     return fn.records(state, check_parameters=None if params is None else lambda: non_finite_parameters(params))
+
+
+def summary(opt_state: Any, params: Any = None) -> RunSummary:
+    """The run of the `loss_scaled` state or the `DynamicScale` in ``opt_state`` in one line (``str()`` of the
+    result), as `polyamp.LossScaler.summary` gives it: its steps, the skipped ones by reason and iteration, the
+    loss scale's path and the parameters' layers that held inf/NaN gradients. One host read, as `records`
+    (``params`` as there); it covers every step of the state's run read so far: call it (or `records`, or
+    `log_summary`) at least every ``history`` steps.
+
+    Example:
+        ```python
+        print(polyamp_jax.summary(opt_state))  # 200 steps, 2 skipped (overflow at 50, 51), scale 2^16 -> 2^15
+        ```
+    """
+    fn, state = _view(opt_state, "summary()")
+    return fn.summary(state, check_parameters=None if params is None else lambda: non_finite_parameters(params))
+
+
+def log_summary(
+    opt_state: Any,
+    step: int,
+    *,
+    every: int = 100,
+    progress: Any = None,
+    write: Callable[[str], object] | None = None,
+) -> RunSummary | None:
+    """Show `summary` of ``opt_state`` every ``every`` steps; call it once per step, after the jitted step returns
+    the new state. The other steps it returns at once: no host read, so the host keeps dispatching steps ahead.
+
+    Args:
+        opt_state: The optimizer state holding the `loss_scaled` state or the `DynamicScale` (e.g. a Flax
+            ``TrainState``).
+        step: The index of the step that just ended, from 0, as a Python int (a JAX array would be read to the host
+            every step). The summary is shown after steps ``every - 1``, ``2 * every - 1``, ...
+        every: How many steps between two summaries; at most the state's ``history``, so no record is lost.
+        progress: A tqdm bar: the summary's short form (``"5 skipped, scale 2^13"``) becomes its postfix, and
+            nothing is printed unless ``write`` is given.
+        write: Where the line goes (``logging.info``, ``tqdm.write``); default: ``print``, unless ``progress``
+            is given.
+
+    Returns:
+        The `polyamp.backend_api.records.RunSummary` on the steps it is shown, else None.
+
+    Raises:
+        PolyampTypeError / PolyampValueError: ``step`` or ``every`` is not a count, ``progress`` has no
+            ``set_postfix_str``, or ``opt_state`` holds no polyamp state (checked when the summary is read).
+    """
+    return log_every(lambda: summary(opt_state), step, every, progress, write)
 
 
 def state_dict(opt_state: Any) -> dict[str, Any]:

@@ -178,14 +178,15 @@ def precision(
             neither a master copy nor a rounding (``"bfloat16"``): updates smaller than half a unit in the last
             place round away.
 
-    Example::
-
+    Example:
+        ```python
         polyamp.set_policy("bfloat16_kahan")
         tx = polyamp_jax.loss_scaled(polyamp_jax.precision(optax.adamw(1e-3)))
         params = polyamp_jax.cast_to_param(params)  # bfloat16
         opt_state = tx.init(params)  # moments and compensation buffers in bfloat16
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
+        ```
     """
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise PolyampTypeError(

@@ -113,10 +113,11 @@ class Policy:
         InvalidPolicyError: a dtype is not float32, float16 or bfloat16.
         PolyampTypeError: a dtype is None.
 
-    Example::
-
+    Example:
+        ```python
         policy = jmp_compat.Policy(jnp.float32, jnp.float16, jnp.float32)
         polyamp.set_policy(policy.policy)  # the same policy for polyamp_jax.autocast and loss_scaled
+        ```
     """
 
     param_dtype: Any
@@ -457,13 +458,14 @@ class DynamicLossScale(_Scaling):
         PolyampTypeError: an argument of the wrong type (an integer array as a scale, a float ``period``, ...).
         InvalidConfigError: a setting out of range (``factor <= 1``, ``min_loss_scale`` of 0, ...).
 
-    Example::
-
+    Example:
+        ```python
         loss_scale = jmp_compat.DynamicLossScale(jnp.float32(2**15))
         grads = loss_scale.unscale(jax.grad(lambda p: loss_scale.scale(loss_fn(p)))(params))
         finite = jmp_compat.all_finite(grads)
         loss_scale = loss_scale.adjust(finite)
         params = jmp_compat.select_tree(finite, optax.apply_updates(params, updates), params)
+        ```
     """
 
     loss_scale: Any

@@ -1,4 +1,4 @@
-"""`LossScaleCallback`: the loss scale and skipped steps in Keras training logs."""
+"""`LossScaleCallback`: the loss scale (while scaling) and skipped steps in Keras training logs."""
 
 from __future__ import annotations
 
@@ -14,18 +14,25 @@ __all__ = ["LossScaleCallback"]
 
 
 class LossScaleCallback(keras.callbacks.Callback):  # type: ignore[misc]
-    """Adds ``loss_scale`` and ``skipped_steps`` to the logs of every batch and epoch, and reads the optimizer's
-    step records (`polyamp_keras.LossScaleOptimizer.records`) as training goes, so each skipped step is logged
-    through ``logging.getLogger("polyamp")`` with its reason and a collapsing scale is reported.
+    """Adds what the optimizer's mode makes worth watching to the logs of every batch and epoch, and reads the
+    optimizer's step records (`polyamp_keras.LossScaleOptimizer.records`) as training goes, so each skipped step is
+    logged through ``logging.getLogger("polyamp")`` with its reason and a collapsing scale is reported.
 
-    They then appear in ``History.history``, the progress bar and ``keras.callbacks.TensorBoard`` (list
+    * While the optimizer scales the loss (``"mixed_float16"``): ``loss_scale`` and ``skipped_steps``.
+    * While it guards without scaling (bfloat16 policies): ``skipped_steps`` alone; the scale is 1.0 there
+      and says nothing.
+    * While it neither scales nor guards (``enabled=False, guard=False``): nothing, as no step can be skipped.
+
+    The values appear in ``History.history``, the progress bar and ``keras.callbacks.TensorBoard`` (list
     this callback before TensorBoard, which reads the logs when it gets them). The model must be compiled
-    with a `polyamp_keras.LossScaleOptimizer`.
+    with a `polyamp_keras.LossScaleOptimizer`; ``optimizer.summary()`` gives the whole run in one line.
 
-    Example::
-
+    Example:
+        ```python
         history = model.fit(x, y, epochs=3, callbacks=[polyamp_keras.LossScaleCallback()])
         history.history["loss_scale"], history.history["skipped_steps"]
+        print(model.optimizer.summary())  # e.g. "6 steps, none skipped, scale 2^16"
+        ```
     """
 
     def _optimizer(self) -> LossScaleOptimizer:
@@ -41,7 +48,10 @@ class LossScaleCallback(keras.callbacks.Callback):  # type: ignore[misc]
         if logs is None:
             return
         optimizer = self._optimizer()
-        logs["loss_scale"] = optimizer.get_scale()
+        if optimizer.enabled:
+            logs["loss_scale"] = optimizer.get_scale()
+        elif not optimizer.scaler.guarding:
+            return  # neither scaled nor checked: no step can be skipped, no scale to watch
         logs["skipped_steps"] = int(read_scalar(optimizer.skipped_steps))
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:

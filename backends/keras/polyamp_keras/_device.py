@@ -493,7 +493,7 @@ class KerasDevice:
         outlined = None
         if tf is not None and self._compiling_now():
             # One call of a function kept whole (not inlined): the operations of a branch not taken are still
-            # visited at every step of a graph (some thirty here, a few microseconds), a call once.
+            # visited at every step of a graph (some thirty here), a call once.
             try:
                 outlined = tf.function(count, autograph=False, experimental_attributes={"_noinline": True})
             except (TypeError, ValueError):  # a TensorFlow that no longer takes the attribute: inline

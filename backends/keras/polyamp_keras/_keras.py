@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 from polyamp import BackendNotInstalledError
-from polyamp.backend_api.versions import warn_if_untested
+from polyamp.backend_api.versions import import_framework, warn_if_untested
 
 _HINT = "Install it with: pip install 'polyamp[keras]' (or 'polyamp[tensorflow]' for Keras on TensorFlow)"
 
-try:
-    import keras
-except ModuleNotFoundError as exc:
-    if (exc.name or "").partition(".")[0] != "keras":
-        raise
-    raise BackendNotInstalledError(f"polyamp_keras needs Keras 3, which is not installed. {_HINT}") from exc
+keras = import_framework("keras", "polyamp_keras", "Keras 3", _HINT)
 
 if int(keras.__version__.partition(".")[0]) < 3:
     raise BackendNotInstalledError(f"polyamp_keras needs Keras 3; found keras {keras.__version__}. {_HINT}")

@@ -43,9 +43,6 @@ from polyamp_keras._policies import to_keras_policy
 
 __all__ = ["FLOAT32_LAYERS", "LAYER_OPS", "apply_policy", "op_output_dtype"]
 
-#: Keras layers and activations that stand for an op of polyamp's op-class table
-#: (`polyamp.backend_api.policies.OP_CLASSES`), by the table's name. ``UnitNormalization`` divides by the norm, as
-#: ``F.normalize`` does.
 LAYER_OPS: Mapping[str, str] = MappingProxyType(
     {
         "Softmax": "softmax",
@@ -64,15 +61,18 @@ LAYER_OPS: Mapping[str, str] = MappingProxyType(
         "MultiHeadAttention": "attention",
     }
 )
+"""Keras layers and activations that stand for an op of polyamp's op-class table
+(`polyamp.backend_api.policies.OP_CLASSES`), by the table's name. ``UnitNormalization`` divides by the norm, as
+``F.normalize`` does."""
 _ACTIVATION_OPS = {"softmax": "softmax", "log_softmax": "log_softmax"}
 
-#: Keras layers that compute in float32 under every policy once `apply_policy` has run: those standing for the
-#: table's float32 ops (``RMSNormalization`` where this Keras has it).
 FLOAT32_LAYERS: tuple[type, ...] = tuple(
     getattr(keras.layers, name)
     for name, op in LAYER_OPS.items()
     if op_class(op, strict=True) is OpClass.FLOAT32 and hasattr(keras.layers, name)
 )
+"""Keras layers that compute in float32 under every policy once `apply_policy` has run: those standing for the table's
+float32 ops (``RMSNormalization`` where this Keras has it)."""
 _FLOAT32_ACTIVATIONS = tuple(
     getattr(keras.activations, name)
     for name, op in _ACTIVATION_OPS.items()
@@ -249,11 +249,12 @@ def apply_policy(
         PolyampValueError: a ``keep_float32`` layer is not in ``model``, or a name or pattern matches no
             layer (a typo would otherwise silently keep nothing in float32).
 
-    Example::
-
+    Example:
+        ```python
         polyamp.set_policy("mixed_float16")
         model = polyamp_keras.apply_policy(build_model(), keep_float32=["head"])
         model(x)   # float32 outputs; Dense/Conv in float16; softmax, norms and the head in float32
+        ```
     """
     if not isinstance(model, keras.Model):
         raise PolyampTypeError(

@@ -22,7 +22,7 @@ from polyamp import (
     SpikeRule,
     StateDictError,
 )
-from polyamp.backend_api import detect_backend
+from polyamp.backend_api import ScalerAdapter, detect_backend
 from polyamp.backend_api.arguments import (
     NOT_GIVEN,
     NOT_SCALED_RULE,
@@ -34,6 +34,7 @@ from polyamp.backend_api.arguments import (
     check_spike,
     describe,
 )
+from polyamp.backend_api.records import RunSummary
 from polyamp_keras._device import KerasDevice, clipping_folded, folded_clip_norm, is_tracer, provenance_rows
 from polyamp_keras._functional import KerasFunctional
 from polyamp_keras._gradients import gradient_counts, refuse_loss_scale_factor, unscale
@@ -373,6 +374,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         """
         return self._scaler.records()
 
+    def summary(self) -> RunSummary:
+        """The run so far in one line (``str()`` of the result), as `polyamp.LossScaler.summary` gives it: the
+        steps, the skipped ones by reason and iteration, the loss scale's path and the layers of non-finite
+        gradients, over every step since the optimizer was built. Call it eagerly, e.g. after ``fit``."""
+        return self._scaler.summary()
+
     @property
     def loss_scale(self) -> Any:
         """The current loss scale (a float32 tensor; tf.keras 2's name). 1.0 when disabled."""
@@ -432,7 +439,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self._saved_state(store)
         self.records()  # the records so far belong to the state being replaced
         super().load_own_variables(store)
-        self._scaler.restored_on_device()
+        ScalerAdapter(self._scaler).restored_on_device()
 
     def _joined_provenance(self, store: Any) -> Any:
         """``store`` as this optimizer's variables lay out, when it was saved with the non-finite counts and
@@ -557,7 +564,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
     def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
         """The stateless step (JAX; what ``model.fit`` uses there): variables in, new values out.
 
-        The scaler's host-side decisions are `polyamp.LossScaler.functional_iteration`'s, the device values
+        The scaler's host-side decisions are `polyamp.backend_api.ScalerAdapter.functional_iteration`'s, the device values
         `polyamp.FunctionalLossScaler`'s over this optimizer's variables; a skipped step's parameters and
         inner optimizer state are the old ones, selected inside the compiled step.
         """
@@ -572,7 +579,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         trainable = [v.value if isinstance(v, keras.Variable) else v for v in trainable_variables]
         if any(is_tracer(value) for value in [*grads, *trainable]):
             self._device.note_traced()
-        mode, unscaled = self._scaler.functional_iteration(grads, "stateless_apply()")
+        mode, unscaled = ScalerAdapter(self._scaler).functional_iteration(grads, "stateless_apply()")
         if mode == "scaling":
             refuse_loss_scale_factor(self.inner_optimizer, "a LossScaleOptimizer wraps it")
         fn = self._functional_form(mode)

@@ -64,10 +64,11 @@ def cast_outputs(model: Any, policy: PolicyLike | None = None) -> Any:
         A Functional model over ``model``'s inputs when ``model`` is Functional (its layers are shared), else
         ``keras.Sequential([model, OutputCast(...)])``. ``model`` itself is not modified.
 
-    Example::
-
+    Example:
+        ```python
         polyamp.set_policy("mixed_float16")
         model = polyamp_keras.cast_outputs(build_model())   # float16 compute, float32 predictions
+        ```
     """
     if not isinstance(model, keras.Model):
         raise PolyampTypeError(f"cast_outputs() takes a Keras model. Received: {describe(model)}.")

@@ -172,7 +172,7 @@ class PrecisionOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
             is not an int in range.
         InvalidPolicyError: ``policy`` is not a valid policy.
 
-    Example:
+    Examples:
         >>> import keras, polyamp, polyamp_keras
         >>> optimizer = polyamp_keras.PrecisionOptimizer(keras.optimizers.AdamW(1e-3), "bfloat16_kahan")
         >>> optimizer.policy.rounding

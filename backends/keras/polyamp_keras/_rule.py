@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +116,9 @@ class KerasOps(ArrayOps):
     def arange_like(self, n: int, like: Any) -> Any:
         return ops.arange(n, dtype=self.dtype(like.dtype))
 
+    def concat(self, arrays: Sequence[Any]) -> Any:
+        return ops.concatenate(list(arrays))
+
     def stop_gradient(self, x: Any) -> Any:
         return ops.stop_gradient(x)
 
@@ -168,8 +171,8 @@ def advance(
 
     ``branch``: the finite half branches on the growth test (`rules.at_interval`), so that the steps that do
     not grow (all but one in ``growth_interval``) run only the tracker's count; else it selects, with no
-    branch. For a backend whose branch is an operation of the step (TensorFlow), where each operation costs a
-    few microseconds; the values are the same either way. Not under a ``StatelessScope`` (an assignment inside
+    branch. For a backend whose branch is an operation of the step (TensorFlow), where every operation run
+    costs; the values are the same either way. Not under a ``StatelessScope`` (an assignment inside
     a traced branch would leave it) nor where a branch reads its predicate to the host (PyTorch).
     """
     if overflow:

@@ -19,13 +19,14 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from keras.src.utils import backend_utils, jax_utils
 
 from polyamp import ForwardReport, PolyampTypeError
 from polyamp.backend_api.arguments import describe
-from polyamp.backend_api.forward_watch import LOGGER_NAME, ForwardPass, check_watch_every, log_forward_report
+from polyamp.backend_api.forward_watch import LOGGER_NAME, ForwardPass, ForwardWatchBase
 from polyamp_keras._gradients import non_finite_counts
 from polyamp_keras._keras import keras
 
@@ -35,13 +36,11 @@ _logger = logging.getLogger(LOGGER_NAME)
 ops = keras.ops
 
 
-def _float_tensors(value: Any) -> list[Any]:
-    """The floating, non-empty tensors in a nested structure."""
-    found = []
+def _float_tensors(value: Any) -> Iterator[Any]:
+    """The floating, non-empty tensors in a nested structure (flattened only when iterated)."""
     for leaf in keras.tree.flatten(value):
         if ops.is_tensor(leaf) and keras.backend.is_float_dtype(leaf.dtype) and all(leaf.shape):
-            found.append(leaf)
-    return found
+            yield leaf
 
 
 def _traced(tensors: list[Any]) -> bool:
@@ -85,22 +84,7 @@ def _check(tensor: Any) -> Any:
     return ops.all(ops.isfinite(tensor))
 
 
-def _report(forward: ForwardPass) -> ForwardReport | None:
-    """The pass's report: the checks read with one conversion to NumPy (two only when one is non-finite)."""
-    if not forward.checks:
-        return None
-    flags = ops.stack(forward.checks)
-    if bool(ops.convert_to_numpy(ops.all(flags))):  # the one read of the fast path
-        return None
-    return forward.report(
-        [bool(f) for f in ops.convert_to_numpy(flags).tolist()],
-        size=lambda t: int(ops.size(t)),
-        dtype=_dtype,
-        counts=lambda t: ops.convert_to_numpy(non_finite_counts(t)).tolist(),
-    )
-
-
-class ForwardWatch:
+class ForwardWatch(ForwardWatchBase):
     """A forward watch on a Keras model (see `watch_forward`): in place until `remove` or the ``with`` exits."""
 
     def __init__(self, model: Any, every: int = 1) -> None:
@@ -109,16 +93,27 @@ class ForwardWatch:
                 f"polyamp_keras.watch_forward expects a Keras model or layer; received {describe(model)}. Pass the "
                 "model whose forward passes to watch (for a torch.nn.Module use polyamp_torch.watch_forward)."
             )
-        self.every = check_watch_every(every)
-        self.model = model
-        self._forwards = 0
+        super().__init__(model, every)
         self._traced = 0
-        self._depth = 0
-        self._forward: ForwardPass | None = None
-        self._last: ForwardReport | None = None
         self._wrapped: list[tuple[Any, Any, Any]] = []  # (layer, its previous instance `call` or None, wrapper)
         for layer, path in _layers_with_paths(model):
             self._wrap(layer, path, root=layer is model)
+
+    _check = staticmethod(_check)
+
+    def _read(self, forward: ForwardPass) -> ForwardReport | None:
+        """The pass's report: the checks read with one conversion to NumPy (two only when one is non-finite)."""
+        if not forward.checks:
+            return None
+        flags = ops.stack(forward.checks)
+        if bool(ops.convert_to_numpy(ops.all(flags))):  # the one read of the fast path
+            return None
+        return forward.report(
+            [bool(f) for f in ops.convert_to_numpy(flags).tolist()],
+            size=lambda t: int(ops.size(t)),
+            dtype=_dtype,
+            counts=lambda t: ops.convert_to_numpy(non_finite_counts(t)).tolist(),
+        )
 
     def _wrap(self, layer: Any, path: str, root: bool) -> None:
         previous = layer.__dict__.get("call")
@@ -126,72 +121,39 @@ class ForwardWatch:
 
         @functools.wraps(call)
         def watched_call(*args: Any, **kwargs: Any) -> Any:
-            forward = self._begin(layer, path, root, args, kwargs)
+            forward = self._enter_call(layer, path, root, _float_tensors((args, kwargs)))
             output = None
             try:
                 output = call(*args, **kwargs)
             finally:
-                self._end(layer, root, forward, output)
+                self._exit_call(layer, root, forward, _float_tensors(output))
             return output
 
         object.__setattr__(layer, "call", watched_call)  # an instance attribute, outside Keras's tracking
         self._wrapped.append((layer, previous, watched_call))
 
-    def _begin(self, layer: Any, path: str, root: bool, args: Any, kwargs: Any) -> ForwardPass | None:
-        if root:
-            if self._depth == 0:
-                tensors = _float_tensors((args, kwargs))
-                if _traced(tensors):
-                    self._traced += 1
-                    if self._traced == 1:
-                        _logger.warning(
-                            "polyamp_keras.watch_forward: a call of %r is being traced (tf.function, jax.jit or "
-                            "torch.compile), where values cannot be read; traced calls are not watched. Call the "
-                            "model eagerly, or compile it with run_eagerly=True, to watch it.",
-                            layer.name,
-                        )
-                else:
-                    if self._forwards % self.every == 0:
-                        self._forward = ForwardPass(self._forwards, _check)
-                    self._forwards += 1
-            self._depth += 1
-        forward = self._forward
-        if forward is None:
-            return None
-        forward.begin(layer, path, _float_tensors((args, kwargs)))
-        return forward
-
-    def _end(self, layer: Any, root: bool, forward: ForwardPass | None, output: Any) -> None:
-        if forward is not None and forward is self._forward:
-            forward.end(layer, _float_tensors(output))
-        if root:
-            self._depth -= 1
-            if self._depth == 0 and self._forward is not None:
-                finished, self._forward = self._forward, None
-                self._last = _report(finished)
-                log_forward_report(self._last, _logger)
-
-    def report(self) -> ForwardReport | None:
-        """The report of the last watched forward pass: None when all its outputs were finite (or none ran)."""
-        return self._last
-
-    @property
-    def forwards(self) -> int:
-        """How many eager calls of the model there were since the watch began (watched or not)."""
-        return self._forwards
+    def _counts(self, key: Any, inputs: Sequence[Any]) -> bool:
+        if not _traced(list(inputs)):
+            return True
+        self._traced += 1
+        if self._traced == 1:
+            _logger.warning(
+                "polyamp_keras.watch_forward: a call of %r is being traced (tf.function, jax.jit or "
+                "torch.compile), where values cannot be read; traced calls are not watched. Call the "
+                "model eagerly, or compile it with run_eagerly=True, to watch it.",
+                key.name,
+            )
+        return False
 
     @property
     def traced(self) -> int:
         """How many calls of the model ran inside a trace (tf.function, jax.jit) and so were not watched."""
         return self._traced
 
-    @property
-    def active(self) -> bool:
-        """Whether the layers' calls are wrapped."""
+    def _installed(self) -> bool:
         return bool(self._wrapped)
 
-    def remove(self) -> None:
-        """Give every layer its ``call`` back exactly as before. `report` keeps the last report."""
+    def _uninstall(self) -> None:
         for layer, previous, wrapper in reversed(self._wrapped):
             if layer.__dict__.get("call") is not wrapper:
                 continue  # replaced by someone else since: theirs stays
@@ -200,18 +162,9 @@ class ForwardWatch:
             else:
                 object.__setattr__(layer, "call", previous)
         self._wrapped = []
-        self._forward = None
-        self._depth = 0
 
-    def __enter__(self) -> ForwardWatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        state = "active" if self.active else "removed"
-        return f"ForwardWatch({self.model.name!r}, every={self.every}, {state}, forwards={self._forwards})"
+    def _model_label(self) -> str:
+        return repr(self.model.name)
 
 
 def watch_forward(model: Any, *, every: int = 1) -> ForwardWatch:

@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 from polyamp import BackendNotInstalledError
-from polyamp.backend_api.versions import warn_if_untested
+from polyamp.backend_api.versions import import_framework, warn_if_untested
 
 _HINT = "Install it with: pip install 'polyamp[tensorflow]'"
 
-try:
-    import tensorflow as tf
-except ModuleNotFoundError as exc:
-    if (exc.name or "").partition(".")[0] != "tensorflow":
-        raise
-    raise BackendNotInstalledError(f"polyamp_tensorflow needs TensorFlow, which is not installed. {_HINT}") from exc
-
-try:
-    import keras
-except ModuleNotFoundError as exc:
-    if (exc.name or "").partition(".")[0] != "keras":
-        raise
-    raise BackendNotInstalledError(f"polyamp_tensorflow needs Keras 3, which is not installed. {_HINT}") from exc
+tf = import_framework("tensorflow", "polyamp_tensorflow", "TensorFlow", _HINT)
+keras = import_framework("keras", "polyamp_tensorflow", "Keras 3", _HINT)
 
 if int(keras.__version__.partition(".")[0]) < 3:
     raise BackendNotInstalledError(

@@ -19,7 +19,7 @@ class TensorFlowLossScaler(LossScaler, tf.train.experimental.PythonState):  # ty
     trackable object, so a ``tf.train.Checkpoint`` (and ``tf.train.CheckpointManager``) saves and restores it.
 
     Every ``LossScaler`` bound to TensorFlow (also ``polyamp.LossScaler()`` after its first TensorFlow tensor
-    or Keras optimizer) has the same methods and semantics; this class binds up front and is trackable::
+    or Keras optimizer) has the same methods and semantics; this class binds up front and is trackable:
 
         scaler = polyamp_tensorflow.TensorFlowLossScaler()
 

@@ -19,7 +19,7 @@ def clip_grad_norm_(
 
     Clipping gradients that are still multiplied by the loss scale clips them to a norm ``scale`` times too
     small: the weights barely move and the loss stays flat, with no error anywhere. This unscales first, then
-    clips, and returns the total norm of the unscaled gradients, as torch's function does::
+    clips, and returns the total norm of the unscaled gradients, as torch's function does:
 
         scaler.scale(loss).backward()
         polyamp_torch.clip_grad_norm_(scaler, opt, 1.0)

@@ -21,11 +21,10 @@ so they are left alone, as on CUDA.
 The kernels are registered the first time a polyamp CPU region with these ops is entered, so importing
 polyamp_torch changes nothing for programs that never use one. From then on, a listed op called in a CPU
 autocast region that is not a polyamp float32 region (native ``torch.autocast``, ``cpu_float32_ops=False``)
-computes exactly as before but costs a Python call and a boxed redispatch more, about 10 us on a 2.3 GHz
-Xeon core: an exact fallthrough must let the op's own nested calls see autocast, which only the boxed
-``redispatch`` offers from Python. Inside polyamp regions a listed op costs the float32 work CUDA autocast
-does (the casts) plus the Python kernel's boundary, about 4-5 us per call on the same core (see
-benchmarks/RESULTS.md: the "cast by hand" column is the same work without any mechanism).
+computes exactly as before at the cost of a Python call and a boxed redispatch (an exact fallthrough must let
+the op's own nested calls see autocast, which only the boxed ``redispatch`` offers from Python). Inside
+polyamp regions a listed op costs the float32 work CUDA autocast does (the casts) plus the Python kernel's
+boundary; the performance page gives the measured cost.
 
 Under ``torch.compile`` a polyamp CPU region is ``torch.autocast`` plus two ops of polyamp's own
 (`compiled_region`): dynamo records them in the graph, and while the graph is traced (dynamo's fake
@@ -66,9 +65,9 @@ __all__ = [
     "registered_ops",
 ]
 
-#: The ops polyamp runs in float32 (the op-class table's `polyamp.OpClass.FLOAT32` ops, which are CUDA
-#: autocast's float32 lists), with the other names torch's Python API reaches them by.
 FLOAT32_OP_NAMES = FLOAT32_OPS | {"__pow__", "__rpow__", "upsample_nearest", "upsample_bilinear"}
+"""The ops polyamp runs in float32 (the op-class table's `polyamp.OpClass.FLOAT32` ops, which are CUDA autocast's
+float32 lists), with the other names torch's Python API reaches them by."""
 
 # CUDA autocast's float32 policies, by aten overload (torch's autocast_mode.h, and ops autocast_mode.cpp
 # registers one by one: linalg_matrix_sqrth, torch >= 2.14). Overloads a torch version lacks, or that its
@@ -199,9 +198,9 @@ def exit_region(previous: bool) -> None:
 
 # -- kernels ---------------------------------------------------------------------------------------------
 #
-# The kernels are on the hot path of every listed op in a region, so they avoid what costs microseconds in
-# Python: the op is called through its generated Python binding (the parsing the OpOverload call does
-# costs 3-4 us more) and autocast is excluded by two TLS calls rather than a guard object.
+# The kernels are on the hot path of every listed op in a region, so they keep Python work down: the op is
+# called through its generated Python binding (not the OpOverload call, which parses its arguments again)
+# and autocast is excluded by two TLS calls rather than a guard object.
 
 _Tensor = torch.Tensor
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -291,7 +290,7 @@ def _fp32_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
 
     def kernel(keyset: torch._C.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
         # _applies() and _run_without_autocast(), inlined: the most common listed ops (layer_norm, exp,
-        # pow) take this path, and each Python call saved is a fraction of a microsecond per op.
+        # pow) take this path, once per op call.
         if _fake_mode(_FAKE) is not None or not state.active:
             if not _applies():
                 return redispatch(keyset & _BELOW_AUTOCAST_CPU, *args, **kwargs)

@@ -64,11 +64,12 @@ def fsdp_mixed_precision(
             InvalidPolicyError: ``policy`` is not a policy.
         BackendNotInstalledError: this torch build has no ``torch.distributed``.
 
-    Example::
-
+    Example:
+        ```python
         for block in model.blocks:
             fully_shard(block, mp_policy=polyamp_torch.fsdp_mixed_precision("mixed_float16", root=False))
         fully_shard(model, mp_policy=polyamp_torch.fsdp_mixed_precision("mixed_float16"))
+        ```
     """
     resolved = policy_in_effect() if policy is None else Policy(policy)
     reduce = TORCH_DTYPES[resolved.param_dtype] if reduce_dtype is None else _torch_dtype(reduce_dtype, "reduce_dtype")

@@ -18,12 +18,12 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subproce
 
 warn_if_untested("polyamp_torch", {"torch": str(torch.__version__)})
 
-#: polyamp dtype names to torch dtypes.
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+"""polyamp dtype names to torch dtypes."""
 
 
 def _call(fn: Any, *args: Any) -> Any:
@@ -43,7 +43,7 @@ _is_compiling = torch.compiler.is_compiling
 def run_uncompiled(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` outside torch.compile's trace and its frame handling, at run time: through a
     ``torch.compiler.disable``d call while torch.compile traces or watches frames (it can run a frame untraced
-    yet compile each function that frame calls), directly otherwise (the disabled call costs about 0.2 us)."""
+    yet compile each function that frame calls), directly otherwise (the disabled call is dearer)."""
     if _is_compiling() or _frame_callback is None or _frame_callback() is not None:
         return _disabled_call(fn, *args)
     return fn(*args)

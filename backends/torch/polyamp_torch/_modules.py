@@ -26,9 +26,10 @@ from torch.utils import _pytree as pytree
 
 import polyamp
 import polyamp.backend_api
-from polyamp import Policy, PolyampTypeError, PolyampValueError
+from polyamp import Float8Recipe, Policy, PolyampTypeError, PolyampValueError
 from polyamp.backend_api.arguments import describe
 from polyamp.backend_api.policies import OverridesLike, PolicyLike, PolicyOverrides
+from polyamp_torch import _float8
 from polyamp_torch._autocast import autocast, default_device_type, policy_in_effect
 from polyamp_torch._distributed import is_dtensor
 from polyamp_torch._framework import TORCH_DTYPES, torch
@@ -126,8 +127,10 @@ class _PolicyForward:
 
 
 def remove_policy(module: torch.nn.Module) -> torch.nn.Module:
-    """Undo `apply_policy` on ``module`` and its submodules (parameter dtypes are left as they are)."""
+    """Undo `apply_policy` on ``module`` and its submodules (parameter dtypes are left as they are; FP8 layers
+    become ``nn.Linear`` again)."""
     for sub in module.modules():
+        _float8.restore(sub)
         wrapper = sub.__dict__.get("forward")
         if isinstance(wrapper, _PolicyForward):
             if wrapper.previous is None:
@@ -195,11 +198,12 @@ def apply_policy(
     A parameter shared by submodules that would get different parameter dtypes (e.g. an embedding tied to
     a head kept in float32 under a bfloat16-parameter policy) stays in the widest of them, with a warning.
 
-    Example::
-
+    Example:
+        ```python
         model = polyamp_torch.apply_policy(model, "mixed_float16", keep_float32=["head", "*norm*"])
         with torch.no_grad():
             logits = model(x)                  # float32 logits; body in float16, head and norms in float32
+        ```
     """
     if not isinstance(module, torch.nn.Module):
         raise PolyampTypeError(f"apply_policy() takes a torch.nn.Module. Received: {describe(module)}.")
@@ -250,6 +254,7 @@ def apply_policy(
         names[id(sub)] = name or type(module).__name__
     _refuse_sharded_casts(named, effective, names)
     remove_policy(module)
+    _convert_float8(named, effective)
     for sub, own in owns:
         follows = sub is module and fixed_policy is None
         sub.__dict__["forward"] = _PolicyForward(
@@ -257,6 +262,24 @@ def apply_policy(
         )
     _cast_parameters(named, effective, names)
     return module
+
+
+def _convert_float8(named: list[tuple[str, torch.nn.Module]], effective: dict[int, Policy]) -> None:
+    """Make each ``nn.Linear`` whose policy has an FP8 recipe that takes it a `Float8Linear` (the layers it
+    skips stay as they are)."""
+    for name, sub in named:
+        recipe = effective[id(sub)].float8
+        if recipe is not None and float8_skip_reason(sub, name, recipe) is None:
+            _float8.convert(sub, recipe)  # type: ignore[arg-type]
+
+
+def float8_skip_reason(sub: torch.nn.Module, name: str, recipe: Float8Recipe) -> str | None:
+    """Why ``sub`` (named ``name``) does not run ``recipe``, or None when it does."""
+    if not isinstance(sub, torch.nn.Linear):
+        return "not an nn.Linear"
+    if type(sub) not in (torch.nn.Linear, _float8.Float8Linear):
+        return f"a subclass of nn.Linear ({type(sub).__name__}) with a forward of its own"
+    return recipe.skip_reason(name, sub.in_features, sub.out_features)
 
 
 def _refuse_sharded_casts(
@@ -304,6 +327,8 @@ def _cast_parameters(
                     )
                 _cast_tensor(param, TORCH_DTYPES[chosen])
             for buffer_name, buffer in sub.named_buffers(recurse=False):
+                if buffer_name.startswith("float8_"):  # FP8 amax histories and scales stay float32
+                    continue
                 if buffer.dtype in _CASTABLE and buffer.dtype != TORCH_DTYPES[dtype]:
                     sub._buffers[buffer_name] = buffer.to(TORCH_DTYPES[dtype])
 

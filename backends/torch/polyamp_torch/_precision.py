@@ -155,7 +155,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         InvalidConfigError: a parameter's dtype is neither the plan's param dtype nor float32 (the message
             names it); ``chunk_bytes`` < 1.
 
-    Example:
+    Examples:
         >>> import torch, polyamp, polyamp_torch
         >>> model = torch.nn.Linear(4, 2).to(torch.bfloat16)
         >>> opt = polyamp_torch.PrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), "bfloat16_kahan")

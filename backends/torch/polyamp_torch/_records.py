@@ -1,13 +1,16 @@
-"""`RecordWriter`: a loss scaler's step records as TensorBoard scalars, for PyTorch loops."""
+"""A loss scaler's step records in a PyTorch loop: as TensorBoard scalars (`RecordWriter`), and as a summary line
+every N steps (`log_summary`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from polyamp import LossScaler, PolyampTypeError
 from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.records import RunSummary, log_every
 
-__all__ = ["RecordWriter"]
+__all__ = ["RecordWriter", "log_summary"]
 
 
 class RecordWriter:
@@ -22,7 +25,7 @@ class RecordWriter:
     * a text entry ``<prefix>/skip`` per skipped step: its log line (reason, scale, the non-finite gradients).
 
     ``writer`` is anything with ``add_scalar(tag, value, global_step)`` and ``add_text(tag, text,
-    global_step)``, such as ``torch.utils.tensorboard.SummaryWriter``::
+    global_step)``, such as ``torch.utils.tensorboard.SummaryWriter``:
 
         board = polyamp_torch.RecordWriter(scaler, SummaryWriter("runs/amp"))
         for step, (x, y) in enumerate(loader):
@@ -62,3 +65,45 @@ class RecordWriter:
             self._next = step + 1
             written += 1
         return written
+
+
+def log_summary(
+    scaler: LossScaler,
+    step: int,
+    *,
+    every: int = 100,
+    progress: Any = None,
+    write: Callable[[str], object] | None = None,
+) -> RunSummary | None:
+    """Show the scaler's run summary (`polyamp.LossScaler.summary`) every ``every`` steps; call it once per
+    iteration, after ``scaler.update()``. The other iterations it returns at once: no host read, no device work.
+
+    Args:
+        scaler: The `polyamp.LossScaler` (or ``TorchLossScaler``) of the loop.
+        step: The index of the iteration that just ended, from 0 (``for step, batch in enumerate(loader)``), a
+            Python int. The summary is shown after iterations ``every - 1``, ``2 * every - 1``, ...
+        every: How many iterations between two summaries.
+        progress: A tqdm bar: the summary's short form (``"5 skipped, scale 2^13"``) becomes its postfix, and
+            nothing is printed unless ``write`` is given.
+        write: Where the line goes (``logger.info``, ``tqdm.write``); default: ``print``, unless ``progress``
+            is given.
+
+    Returns:
+        The `RunSummary` on the iterations it is shown, else None.
+
+    Raises:
+        PolyampTypeError / PolyampValueError: ``scaler`` is not a polyamp scaler, ``step`` or ``every`` is not a
+            count, or ``progress`` has no ``set_postfix_str``.
+
+    Example:
+        ```python
+        for step, (x, y) in enumerate(loader):
+            ...
+            scaler.step(optimizer)
+            scaler.update()
+            polyamp_torch.log_summary(scaler, step, every=100)  # polyamp: 100 steps, none skipped, scale 2^16
+        ```
+    """
+    if not isinstance(scaler, LossScaler):
+        raise PolyampTypeError(f"log_summary needs the polyamp.LossScaler in use. Received: {describe(scaler)}.")
+    return log_every(scaler.summary, step, every, progress, write)

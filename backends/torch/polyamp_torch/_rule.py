@@ -55,6 +55,9 @@ class TorchOps(ArrayOps):
     def arange_like(self, n: int, like: torch.Tensor) -> torch.Tensor:
         return torch.arange(n, dtype=like.dtype, device=like.device)
 
+    def max(self, x: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+        return torch.max(x) if axis is None else torch.amax(x, dim=axis, keepdim=True)
+
     def global_norm(self, arrays: Sequence[torch.Tensor]) -> torch.Tensor:
         """torch's fused per-tensor norms, then the norm of those (on the first tensor's device)."""
         norms = torch._foreach_norm(list(arrays))

@@ -20,7 +20,7 @@ class TorchLossScaler(LossScaler):
     extra settings (``hysteresis``, ``min_scale``, ``max_scale``, ``dynamic``) are keywords. Pass
     ``enabled=None`` to follow polyamp's policy instead, as ``polyamp.LossScaler()`` does by default. Every
     ``LossScaler`` bound to torch (also ``polyamp.LossScaler()`` after its first torch tensor) has the same
-    methods and semantics; this class only binds up front (useful for type checkers and ``isinstance``)::
+    methods and semantics; this class only binds up front (useful for type checkers and ``isinstance``):
 
         scaler = polyamp_torch.TorchLossScaler("cuda")
         scaler.scale(loss).backward()

@@ -33,14 +33,15 @@ class SchedulerGuard(torch.optim.lr_scheduler.LRScheduler):
         scheduler: Any ``torch.optim.lr_scheduler`` scheduler (or object with ``.optimizer`` and ``.step``).
         scaler: The `polyamp.LossScaler` that steps that optimizer.
 
-    Example::
-
+    Example:
+        ```python
         scheduler = polyamp_torch.SchedulerGuard(torch.optim.lr_scheduler.OneCycleLR(opt, ...), scaler)
         for x, y in loader:
             ...
             scaler.step(opt)
             scaler.update()
             scheduler.step()        # advances only if opt's step was applied
+        ```
     """
 
     def __init__(self, scheduler: Any, scaler: LossScaler) -> None:

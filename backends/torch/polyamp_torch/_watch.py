@@ -16,7 +16,6 @@ most of them anyway, under ``torch.no_grad`` this holds one forward's activation
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,12 +23,10 @@ import torch
 
 from polyamp import ForwardReport, PolyampTypeError
 from polyamp.backend_api.arguments import describe
-from polyamp.backend_api.forward_watch import LOGGER_NAME, ForwardPass, check_watch_every, log_forward_report
+from polyamp.backend_api.forward_watch import ForwardPass, ForwardWatchBase
 from polyamp_torch._gradients import non_finite_counts
 
 __all__ = ["ForwardWatch", "watch_forward"]
-
-_logger = logging.getLogger(LOGGER_NAME)
 
 
 def _float_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -71,16 +68,7 @@ def _finite(checks: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
     return finite
 
 
-def _report(forward: ForwardPass) -> ForwardReport | None:
-    return forward.report(
-        _finite(forward.checks),
-        size=lambda t: t.numel(),
-        dtype=lambda t: str(t.dtype).removeprefix("torch."),
-        counts=lambda t: non_finite_counts(t.detach()).tolist(),
-    )
-
-
-class ForwardWatch:
+class ForwardWatch(ForwardWatchBase):
     """A forward watch on a model (see `watch_forward`): hooks in place until `remove` or the ``with`` exits."""
 
     def __init__(self, model: torch.nn.Module, every: int = 1) -> None:
@@ -89,12 +77,7 @@ class ForwardWatch:
                 f"watch_forward expects a torch.nn.Module; received {describe(model)}. Pass the model whose "
                 "forward passes to watch (for a Keras model use polyamp_keras.watch_forward)."
             )
-        self.every = check_watch_every(every)
-        self.model = model
-        self._forwards = 0
-        self._depth = 0
-        self._forward: ForwardPass | None = None
-        self._last: ForwardReport | None = None
+        super().__init__(model, every)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for path, module in model.named_modules():
             root = module is model
@@ -103,68 +86,36 @@ class ForwardWatch:
                 module.register_forward_hook(self._hook(root), with_kwargs=True, always_call=True, prepend=True)
             )
 
-    # -- the hooks --------------------------------------------------------------------------------------------
+    _check = staticmethod(_check)
+    _version = staticmethod(_version)
+
+    def _read(self, forward: ForwardPass) -> ForwardReport | None:
+        return forward.report(
+            _finite(forward.checks),
+            size=lambda t: t.numel(),
+            dtype=lambda t: str(t.dtype).removeprefix("torch."),
+            counts=lambda t: non_finite_counts(t.detach()).tolist(),
+        )
+
     def _pre_hook(self, path: str, root: bool) -> Any:
         def pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if root:
-                if self._depth == 0:
-                    if self._forwards % self.every == 0:
-                        self._forward = ForwardPass(self._forwards, _check, _version)
-                    self._forwards += 1
-                self._depth += 1
-            forward = self._forward
-            if forward is None:  # an unwatched forward, or a module called outside the model's call
-                return
-            forward.begin(module, path, _float_tensors((args, kwargs)))
+            self._enter_call(module, path, root, _float_tensors((args, kwargs)))
 
         return pre_hook
 
     def _hook(self, root: bool) -> Any:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            forward = self._forward
-            if forward is not None:
-                forward.end(module, _float_tensors(output))
-            if root:
-                self._depth -= 1
-                if self._depth == 0 and forward is not None:
-                    self._forward = None
-                    self._last = _report(forward)
-                    log_forward_report(self._last, _logger)
+            self._exit_call(module, root, self._forward, _float_tensors(output))
 
         return hook
 
-    # -- the handle -------------------------------------------------------------------------------------------
-    def report(self) -> ForwardReport | None:
-        """The report of the last watched forward pass: None when all its outputs were finite (or none ran)."""
-        return self._last
-
-    @property
-    def forwards(self) -> int:
-        """How many times the model was called since the watch began (watched or not)."""
-        return self._forwards
-
-    @property
-    def active(self) -> bool:
-        """Whether the hooks are in place."""
+    def _installed(self) -> bool:
         return bool(self._handles)
 
-    def remove(self) -> None:
-        """Remove every hook the watch added; the model is as before. `report` keeps the last report."""
+    def _uninstall(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._forward = None
-        self._depth = 0
-
-    def __enter__(self) -> ForwardWatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        state = "active" if self.active else "removed"
-        return f"ForwardWatch({type(self.model).__name__}, every={self.every}, {state}, forwards={self._forwards})"
 
 
 def watch_forward(model: torch.nn.Module, *, every: int = 1) -> ForwardWatch:

@@ -8,21 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from polyamp import BackendNotInstalledError, LossScaler, PolyampTypeError, PolyampValueError, ScalerUsageError
+from polyamp import LossScaler, PolyampTypeError, PolyampValueError, ScalerUsageError
 from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.versions import import_framework
 from polyamp_torch._integration import check_scaler_arguments
 from polyamp_torch._scaler import TorchLossScaler
 
-try:
-    import accelerate
-    from accelerate.utils import DistributedType
-except ModuleNotFoundError as exc:  # pragma: no cover - exercised with accelerate hidden from the import system
-    if (exc.name or "").partition(".")[0] != "accelerate":
-        raise
-    raise BackendNotInstalledError(
-        "polyamp_torch.accelerate needs Accelerate, which is not installed. Install it with: pip install accelerate "
-        "(or pip install 'polyamp[hf]')."
-    ) from exc
+import_framework(
+    "accelerate",
+    "polyamp_torch.accelerate",
+    "Accelerate",
+    "Install it with: pip install accelerate (or pip install 'polyamp[hf]').",
+)
+import accelerate  # noqa: E402
+from accelerate.utils import DistributedType  # noqa: E402
 
 __all__ = ["prepare_accelerator"]
 
@@ -43,7 +42,7 @@ def prepare_accelerator(
 ) -> LossScaler:
     """Put polyamp's loss scaler in ``accelerator`` in place of Accelerate's ``torch.amp.GradScaler``.
 
-    Call it after creating the ``Accelerator`` and before ``accelerator.prepare(...)``::
+    Call it after creating the ``Accelerator`` and before ``accelerator.prepare(...)``:
 
         accelerator = Accelerator(mixed_precision="fp16")   # or "bf16"
         scaler = polyamp_torch.accelerate.prepare_accelerator(accelerator)

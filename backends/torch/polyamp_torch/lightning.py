@@ -11,24 +11,23 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
-from polyamp import BackendNotInstalledError, InvalidPolicyError, LossScaler, Policy, PolyampTypeError, SpikeRule
+from polyamp import InvalidPolicyError, LossScaler, Policy, PolyampTypeError, SpikeRule
 from polyamp.backend_api.arguments import describe
 from polyamp.backend_api.policies import PolicyLike
+from polyamp.backend_api.versions import import_framework
 from polyamp_torch._autocast import autocast
 from polyamp_torch._framework import torch
 from polyamp_torch._integration import RecordTally, check_scaler_arguments
 from polyamp_torch._scaler import TorchLossScaler
 
-try:
-    import lightning.pytorch as pl
-    from lightning.pytorch.plugins.precision import MixedPrecision
-except ModuleNotFoundError as exc:  # pragma: no cover - exercised with lightning hidden from the import system
-    if (exc.name or "").partition(".")[0] != "lightning":
-        raise
-    raise BackendNotInstalledError(
-        "polyamp_torch.lightning needs Lightning, which is not installed. Install it with: pip install lightning "
-        "(or pip install 'polyamp[lightning]')."
-    ) from exc
+import_framework(
+    "lightning.pytorch",
+    "polyamp_torch.lightning",
+    "Lightning",
+    "Install it with: pip install lightning (or pip install 'polyamp[lightning]').",
+)
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
 __all__ = ["PolyampPrecision"]
 

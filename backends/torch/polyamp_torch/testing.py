@@ -81,11 +81,7 @@ class _TorchTrainer(TrainerBase):
             if self.scaler is not None:
                 self.scaler.unscale_(self.opt)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.clip)
-        if self.scaler is not None:
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            self.opt.step()
+        self.optimizer_step()
         return float(loss.detach().float().cpu())
 
     def to_numpy(self, value: object) -> np.ndarray:

@@ -9,22 +9,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from polyamp import BackendNotInstalledError, LossScaler, PolyampTypeError
+from polyamp import LossScaler, PolyampTypeError
 from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.versions import import_framework
 from polyamp_torch._integration import RecordTally
 
-try:
-    import transformers
-except ModuleNotFoundError as exc:  # pragma: no cover - exercised with transformers hidden from the import system
-    if (exc.name or "").partition(".")[0] != "transformers":
-        raise
-    raise BackendNotInstalledError(
-        "polyamp_torch.transformers needs Transformers, which is not installed. Install it with: pip install "
-        "transformers accelerate (or pip install 'polyamp[hf]')."
-    ) from exc
+import_framework(
+    "transformers",
+    "polyamp_torch.transformers",
+    "Transformers",
+    "Install it with: pip install transformers accelerate (or pip install 'polyamp[hf]').",
+)
+import transformers  # noqa: E402
 
 # After the transformers import, so that a missing transformers is what the error names first.
-from polyamp_torch.accelerate import prepare_accelerator
+from polyamp_torch.accelerate import prepare_accelerator  # noqa: E402
 
 __all__ = ["PolyampCallback", "prepare_trainer"]
 
@@ -134,7 +133,7 @@ def prepare_trainer(
 ) -> LossScaler:
     """Train a ``transformers.Trainer`` with polyamp's loss scaler, and log its numbers.
 
-    Call it after creating the Trainer and before ``trainer.train()``::
+    Call it after creating the Trainer and before ``trainer.train()``:
 
         args = TrainingArguments(..., bf16=True)   # or fp16=True on a GPU
         trainer = Trainer(model=model, args=args, train_dataset=data)

@@ -6,50 +6,8 @@ fused kernel may stand in where it computes the same values, tested bit for bit)
 rule's arithmetic itself.
 """
 
-from polyamp._src.rules._ops import ArrayOps
-from polyamp._src.rules.codes import non_finite_counts, record_code, spike_flag
-from polyamp._src.rules.loss_scale import (
-    ScaleArrays,
-    advance,
-    after_count,
-    after_finite,
-    after_growth,
-    after_overflow,
-    at_interval,
-    backed_off,
-    count_increments,
-    grown,
-    times,
-)
-from polyamp._src.rules.spike import (
-    SpikeWindowArrays,
-    finish,
-    grad_norm,
-    is_spike,
-    loss_statistic,
-    statistic_dtype,
-)
-
-__all__ = [
-    "ArrayOps",
-    "ScaleArrays",
-    "SpikeWindowArrays",
-    "advance",
-    "after_count",
-    "after_finite",
-    "after_growth",
-    "after_overflow",
-    "at_interval",
-    "backed_off",
-    "count_increments",
-    "finish",
-    "grad_norm",
-    "grown",
-    "is_spike",
-    "loss_statistic",
-    "non_finite_counts",
-    "record_code",
-    "spike_flag",
-    "statistic_dtype",
-    "times",
-]
+from polyamp._src.rules import fp8 as fp8
+from polyamp._src.rules._ops import ArrayOps as ArrayOps
+from polyamp._src.rules.codes import *  # noqa: F403
+from polyamp._src.rules.loss_scale import *  # noqa: F403
+from polyamp._src.rules.spike import *  # noqa: F403

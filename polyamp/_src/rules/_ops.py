@@ -61,6 +61,12 @@ class ArrayOps:
         device has no float64 (Apple's MPS)."""
         return contextlib.nullcontext()
 
+    def quiet(self) -> AbstractContextManager[Any]:
+        """A context in which overflow and invalid operations give inf and NaN without a warning (NumPy's
+        ``errstate``; other namespaces do not warn)."""
+        errstate = getattr(self.xp, "errstate", None)
+        return errstate(all="ignore") if errstate is not None else contextlib.nullcontext()
+
     # -- elementwise ------------------------------------------------------------------------------------
 
     def where(self, condition: Any, x: Any, y: Any) -> Any:
@@ -87,6 +93,20 @@ class ArrayOps:
     def square(self, x: Any) -> Any:
         return self.xp.square(x)
 
+    def log2(self, x: Any) -> Any:
+        return self.xp.log2(x)
+
+    def exp2(self, x: Any) -> Any:
+        """``2 ** x`` elementwise (NumPy's name; the array API spells it ``pow(2, x)``)."""
+        return self.xp.exp2(x)
+
+    def floor(self, x: Any) -> Any:
+        return self.xp.floor(x)
+
+    def clip(self, x: Any, low: float, high: float) -> Any:
+        """``x`` clamped to ``[low, high]`` (NaN stays NaN)."""
+        return self.xp.clip(x, low, high)
+
     def remainder(self, x: Any, y: Any) -> Any:
         return self.xp.remainder(x, y)
 
@@ -111,6 +131,19 @@ class ArrayOps:
     def sum(self, x: Any) -> Any:
         """The sum of every element of ``x``."""
         return self.xp.sum(x)
+
+    def max(self, x: Any, axis: int | None = None) -> Any:
+        """The largest element of ``x``, or along ``axis`` with that axis kept (as size 1)."""
+        if axis is None:
+            return self.xp.max(x)
+        return self.xp.max(x, axis=axis, keepdims=True)
+
+    def reshape(self, x: Any, shape: Sequence[int]) -> Any:
+        return self.xp.reshape(x, tuple(shape))
+
+    def concat(self, arrays: Sequence[Any]) -> Any:
+        """The arrays joined along their first axis."""
+        return self.xp.concat(list(arrays))
 
     def stack(self, arrays: Sequence[Any]) -> Any:
         return self.xp.stack(list(arrays))

@@ -1,0 +1,86 @@
+"""The doctor's FP8 advice: whether this machine multiplies in FP8 natively, and which recipe to start with.
+
+One rule (`advise_float8`), by the lowest CUDA compute capability (a policy applies to every device):
+
+* >= 10.0 (Blackwell): native FP8 and MX tensor cores -> ``"mixed_bfloat16+mxfp8"``;
+* >= 8.9 (Ada, Hopper): native FP8 tensor cores -> ``"float8_tensorwise"`` (the fastest kernel; ``"float8_rowwise"``
+  when the loss drifts from the bfloat16 run);
+* below 8.9, or no CUDA device: the FP8 casts run (on the CPU through ``torch._scaled_mm``, on older GPUs
+  emulated in float32) with the same values, but no FP8 units multiply them: no recipe, the 16-bit policy
+  is faster there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Final
+
+__all__ = ["Float8Advice", "advise_float8"]
+
+NATIVE: Final = (8, 9)
+MX_NATIVE: Final = (10, 0)
+
+
+@dataclass(frozen=True)
+class Float8Advice:
+    """How FP8 runs here and the recipe to start with.
+
+    Attributes:
+        support: ``"native"`` (FP8 tensor cores), ``"emulated"`` (the casts run, the matmuls without FP8
+            units) or ``"none"`` (no framework polyamp runs FP8 with is installed).
+        policy: The policy to try (an FP8 policy name), or None where FP8 would not pay.
+        reason: Why.
+    """
+
+    support: str
+    policy: str | None
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values, with stable keys."""
+        return {"support": self.support, "policy": self.policy, "reason": self.reason}
+
+
+def advise_float8(devices: Iterable[Any], *, torch_installed: bool) -> Float8Advice:
+    """The FP8 advice for these devices (`polyamp._src.doctor.DeviceInfo`); the rule is in this module's docstring.
+
+    >>> from polyamp._src.doctor import DeviceInfo
+    >>> advise_float8([DeviceInfo("torch", "cuda", 0, "H100", (9, 0))], torch_installed=True).policy
+    'float8_tensorwise'
+    >>> advise_float8([], torch_installed=True).support
+    'emulated'
+    """
+    if not torch_installed:
+        return Float8Advice("none", None, "PyTorch is not installed: polyamp's FP8 layers run on polyamp_torch.")
+    known = [d for d in devices if d.kind == "cuda" and d.compute_capability is not None]
+    if known:
+        weakest = min(known, key=lambda d: d.compute_capability)
+        cc = weakest.compute_capability
+        where = f"{weakest.name} (compute capability {cc[0]}.{cc[1]})"
+        if cc >= MX_NATIVE:
+            return Float8Advice(
+                "native",
+                "mixed_bfloat16+mxfp8",
+                f"{where} has FP8 and MX tensor cores: MXFP8 (32-value blocks, E8M0 scales) keeps bfloat16's "
+                "accuracy closest; 'float8_tensorwise' is the fallback.",
+            )
+        if cc >= NATIVE:
+            return Float8Advice(
+                "native",
+                "float8_tensorwise",
+                f"{where} has FP8 tensor cores (compute capability >= 8.9): 'float8_tensorwise' is the fastest "
+                "recipe; use 'float8_rowwise' if the loss drifts from the bfloat16 run.",
+            )
+        return Float8Advice(
+            "emulated",
+            None,
+            f"{where} has no FP8 tensor cores (they need compute capability >= 8.9): the FP8 recipes run "
+            "emulated in float32, slower than bfloat16.",
+        )
+    return Float8Advice(
+        "emulated",
+        None,
+        "without a CUDA device the FP8 recipes run on the CPU through torch._scaled_mm with the values a GPU computes "
+        "(to test a recipe), but no faster than the 16-bit policy.",
+    )
