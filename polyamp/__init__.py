@@ -38,7 +38,7 @@ from polyamp._src.spikes import SpikeRule
 from polyamp._src.training_state import TrainingStateWarning, state_bytes, state_bytes_table
 from polyamp._src.versions import UntestedVersionWarning
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "BackendMismatchError",
