@@ -14,17 +14,43 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+#: A Python warning as printed: ``path:line: Category: message``.
+WARNING_LINE = re.compile(r"^(?P<path>.+?):\d+: (?P<category>\w*Warning): (?P<message>.*)$", re.MULTILINE)
+
+
+def own_warnings(stderr: str) -> list[str]:
+    """The warnings a run printed that are not a framework's own: attributed to the example or to polyamp's code
+    (anything outside an installed framework's files), and TensorFlow AutoGraph's "could not transform"."""
+    found = [m.group(0) for m in WARNING_LINE.finditer(stderr) if "site-packages" not in m.group("path")]
+    return found + [line for line in stderr.splitlines() if "could not transform" in line]
+
+
 def run(script: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """Run an example; it must succeed without a warning of its own or of polyamp's (frameworks' import logs
+    and their own warnings aside)."""
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=EXAMPLES,
-        env=None if env is None else {**os.environ, **env},
+        env={**os.environ, "PYTHONWARNINGS": "default", **(env or {})},
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert own_warnings(result.stderr) == [], result.stderr[-3000:]
     return result.stdout + result.stderr
+
+
+def test_own_warnings_tells_a_polyamp_warning_from_a_frameworks() -> None:
+    stderr = (
+        "/x/site-packages/keras/src/a.py:3: UserWarning: a framework's own\n"
+        "/work/examples/torch_loop.py:40: TrainingStateWarning: bfloat16 weights stepped without a plan\n"
+        "W0000 autograph.py:1] AutoGraph could not transform <function _gcd_import> and will run it as-is.\n"
+    )
+    assert own_warnings(stderr) == [
+        "/work/examples/torch_loop.py:40: TrainingStateWarning: bfloat16 weights stepped without a plan",
+        "W0000 autograph.py:1] AutoGraph could not transform <function _gcd_import> and will run it as-is.",
+    ]
 
 
 def test_torch_loop() -> None:
