@@ -35,7 +35,8 @@ from polyamp.backend_api.arguments import (
     describe,
 )
 from polyamp.backend_api.records import RunSummary
-from polyamp_keras._device import KerasDevice, clipping_folded, folded_clip_norm, is_tracer, provenance_rows
+from polyamp_keras._device import KerasDevice, clipping_folded, folded_clip_norm, is_tracer
+from polyamp_keras._device_records import provenance_rows
 from polyamp_keras._functional import KerasFunctional
 from polyamp_keras._gradients import gradient_counts, refuse_loss_scale_factor, unscale
 from polyamp_keras._keras import keras
