@@ -4,7 +4,7 @@
 ``TorchFunctionMode`` entered with the region that sees every torch call made inside it and casts the inputs
 of the listed functions to float32. It costs a Python call per torch call in the region (listed or not),
 and ``torch.utils.checkpoint`` cannot restore it on recomputation. polyamp_torch now registers kernels for
-the listed ops at the ``AutocastCPU`` dispatch key instead (see polyamp_torch/_cpu_float32.py).
+the listed ops at the ``AutocastCPU`` dispatch key instead (see polyamp_torch/_cpu_float32/).
 """
 
 from __future__ import annotations

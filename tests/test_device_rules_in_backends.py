@@ -133,6 +133,7 @@ ALLOWED = {
     ("torch/polyamp_torch/_rule.py", "floor_f32"),
     # Keras's LossScaleOptimizer API names the growth interval dynamic_growth_steps.
     ("keras/polyamp_keras/_optimizer.py", "growth_interval"),
+    ("keras/polyamp_keras/_optimizer_state.py", "growth_interval"),
     # Flax's DynamicScale fields are the settings under Flax's names (its growth_interval counts one more).
     ("jax/polyamp_jax/_dynamic_scale.py", "growth_factor"),
     ("jax/polyamp_jax/_dynamic_scale.py", "backoff_factor"),

@@ -152,8 +152,8 @@ def test_every_op_cuda_autocast_registers_is_classified() -> None:
     assert not unclassified, (
         f"torch {torch.__version__} registers CUDA autocast kernels for {unclassified}, which polyamp does not "
         "classify. Look each up in torch's aten/src/ATen/autocast_mode.h and autocast_mode.cpp: an op CUDA runs "
-        "in float32 goes into polyamp_torch/_cpu_float32.py (_FP32, _FP32_SET_OPT_DTYPE or _FP32_APPEND_DTYPE, "
-        "by its cast policy), any other into this test's lower_or_promote set."
+        "in float32 goes into polyamp_torch/_cpu_float32/__init__.py (_FP32, _FP32_SET_OPT_DTYPE or "
+        "_FP32_APPEND_DTYPE, by its cast policy), any other into this test's lower_or_promote set."
     )
 
 
@@ -523,7 +523,7 @@ def test_code_compiled_inside_an_eager_cpu_region_warns_once(form: str, monkeypa
     """The difference above is never silent: tracing a listed op under an eager polyamp CPU region, outside any
     region of the traced code, warns (once per process) and says where to put the region."""
     dynamo = pytest.importorskip("torch._dynamo")
-    monkeypatch.setattr(_cpu_float32, "_warned_around", [False])
+    monkeypatch.setattr(_cpu_float32._region, "_warned_around", [False])
     h, w = torch.randn(4, 8), torch.randn(8, 8)
     body = polyamp_torch.autocast("mixed_float16", device_type="cpu")(_body) if form == "decorated" else _body
     dynamo.reset()
@@ -541,7 +541,7 @@ def test_code_compiled_inside_an_eager_cpu_region_warns_once(form: str, monkeypa
         with polyamp_torch.autocast("mixed_float16", device_type="cpu"):  # once per process
             torch.compile(_body, backend="aot_eager")(h, w)
         dynamo.reset()
-        monkeypatch.setattr(_cpu_float32, "_warned_around", [False])
+        monkeypatch.setattr(_cpu_float32._region, "_warned_around", [False])
         assert [t.dtype for t in torch.compile(_forward, backend="aot_eager")(h, w)] == [F16, F32, F32, F32, F32]
         with torch.autocast("cpu", dtype=F16):  # a native region around compiled code: nothing to say
             dynamo.reset()

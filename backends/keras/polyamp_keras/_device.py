@@ -17,7 +17,6 @@ Two ways to hold the state:
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -25,13 +24,14 @@ from typing import Any
 import numpy as np
 
 from polyamp import LossScaleConfig, LossScaleState, PolyampTypeError, ScalerUsageError, SpikeRule
-from polyamp.backend_api import StepOutcome, rules
+from polyamp.backend_api import StepOutcome
 from polyamp.backend_api.arguments import describe, wrong_object_error
-from polyamp.backend_api.records import ring_codes
+from polyamp_keras._device_records import RecordMethods
+from polyamp_keras._device_spikes import SpikeMethods
+from polyamp_keras._device_variables import AddVariable, _Slot, _tensorflow
 from polyamp_keras._gradients import (
     all_finite,
     all_replicas_finite,
-    gradient_counts,
     is_sparse,
     read_once,
     refuse_loss_scale_factor,
@@ -40,37 +40,14 @@ from polyamp_keras._gradients import (
     unscale_and_check,
 )
 from polyamp_keras._keras import keras
-from polyamp_keras._rule import OPS, ScaleState, advance, advance_on_flag, counter_dtype, device_cond, read_scalar
-from polyamp_keras._spikes import SpikeWindow, grad_norm, loss_statistic
+from polyamp_keras._rule import ScaleState, advance, advance_on_flag, device_cond
 
 __all__ = ["KerasDevice", "clipping_folded", "folded_clip_norm"]
 
 ops = keras.ops
 
-#: Keras's ``Optimizer.add_variable(shape=, dtype=, initializer=, aggregation=, name=)``.
-AddVariable = Callable[..., Any]
 
-
-def _tensorflow() -> Any:
-    """TensorFlow when it is Keras's backend, else None."""
-    return sys.modules.get("tensorflow") if keras.backend.backend() == "tensorflow" else None
-
-
-def _standalone_variable(*, shape: Any, dtype: str, initializer: Any, aggregation: str, name: str) -> Any:
-    return keras.Variable(initializer(shape, dtype), dtype=dtype, trainable=False, name=name, aggregation=aggregation)
-
-
-class _Slot:
-    """A holder the core keeps (a history ring, a spike window), filled when the variables exist."""
-
-    __slots__ = ("pending", "value")
-
-    def __init__(self) -> None:
-        self.value: Any = None
-        self.pending: Any = None  # what to write once the variables exist (a spike window loaded early)
-
-
-class KerasDevice:
+class KerasDevice(RecordMethods, SpikeMethods):
     """polyamp's loss-scaler state in Keras variables, and the device operations of a step, on every Keras
     backend.
 
@@ -118,160 +95,6 @@ class KerasDevice:
         # Per list of variables applied: their names, and the counts of the last skipped step with its iteration
         # (one variable, `provenance_rows`).
         self._provenance: dict[tuple[int, ...], tuple[list[Any], list[str], Any]] = {}
-
-    # -- variables ---------------------------------------------------------------------------------------
-
-    def _make_standalone(self, *, shape: Any, dtype: str, initializer: Any, aggregation: str, name: str) -> Any:
-        """A variable of a standalone device (`polyamp_tensorflow` makes its own outside function graphs)."""
-        return _standalone_variable(
-            shape=shape, dtype=dtype, initializer=initializer, aggregation=aggregation, name=name
-        )
-
-    def _variable(self, name: str, dtype: str, value: Any, shape: Any = ()) -> Any:
-        return self._add_variable(
-            shape=shape,
-            dtype=dtype,
-            initializer=keras.initializers.Constant(value),
-            aggregation="none",
-            name=name,
-        )
-
-    def _write(self, variable: Any, value: Any) -> None:
-        if self._assign is not None:
-            self._assign(variable, value)
-        elif is_sparse(value):  # TensorFlow's IndexedSlices: a scatter, as Keras's optimizers write them
-            (variable.value if isinstance(variable, keras.Variable) else variable).scatter_update(value)
-        else:
-            variable.assign(value)
-
-    def _add(self, variable: Any, value: Any) -> None:
-        """``variable += value``, through the optimizer's ``assign_add`` when it has one: on TensorFlow that is
-        one ``AssignAddVariableOp`` on the backing variable, where a Keras variable's own ``assign_add`` reads,
-        adds and assigns."""
-        if self._assign_add is not None:
-            self._assign_add(variable, value)
-        else:
-            variable.assign_add(value)
-
-    @property
-    def built(self) -> bool:
-        """Whether the variables exist."""
-        return self._variables is not None
-
-    def build(self, variables: Sequence[Any] = ()) -> None:
-        """Make the variables (an owned device: called from the optimizer's ``build``): the scale state, the
-        record ring, spike windows and, for ``variables`` (the optimizer's), the skipped step's counts."""
-        if self._variables is not None:
-            return
-        state = self._host_state
-        if self._scale_variables is not None:
-            scale, tracker = self._scale_variables()
-            tf = _tensorflow()
-            # Written now, once: Keras on TensorFlow builds an optimizer while it traces the first step, and an
-            # assignment inside that trace would belong to a graph that need not be the one that runs.
-            with tf.init_scope() if tf is not None else contextlib.nullcontext():
-                self._write(scale, state.scale)
-                self._write(tracker, ops.cast(state.growth_tracker, tracker.dtype))
-        else:
-            scale = self._variable("loss_scale", "float32", state.scale)
-            tracker = self._variable("growth_tracker", "int32", state.growth_tracker)
-        self._variables = ScaleState(
-            scale,
-            tracker,
-            self._variable("hysteresis_left", "int32", state.hysteresis_left),
-            self._variable("skipped_steps", counter_dtype(), 0),
-        )
-        if self._owned:
-            self._record = self._add_variable(
-                shape=(), dtype="bool", initializer=keras.initializers.Zeros(), aggregation="none", name="last_skipped"
-            )
-        self._build_history()
-        if self._owned:
-            self._provenance_slot(list(variables))
-        for slot, rule in self._windows:
-            self._build_window(slot, rule)
-
-    def _state(self) -> ScaleState:
-        if self._compiling_now():
-            self._traced = True  # the settings are becoming constants of a graph
-        if self._variables is None:
-            if self._owned:
-                raise ScalerUsageError(
-                    "The loss scaler's variables belong to an optimizer that is not built yet: build it "
-                    "(optimizer.build(model.trainable_variables)) before the first step."
-                )
-            self.build()
-        assert self._variables is not None
-        return self._variables
-
-    def scale_value(self) -> Any:
-        """The scale: its variable, or before an owned device is built the state's value."""
-        if self._variables is None and self._owned:
-            return ops.convert_to_tensor(self._host_state.scale, dtype="float32")
-        return self._state().scale
-
-    @property
-    def record_variable(self) -> Any:
-        """An owned device's variable holding whether the last step was skipped (None before `build`)."""
-        return self._record
-
-    def provenance_variable(self) -> Any:
-        """An owned device's counts of the last skipped step's non-finite gradients, with that step's index in
-        their last row (`provenance_rows`; None before `build`)."""
-        if not self._provenance:
-            return None
-        return next(iter(self._provenance.values()))[2]
-
-    def history_variables(self) -> tuple[Any, Any] | None:
-        """The record ring's variables (codes, count), or None before they exist / without records."""
-        return self._history.value  # type: ignore[no-any-return]
-
-    def spike_window(self) -> SpikeWindow | None:
-        """The spike rule's window (None without a rule or before it exists)."""
-        return self._windows[0][0].value if self._windows else None
-
-    @property
-    def scale_state(self) -> ScaleState | None:
-        """The scale's variables (None before they exist)."""
-        return self._variables
-
-    # -- state -------------------------------------------------------------------------------------------
-
-    def read_state(self) -> LossScaleState:
-        return self._host_state if self._variables is None else self._variables.read()
-
-    def write_state(self, config: LossScaleConfig, state: LossScaleState | None) -> None:
-        if self._traced and config != self._config:
-            raise self.traced_settings_error(self._config, config)
-        self._config = config
-        if state is None:
-            return
-        self._host_state = state
-        if self._variables is not None:
-            self._variables.write(state)
-
-    def traced_settings_error(self, old: LossScaleConfig, new: LossScaleConfig) -> ScalerUsageError:
-        """The error for new settings once a compiled step traced the old ones as constants."""
-        return ScalerUsageError(
-            f"The loss-scaling settings would change ({old} -> {new}), but a compiled step (tf.function, jax.jit, "
-            "model.fit) has already traced a step with this scaler: the settings are constants there, which would "
-            "go on using the old ones. Change settings before the first compiled step, or make a new scaler (the "
-            "scale and counters can be loaded at any time)."
-        )
-
-    @property
-    def traced(self) -> bool:
-        """Whether a compiled step traced the settings as constants."""
-        return self._traced
-
-    def note_traced(self) -> None:
-        """A compiled step (``jax.jit``) is tracing the settings as constants."""
-        self._traced = True
-
-    def float16_in_use(self, *, since_last_iteration: bool = False, loss: Any = None) -> bool:
-        """Whether Keras's own global dtype policy computes in float16 (e.g. set with
-        ``keras.mixed_precision.set_global_policy("mixed_float16")``)."""
-        return str(keras.config.dtype_policy().compute_dtype) == "float16"
 
     # -- the step ----------------------------------------------------------------------------------------
 
@@ -449,137 +272,7 @@ class KerasDevice:
             self._made = (weakref.ref(flag), weakref.ref(overflow))
         return StepOutcome(optimizer.iterations, flag, None)
 
-    def _overflowed(self, flag: Any) -> Any:
-        """``flag > 0``: in a graph, for the flag of the step just built, the boolean it was made from (each
-        record would otherwise compare it again, an operation per step each)."""
-        made = self._made
-        if made is not None and made[0]() is flag:
-            overflow = made[1]()
-            if overflow is not None:
-                return overflow
-        return ops.greater(flag, 0)
-
-    def _provenance_slot(self, variables: Sequence[Any]) -> tuple[list[Any], list[str], Any]:
-        key = tuple(id(v) for v in variables)
-        slot = self._provenance.get(key)
-        if slot is None:
-            names = [str(getattr(v, "path", None) or v.name) for v in variables]
-            slot = (
-                list(variables),  # held, so the ids in the key stay theirs
-                names,
-                # One variable: a compiled step pays for each variable it captures, written or not.
-                self._variable(
-                    "non_finite_counts", "int32", unread_rows(max(1, len(names))), shape=(max(1, len(names)) + 1, 4)
-                ),
-            )
-            self._provenance[key] = slot
-        return slot
-
-    def _count_non_finite(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
-        """In the branch that skips: each gradient's +inf/-inf/NaN counts, for the records (see
-        `polyamp.NonFiniteGradient`); finite steps never run it."""
-        if self._history.value is None or not grads:
-            return
-        key = tuple(id(v) for v in variables)
-        if self._owned and key not in self._provenance:
-            return  # an owned device counts the variables it was built for (no variables made in a step)
-        slot = self._provenance_slot(variables)
-
-        def count() -> Any:
-            self._write(slot[2], provenance_rows(gradient_counts(grads), self._history.value[1]))
-            return ops.convert_to_tensor(True)
-
-        tf = _tensorflow()
-        outlined = None
-        if tf is not None and self._compiling_now():
-            # One call of a function kept whole (not inlined): the operations of a branch not taken are still
-            # visited at every step of a graph (some thirty here), a call once.
-            try:
-                outlined = tf.function(count, autograph=False, experimental_attributes={"_noinline": True})
-            except (TypeError, ValueError):  # a TensorFlow that no longer takes the attribute: inline
-                outlined = None
-        (outlined or count)()
-
-    def _counted(self, grads: Sequence[Any], variables: Sequence[Any]) -> Any:
-        self._count_non_finite(grads, variables)
-        return ops.convert_to_tensor(True)
-
-    # -- the spike rule ----------------------------------------------------------------------------------
-
-    def new_spike_state(self, rule: SpikeRule) -> _Slot:
-        """The rule's window (its variables made now, or by `build` on an owned device); the loss statistic is
-        the core's to hold."""
-        slot = _Slot()
-        self._windows.append((slot, rule))
-        if self._variables is not None or not self._owned:
-            self._build_window(slot, rule)
-        return slot
-
-    def _build_window(self, slot: _Slot, rule: SpikeRule) -> None:
-        if slot.value is not None:
-            return
-        slot.value = SpikeWindow(rule, self._add_variable)
-        if slot.pending is not None:
-            slot.value.write(*slot.pending)
-            slot.pending = None
-
-    def read_spike_window(self, state: _Slot) -> list[float]:
-        return (
-            list(state.pending[0])
-            if state.value is None and state.pending
-            else ([] if state.value is None else state.value.read())
-        )
-
-    def read_spike_run(self, state: _Slot) -> int:
-        if state.value is None:
-            return int(state.pending[1]) if state.pending else 0
-        return int(state.value.read_run())
-
-    def write_spike_window(self, state: _Slot, values: list[float], run: int = 0) -> None:
-        if state.value is None:
-            state.pending = (list(values), run)
-        else:
-            state.value.write(values, run)
-
-    def spike_statistic(self, loss: Any) -> Any:
-        return loss_statistic(loss)
-
-    def spike_grad_norm(self, grads: Sequence[Any], *, unscaled: bool) -> Any:
-        return grad_norm(grads, None if unscaled else self.scale_value())
-
-    def spike_check(self, state: _Slot, x: Any) -> Any:
-        return ops.cast(state.value.is_spike(x), "float32")
-
-    def spike_finish(self, state: _Slot, x: Any, spike: Any, overflow: Any) -> Any:
-        return finish_window(state.value, x, spike, overflow)
-
-    # -- provenance, replicas ----------------------------------------------------------------------------
-
-    def read_provenance(self) -> list[tuple[int, list[tuple[str, int, int, int, int]]]]:
-        found = []
-        for _, names, variable in self._provenance.values():
-            rows = ops.convert_to_numpy(variable).tolist()  # one read: the counts and the index row
-            index = int(rows[-1][0])
-            if index >= 0:
-                found.append((index, [(n, *row) for n, row in zip(names, rows[:-1], strict=False)]))
-                self._write(variable, ops.convert_to_tensor(unread_rows(len(rows) - 1)))
-        return found
-
-    def non_finite_parameters(self, optimizers: Sequence[Any]) -> list[tuple[str, int, int, int, int]] | None:
-        """(name, +inf, -inf, NaN, size) counts of each variable this device applied steps to (the ones whose
-        gradients it counts), one host read per list of variables; None when a variable holds no value to read
-        (Keras on JAX keeps them outside the variables during ``fit``)."""
-        found = []
-        for variables, names, _ in self._provenance.values():
-            try:
-                values = [v.value if isinstance(v, keras.Variable) else v for v in variables]
-            except TypeError:  # Keras on JAX, inside fit: the values live outside the variables
-                return None
-            if any(value is None for value in values):
-                return None
-            rows = ops.convert_to_numpy(gradient_counts(values)).tolist()
-            found += [(name, *row) for name, row in zip(names, rows, strict=True)]
-        return found
+    # -- replicas ----------------------------------------------------------------------------------------
 
     def replica(self) -> int | None:
         """The replica of a ``tf.distribute`` strategy running this call (None outside one, with one, or on
@@ -634,134 +327,6 @@ class KerasDevice:
         """A new scale the host could not read (symbolic), checked when the step runs where the framework can
         (`polyamp_tensorflow` asserts in the graph)."""
         return value
-
-    # -- records -----------------------------------------------------------------------------------------
-
-    def skipped(self, found_inf: Any) -> Any:
-        return self._overflowed(found_inf)
-
-    def read_flag(self, found_inf: Any) -> bool:
-        return bool(ops.convert_to_numpy(ops.greater(found_inf, 0.0)))
-
-    def finite_flag(self) -> Any:
-        if _tensorflow() is not None:  # a constant of the graph being built (or eager)
-            return ops.convert_to_tensor(0.0, dtype="float32")
-        if self._finite is None:  # one eager constant, recognised by `update`
-            self._finite = ops.convert_to_tensor(0.0, dtype="float32")
-        return self._finite
-
-    def new_record(self) -> Any:
-        if self._owned:
-            self._state()
-            return self._record
-        return self._variable("step_skipped", "float32", 0.0)
-
-    def write_record(self, record: Any, found_inf: Any) -> None:
-        if keras.backend.standardize_dtype(record.dtype) == "bool":
-            record.assign(self._overflowed(found_inf))
-        else:
-            record.assign(ops.cast(found_inf, "float32"))
-
-    def read_record(self, record: Any) -> Any:
-        return ops.cast(ops.convert_to_tensor(record), "float32")
-
-    def skipped_steps(self) -> Any:
-        """The count as a new tensor (a copy, never the variable itself: a value kept follows no later skip, and
-        under ``tf.distribute`` it is a tensor, not a mirrored variable)."""
-        if self._variables is None and self._owned:
-            return ops.convert_to_tensor(0, dtype=counter_dtype())
-        return ops.copy(self._state().skipped_steps)
-
-    def count_skip(self, found_inf: Any) -> None:
-        """Count a guarded iteration as skipped when ``found_inf`` is set; the rule does not run."""
-        skipped = self._state().skipped_steps
-        self._add(skipped, ops.cast(self._overflowed(found_inf), skipped.dtype))
-
-    def compiling(self) -> bool:
-        """Whether a step is being compiled (records are read eagerly only)."""
-        return self._compiling_now()
-
-    def _compiling_now(self) -> bool:
-        tf = _tensorflow()
-        return tf is not None and not tf.executing_eagerly()
-
-    def new_history(self, capacity: int) -> _Slot:
-        # A ring of mode codes and the count of entries written, in variables: written inside graphs too.
-        self._history.pending = capacity
-        if self._variables is not None or not self._owned:
-            self._build_history()
-        return self._history
-
-    def _build_history(self) -> None:
-        slot = self._history
-        if slot.value is None and slot.pending is not None:
-            capacity = slot.pending
-            slot.value = (
-                self._variable("step_codes", "int32", 0, shape=(capacity,)),
-                self._variable("recorded_steps", "int32", 0),
-            )
-            slot.pending = None
-
-    def write_history(self, history: _Slot, base: int, found_inf: Any, spike: Any = None) -> None:
-        codes, count = history.value
-        overflow = None if found_inf is None else self._overflowed(found_inf)
-        write_ring_entry(
-            codes, ops.convert_to_tensor(count), record_code(base, found_inf, spike, overflow), self._write
-        )
-        self._add(count, ops.convert_to_tensor(1, dtype=count.dtype))
-
-    def read_history(self, history: _Slot) -> tuple[int, list[int]]:
-        if history.value is None:
-            return 0, []
-        codes, count = history.value
-        total = int(read_scalar(count))
-        return total, ring_codes(total, ops.convert_to_numpy(codes).tolist())
-
-
-def provenance_rows(counts: Any, index: Any) -> Any:
-    """The value of the provenance variable: ``counts`` (per gradient, +inf, -inf, NaN and size), then one row
-    ``(index, 0, 0, 0)``, the index of the skipped step they are of (-1: none, or read already)."""
-    index_row = ops.concatenate([ops.reshape(ops.cast(index, "int32"), (1, 1)), ops.zeros((1, 3), dtype="int32")], 1)
-    return ops.concatenate([ops.cast(counts, "int32"), index_row], axis=0)
-
-
-def unread_rows(gradients: int) -> np.ndarray:
-    """The provenance variable holding no skipped step: zero counts for ``gradients`` gradients, index -1."""
-    rows = np.zeros((gradients + 1, 4), dtype="int32")
-    rows[-1, 0] = -1
-    return rows
-
-
-def record_code(base: int, flag: Any, spike: Any = None, overflow: Any = None) -> Any:
-    """An iteration's record code (`polyamp.backend_api.rules.record_code`) from its float32 flags: ``flag``
-    (> 0: skipped) and ``spike`` (the spike rule's); ``overflow``: ``flag > 0``, when the caller has it."""
-    if flag is not None and overflow is None:
-        overflow = ops.greater(flag, 0)
-    return rules.record_code(OPS, base, overflow, spike)
-
-
-def finish_window(window: SpikeWindow, x: Any, spike: Any, overflow: Any) -> Any:
-    """End an iteration for the spike rule (`polyamp.backend_api.SpikeDevice.spike_finish`): the statistic
-    enters ``window`` when the step was applied; returns 1 for a skip by the rule alone, -1 for a re-base."""
-    return window.finish(x, spike, overflow)
-
-
-def write_ring_entry(
-    codes: Any, count: Any, code: Any, write: Callable[[Any, Any], Any], *, scatter: bool = True
-) -> None:
-    """Write ``code`` at ``count % capacity`` of the ring ``codes``: one element (a scatter, through
-    ``write``, an optimizer's ``assign``) where TensorFlow can (no distribution strategy, ``scatter``), else
-    the whole ring (a scatter is not defined on ``tf.distribute``'s mirrored variables, nor recorded by a
-    ``StatelessScope``; JAX arrays are written whole anyway)."""
-    capacity = int(codes.shape[0])
-    index = ops.mod(ops.cast(count, "int32"), capacity)
-    tf = _tensorflow()
-    if scatter and tf is not None and not tf.distribute.has_strategy():
-        # A scalar index and value: a scatter takes them as they are (no reshape to one element).
-        write(codes, tf.IndexedSlices(tf.cast(code, tf.int32), index, (capacity,)))
-        return
-    ring = ops.convert_to_tensor(codes)
-    write(codes, ops.where(ops.equal(ops.arange(capacity, dtype="int32"), index), code, ring))
 
 
 def _apply_across_replicas(

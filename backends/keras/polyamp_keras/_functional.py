@@ -21,7 +21,8 @@ import numpy as np
 from polyamp import LossScaleConfig, LossScaleState, SpikeRule
 from polyamp.backend_api import rules
 from polyamp.backend_api.records import ring_codes, ring_values
-from polyamp_keras._device import KerasDevice, record_code
+from polyamp_keras._device import KerasDevice
+from polyamp_keras._device_records import record_code
 from polyamp_keras._gradients import all_finite, unscale
 from polyamp_keras._keras import keras
 from polyamp_keras._rule import OPS

@@ -7,12 +7,9 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
-
 from polyamp import (
     BackendMismatchError,
     FunctionalLossScaler,
-    InvalidConfigError,
     LossScaleConfig,
     LossScaler,
     LossScaleState,
@@ -20,7 +17,6 @@ from polyamp import (
     PolyampValueError,
     ScalerUsageError,
     SpikeRule,
-    StateDictError,
 )
 from polyamp.backend_api import ScalerAdapter, detect_backend
 from polyamp.backend_api.arguments import (
@@ -31,14 +27,16 @@ from polyamp.backend_api.arguments import (
     check_guard,
     check_history,
     check_on_min_scale,
-    check_spike,
     describe,
 )
 from polyamp.backend_api.records import RunSummary
-from polyamp_keras._device import KerasDevice, clipping_folded, folded_clip_norm, is_tracer, provenance_rows
+from polyamp_keras._device import KerasDevice, clipping_folded, folded_clip_norm, is_tracer
+from polyamp_keras._device_records import provenance_rows
 from polyamp_keras._functional import KerasFunctional
 from polyamp_keras._gradients import gradient_counts, refuse_loss_scale_factor, unscale
 from polyamp_keras._keras import keras
+from polyamp_keras._optimizer_settings import KERAS_NAMES, _check_spike, _keras_settings, _split_arguments
+from polyamp_keras._optimizer_state import StateMethods
 from polyamp_keras._rule import counter_dtype, read_scalar
 
 try:  # what Keras's own LossScaleOptimizer.build uses: variables are tracked through add_variable only
@@ -53,22 +51,6 @@ __all__ = ["KERAS_NAMES", "LossScaleOptimizer"]
 
 ops = keras.ops
 
-#: Keras's names for two of polyamp's settings, accepted (and written by get_config) for porting.
-KERAS_NAMES = {"initial_scale": "init_scale", "dynamic_growth_steps": "growth_interval"}
-
-#: Base-optimizer arguments Keras's LossScaleOptimizer refuses, and the defaults older Keras versions wrote
-#: into saved configs (accepted at these values, so those configs load).
-_INNER_ONLY_ARGUMENTS = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "global_clipnorm": None,
-    "clipvalue": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-}
 
 _TRACED_SETTINGS = (
     "{method} would change the loss-scaling settings ({old} -> {new}), but a compiled step (tf.function, "
@@ -76,49 +58,6 @@ _TRACED_SETTINGS = (
     "the old ones. Load the state before the first compiled step, or build a new optimizer with the new "
     "settings (the scale and counters can be loaded at any time)."
 )
-
-
-def _split_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The loss-scaling settings among ``kwargs``; Keras's base-optimizer arguments are refused as Keras
-    refuses them (or dropped at the defaults old configs carry), anything else is named."""
-    names = LossScaleConfig.setting_names()
-    settings = {key: value for key, value in kwargs.items() if key in names}
-    unknown = []
-    for key, value in kwargs.items():
-        if key in names:
-            continue
-        if key in _INNER_ONLY_ARGUMENTS:
-            default = _INNER_ONLY_ARGUMENTS[key]
-            if value is default or (default is not None and value == default):
-                continue
-            raise PolyampValueError(
-                f"LossScaleOptimizer does not support `{key}`. Instead, set `{key}` on the `inner_optimizer`. "
-                f"Received: {key}={describe(value)}."
-            )
-        unknown.append(key)
-    if unknown:
-        raise PolyampValueError(
-            f"LossScaleOptimizer does not support arguments: `{'`, `'.join(unknown)}`. Its loss-scaling settings "
-            f"are: {', '.join(names)} (and Keras's initial_scale, dynamic_growth_steps)."
-        )
-    return settings
-
-
-def _keras_settings(settings: dict[str, Any], keras_names: dict[str, Any]) -> dict[str, Any]:
-    """polyamp's settings from polyamp's and Keras's spellings; both may be given only if they agree."""
-    for keras_name, name in KERAS_NAMES.items():
-        value = keras_names[keras_name]
-        if value is NOT_GIVEN:
-            continue
-        if keras_name == "dynamic_growth_steps" and isinstance(value, float) and value.is_integer():
-            value = int(value)  # Keras and tf.keras accept 2.0
-        given = settings.get(name, NOT_GIVEN)
-        if given is not NOT_GIVEN and given != value:
-            raise PolyampTypeError(
-                f"Give {name} or Keras's {keras_name}, not both (received {name}={given!r}, {keras_name}={value!r})."
-            )
-        settings[name] = value
-    return settings
 
 
 def _backend_of_tensors() -> str | None:
@@ -143,15 +82,6 @@ def _state_variable(name: str, doc: str) -> property:
 
 def _listed(result: tuple[Any, Any]) -> tuple[list[Any], list[Any]]:
     return list(result[0]), list(result[1])
-
-
-class _Store(dict):  # type: ignore[type-arg]
-    """A variable store (``store[str(i)]``) rebuilt from a Keras one, keeping its entry path for messages."""
-
-    def __init__(self, values: dict[str, Any], entry_path: str | None) -> None:
-        super().__init__(values)
-        if entry_path:
-            self._h5_entry_path = entry_path
 
 
 class _OptimizerDevice(KerasDevice):
@@ -188,7 +118,7 @@ class _OptimizerScaler(LossScaler):
 
 
 @keras.saving.register_keras_serializable(package="polyamp", name="LossScaleOptimizer")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[misc]
+class LossScaleOptimizer(StateMethods, keras.optimizers.LossScaleOptimizer):  # type: ignore[misc]
     """A Keras 3 optimizer that scales the loss and skips non-finite steps, with polyamp's rule, on every
     Keras backend (TensorFlow, JAX, PyTorch).
 
@@ -390,125 +320,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
     def get_scale(self) -> float:
         """The current loss scale as a Python float (reads the variable)."""
         return float(read_scalar(self.loss_scale))
-
-    def state_dict(self) -> dict[str, Any]:
-        """The loss-scaler state as `polyamp.LossScaler.state_dict` gives it (portable across backends)."""
-        return self._scaler.state_dict()
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a polyamp (or torch GradScaler) loss-scaler state dict; validated first, all or nothing.
-
-        A disabled optimizer (``enabled=False``) loads its own state dicts and takes ``{}`` (a disabled
-        GradScaler's) as nothing to restore, as `polyamp.LossScaler` does.
-
-        Raises:
-            StateDictError: the dict is malformed (nothing changes).
-            ScalerUsageError: gradients unscaled by `get_unscaled_gradients` wait for their apply, or the
-                settings would change after a compiled step traced them.
-        """
-        self._scaler.load_state_dict(state_dict)
-        config = self._scaler.config
-        self.dynamic_growth_steps = config.growth_interval
-        if not self.built:
-            self.initial_scale = self._scaler.get_state().scale
-        self._functional = {}
-
-    def load_own_variables(self, store: Any) -> None:
-        """Load the variables from a Keras weights file (``model.load_weights``, ``keras.models.load_model``),
-        refusing a loss-scale state this optimizer cannot be in.
-
-        A scale of 0, a subnormal, inf or NaN in a file (corrupted, or edited) would write NaN into the weights
-        at the first step or skip every step for ever; the scale, growth counter, hysteresis and counters are
-        checked against the optimizer's settings before anything is assigned. Keras wraps the refusal into the
-        ``ValueError`` of ``load_weights`` / ``load_model`` (``skip_mismatch=True`` makes it a warning and loads
-        the layers alone).
-
-        A file saved while a skipped step's non-finite counts and its index were two variables (one more entry
-        than this optimizer has) is read with the two joined, as the optimizer now holds them.
-
-        Args:
-            store: Keras's variable store for this optimizer (``store[str(i)]``: the i-th variable's value).
-
-        Raises:
-            StateDictError: (a ``ValueError``) the saved state is impossible; the optimizer is left unchanged.
-        """
-        store = self._joined_provenance(store)
-        if not self.built or len(store.keys()) != len(self.variables):
-            super().load_own_variables(store)  # Keras warns and loads nothing
-            return
-        self._saved_state(store)
-        self.records()  # the records so far belong to the state being replaced
-        super().load_own_variables(store)
-        ScalerAdapter(self._scaler).restored_on_device()
-
-    def _joined_provenance(self, store: Any) -> Any:
-        """``store`` as this optimizer's variables lay out, when it was saved with the non-finite counts and
-        their step's index as two variables (``non_finite_counts`` of one row fewer, then a scalar
-        ``non_finite_at``); any other store as it is."""
-        counts = self._device.provenance_variable()  # None before build
-        if counts is None or len(store.keys()) != len(self.variables) + 1:
-            return store
-        at = next(i for i, variable in enumerate(self.variables) if variable is counts)
-        old_counts, old_index = np.asarray(store[str(at)]), np.asarray(store[str(at + 1)])
-        if old_counts.shape != (int(counts.shape[0]) - 1, 4) or old_index.size != 1:
-            return store
-        joined = _Store({str(i): store[str(i)] for i in range(at)}, getattr(store, "_h5_entry_path", None))
-        joined[str(at)] = np.concatenate([old_counts, [[int(old_index.reshape(())), 0, 0, 0]]]).astype("int32")
-        for i in range(at + 1, len(self.variables)):
-            joined[str(i)] = store[str(i + 1)]
-        return joined
-
-    def _saved_state(self, store: Any) -> tuple[LossScaleState, int]:
-        """The loss-scale state and the count of recorded steps a store holds, validated."""
-        index = {id(variable): i for i, variable in enumerate(self.variables)}
-        entry = str(getattr(store, "_h5_entry_path", "") or "optimizer")
-        scale_at = f"{entry}/vars/{index[id(self.dynamic_scale)]}"
-        values: dict[str, Any] = {}
-        where: dict[str, str] = {}
-        for name, variable in (
-            ("dynamic_scale", self.dynamic_scale),
-            ("step_counter", self.step_counter),
-            ("hysteresis_left", self.hysteresis_left),
-            ("skipped_steps", self.skipped_steps),
-            ("recorded_steps", self.recorded_steps),
-        ):
-            i = index[id(variable)]
-            where[name] = f"{name} (entry '{entry}/vars/{i}')"
-            value = np.asarray(store[str(i)])
-            if value.size != 1:
-                raise self._refuse_file(scale_at, f"{where[name]} has shape {value.shape}, where a scalar belongs.")
-            values[name] = value.reshape(()).item()
-        for name in ("step_counter", "hysteresis_left", "skipped_steps", "recorded_steps"):
-            if isinstance(values[name], bool) or not isinstance(values[name], int):
-                raise self._refuse_file(scale_at, f"{where[name]} is {describe(values[name])}, where an int belongs.")
-        for name in ("skipped_steps", "recorded_steps"):
-            if values[name] < 0:
-                raise self._refuse_file(scale_at, f"{where[name]} is {values[name]}, a count that cannot be negative.")
-        scale = values["dynamic_scale"]
-        state = LossScaleState(scale, values["step_counter"], values["hysteresis_left"])
-        try:
-            self._scaler.config.check_state(state)
-        except (InvalidConfigError, PolyampTypeError) as exc:
-            held = ", ".join(
-                f"{where[name]} = {values[name]!r}" for name in ("dynamic_scale", "step_counter", "hysteresis_left")
-            )
-            raise self._refuse_file(
-                scale_at,
-                f"its loss-scale state is impossible for this optimizer's settings: {exc} The file holds {held}. "
-                "A scale of 0 or a subnormal would write NaN into the weights at the first step; inf or NaN "
-                "would skip every step for ever.",
-            ) from exc
-        return state, values["recorded_steps"]
-
-    def _refuse_file(self, scale_at: str, reason: str) -> StateDictError:
-        return StateDictError(
-            f"Cannot load the variables of LossScaleOptimizer {self.name!r} from this weights file: {reason} The "
-            "optimizer was left unchanged. To fix the file: restore an earlier checkpoint; or rewrite the entry "
-            "with h5py (in a model.keras archive, the model.weights.h5 inside it), e.g. "
-            f"`with h5py.File('model.weights.h5', 'r+') as f: f['{scale_at}'][...] = "
-            f"{self._scaler.config.init_scale!r}` for the scale; or load the layers alone with "
-            "model.load_weights(path, skip_mismatch=True), which keeps this optimizer's fresh state."
-        )
 
     # -- scaling -----------------------------------------------------------------------------------------
 
@@ -755,17 +566,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
                 )
             config["spike"] = SpikeRule(**spike)
         return cls(inner, **config)
-
-
-def _check_spike(spike: Any) -> SpikeRule | None:
-    rule = check_spike(spike)
-    if rule is not None and rule.on == "loss" and keras.backend.backend() == "jax":
-        raise PolyampValueError(
-            "LossScaleOptimizer(spike=SpikeRule('loss')) cannot run on Keras's JAX backend: there the loss is "
-            "scaled inside the gradient's trace (model.fit, jax.value_and_grad), so the optimizer never holds its "
-            "value. Use SpikeRule('grad_norm', ...), which decides on the gradients the optimizer receives."
-        )
-    return rule
 
 
 def _several_replicas() -> bool:

@@ -20,76 +20,31 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
-
 # Keras's deferred variables wait in global_state until the next StatelessScope exit initializes them.
 from keras.src.backend.common import global_state
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 import polyamp
-from polyamp import InvalidConfigError, Policy, PolyampTypeError, StateDictError, TrainingStateWarning
+from polyamp import InvalidConfigError, Policy, PolyampTypeError, TrainingStateWarning
 from polyamp.backend_api.arguments import describe
 from polyamp.backend_api.policies import PolicyLike
 from polyamp.backend_api.training_state import (
     KAHAN_KEY,
     MASTER_KEY,
-    checkpoint_changes,
     is_state_slot,
     unplanned_hazard_message,
 )
 from polyamp_keras._keras import keras
+from polyamp_keras._precision_checkpoint import CheckpointMethods
+from polyamp_keras._precision_layout import _LOW, _dtype, _Entry, _inner_name, _Layout
 
 __all__ = ["PrecisionOptimizer"]
 
 ops = keras.ops
-_LOW = ("bfloat16", "float16")
 #: The sign, exponent and top 7 mantissa bits of a float32, as an int32: what a bfloat16 keeps.
 _BFLOAT16_BITS = -65536  # 0xFFFF0000
 _logger = logging.getLogger("polyamp")
-
-
-def _dtype(variable: Any) -> str:
-    return str(keras.backend.standardize_dtype(variable.dtype))
-
-
-def _inner_name(inner: Any) -> str:
-    return type(inner).__name__
-
-
-class _Entry:
-    """What the optimizer keeps for one trainable variable (a plain object: neither tracked nor saved by
-    Keras; the variables it names are the optimizer's own)."""
-
-    __slots__ = ("compensation", "dtype", "key", "master", "slot_keys", "slots", "variable")
-
-    def __init__(self, variable: Any, key: Any) -> None:
-        self.variable = variable
-        self.key = key
-        self.dtype = _dtype(variable)
-        self.slot_keys: list[Any] = []
-        self.slots: list[Any] = []
-        self.master: Any = None
-        self.compensation: Any = None
-
-
-class _Layout:
-    """The optimizer's state, per variable, and whether it passes straight through to the inner optimizer."""
-
-    __slots__ = ("entries", "pass_through")
-
-    def __init__(self, entries: list[_Entry], pass_through: bool) -> None:
-        self.entries = entries
-        self.pass_through = pass_through
-
-    def slots(self) -> list[Any]:
-        return [slot for entry in self.entries for slot in entry.slots]
-
-    def masters(self) -> list[Any]:
-        return [entry.master for entry in self.entries if entry.master is not None]
-
-    def compensations(self) -> list[Any]:
-        return [entry.compensation for entry in self.entries if entry.compensation is not None]
 
 
 @contextmanager
@@ -115,16 +70,8 @@ def _computes_on_values(inner: Any) -> None:
         setattr(inner, name, types.MethodType(getattr(BaseOptimizer, name), inner))
 
 
-def _numpy_dtype(dtype: str) -> Any:
-    if dtype == "bfloat16":
-        import ml_dtypes  # Keras's own dependency for bfloat16 arrays
-
-        return ml_dtypes.bfloat16
-    return np.dtype(dtype)
-
-
 @keras.saving.register_keras_serializable(package="polyamp", name="PrecisionOptimizer")
-class PrecisionOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
+class PrecisionOptimizer(CheckpointMethods, keras.optimizers.Optimizer):  # type: ignore[misc]
     """A Keras 3 optimizer that follows a policy's training-state plan: a float32 master copy, the dtype of
     the optimizer state, and how each update is written into bfloat16/float16 weights (to nearest,
     stochastically, or with Kahan compensation), on every Keras backend (TensorFlow, JAX, PyTorch).
@@ -536,106 +483,6 @@ class PrecisionOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)
-
-    def set_weights(self, weights: Sequence[Any]) -> None:
-        """Set `variables` from arrays (as `load_own_variables` does, converting a state saved under another
-        plan)."""
-        self.load_own_variables({str(i): w for i, w in enumerate(weights)})
-
-    def load_own_variables(self, store: Any) -> None:
-        """Load `variables` from a Keras weights store (``model.load_weights``, ``keras.models.load_model``).
-
-        A store saved under another plan is converted (one note through ``logging.getLogger("polyamp")``):
-        slots cast to this plan's state dtype (rounded to nearest), master copies initialised from the
-        weights or dropped, compensation buffers started at zero or dropped.
-
-        Raises:
-            StateDictError: (a ``ValueError``) the store does not hold this optimizer's state under any plan
-                (another model, another inner optimizer); nothing is changed.
-        """
-        if not self.built or self._layout.pass_through:
-            super().load_own_variables(store)
-            return
-        saved = [np.asarray(store[str(i)]) for i in range(len(store.keys()))]
-        values, notes = self._converted(saved)
-        for variable, value in zip(self.variables, values, strict=True):
-            variable.assign(value)
-        if notes:
-            _logger.warning(" ".join(notes))
-
-    def _converted(self, saved: list[np.ndarray]) -> tuple[list[Any], list[str]]:
-        """The values for `variables` from a saved list, and the notes on what was converted."""
-        layout = self._layout
-        slots, masters, compensations = layout.slots(), layout.masters(), layout.compensations()
-        inner = list(self.inner_optimizer.variables)
-        low = [entry for entry in layout.entries if entry.dtype in _LOW]
-        extra = len(saved) - 1 - len(slots) - len(inner)
-        if extra not in (0, len(low)):
-            raise self._refuse(
-                f"it holds {len(saved)} arrays, where this optimizer's state has {len(self.variables)} "
-                f"(or {len(self.variables) - len(masters) - len(compensations) + len(low)} with master copies "
-                "or compensation buffers)"
-            )
-        saved_seed, saved_slots = saved[0], saved[1 : 1 + len(slots)]
-        saved_extra, saved_inner = saved[1 + len(slots) : 1 + len(slots) + extra], saved[1 + len(slots) + extra :]
-        kind = None if not saved_extra else ("master" if saved_extra[0].dtype == np.float32 else "compensation")
-        expected = [
-            (self._seeds.state, saved_seed),
-            *zip(slots, saved_slots, strict=True),
-            *zip(inner, saved_inner, strict=True),
-        ]
-        if kind is not None:
-            expected += [(entry.variable, array) for entry, array in zip(low, saved_extra, strict=True)]
-        for variable, array in expected:
-            if tuple(array.shape) != tuple(variable.shape):
-                raise self._refuse(
-                    f"an array of shape {array.shape} is where {variable.path!r} {tuple(variable.shape)} belongs"
-                )
-        saved_dtypes = [str(keras.backend.standardize_dtype(array.dtype)) for array in saved_slots]
-        changes = checkpoint_changes(
-            self._policy,
-            weights=low[0].dtype if low else "float32",
-            saved_master="float32" if kind == "master" else None,
-            saved_compensation=str(saved_extra[0].dtype) if kind == "compensation" else None,
-            saved_slots=[  # the slots kept in the state dtype (is_state_slot when they were made)
-                dtype
-                for slot, dtype in zip(slots, saved_dtypes, strict=True)
-                if _dtype(slot) == self._policy.state_dtype
-            ],
-        )
-        slot_values = []
-        for slot, array, dtype in zip(slots, saved_slots, saved_dtypes, strict=True):
-            planned = _dtype(slot)
-            if keras.backend.is_float_dtype(planned) and dtype != planned:
-                array = np.asarray(array, dtype=np.float32).astype(_numpy_dtype(planned))
-            slot_values.append(array)
-        master_values = []
-        for entry in low:
-            if entry.master is None:
-                continue
-            if changes.master in ("keep", "convert"):
-                master_values.append(saved_extra[low.index(entry)])
-            else:  # "make": from the weights (the model's layers load first)
-                master_values.append(ops.cast(entry.variable.value, "float32"))
-        compensation_values = []
-        for entry in low:
-            if entry.compensation is None:
-                continue
-            if changes.compensation in ("keep", "convert"):
-                compensation_values.append(saved_extra[low.index(entry)])
-            else:  # "make": zeros
-                compensation_values.append(np.zeros(tuple(entry.variable.shape), _numpy_dtype(entry.dtype)))
-        notes = list(changes.notes)
-        values = [saved_seed, *slot_values, *master_values, *compensation_values, *saved_inner]
-        return values, notes
-
-    def _refuse(self, reason: str) -> StateDictError:
-        return StateDictError(
-            f"Cannot load the variables of PrecisionOptimizer {self.name!r} (plan {self._policy.name}, inner "
-            f"{_inner_name(self.inner_optimizer)}): {reason}. The optimizer was left unchanged. Load a state saved "
-            "from the same model and inner optimizer, or load the layers alone with "
-            "model.load_weights(path, skip_mismatch=True)."
-        )
 
 
 def _initial_master(variable: Any) -> Callable[..., Any]:
