@@ -85,3 +85,17 @@ def test_docstrings_render_their_examples_as_code_and_their_settings_filled_in(s
     assert "<pre><code>The scaler multiplies" not in scaler  # the description is text, not a code block
     assert "<p>The scaler multiplies the loss" in scaler and "growth_interval" in scaler
     assert len(re.findall(r'<details class="example" open>', scaler)) == 1
+
+
+def test_the_scalers_methods_from_every_part_have_their_entries(site: Path) -> None:
+    """`LossScaler` and `FunctionalLossScaler` are joined from parts (a module each): the reference shows the
+    public members of every part, not only those the class body defines."""
+    import polyamp
+
+    html = (site / "reference" / "polyamp" / "index.html").read_text()
+    for cls in (polyamp.LossScaler, polyamp.FunctionalLossScaler):
+        members = {name for name in dir(cls) if not name.startswith("_")}
+        missing = sorted(name for name in members if f'id="polyamp.{cls.__name__}.{name}"' not in html)
+        assert missing == [], cls.__name__
+    for name in ("scale", "step", "update", "state_dict", "records", "summary"):
+        assert f'id="polyamp.LossScaler.{name}"' in html

@@ -173,16 +173,16 @@ class LossScaler(StartPart, ImperativePart, TapePart, EndPart, OutcomesPart, Sta
     """
 
     #: Subclasses set this to bind every instance to one backend (``backend=`` may then be omitted).
-    bound_backend: ClassVar[str | None] = None
+    _bound_backend: ClassVar[str | None] = None
     #: The names positional arguments take, in order.
-    positional_arguments: ClassVar[tuple[str, ...]] = LossScaleConfig.setting_names()[:4]
+    _positional_arguments: ClassVar[tuple[str, ...]] = LossScaleConfig.setting_names()[:4]
     #: The value of ``enabled`` when it is not given.
-    default_enabled: ClassVar[bool | None] = None
+    _default_enabled: ClassVar[bool | None] = None
     #: Whether a scaler of this class that follows the policy (``enabled=None``) scales under a float32 policy,
     #: which names no mixed precision (`polyamp.backend_api.arguments.resolve_enabled`): False here (it scales then only
     #: where the backend reports float16 compute); True in a class standing for a framework's own class that
     #: always scales (the one Keras's ``LossScaleOptimizer`` runs).
-    scales_under_float32: ClassVar[bool] = False
+    _scales_under_float32: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -198,13 +198,13 @@ class LossScaler(StartPart, ImperativePart, TapePart, EndPart, OutcomesPart, Sta
         **settings: Unpack[LossScaleSettings],
     ) -> None:
         caller = f"{type(self).__name__}()"
-        arguments = bind_arguments(caller, self.positional_arguments, positional, settings)
+        arguments = bind_arguments(caller, self._positional_arguments, positional, settings)
         if enabled is not NOT_GIVEN:
             if "enabled" in arguments:
                 raise PolyampTypeError(f"{caller} got two values for 'enabled' (positional and keyword).")
             arguments["enabled"] = enabled
         self._take_options(arguments)
-        enabled = check_enabled(arguments.pop("enabled", self.default_enabled))
+        enabled = check_enabled(arguments.pop("enabled", self._default_enabled))
         guard = check_guard(guard)
         spike = check_spike(spike)
         history = check_history(history)
@@ -214,7 +214,7 @@ class LossScaler(StartPart, ImperativePart, TapePart, EndPart, OutcomesPart, Sta
         config = LossScaleConfig.from_settings(arguments, caller=caller)
         if backend is not None and not isinstance(backend, str):
             raise type_error("`backend`", "None or a backend name such as 'torch' or 'tensorflow'", backend)
-        bound = type(self).bound_backend
+        bound = type(self)._bound_backend
         if bound is not None:
             if backend not in (None, bound):
                 raise PolyampTypeError(

@@ -3,7 +3,7 @@
 Both are derived from one place each rather than restated: the signature from the constructor's own
 (``*positional`` and ``**settings`` expanded into the loss-scaling settings they stand for), the pickle from
 `PICKLED_OPTIONS` (the constructor options a scaler keeps, whose defaults for older pickles are the
-constructor's), a subclass's ``pickled_attributes``, and the scaler's settings, state, backend and spike window.
+constructor's), a subclass's ``_pickled_attributes``, and the scaler's settings, state, backend and spike window.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ PICKLED_OPTIONS: Final = ("enabled", "guard", "spike", "on_min_scale", "history"
 
 
 def derive_signature(cls: type, init: Any) -> inspect.Signature:
-    """The signature `help()` and IDEs show for ``cls``: its positional settings (``cls.positional_arguments``,
+    """The signature `help()` and IDEs show for ``cls``: its positional settings (``cls._positional_arguments``,
     e.g. torch's ``device, init_scale, ...``), every other loss-scaling setting by keyword with its default, then
     the keyword-only options of ``init`` (the constructor) in their order."""
     defaults = LossScaleConfig.defaults()
-    positional_names: tuple[str, ...] = cls.positional_arguments  # type: ignore[attr-defined]
-    default_enabled = cls.default_enabled  # type: ignore[attr-defined]
+    positional_names: tuple[str, ...] = cls._positional_arguments  # type: ignore[attr-defined]
+    default_enabled = cls._default_enabled  # type: ignore[attr-defined]
     own = inspect.signature(init).parameters
     parameters = []
     for name in positional_names:
@@ -58,14 +58,14 @@ def option_defaults(init: Any) -> dict[str, Any]:
 class Pickled:
     """Pickling and copying a scaler between iterations (`copy.deepcopy` and `pickle` alike).
 
-    A pickle holds each of `PICKLED_OPTIONS`, each of the class's ``pickled_attributes`` (a subclass's own
+    A pickle holds each of `PICKLED_OPTIONS`, each of the class's ``_pickled_attributes`` (a subclass's own
     options, kept as attributes) and what ``_saved_state`` gives; unpickling hands them to ``_restore``. A
     pickle written before an option existed gets the constructor's default for it.
     """
 
     #: A subclass's own constructor options (popped in ``_take_options`` and kept as attributes of these names)
     #: that a pickle or copy carries, e.g. ``polyamp_torch.TorchLossScaler``'s ``device``.
-    pickled_attributes: ClassVar[tuple[str, ...]] = ()
+    _pickled_attributes: ClassVar[tuple[str, ...]] = ()
 
     def _refuse_mid_iteration(self, what: str) -> None:
         raise NotImplementedError
@@ -82,7 +82,7 @@ class Pickled:
     def __getstate__(self) -> dict[str, Any]:
         self._refuse_mid_iteration("A LossScaler can be pickled or copied only between iterations; it was copied")
         saved = self._saved_state()
-        saved.update((name, getattr(self, name)) for name in type(self).pickled_attributes)
+        saved.update((name, getattr(self, name)) for name in type(self)._pickled_attributes)
         options = self._options()
         saved.update((name, options[name]) for name in PICKLED_OPTIONS)
         return saved
@@ -90,6 +90,6 @@ class Pickled:
     def __setstate__(self, saved: dict[str, Any]) -> None:
         defaults = option_defaults(type(self).__init__)
         options = {name: saved.get(name, defaults[name]) for name in PICKLED_OPTIONS}
-        for name in type(self).pickled_attributes:
+        for name in type(self)._pickled_attributes:
             setattr(self, name, saved.get(name))
         self._restore(saved, options)

@@ -35,9 +35,9 @@ def check_norm_bound(name: str, value: object) -> None:
 class ScalerBase:
     """The state of a loss scaler that its parts read and write (set by ``LossScaler._setup``)."""
 
-    positional_arguments: ClassVar[tuple[str, ...]]
-    default_enabled: ClassVar[bool | None]
-    bound_backend: ClassVar[str | None]
+    _positional_arguments: ClassVar[tuple[str, ...]]
+    _default_enabled: ClassVar[bool | None]
+    _bound_backend: ClassVar[str | None]
 
     _process_group: Any
     _skipped_before: int

@@ -155,7 +155,7 @@ class StartPart(ScalerBase):
             return self._enabled_setting
         hint = None if self._capabilities is None else self._capabilities.float16_in_use
         in_use = bool(hint(since_last_iteration=starting, loss=loss)) if hint is not None else False
-        return resolve_enabled(None, float16_in_use=in_use, scales_under_float32=self.scales_under_float32)
+        return resolve_enabled(None, float16_in_use=in_use, scales_under_float32=self._scales_under_float32)
 
     def _begin(self, loss: Any = None, iteration: Iteration | None = None) -> bool:
         """Whether this iteration scales, decided at its first call (``loss``: the loss it starts from, when it
@@ -170,7 +170,7 @@ class StartPart(ScalerBase):
             if enabled is None:  # `_decide_enabled(starting=True, loss=loss)`, in place: every iteration asks it
                 hint = None if self._capabilities is None else self._capabilities.float16_in_use
                 in_use = bool(hint(since_last_iteration=True, loss=loss)) if hint is not None else False
-                enabled = resolve_enabled(None, float16_in_use=in_use, scales_under_float32=self.scales_under_float32)
+                enabled = resolve_enabled(None, float16_in_use=in_use, scales_under_float32=self._scales_under_float32)
             iteration.enabled = enabled
             self._history.iteration_opened()
             self._outcomes.iteration_opened()

@@ -114,7 +114,7 @@ class _OptimizerScaler(LossScaler):
     """The `polyamp.LossScaler` a `LossScaleOptimizer` runs: it follows the policy as every scaler does, and
     under a float32 policy scales, as Keras's own loss-scale optimizer always does."""
 
-    scales_under_float32 = True
+    _scales_under_float32 = True
 
 
 @keras.saving.register_keras_serializable(package="polyamp", name="LossScaleOptimizer")

@@ -41,7 +41,7 @@ class TensorFlowLossScaler(LossScaler, tf.train.experimental.PythonState):  # ty
     ``scaler.update()``.
     """
 
-    bound_backend = "tensorflow"
+    _bound_backend = "tensorflow"
 
     def serialize(self) -> str:
         """What ``tf.train.Checkpoint`` saves: the state dict (the skip count included), as JSON.

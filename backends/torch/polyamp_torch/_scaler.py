@@ -37,8 +37,8 @@ class TorchLossScaler(LossScaler):
         **settings: polyamp's other settings, see `polyamp.LossScaleConfig`.
     """
 
-    bound_backend = "torch"
-    positional_arguments: ClassVar[tuple[str, ...]] = (
+    _bound_backend = "torch"
+    _positional_arguments: ClassVar[tuple[str, ...]] = (
         "device",
         "init_scale",
         "growth_factor",
@@ -46,8 +46,8 @@ class TorchLossScaler(LossScaler):
         "growth_interval",
         "enabled",
     )
-    default_enabled: ClassVar[bool | None] = True
-    pickled_attributes: ClassVar[tuple[str, ...]] = ("device",)
+    _default_enabled: ClassVar[bool | None] = True
+    _pickled_attributes: ClassVar[tuple[str, ...]] = ("device",)
 
     def _take_options(self, arguments: dict[str, Any]) -> None:
         device = arguments.pop("device", None)
