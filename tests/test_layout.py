@@ -213,3 +213,18 @@ def test_a_name_that_left_polyamp_resolves_with_a_warning_that_says_where_it_wen
 def test_an_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         polyamp.nothing_here  # noqa: B018
+
+
+def test_no_module_passes_600_lines_nor_a_class_500() -> None:
+    """Files by idea: a module of the core or of a backend that grows past 600 lines, or a class past 500, holds
+    more than one idea and is split (a class into parts, as LossScaler and KerasDevice are)."""
+    long_modules, long_classes = [], []
+    for path in sorted([*(ROOT / "polyamp").rglob("*.py"), *(ROOT / "backends").rglob("*.py")]):
+        source = path.read_text()
+        where = path.relative_to(ROOT)
+        if source.count("\n") > 600:
+            long_modules.append(f"{where}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 500:
+                long_classes.append(f"{where}: {node.name}, {node.end_lineno - node.lineno + 1} lines")
+    assert long_modules == [] and long_classes == []

@@ -15,7 +15,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, Final
 
-from polyamp._src.errors import InvalidPolicyError, describe
+from polyamp._src.errors import InvalidPolicyError, PolyampTypeError, describe
 from polyamp._src.rules.fp8 import FORMATS, MX_ROUNDINGS
 
 __all__ = ["CAST_ROLES", "FLOAT8_PRESETS", "Float8CastRecord", "Float8Recipe", "cast_records", "parse_recipe"]
@@ -334,3 +334,31 @@ def cast_records(names: list[str], counts: list[list[list[int]]]) -> dict[str, d
         name: {role: Float8CastRecord(*(int(v) for v in row)) for role, row in zip(CAST_ROLES, rows, strict=True)}
         for name, rows in zip(names, counts, strict=True)
     }
+
+
+def split_policy_spec(spec: str) -> tuple[str, Float8Recipe | None]:
+    """The base policy text and the FP8 recipe of ``"<policy>+<recipe>"`` or of a recipe alone (whose base is
+    ``"mixed_bfloat16"``); ``(spec, None)`` without one."""
+    base, plus, recipe = spec.partition("+")
+    if plus:
+        if not base.strip() or not recipe.strip():
+            raise InvalidPolicyError(
+                f"Policy spec {spec!r} has an empty side of '+': write '<policy>+<fp8 recipe>', e.g. "
+                "'mixed_bfloat16+float8_rowwise'."
+            )
+        return base, parse_recipe(recipe)
+    if spec.strip().lower().partition("[")[0].strip() in FLOAT8_PRESETS:
+        return "mixed_bfloat16", parse_recipe(spec)
+    return spec, None
+
+
+def as_recipe(value: object) -> Float8Recipe:
+    """``value`` (a `Float8Recipe` or a recipe's text) as a `Float8Recipe`."""
+    if isinstance(value, Float8Recipe):
+        return value
+    if isinstance(value, str):
+        return parse_recipe(value)
+    raise PolyampTypeError(
+        f"`float8` must be a polyamp.Float8Recipe or a recipe's text such as 'float8_rowwise'. Received: "
+        f"{describe(value)}."
+    )

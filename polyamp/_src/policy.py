@@ -159,24 +159,6 @@ def _did_you_mean(text: str) -> str:
     return f" Did you mean {hint[0]!r}?" if hint else ""
 
 
-def _split_float8(spec: str) -> tuple[str, Float8Recipe | None]:
-    """The base policy text and the FP8 recipe of ``"<policy>+<recipe>"`` or of a recipe alone (whose base is
-    ``"mixed_bfloat16"``); ``(spec, None)`` without one."""
-    from polyamp._src.float8 import FLOAT8_PRESETS, parse_recipe
-
-    base, plus, recipe = spec.partition("+")
-    if plus:
-        if not base.strip() or not recipe.strip():
-            raise InvalidPolicyError(
-                f"Policy spec {spec!r} has an empty side of '+': write '<policy>+<fp8 recipe>', e.g. "
-                "'mixed_bfloat16+float8_rowwise'."
-            )
-        return base, parse_recipe(recipe)
-    if spec.strip().lower().partition("[")[0].strip() in FLOAT8_PRESETS:
-        return "mixed_bfloat16", parse_recipe(spec)
-    return spec, None
-
-
 def _parse_spec(spec: str) -> tuple[tuple[str, str, str], tuple[str | None, str | None, str | None]]:
     text = spec.strip().lower()
     named = _NAMED.get(text)
@@ -378,7 +360,9 @@ class Policy:
             plan = spec._given_plan()
             recipe = spec._float8
         elif isinstance(spec, str):
-            base, recipe = _split_float8(spec)
+            from polyamp._src.float8 import split_policy_spec
+
+            base, recipe = split_policy_spec(spec)
             dtypes, plan = _parse_spec(base)
         elif spec is None:
             dtypes = tuple(  # type: ignore[assignment]
@@ -412,7 +396,11 @@ class Policy:
         )
         object.__setattr__(self, "_dtypes", dtypes)
         object.__setattr__(self, "_plan", resolved)
-        object.__setattr__(self, "_float8", _recipe(float8) if float8 is not None else recipe)
+        if float8 is not None:
+            from polyamp._src.float8 import as_recipe
+
+            recipe = as_recipe(float8)
+        object.__setattr__(self, "_float8", recipe)
 
     def _given_plan(self) -> tuple[str | None, str | None, str | None]:
         # The plan with its defaults left out, so that replace(param=...) moves a default master along.
@@ -556,19 +544,6 @@ class Policy:
 
     def __reduce__(self) -> tuple[type[Policy], tuple[str]]:
         return (Policy, (self.name,))
-
-
-def _recipe(value: object) -> Float8Recipe:
-    from polyamp._src.float8 import Float8Recipe, parse_recipe
-
-    if isinstance(value, Float8Recipe):
-        return value
-    if isinstance(value, str):
-        return parse_recipe(value)
-    raise PolyampTypeError(
-        f"`float8` must be a polyamp.Float8Recipe or a recipe's text such as 'float8_rowwise'. Received: "
-        f"{describe(value)}."
-    )
 
 
 def _is_framework_policy(value: object) -> bool:
