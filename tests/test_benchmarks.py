@@ -120,6 +120,7 @@ def test_quick_run_writes_its_json(target: str, needs: str, tmp_path: Path, run_
     assert payload["target"] == target
 
 
+@pytest.mark.slow
 def test_report_renders_full_results_and_marks_the_rest_not_yet_measured(
     tmp_path: Path, run_bounded: RunBounded
 ) -> None:
@@ -280,7 +281,7 @@ def test_docs_performance_table_is_the_committed_results() -> None:
 @pytest.mark.parametrize(
     ("backend", "needs"),
     [
-        ("torch", "torch"),
+        pytest.param("torch", "torch", marks=pytest.mark.slow),
         pytest.param("jax", "optax", marks=pytest.mark.slow),
         pytest.param("keras-torch", "keras", marks=pytest.mark.slow),
     ],

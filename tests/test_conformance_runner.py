@@ -93,6 +93,7 @@ def test_unknown_backend_is_a_skip_with_the_reason() -> None:
     assert [(r.outcome, r.detail) for r in results] == [("skipped", "no backend named 'nonesuch' is registered")]
 
 
+@pytest.mark.slow
 def test_command_line_runs_a_backend_and_sets_the_exit_status() -> None:
     pytest.importorskip("torch")
     ok = subprocess.run(

@@ -23,6 +23,9 @@ import pytest
 
 import polyamp
 
+#: MirroredStrategy workers in subprocesses: the slow set.
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).parent
 TIMEOUT = 600
 

@@ -789,6 +789,7 @@ def test_the_fp8_advice_without_a_gpu_or_without_torch() -> None:
     assert report.float8 is not None and "FP8: " in report.format()
 
 
+@pytest.mark.slow
 def test_doctor_json_has_stable_keys() -> None:
     result = _run("doctor", "--json")
     assert result.returncode == 0, result.stderr

@@ -115,6 +115,7 @@ def test_gradient_tape(flags: tuple[str, ...]) -> None:
     assert "Unable to locate the source code" not in out  # autograph leaves polyamp alone
 
 
+@pytest.mark.slow  # the README's demo command runs it too
 def test_quickstart() -> None:
     out = run("quickstart.py", "--steps", "30")
     assert "policy mixed_float16: params float32, compute float16, output float32" in out

@@ -512,7 +512,11 @@ _KERAS_FIT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"], ids=lambda b: f"keras-{b}")
+@pytest.mark.parametrize(
+    "backend",
+    ["tensorflow", pytest.param("jax", marks=pytest.mark.slow), pytest.param("torch", marks=pytest.mark.slow)],
+    ids=lambda b: f"keras-{b}",
+)
 def test_keras_summary_and_callback_show_what_the_policy_makes_worth_watching(
     backend: str, run_bounded: Callable[..., subprocess.CompletedProcess[str]]
 ) -> None:

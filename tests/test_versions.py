@@ -141,6 +141,7 @@ def test_each_backend_warns_once_at_import(package: str, old: dict[str, str]) ->
         assert f"{module} {version}" in messages[0]
 
 
+@pytest.mark.slow
 def test_backends_within_range_do_not_warn() -> None:
     installed = [
         package
