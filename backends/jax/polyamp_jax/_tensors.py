@@ -57,8 +57,8 @@ def _read_orbax(path: Path, max_bytes: int) -> list[TensorSummary]:
     items are read each, named after the item when there are several. Restored as NumPy arrays, on the host."""
     try:
         import numpy as np
-        import orbax.checkpoint as ocp
-        from etils import epath
+        import orbax.checkpoint as ocp  # type: ignore[import-untyped]
+        from etils import epath  # type: ignore[import-untyped]
     except ImportError as exc:
         raise BackendNotInstalledError(
             f"Reading the orbax checkpoint {str(path)!r} needs orbax-checkpoint, which is not installed. Install it "
@@ -122,7 +122,7 @@ def _leaves(tree: Any) -> list[tuple[str, Any]]:
     for path, leaf in leaves:
         name = _path_name(path)
         if variable is not None and isinstance(leaf, variable):
-            if isinstance(leaf, nnx.BatchStat):
+            if isinstance(leaf, nnx.BatchStat):  # type: ignore[union-attr]
                 name = f"batch_stats/{name}"
             leaf = leaf.get_value() if hasattr(leaf, "get_value") else leaf.value  # (Flax < 0.12: .value)
         if is_array(leaf):
