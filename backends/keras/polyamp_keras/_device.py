@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -206,7 +206,9 @@ class KerasDevice(RecordMethods, SpikeMethods):
         clip_norm = None if unscaled else folded_clip_norm(optimizer, grads, variables)
         scaled_grads = list(grads)
         keep = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
-        unscaled_grads: list[Any] | None
+        # Typed by a cast, not an annotation: AutoGraph cannot convert a function whose annotated name a nested
+        # function reads.
+        unscaled_grads = cast("list[Any] | None", None)
         if unscaled:
             unscaled_grads = scaled_grads
             finite = all_finite(unscaled_grads)
