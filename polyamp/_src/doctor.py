@@ -420,12 +420,13 @@ def _probe(
     notes: list[str] = []
     probed: list[str] = []
     torch = None
+    specs = registry.backend_specs()  # read once: it scans the installed packages' entry points
     for name in (fw for fw in FRAMEWORKS if fw in frameworks):
         if importlib.util.find_spec(name) is None:
             if report_missing:
                 notes.append(f"{name} is not installed")
             continue
-        spec = registry.backend_specs()[name]
+        spec = specs[name]
         try:
             probe = registry.load_target(
                 spec.device_probe or "", backend=name, install_hint=spec.install_hint, frameworks=spec.frameworks

@@ -223,6 +223,7 @@ class LossScaleOptimizer(StateMethods, keras.optimizers.LossScaleOptimizer):  # 
         self._device = _OptimizerDevice(self, config, scaler.get_state())
         scaler.bind("keras", self._device)
         self._scaler = scaler
+        self._adapter = ScalerAdapter(scaler)  # the scaler's hooks for this adapter, made once
         self._functional: dict[str, FunctionalLossScaler] = {}
 
     # -- settings and state ------------------------------------------------------------------------------
@@ -390,7 +391,7 @@ class LossScaleOptimizer(StateMethods, keras.optimizers.LossScaleOptimizer):  # 
         trainable = [v.value if isinstance(v, keras.Variable) else v for v in trainable_variables]
         if any(is_tracer(value) for value in [*grads, *trainable]):
             self._device.note_traced()
-        mode, unscaled = ScalerAdapter(self._scaler).functional_iteration(grads, "stateless_apply()")
+        mode, unscaled = self._adapter.functional_iteration(grads, "stateless_apply()")
         if mode == "scaling":
             refuse_loss_scale_factor(self.inner_optimizer, "a LossScaleOptimizer wraps it")
         fn = self._functional_form(mode)

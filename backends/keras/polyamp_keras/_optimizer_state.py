@@ -40,6 +40,7 @@ class StateMethods(_Optimizer):  # type: ignore[misc]
     """The state dicts and the weights file's loss-scale state of a `polyamp_keras.LossScaleOptimizer`."""
 
     _scaler: LossScaler
+    _adapter: ScalerAdapter
     _functional: dict[str, FunctionalLossScaler]
 
     def state_dict(self) -> dict[str, Any]:
@@ -90,7 +91,7 @@ class StateMethods(_Optimizer):  # type: ignore[misc]
         self._saved_state(store)
         self.records()  # the records so far belong to the state being replaced
         super().load_own_variables(store)
-        ScalerAdapter(self._scaler).restored_on_device()
+        self._adapter.restored_on_device()
 
     def _joined_provenance(self, store: Any) -> Any:
         """``store`` as this optimizer's variables lay out, when it was saved with the non-finite counts and
