@@ -295,6 +295,77 @@ def fsdp_apply_policy() -> dict[str, Any]:
     return result
 
 
+# -- FP8 layers under DDP and FSDP2 ---------------------------------------------------------------------------
+
+
+def float8_model(seed: int, policy: str) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    return polyamp_torch.apply_policy(model, policy)
+
+
+def float8_parallel() -> dict[str, Any]:
+    """Each FP8 recipe trained 4 AdamW steps under DDP and under FSDP2, against one process that computes both
+    ranks' gradients and averages them as the two do (``g0 / 2 + g1 / 2``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    batches = [
+        [torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * r + s)) for s in range(4)] for r in (0, 1)
+    ]
+    result: dict[str, Any] = {}
+    for recipe in ("float8_tensorwise", "float8_rowwise", "float8_delayed[amax_history_length=4]"):
+        policy = f"mixed_bfloat16+{recipe}"
+        reference = float8_model(0, policy)
+        optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        for step in range(4):
+            grads = []
+            for rank in (0, 1):
+                reference.zero_grad()
+                reference(batches[rank][step]).float().pow(2).mean().backward()
+                grads.append([p.grad.clone() for p in reference.parameters()])
+            for param, mine, other in zip(reference.parameters(), *grads, strict=True):
+                param.grad = mine / 2 + other / 2
+            optimizer.step()
+        for wrapper in ("ddp", "fsdp"):
+            model = float8_model(0, policy)
+            layer = model[0]
+            if wrapper == "ddp":
+                model = torch.nn.parallel.DistributedDataParallel(model)
+            else:
+                for sub in model:
+                    if isinstance(sub, torch.nn.Linear):
+                        fully_shard(sub)
+                fully_shard(model)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for step in range(4):
+                optimizer.zero_grad()
+                model(batches[RANK][step]).float().pow(2).mean().backward()
+                optimizer.step()
+            result[f"{recipe}/{wrapper}"] = {
+                "classes": [cls.__name__ for cls in type(layer).__mro__[:3]],
+                "params": bits(model.parameters()),
+                "equal_to_reference": bits(model.parameters()) == bits(reference.parameters()),
+                "state": bits(b for name, b in layer.named_buffers() if name.startswith("float8_")),
+            }
+    # A model sharded first is refused the FP8 policy and left as it was.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32))
+    for sub in model:
+        fully_shard(sub)
+    fully_shard(model)
+    before = [type(sub).__name__ for sub in model]
+    try:
+        polyamp_torch.apply_policy(model, "float8_tensorwise")
+        result["shard_first"] = {"error": None}
+    except Exception as exc:
+        result["shard_first"] = {
+            "error": f"{type(exc).__name__}: {exc}",
+            "unchanged": [type(sub).__name__ for sub in model] == before,
+            "policy": polyamp_torch.module_policy(model),
+        }
+    return result
+
+
 def main() -> None:
     dist.init_process_group(
         "gloo",
@@ -315,6 +386,7 @@ def main() -> None:
         "discard_together": lambda: discard(alone=False),
         "fsdp": fsdp,
         "fsdp_apply_policy": fsdp_apply_policy,
+        "float8_parallel": float8_parallel,
     }
     for name, scenario in scenarios.items():
         try:

@@ -909,3 +909,43 @@ def test_devices_come_from_each_backends_device_probe(monkeypatch: pytest.Monkey
     broken = doctor.diagnose(frameworks=["torch"])
     assert broken.devices == () and broken.probed == ()
     assert broken.notes == ("torch: could not list devices (ZeroDivisionError: division by zero)",)
+
+
+def test_the_doctor_names_what_loading_an_fp8_checkpoint_converts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch = pytest.importorskip("torch")
+    polyamp_torch = pytest.importorskip("polyamp_torch")
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 16))
+    polyamp_torch.apply_policy(model, "float8_delayed[amax_history_length=4]")
+    model(torch.randn(4, 32)).sum().backward()
+    fp8_path, plain_path = tmp_path / "fp8.pt", tmp_path / "plain.pt"
+    torch.save(model.state_dict(), fp8_path)
+    polyamp_torch.remove_policy(model)
+    torch.save(model.state_dict(), plain_path)
+
+    # Into a bfloat16 model: each layer's six state tensors are named as dropped, the exit status stays 0.
+    assert main(["doctor", "--framework", "torch", "--check", str(fp8_path), "--policy", "mixed_bfloat16"]) == 0
+    out = capsys.readouterr().out
+    for layer in ("0", "1"):
+        assert f"  FP8: '{layer}': FP8 delayed-scaling state (6 tensors: {layer}.float8_input_amax_history," in out
+    assert out.count("has no place under 'mixed_bfloat16': loading drops it") == 2
+    # Into a model under the same recipe it resumes; a 16-bit checkpoint starts the recipe's state fresh.
+    assert (
+        main(["doctor", "--json", "--framework", "torch", "--check", str(fp8_path), "--policy", "float8_delayed"]) == 0
+    )
+    lines = json.loads(capsys.readouterr().out)["check"]["float8"]
+    assert len(lines) == 2 and all(line.endswith("resumes the amax histories and scales.") for line in lines)
+    assert (
+        main(["doctor", "--json", "--framework", "torch", "--check", str(plain_path), "--policy", "float8_delayed"])
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["check"]["float8"] == [
+        "no FP8 delayed-scaling state: under 'float8_delayed' each converted layer starts with a scale of 1 and an "
+        "empty amax history (the first steps cast with that scale); the weights load unchanged."
+    ]
+    assert (
+        main(["doctor", "--json", "--framework", "torch", "--check", str(plain_path), "--policy", "mixed_bfloat16"])
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["check"]["float8"] == []

@@ -9,6 +9,9 @@
   iteration alone is detected, and every rank skips and is told why; ranks that discard together go on.
 * FSDP2 on CPU: DTensor gradients, torch's DTensor rule reduces the flag (no group needed), parity with
   native GradScaler under FSDP2; ``apply_policy`` and ``fully_shard`` in both orders.
+* FP8 layers (`apply_policy` under an FP8 recipe) under DDP and FSDP2: bitwise the single-process run of
+  the averaged gradients for the current-scaling recipes; under delayed scaling the ranks agree on the
+  parameters; a model sharded first is refused the recipe.
 * State dicts move between a distributed run and a single device both ways.
 """
 
@@ -286,3 +289,26 @@ def test_ranks_discarding_the_same_iteration_go_on_in_step(runs: dict[str, list[
         assert [s["step"] for s in result["steps"]] == [s for s in range(12) if s != 5]
         assert not any(s["skipped"] for s in result["steps"])
     assert rank0["state"] == rank1["state"]
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+@pytest.mark.parametrize("recipe", ["float8_tensorwise", "float8_rowwise", "float8_delayed[amax_history_length=4]"])
+def test_fp8_layers_train_under_ddp_and_fsdp2(runs: dict[str, list[dict[str, Any]]], recipe: str, wrapper: str) -> None:
+    ranks = [rank[f"{recipe}/{wrapper}"] for rank in _results(runs, "float8_parallel")]
+    assert all("Float8Linear" in rank["classes"] for rank in ranks)
+    assert ranks[0]["params"] == ranks[1]["params"]  # the ranks agree bit for bit
+    if recipe.startswith("float8_delayed"):
+        # Each rank pushes its own amaxes (DDP first broadcasts rank 0's buffers at each forward), so the
+        # scales are not those of one process seeing both batches; the ranks still apply the same update.
+        assert len(ranks[0]["state"]) == 6
+    else:
+        assert all(rank["equal_to_reference"] for rank in ranks)
+
+
+def test_an_fp8_policy_after_fully_shard_is_refused_and_the_model_left_as_it_was(
+    runs: dict[str, list[dict[str, Any]]],
+) -> None:
+    for rank in _results(runs, "float8_parallel"):
+        refused = rank["shard_first"]
+        assert refused["error"].startswith("PolyampValueError") and "before fully_shard()" in refused["error"]
+        assert refused["unchanged"] and refused["policy"] is None

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import copy
 import io
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,7 +112,10 @@ def test_apply_policy_converts_the_eligible_linears_in_place_and_remove_policy_u
     )
     weight = model["fc"].weight
     keys = list(model.state_dict())
-    polyamp_torch.apply_policy(model, "mixed_bfloat16+float8_tensorwise[skip=head]")
+    with pytest.warns(
+        UserWarning, match=r"1 nn.Linear layer .* stays .*'odd' \(out_features=40 not a multiple of 16\)"
+    ):
+        polyamp_torch.apply_policy(model, "mixed_bfloat16+float8_tensorwise[skip=head]")
     assert [type(model[name]).__name__ for name in ("fc", "odd", "head")] == ["Float8Linear", "Linear", "Linear"]
     assert model["fc"].weight is weight and list(model.state_dict()) == keys
     assert "float8='float8_tensorwise[skip=head]'" in repr(model["fc"])
@@ -121,9 +128,13 @@ def test_a_subclass_of_linear_with_its_own_forward_is_left_alone() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return super().forward(x) * 2
 
-    model = torch.nn.Sequential(Scaled(64, 64))
-    polyamp_torch.apply_policy(model, "float8_tensorwise")
-    assert type(model[0]) is Scaled
+    model = torch.nn.Sequential(Scaled(64, 64), torch.nn.Linear(64, 32))
+    with pytest.warns(UserWarning, match=r"'0' \(a subclass of nn.Linear \(Scaled\) with a forward of its own\)"):
+        polyamp_torch.apply_policy(model, "float8_tensorwise")
+    assert type(model[0]) is Scaled and type(model[1]).__name__ == "Float8Linear"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a layer named in the skip patterns is left out without a word
+        polyamp_torch.apply_policy(model, "float8_tensorwise[skip=0]")
 
 
 def test_mx_layers_compute_with_the_reference_casts() -> None:
@@ -202,6 +213,51 @@ def test_a_delayed_scaling_run_saved_and_resumed_continues_bitwise() -> None:
     assert all(torch.equal(a, b) for a, b in zip(straight, again, strict=True))
     for key, value in model.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[key]), key
+
+
+RESUME_IN_A_NEW_PROCESS = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_torch_float8 import _delayed_run, mlp
+import polyamp_torch
+
+saved = torch.load(sys.argv[2])
+model = polyamp_torch.apply_policy(mlp(seed=3), saved["policy"])
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+model.load_state_dict(saved["model"])
+optimizer.load_state_dict(saved["optimizer"])
+losses = _delayed_run(model, optimizer, range(5, 10))
+torch.save({"losses": losses, "model": model.state_dict()}, sys.argv[3])
+"""
+
+
+def test_a_delayed_scaling_run_resumed_in_a_new_process_continues_bitwise(tmp_path: Path) -> None:
+    policy = "mixed_bfloat16+float8_delayed[amax_history_length=8,margin=1]"
+    model = polyamp_torch.apply_policy(mlp(), policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _delayed_run(model, optimizer, range(5))
+    torch.save(
+        {"policy": policy, "model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "run.pt"
+    )
+    straight = _delayed_run(model, optimizer, range(5, 10))
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            RESUME_IN_A_NEW_PROCESS,
+            str(Path(__file__).parent),
+            str(tmp_path / "run.pt"),
+            str(tmp_path / "resumed.pt"),
+        ],
+        check=True,
+        timeout=120,
+    )
+    resumed = torch.load(tmp_path / "resumed.pt")
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed["losses"], strict=True))
+    assert list(resumed["model"]) == list(model.state_dict())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, resumed["model"][key]), key
 
 
 def test_delayed_state_stays_float32_under_bfloat16_parameters() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 from polyamp._src.checkpoints import DEFAULT_MAX_BYTES, MAX_CONFIG_BYTES
 from polyamp._src.doctor import FRAMEWORKS, diagnose
 from polyamp._src.errors import CheckpointError, PolyampError
+from polyamp._src.doctor_fp8 import float8_conversions
 from polyamp._src.hazards import find_hazards, read_tensors
 from polyamp._src.policy import Policy
 from polyamp._src.training_state import state_bytes_table
@@ -141,6 +142,7 @@ def _check(path: str, resolved: Policy, max_bytes: int) -> dict[str, Any]:
         "tensors": len(tensors),
         "floating": sum(1 for t in tensors if t.max_abs is not None),
         "hazards": [h.to_dict() for h in hazards],
+        "float8": float8_conversions([t.name for t in tensors], resolved),
     }
 
 
@@ -153,6 +155,7 @@ def _format_check(check: dict[str, Any]) -> str:
     lines.extend(f"  {h['severity']}: [{h['kind']}] {h['message']}" for h in hazards)
     if not hazards:
         lines.append("  no hazard found")
+    lines.extend(f"  FP8: {line}" for line in check["float8"])
     return "\n".join(lines)
 
 

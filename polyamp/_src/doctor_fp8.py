@@ -12,11 +12,22 @@ One rule (`advise_float8`), by the lowest CUDA compute capability (a policy appl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
-__all__ = ["Float8Advice", "advise_float8"]
+from polyamp._src.policy import Policy
+
+__all__ = ["Float8Advice", "advise_float8", "float8_conversions"]
+
+#: A tensor of delayed scaling's state, as polyamp_torch (``<layer>.float8_input_scale``), Keras's
+#: ``quantize("float8")`` (``<layer>/inputs_amax_history``) and Flax's ``fp8_ops`` (``input_amax_history``)
+#: name it: the layer, then the operand and what it is.
+_FLOAT8_STATE: Final = re.compile(
+    r"^(?:(?P<layer>.*?)[/.])?(?:float8_)?"
+    r"(?P<role>input|inputs|weight|kernel|grad_output|output_grad|outputs_grad)_(?P<what>scale|amax_history)$"
+)
 
 NATIVE: Final = (8, 9)
 MX_NATIVE: Final = (10, 0)
@@ -84,3 +95,54 @@ def advise_float8(devices: Iterable[Any], *, torch_installed: bool) -> Float8Adv
         "without a CUDA device the FP8 recipes run on the CPU through torch._scaled_mm with the values a GPU computes "
         "(to test a recipe), but no faster than the 16-bit policy.",
     )
+
+
+def float8_conversions(names: Iterable[str], policy: Policy) -> list[str]:
+    """What loading a checkpoint with these tensor names into a model under ``policy`` does with FP8 state, one
+    line per layer holding delayed scaling's state (its amax histories and scales), or one line for all.
+
+    Weights load unchanged between FP8 and 16-bit models (an FP8 layer keeps its parameters in the policy's
+    dtype); only delayed scaling keeps state of its own. A layer counts when it has an amax history.
+
+    >>> names = ["fc.weight", "fc.float8_input_amax_history", "fc.float8_input_scale"]
+    >>> print(float8_conversions(names, Policy("mixed_bfloat16"))[0].partition(" has")[0])
+    'fc': FP8 delayed-scaling state (2 tensors: fc.float8_input_amax_history, fc.float8_input_scale)
+    >>> float8_conversions(["fc.weight"], Policy("mixed_bfloat16"))
+    []
+    """
+    layers: dict[str, list[str]] = {}
+    histories: set[str] = set()
+    for name in names:
+        found = _FLOAT8_STATE.match(name)
+        if found:
+            layer = found["layer"] or "(top level)"
+            layers.setdefault(layer, []).append(name)
+            if found["what"] == "amax_history":
+                histories.add(layer)
+    state = {layer: tensors for layer, tensors in layers.items() if layer in histories}
+    recipe = policy.float8
+    delayed = recipe is not None and recipe.scaling == "delayed"
+    if not state:
+        if delayed:
+            return [
+                f"no FP8 delayed-scaling state: under {policy.name!r} each converted layer starts with a scale of 1 "
+                "and an empty amax history (the first steps cast with that scale); the weights load unchanged."
+            ]
+        if recipe is not None:
+            return [
+                f"{recipe.spec!r} keeps no state: the weights load unchanged and the FP8 layers scale each cast from "
+                "the tensor itself."
+            ]
+        return []
+    lines = []
+    for layer, tensors in state.items():
+        held = f"{layer!r}: FP8 delayed-scaling state ({len(tensors)} tensors: {', '.join(tensors)})"
+        if delayed:
+            lines.append(f"{held} loads with its weights and resumes the amax histories and scales.")
+        else:
+            lines.append(
+                f"{held} has no place under {policy.name!r}: loading drops it (torch's load_state_dict(strict=False) "
+                "lists it as unexpected keys) and the weights load unchanged. Keep a 'float8_delayed' policy to "
+                "resume with the same scales."
+            )
+    return lines

@@ -224,6 +224,13 @@ class Float8Recipe:
             return f"{', '.join(odd)} not a multiple of {multiple}"
         return None
 
+    def selects(self, name: str) -> bool:
+        """Whether the layer ``name`` is matched by ``modules`` and by no ``skip`` pattern: a layer the user
+        asked for, which `skip_reason` may still keep out for its dimensions."""
+        return any(fnmatch.fnmatchcase(name, p) for p in self.modules) and not any(
+            fnmatch.fnmatchcase(name, p) for p in self.skip
+        )
+
     def format_of(self, role: str) -> str:
         """The format of ``role``: ``"input"``, ``"weight"`` or ``"grad_output"``."""
         return getattr(self, f"{role}_format")  # type: ignore[no-any-return]

@@ -253,8 +253,10 @@ def apply_policy(
         effective[id(sub)] = own or effective[id(module.get_submodule(parent))]
         names[id(sub)] = name or type(module).__name__
     _refuse_sharded_casts(named, effective, names)
+    converted = _float8_layers(named, effective)
     remove_policy(module)
-    _convert_float8(named, effective)
+    for sub, recipe in converted:
+        _float8.convert(sub, recipe)  # type: ignore[arg-type]
     for sub, own in owns:
         follows = sub is module and fixed_policy is None
         sub.__dict__["forward"] = _PolicyForward(
@@ -264,13 +266,44 @@ def apply_policy(
     return module
 
 
-def _convert_float8(named: list[tuple[str, torch.nn.Module]], effective: dict[int, Policy]) -> None:
-    """Make each ``nn.Linear`` whose policy has an FP8 recipe that takes it a `Float8Linear` (the layers it
-    skips stay as they are)."""
+def _float8_layers(
+    named: list[tuple[str, torch.nn.Module]], effective: dict[int, Policy]
+) -> list[tuple[torch.nn.Module, Float8Recipe]]:
+    """The ``nn.Linear`` layers whose policy's FP8 recipe takes them, with the recipe. A layer the recipe's
+    patterns select but that must stay in the compute dtype is named in one warning; a sharded one (FSDP2)
+    is refused before anything changes, since its class and parameters belong to ``fully_shard``."""
+    converted: list[tuple[torch.nn.Module, Float8Recipe]] = []
+    staying: list[str] = []
     for name, sub in named:
         recipe = effective[id(sub)].float8
-        if recipe is not None and float8_skip_reason(sub, name, recipe) is None:
-            _float8.convert(sub, recipe)  # type: ignore[arg-type]
+        if recipe is None or not isinstance(sub, torch.nn.Linear) or not recipe.selects(name):
+            continue
+        if is_dtensor(sub.weight) or _is_fsdp_module(sub):
+            raise PolyampValueError(
+                f"apply_policy() cannot make the sharded nn.Linear {name!r} an FP8 layer: fully_shard() owns its "
+                "class and parameters. Call apply_policy() with the FP8 policy before fully_shard(); FSDP2 then "
+                "shards and gathers the FP8 layers' parameters as any other."
+            )
+        reason = float8_skip_reason(sub, name, recipe)
+        if reason is None:
+            converted.append((sub, recipe))
+        else:
+            staying.append(f"{name or type(sub).__name__!r} ({reason})")
+    if staying:
+        warnings.warn(
+            f"{len(staying)} nn.Linear layer{'s' if len(staying) > 1 else ''} selected by the FP8 recipe "
+            f"stay{'' if len(staying) > 1 else 's'} in the compute dtype: {', '.join(staying)}. To run them in "
+            "FP8, pad their dimensions to the recipe's alignment (a subclass with a forward of its own is never "
+            "converted); to keep them out on purpose, name them in the recipe's skip patterns (e.g. "
+            "'float8_rowwise[skip=head]').",
+            UserWarning,
+            stacklevel=3,
+        )
+    return converted
+
+
+def _is_fsdp_module(sub: torch.nn.Module) -> bool:
+    return any(cls.__name__ == "FSDPModule" for cls in type(sub).__mro__)
 
 
 def float8_skip_reason(sub: torch.nn.Module, name: str, recipe: Float8Recipe) -> str | None:
