@@ -395,6 +395,28 @@ def test_records_of_current_scaling_equal_the_reference_counts() -> None:
     assert records.read()["0"]["input"] == polyamp.backend_api.records.Float8CastRecord(0, flushed, x.numel())
 
 
+@pytest.mark.parametrize("rounding", ["floor", "rceil"])
+def test_records_of_mx_layers_equal_the_reference_counts(rounding: str) -> None:
+    model = polyamp_torch.apply_policy(mlp(), f"float32+mxfp8[mx_rounding={rounding}]")
+    records = polyamp_torch.record_float8(model)
+    x = torch.randn(16, 64) * torch.logspace(-45, 3, 64)  # whole blocks of tiny values beside large ones
+    model(x).sum().backward()
+    exponents, cast = ref.mx_quantize(x.numpy(), "e4m3", rounding=rounding)
+    scale = np.exp2(exponents.astype(np.float32) - 127.0).repeat(32, axis=-1)
+    magnitude = np.abs(x.numpy() / scale)
+    expected = polyamp.backend_api.records.Float8CastRecord(
+        int(np.sum(magnitude > 448.0)),
+        int(np.sum((x.numpy() != 0) & (cast.astype(np.float32) == 0))),
+        int(np.sum(x.numpy() != 0)),
+    )
+    read = records.read()
+    assert list(read) == ["0", "2", "4"]
+    assert read["0"]["input"] == expected and expected.flushed > 0
+    if rounding == "floor":  # the OCP rule rounds the block's exponent down: its largest values saturate
+        assert expected.saturated > 0
+    assert read["4"]["grad_output"] == polyamp.backend_api.records.Float8CastRecord(0, 0, 16 * 32)  # sum()'s ones
+
+
 def test_the_policy_reports_its_recipe() -> None:
     model = polyamp_torch.apply_policy(mlp(), "float8_rowwise")
     assert polyamp_torch.module_policy(model).float8 == Float8Recipe.preset("float8_rowwise")

@@ -101,12 +101,19 @@ def _native(device: torch.device) -> bool:
     return False
 
 
-def _mx(x: torch.Tensor, fmt: fp8.Float8Format, recipe: Float8Recipe) -> torch.Tensor:
-    """``x`` (2-D) cast to MX along its last axis (zero-padded to whole blocks) and back, in ``x``'s dtype."""
+def _mx(
+    x: torch.Tensor, fmt: fp8.Float8Format, recipe: Float8Recipe, counts: torch.Tensor | None = None, row: int = 0
+) -> torch.Tensor:
+    """``x`` (2-D) cast to MX along its last axis (zero-padded to whole blocks) and back, in ``x``'s dtype;
+    with ``counts``, what the cast lost is added to its row ``row``."""
     columns = x.shape[1]
     pad = -columns % recipe.mx_block
     wide = torch.nn.functional.pad(x.detach().float(), (0, pad)) if pad else x.detach().float()
-    exponents, values = fp8.mx_quantize(OPS, wide, fmt, block=recipe.mx_block, rounding=recipe.mx_rounding)
+    exponents, scaled = fp8.mx_scaled(OPS, wide, fmt, block=recipe.mx_block, rounding=recipe.mx_rounding)
+    values = fp8.saturating_cast(OPS, scaled, fmt)
+    if counts is not None:
+        with torch.no_grad():
+            counts[row] += fp8.cast_counts(OPS, wide, scaled, values, fmt)
     scale = torch.where(exponents == 255, torch.nan, torch.exp2(exponents.float() - 127.0))
     blocks = values.float().reshape(*scale.shape, recipe.mx_block) * scale.unsqueeze(-1)
     return blocks.reshape(wide.shape)[:, :columns].to(x.dtype)  # type: ignore[no-any-return]
@@ -123,7 +130,9 @@ class _Float8Matmul(torch.autograd.Function):
         ctx.recipe, ctx.counts = recipe, counts
         formats = [fp8.FORMATS[recipe.format_of(role)] for role in _ROLES]
         if recipe.granularity == "mx":
-            return torch.mm(_mx(x, formats[0], recipe), _mx(weight.to(x.dtype), formats[1], recipe).t())
+            return torch.mm(
+                _mx(x, formats[0], recipe, counts, 0), _mx(weight.to(x.dtype), formats[1], recipe, counts, 1).t()
+            )
         axis = None if recipe.granularity == "tensor" else -1
         a, a_inv = _current(x, formats[0], axis, recipe.power_of_two, counts, 0)
         b, b_inv = _current(weight, formats[1], axis, recipe.power_of_two, counts, 1)
@@ -135,7 +144,9 @@ class _Float8Matmul(torch.autograd.Function):
         recipe: Float8Recipe = ctx.recipe
         formats = [fp8.FORMATS[recipe.format_of(role)] for role in _ROLES]
         if recipe.granularity == "mx":
-            grad_input = torch.mm(_mx(grad, formats[2], recipe), _mx(weight.to(grad.dtype).t(), formats[1], recipe).t())
+            grad_input = torch.mm(
+                _mx(grad, formats[2], recipe, ctx.counts, 2), _mx(weight.to(grad.dtype).t(), formats[1], recipe).t()
+            )
             grad_weight = torch.mm(_mx(grad.t(), formats[2], recipe), _mx(x.t(), formats[0], recipe).t())
             return grad_input, grad_weight.to(weight.dtype), None, None
         row = recipe.granularity == "row"
@@ -280,9 +291,9 @@ class Float8Recorder:
 
 def record_float8(model: torch.nn.Module) -> Float8Recorder:
     """Count, on the device, what the FP8 layers' casts lose: for the input and weight casts of the forward
-    and the grad-output cast of the backward, the values that saturated, the nonzero values flushed to zero
-    and the nonzero values. Nothing is read to the host until `Float8Recorder.read`. MX layers are not
-    counted (their blocks are scaled inside the MX cast).
+    and the grad-output cast of the backward (under MX, the grad-input matmul's), the values that saturated,
+    the nonzero values flushed to zero and the nonzero values. Nothing is read to the host until
+    `Float8Recorder.read`.
 
     Example:
         ```python
@@ -294,7 +305,7 @@ def record_float8(model: torch.nn.Module) -> Float8Recorder:
     """
     layers = {}
     for name, sub in model.named_modules():
-        if isinstance(sub, Float8Linear) and sub.float8_recipe.granularity != "mx":
+        if isinstance(sub, Float8Linear):
             if "float8_counts" not in sub._buffers:
                 counts = torch.zeros(len(_ROLES), 3, dtype=torch.int64, device=sub.weight.device)
                 sub.register_buffer("float8_counts", counts, persistent=False)

@@ -40,6 +40,7 @@ __all__ = [
     "cast_counts",
     "delayed_scale",
     "mx_quantize",
+    "mx_scaled",
     "push_amax",
     "quantize",
     "saturating_cast",
@@ -175,6 +176,13 @@ def mx_quantize(
         ``(exponents, values)``: exponents of shape ``x.shape[:-1] + (x.shape[-1] // block,)`` (255 for a
         block holding NaN), values of ``x``'s shape in ``fmt``.
     """
+    exponents, values = mx_scaled(ops, x, fmt, block=block, rounding=rounding)
+    return exponents, saturating_cast(ops, values, fmt)
+
+
+def mx_scaled(ops: ArrayOps, x: Any, fmt: Float8Format, *, block: int = 32, rounding: str = "rceil") -> tuple[Any, Any]:
+    """`mx_quantize` before its cast: the exponents, and ``x`` scaled by them (float32, ``x``'s shape), which
+    `saturating_cast` casts and `cast_counts` counts."""
     shape = tuple(x.shape)
     blocks = ops.reshape(ops.astype(x, "float32"), (*shape[:-1], shape[-1] // block, block))
     m = ops.max(ops.abs(blocks), -1)
@@ -193,8 +201,7 @@ def mx_quantize(
             nan, ops.full_like(m, math.inf), ops.maximum(ops.exp2(unbiased), ops.full_like(m, _MIN_NORMAL))
         )
         values = blocks / scale
-    cast = saturating_cast(ops, ops.reshape(values, shape), fmt)
-    return ops.astype(ops.reshape(exponent, (*shape[:-1], shape[-1] // block)), "uint8"), cast
+    return ops.astype(ops.reshape(exponent, (*shape[:-1], shape[-1] // block)), "uint8"), ops.reshape(values, shape)
 
 
 def _rceil(ops: ArrayOps, blocks: Any, m: Any, fmt: Float8Format) -> tuple[Any, Any]:
