@@ -106,6 +106,32 @@ def test_converted_model_equals_torchaos_over_50_adamw_steps(recipe: str, base: 
         assert torch.equal(mine, other)
 
 
+@pytest.mark.parametrize("recipe", ["float8_tensorwise", "float8_rowwise"])
+@pytest.mark.parametrize(
+    ("plan", "state_bytes"), [("bfloat16_kahan", 10), ("bfloat16_float32_master", 16), ("bfloat16_stochastic", 8)]
+)
+def test_a_training_state_plan_with_fp8_layers_equals_torchao_under_the_same_plan(
+    plan: str, state_bytes: int, recipe: str
+) -> None:
+    # bfloat16 weights stepped by the plan's PrecisionOptimizer; torchao's model in bfloat16 throughout.
+    ours = polyamp_torch.apply_policy(mlp(), f"{plan}+{recipe}")
+    theirs = torchao_model(mlp().to(torch.bfloat16), recipe)
+    assert type(ours[0]) is Float8Linear and ours[0].weight.dtype == torch.bfloat16
+    optimizers = [
+        polyamp_torch.PrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), plan)
+        for model in (ours, theirs)
+    ]
+    for step in range(10):
+        torch.manual_seed(100 + step)
+        x = torch.randn(16, 64)
+        for model, optimizer, given in ((ours, optimizers[0], x), (theirs, optimizers[1], x.to(torch.bfloat16))):
+            optimizer.zero_grad()
+            model(given).float().square().mean().backward()
+            optimizer.step()
+        assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters(), strict=True)), step
+    assert polyamp_torch.measure_state_bytes(optimizers[0]).per_parameter == state_bytes
+
+
 def test_apply_policy_converts_the_eligible_linears_in_place_and_remove_policy_undoes_it() -> None:
     model = torch.nn.ModuleDict(
         {"fc": torch.nn.Linear(64, 64), "odd": torch.nn.Linear(64, 40), "head": torch.nn.Linear(64, 16)}
