@@ -14,6 +14,7 @@
 #                         where pytest can be imported
 #   gpu-*.json            one file per CUDA target of benchmarks/run.py
 #   jax-cuda.json         the jitted JAX step (benchmarks/run.py jax) on JAX's GPU backend
+#   fp8-gpu.json          FP8 recipes against bfloat16 and torchao (benchmarks/fp8_gpu.py), where torchao imports
 #   gpu-conformance.json  the conformance runs' counts, for benchmarks/RESULTS.md
 #   summary.json          every step's exit code
 # Every step runs even if an earlier one fails; the script exits non-zero if any did. GPU_SUITE_SKIP names steps
@@ -124,6 +125,19 @@ for target in "${TARGETS[@]}"; do
     echo "$target: exit ${CODES[$target]}"
 done
 
+# FP8 against bfloat16 and torchao's conversion (benchmarks/fp8_gpu.py), where torchao can be imported (the
+# machine may have no package index: install its wheel with `pip install --no-deps torchao-*.whl` first).
+if ! asked_to_skip fp8-gpu; then
+    if "$PYTHON" -c "import torchao.float8" >/dev/null 2>&1; then
+        timeout "${STEP_TIMEOUT:-1200}" "$PYTHON" benchmarks/fp8_gpu.py --out "$OUT" 2>&1 | tee "$OUT/fp8-gpu.log"
+        CODES[fp8-gpu]=${PIPESTATUS[0]}
+        echo "fp8-gpu: exit ${CODES[fp8-gpu]}"
+    else
+        echo "fp8-gpu: skipped (torchao cannot be imported)"
+        CODES[fp8-gpu]='"skipped"'
+    fi
+fi
+
 # The conformance counts as one result (gpu-conformance.json) for benchmarks/RESULTS.md.
 "$PYTHON" - "$OUT" <<'EOF2'
 import sys
@@ -140,7 +154,7 @@ status=0
 {
     echo "{"
     first=1
-    for name in conformance jax-conformance "${KERAS_STEPS[@]}" cuda-tests gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16 gpu-training-state jax; do
+    for name in conformance jax-conformance "${KERAS_STEPS[@]}" cuda-tests gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16 gpu-training-state jax fp8-gpu; do
         [ $first -eq 1 ] || echo ","
         first=0
         printf '  "%s": %s' "$name" "${CODES[$name]}"

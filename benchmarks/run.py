@@ -111,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--rounds", type=int, default=21)
     p.add_argument("--round-seconds", type=float, default=0.2, help="time per variant per round")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="as for torch-cpu")
     p = target("scale", "per-step overhead vs model size, with a plot")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--rounds", type=int, default=7)

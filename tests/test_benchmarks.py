@@ -203,6 +203,7 @@ def test_the_gpu_suite_leaves_out_the_steps_gpu_suite_skip_names(tmp_path: Path,
     pytest.importorskip("torch")
     steps = ["conformance", "jax-conformance", "keras-torch-conformance", "keras-jax-conformance", "cuda-tests"]
     gpu = ["gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16", "gpu-training-state", "jax"]
+    gpu.append("fp8-gpu")
     env = dict(os.environ, PYTHON=sys.executable, GPU_SUITE_SKIP=" ".join(steps + gpu))
     result = run_bounded(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), str(tmp_path)], env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -237,6 +238,7 @@ def test_the_gpu_suite_records_every_step_and_fails_without_cuda(tmp_path: Path,
         "cuda-tests": "nothing ran",  # the CUDA cases skip without a device
         **dict.fromkeys(gpu, 1),
         "jax": "skipped",
+        "fp8-gpu": 1 if importlib.util.find_spec("torchao") is not None else "skipped",
     }
     counts = json.loads((tmp_path / "gpu-conformance.json").read_text())["tables"][0]["rows"]
     assert counts[0][:2] == ["torch on cuda", "0"] and int(counts[0][2]) > 0  # every case skipped: none passed
@@ -252,7 +254,7 @@ def test_the_gpu_suite_records_every_step_and_fails_without_cuda(tmp_path: Path,
         assert "Keras on jax sees no CUDA device" in keras["output"]
     environment = json.loads((tmp_path / "environment.json").read_text())
     assert environment["torch"] == torch.__version__ and environment["cuda_available"] is False
-    for target in gpu:
+    for target in gpu + (("fp8-gpu",) if importlib.util.find_spec("torchao") is not None else ()):
         assert "needs a CUDA device" in (tmp_path / f"{target}.log").read_text()
 
 
