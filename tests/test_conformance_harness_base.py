@@ -222,9 +222,19 @@ def test_a_functional_trainer_shows_its_state_through_the_scaler_view(npfw_harne
     assert trainer.scaler.state_dict()["scale"] == 65536.0 and trainer.fn.state_dict(trainer.state) == saved
 
 
-#: What each first-party harness offers, as before it built on the base.
+#: What each first-party harness offers, as before it built on the base (and the FP8 layers since).
 FIRST_PARTY = {
-    "torch": {"op_dtype", "model_dtypes", "trainer", "loop", "tiny_gradient", "passes_loss_through", "precision"},
+    "torch": {
+        "op_dtype",
+        "model_dtypes",
+        "trainer",
+        "loop",
+        "tiny_gradient",
+        "passes_loss_through",
+        "precision",
+        "float8_linear",
+        "float8_delayed",
+    },
     "tensorflow": {"op_dtype", "model_dtypes", "trainer", "loop", "tiny_gradient", "passes_loss_through"},
     "keras": {"op_dtype", "model_dtypes", "trainer", "tiny_gradient", "passes_loss_through", "precision"},
     "jax": {"op_dtype", "model_dtypes", "trainer", "functional", "precision"},

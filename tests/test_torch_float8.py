@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -284,6 +286,49 @@ def test_a_delayed_scaling_run_resumed_in_a_new_process_continues_bitwise(tmp_pa
     assert list(resumed["model"]) == list(model.state_dict())
     for key, value in model.state_dict().items():
         assert torch.equal(value, resumed["model"][key]), key
+
+
+def test_the_float8_state_dict_is_plain_data_that_loads_into_a_fresh_model_and_resumes_bitwise() -> None:
+    policy = "mixed_bfloat16+float8_delayed[amax_history_length=8]"
+    model = polyamp_torch.apply_policy(mlp(), policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _delayed_run(model, optimizer, range(4))
+    state = polyamp_torch.float8_state_dict(model)
+    assert json.loads(json.dumps(state)) == state  # JSON-able: what another framework reads
+    assert state["format"] == "polyamp.float8/1" and Float8Recipe.from_dict(state["recipe"]).amax_history_length == 8
+    assert list(state["layers"]) == ["0", "2", "4"]
+    assert state["layers"]["2"]["grad_output"]["amax_history"] == model[2].float8_grad_output_amax_history.tolist()
+    assert state["layers"]["2"]["grad_output"]["scale"] == model[2].float8_grad_output_scale.item()
+
+    resumed = polyamp_torch.apply_policy(mlp(seed=1), policy)
+    resumed.load_state_dict({k: v for k, v in model.state_dict().items() if ".float8_" not in k}, strict=False)
+    polyamp_torch.load_float8_state_dict(resumed, state)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), key
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda s: s.update(format="other"), "format 'polyamp.float8/1'"),
+        (lambda s: s["layers"].pop("2"), r"missing \['2'\], unknown \[\]"),
+        (lambda s: s["layers"]["0"]["input"].update(amax_history=[0.0] * 3), "amax history of 3 values; the model"),
+        (lambda s: s["layers"]["0"]["weight"].update(scale=0.0), "finite scale > 0"),
+        (lambda s: s["layers"]["0"]["weight"].update(scale=float("nan")), "finite scale > 0"),
+    ],
+)
+def test_a_bad_float8_state_dict_is_refused_and_nothing_is_loaded(change: Any, match: str) -> None:
+    model = polyamp_torch.apply_policy(mlp(), "float8_delayed[amax_history_length=4]")
+    model(torch.randn(4, 64)).sum().backward()
+    state = copy.deepcopy(polyamp_torch.float8_state_dict(model))
+    before = copy.deepcopy(model.state_dict())
+    state["layers"]["0"]["input"]["scale"] = 2.0  # a change that would show if anything were loaded
+    change(state)
+    with pytest.raises(polyamp.StateDictError, match=match):
+        polyamp_torch.load_float8_state_dict(model, state)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    with pytest.raises(polyamp.PolyampValueError, match="dynamic recipes keep no state"):
+        polyamp_torch.float8_state_dict(polyamp_torch.apply_policy(mlp(), "float8_tensorwise"))
 
 
 def test_delayed_state_stays_float32_under_bfloat16_parameters() -> None:

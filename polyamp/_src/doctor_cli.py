@@ -11,8 +11,8 @@ from typing import Any
 
 from polyamp._src.checkpoints import DEFAULT_MAX_BYTES, MAX_CONFIG_BYTES
 from polyamp._src.doctor import FRAMEWORKS, diagnose
-from polyamp._src.errors import CheckpointError, PolyampError
 from polyamp._src.doctor_fp8 import float8_conversions
+from polyamp._src.errors import CheckpointError, PolyampError
 from polyamp._src.hazards import find_hazards, read_tensors
 from polyamp._src.policy import Policy
 from polyamp._src.training_state import state_bytes_table

@@ -10,7 +10,7 @@ from polyamp._src.op_classes import OpClass, op_class
 if TYPE_CHECKING:
     import numpy as np
 
-    from polyamp import LossScaler, Policy
+    from polyamp import Float8Recipe, LossScaler, Policy
 
 __all__ = ["CAPABILITIES", "OPS", "Harness", "HarnessUnavailable", "Loop", "Trainer", "capabilities_of"]
 
@@ -35,6 +35,9 @@ CAPABILITIES: Final = {
     "low_precision": "computes in float16/bfloat16 when the policy says so (declared)",
     "guard": "the trainer's scaler guards steps without scaling and keeps records() naming the non-finite "
     "gradients, and the trainer names the parameter step(overflow=True) plants into (`planted`) (declared)",
+    "float8_linear": "Harness.float8_linear: one FP8 linear layer's forward and backward under a dynamic recipe",
+    "float8_delayed": "Harness.float8_delayed: steps of one delayed-scaling FP8 linear layer from a state dict in "
+    "the form every backend reads (polyamp.backend_api.state_dicts.pack_float8_state)",
     "precision": "trainer() follows a policy's training-state plan (master, state, rounding) through the backend's "
     "precision optimizer, its optimizer_state() includes the master copies and compensation buffers, and "
     "params() are the stored (bfloat16) weights as float32 (declared)",
@@ -175,6 +178,27 @@ class Harness(Protocol):
         """(Optional) The backend's scaler made from ``settings``, for backends whose scaler is not a
         `polyamp.LossScaler` (Keras's optimizer wrapper); it offers ``enabled``, ``get_scale()`` and
         ``state_dict()``. Without it, the cases use ``LossScaler(**settings, backend=harness.backend)``."""
+        ...
+
+    def float8_linear(
+        self, recipe: Float8Recipe, x: np.ndarray, weight: np.ndarray, upstream: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        """One linear layer ``x @ weight.T`` (no bias, float32 compute) converted by the backend under the
+        dynamic ``recipe``, run forward and backward with ``upstream`` as the output's gradient: its
+        ``"output"``, ``"grad_input"`` and ``"grad_weight"`` as float32 arrays (``weight`` is (out, in))."""
+        ...
+
+    def float8_delayed(
+        self,
+        recipe: Float8Recipe,
+        xs: Sequence[np.ndarray],
+        weight: np.ndarray,
+        upstreams: Sequence[np.ndarray],
+        state: Mapping[str, Any] | None,
+    ) -> tuple[list[np.ndarray], dict[str, Any]]:
+        """Training steps (forward, backward with ``upstreams``; the weight stays) of one linear layer named
+        ``"layer"`` under the delayed ``recipe``, from ``state`` (a state dict in the form every backend reads;
+        None: a fresh layer): each step's output, and the layer's state dict after."""
         ...
 
     def loop(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> Loop:

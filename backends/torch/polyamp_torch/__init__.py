@@ -13,7 +13,8 @@
 * `fsdp_mixed_precision` - a policy as FSDP2's ``MixedPrecisionPolicy``.
 * `watch_forward` - which module first produced an inf or NaN in a forward pass (forward hooks).
 * `record_float8` - what the FP8 layers' casts lose (saturated values, values flushed to zero), counted on
-  the device and read in one batch.
+  the device and read in one batch; `float8_state_dict` / `load_float8_state_dict` - delayed scaling's state
+  in the form every polyamp backend reads, to move a run between frameworks.
 * `PrecisionOptimizer` - any optimizer stepping bfloat16/float16 weights by the policy's training-state plan
   (float32 master copy, Kahan or stochastic rounding, moments in bfloat16); `measure_state_bytes` counts it.
 
@@ -34,7 +35,7 @@ from polyamp_torch._backend import TorchBackend
 from polyamp_torch._clip import clip_grad_norm_
 from polyamp_torch._cpu_float32 import FLOAT32_OP_NAMES
 from polyamp_torch._distributed import fsdp_mixed_precision
-from polyamp_torch._float8 import record_float8
+from polyamp_torch._float8 import float8_state_dict, load_float8_state_dict, record_float8
 from polyamp_torch._modules import apply_policy, module_policy, remove_policy
 from polyamp_torch._precision import PrecisionOptimizer, measure_state_bytes
 from polyamp_torch._records import RecordWriter, log_summary
@@ -55,7 +56,9 @@ __all__ = [
     "apply_policy",
     "autocast",
     "clip_grad_norm_",
+    "float8_state_dict",
     "fsdp_mixed_precision",
+    "load_float8_state_dict",
     "log_summary",
     "measure_state_bytes",
     "module_policy",

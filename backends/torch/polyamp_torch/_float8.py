@@ -15,13 +15,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from polyamp import Float8Recipe
+from polyamp import Float8Recipe, PolyampValueError
 from polyamp.backend_api.records import Float8CastRecord, cast_records
 from polyamp.backend_api.rules import fp8
+from polyamp.backend_api.state_dicts import LayerState, pack_float8_state, parse_float8_state
 from polyamp_torch._framework import torch
 from polyamp_torch._rule import OPS
 
-__all__ = ["Float8Linear", "Float8Recorder", "convert", "record_float8", "restore"]
+__all__ = [
+    "Float8Linear",
+    "Float8Recorder",
+    "convert",
+    "float8_state_dict",
+    "load_float8_state_dict",
+    "record_float8",
+    "restore",
+]
 
 _ROLES = ("input", "weight", "grad_output")
 
@@ -311,3 +320,70 @@ def record_float8(model: torch.nn.Module) -> Float8Recorder:
                 sub.register_buffer("float8_counts", counts, persistent=False)
             layers[name or type(model).__name__] = sub
     return Float8Recorder(layers)
+
+
+def _delayed_layers(model: torch.nn.Module) -> tuple[Float8Recipe | None, dict[str, Float8Linear]]:
+    """The model's delayed-scaling FP8 layers by name, and their recipe (one for all of them)."""
+    layers = {
+        name or type(model).__name__: sub
+        for name, sub in model.named_modules()
+        if isinstance(sub, Float8Linear) and sub.float8_recipe.scaling == "delayed"
+    }
+    recipes = {layer.float8_recipe for layer in layers.values()}
+    if len(recipes) > 1:
+        raise PolyampValueError(
+            "The model's delayed-scaling FP8 layers run different recipes "
+            f"({', '.join(sorted(r.spec for r in recipes))}); an FP8 state dict holds one. Give them one recipe."
+        )
+    return (next(iter(recipes)) if recipes else None), layers
+
+
+def float8_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """Delayed scaling's state of ``model``'s FP8 layers (each operand's amax history and scale) as plain
+    Python values that `load_float8_state_dict` of any polyamp backend (``polyamp_keras``, ``polyamp_jax``)
+    loads: the way a run moves between frameworks. The model's own ``state_dict`` keeps the same state as
+    buffers for checkpoints within PyTorch.
+
+    Raises:
+        PolyampValueError: the model has no delayed-scaling FP8 layer, or layers with different recipes.
+    """
+    recipe, layers = _delayed_layers(model)
+    if recipe is None:
+        raise PolyampValueError(
+            "float8_state_dict() needs a model with delayed-scaling FP8 layers (apply_policy under "
+            "'float8_delayed'); dynamic recipes keep no state."
+        )
+    state: dict[str, LayerState] = {
+        name: {
+            role: (
+                getattr(layer, f"float8_{role}_amax_history").tolist(),
+                getattr(layer, f"float8_{role}_scale").item(),
+            )
+            for role in _ROLES
+        }
+        for name, layer in layers.items()
+    }
+    return pack_float8_state(recipe, state)
+
+
+def load_float8_state_dict(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Load a state dict `float8_state_dict` made (here or in another framework) into ``model``'s
+    delayed-scaling FP8 layers, matched by name.
+
+    Raises:
+        StateDictError: a malformed dict, layers that do not match, or histories of another length (nothing
+            is loaded then).
+        PolyampValueError: the model has no delayed-scaling FP8 layer.
+    """
+    recipe, layers = _delayed_layers(model)
+    if recipe is None:
+        raise PolyampValueError(
+            "load_float8_state_dict() needs a model with delayed-scaling FP8 layers: apply_policy(model, "
+            "'float8_delayed') first."
+        )
+    parsed = parse_float8_state(state, recipe, list(layers))
+    with torch.no_grad():
+        for name, layer in layers.items():
+            for role, (history, scale) in parsed[name].items():
+                getattr(layer, f"float8_{role}_amax_history").copy_(torch.tensor(history, dtype=torch.float32))
+                getattr(layer, f"float8_{role}_scale").fill_(scale)

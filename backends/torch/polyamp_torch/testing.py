@@ -6,14 +6,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from polyamp import LossScaler, Policy
+from polyamp import Float8Recipe, LossScaler, Policy
 from polyamp.conformance import HarnessBase, HarnessUnavailable, LoopBase, TrainerBase, TrainerSettings
 from polyamp_torch._autocast import autocast
+from polyamp_torch._float8 import float8_state_dict, load_float8_state_dict
 from polyamp_torch._framework import torch
 from polyamp_torch._modules import apply_policy
 from polyamp_torch._precision import PrecisionOptimizer
@@ -221,6 +222,46 @@ class TorchHarness(HarnessBase):
     def passes_loss_through(self, scaler: LossScaler) -> bool:
         loss = torch.tensor(1.5, device=self.device)
         return scaler.scale(loss) is loss
+
+    def _float8_layer(self, recipe: Float8Recipe, weight: np.ndarray) -> torch.nn.ModuleDict:
+        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=self.device)
+        with torch.no_grad():
+            layer.weight.copy_(torch.from_numpy(weight))
+        model = torch.nn.ModuleDict({"layer": layer})
+        apply_policy(model, Policy("float32").replace(float8=recipe), device_type=self.device)
+        return model
+
+    def float8_linear(
+        self, recipe: Float8Recipe, x: np.ndarray, weight: np.ndarray, upstream: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        layer: Any = self._float8_layer(recipe, weight)["layer"]
+        inputs = torch.from_numpy(x).to(self.device).requires_grad_()
+        output = layer(inputs)
+        output.backward(torch.from_numpy(upstream).to(self.device))
+        assert inputs.grad is not None and layer.weight.grad is not None
+        return {
+            "output": output.detach().float().cpu().numpy(),
+            "grad_input": inputs.grad.float().cpu().numpy(),
+            "grad_weight": layer.weight.grad.float().cpu().numpy(),
+        }
+
+    def float8_delayed(
+        self,
+        recipe: Float8Recipe,
+        xs: Sequence[np.ndarray],
+        weight: np.ndarray,
+        upstreams: Sequence[np.ndarray],
+        state: Mapping[str, Any] | None,
+    ) -> tuple[list[np.ndarray], dict[str, Any]]:
+        model = self._float8_layer(recipe, weight)
+        if state is not None:
+            load_float8_state_dict(model, dict(state))
+        outputs = []
+        for x, upstream in zip(xs, upstreams, strict=True):
+            output = model["layer"](torch.from_numpy(x).to(self.device))
+            output.backward(torch.from_numpy(upstream).to(self.device))
+            outputs.append(output.detach().float().cpu().numpy())
+        return outputs, float8_state_dict(model)
 
     def loop(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> _TorchLoop:
         return _TorchLoop(self, policy, self.settings(scaler, seed=seed))

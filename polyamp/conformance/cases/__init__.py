@@ -12,3 +12,4 @@ from polyamp.conformance.cases.trajectories import *
 from polyamp.conformance.cases.iterations import *
 from polyamp.conformance.cases.skipping import *
 from polyamp.conformance.cases.convergence import *
+from polyamp.conformance.cases.float8 import *
