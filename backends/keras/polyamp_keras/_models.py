@@ -37,6 +37,7 @@ import polyamp.backend_api
 from polyamp import OpClass, Policy, PolyampTypeError, PolyampValueError, op_class
 from polyamp.backend_api.arguments import describe
 from polyamp.backend_api.policies import OverridesLike, PolicyLike, PolicyOverrides
+from polyamp_keras import _float8
 from polyamp_keras._keras import keras
 from polyamp_keras._outputs import OutputCast
 from polyamp_keras._policies import to_keras_policy
@@ -283,7 +284,6 @@ def apply_policy(
     keep_ids, keep_patterns = _parse_keep_float32(keep_float32, nodes)
     effective: dict[int, Policy] = {id(inner): root_policy}
     mismatched: list[str] = []
-    _give_policy(inner, root_policy, children_of[id(inner)], type(inner).__name__, mismatched)
     for path, layer, parent in nodes:
         if id(layer) in keep_ids or any(
             fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(layer.name, p) for p in keep_patterns
@@ -294,7 +294,12 @@ def apply_policy(
             if own is None and isinstance(layer.path, str) and layer.path:
                 own = override_map.match(layer.path)
         effective[id(layer)] = own or effective[id(parent)]
+    # The FP8 plan refuses what it cannot convert before any layer changes.
+    float8_plan = _float8.plan_layers([(path, layer, effective[id(layer)].float8) for path, layer, _ in nodes])
+    _give_policy(inner, root_policy, children_of[id(inner)], type(inner).__name__, mismatched)
+    for path, layer, _ in nodes:
         _give_policy(layer, effective[id(layer)], children_of[id(layer)], path, mismatched)
+    _float8.convert_layers(float8_plan)
     if mismatched:
         warnings.warn(
             "Keras variables cannot change dtype, so these built layers keep theirs and compute in the policy's "
