@@ -278,7 +278,8 @@ def test_dynamic_dense_forward_and_backward_follow_the_reference(preset: str, ba
     x = np.tile(x, (1, 4))
     g = np.random.default_rng(10).normal(size=(16, 32)).astype("float32")
     xt = keras.Variable(x, trainable=True, autocast=False)
-    loss_fn = lambda: ops.sum(ops.cast(layer(xt, training=True), "float32") * g)  # noqa: E731
+    gt = ops.convert_to_tensor(g)
+    loss_fn = lambda: ops.sum(ops.cast(layer(xt, training=True), "float32") * gt)  # noqa: E731
     _, (grad_kernel, grad_x) = gradients(loss_fn, [layer._kernel, xt], keras.optimizers.SGD(), scaled=False)
     out = _numpy(ops.cast(layer(x, training=True), "float32"))
     w = _numpy(layer._kernel)
