@@ -196,6 +196,10 @@ def apply_policy(
       softmax or log-softmax compute in float32 (their variables keep the policy's parameter dtype), so
       they return float32 as torch's softmax, log_softmax and norms do under autocast.
 
+    Under a policy with an FP8 recipe (``"mixed_bfloat16+float8_delayed"``), the built ``Dense`` and
+    ``EinsumDense`` layers the recipe takes become `Float8Dense` / `Float8EinsumDense` (their matmuls in FP8;
+    the recipe's patterns match the path within the model); see the FP8 guide.
+
     Input layers, layers computing in a non-floating dtype (lookups, hashing) and quantized layers keep
     their policy. The policies are set on ``model``'s own layers (``model`` computes that way from now on
     too), and ``model``'s own dtype policy becomes ``policy`` (so ``compile`` adds Keras's loss scaling
