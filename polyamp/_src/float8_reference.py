@@ -55,9 +55,7 @@ def quantize(x: Any, scale: Any, fmt: str, *, divide: bool = False, dtype: str =
     ``divide=True``), saturating at the format's max; the scaling in ``dtype`` (e.g. ``"bfloat16"``, as
     Keras's float8 layers scale in their compute dtype)."""
     with np.errstate(all="ignore"):
-        return np.asarray(
-            fp8.quantize(OPS, np.asarray(x), np.asarray(scale), _format(fmt), divide=divide, dtype=dtype)
-        )
+        return np.asarray(fp8.quantize(OPS, np.asarray(x), np.asarray(scale), _format(fmt), divide=divide, dtype=dtype))
 
 
 def mx_quantize(x: Any, fmt: str, *, block: int = 32, rounding: str = "rceil") -> tuple[np.ndarray, np.ndarray]:
