@@ -52,11 +52,12 @@ def current_scale(x: Any, fmt: str, *, axis: int | None = None, power_of_two: bo
         )
 
 
-def quantize(x: Any, scale: Any, fmt: str, *, divide: bool = False) -> np.ndarray:
+def quantize(x: Any, scale: Any, fmt: str, *, divide: bool = False, dtype: str = "float32") -> np.ndarray:
     """``x`` cast to ``fmt`` (an ml_dtypes array) with a multiplying ``scale`` (or a dequantizing one,
-    ``divide=True``), saturating at the format's max."""
+    ``divide=True``), saturating at the format's max; the scaling in ``dtype`` (e.g. ``"bfloat16"``, as
+    Keras's float8 layers scale in their compute dtype)."""
     with np.errstate(all="ignore"):
-        return np.asarray(fp8.quantize(OPS, np.asarray(x), np.asarray(scale), _format(fmt), divide=divide))
+        return np.asarray(fp8.quantize(OPS, np.asarray(x), np.asarray(scale), _format(fmt), divide=divide, dtype=dtype))
 
 
 def mx_quantize(x: Any, fmt: str, *, block: int = 32, rounding: str = "rceil") -> tuple[np.ndarray, np.ndarray]:

@@ -21,6 +21,8 @@ PyTorch).
   (``keep_float32``), per-layer policies (``overrides``) and outputs in the policy's output dtype.
 * `PolicyOverridesMap` - per-layer overrides (``polyamp.set_policy(..., overrides=...)``) as a Keras
   ``DTypePolicyMap``; it survives ``model.save`` / ``keras.models.load_model``.
+* `Float8Dense`, `Float8EinsumDense` - what `apply_policy` makes of ``Dense`` and ``EinsumDense`` layers under
+  a policy with an FP8 recipe (``"mixed_bfloat16+float8_delayed"``): their matmuls in FP8.
 * `watch_forward` - which layer first produced an inf or NaN in an eager forward pass.
 * `PrecisionOptimizer` - the training state a policy plans (a float32 master copy, the optimizer state's
   dtype, stochastic or Kahan-compensated writes into bfloat16 weights) around any Keras optimizer;
@@ -30,7 +32,7 @@ PyTorch).
 
 It imports Keras and nothing else: no TensorFlow, JAX or PyTorch beyond what Keras itself loads for its
 backend. Importing it registers its classes for Keras serialization (``polyamp>LossScaleOptimizer``,
-``polyamp>OutputCast``, ``polyamp>DTypePolicy``, ``polyamp>PolicyOverridesMap``, ``polyamp>PrecisionOptimizer``). ``polyamp_tensorflow``
+``polyamp>OutputCast``, ``polyamp>DTypePolicy``, ``polyamp>Float8Dense``, ``polyamp>Float8EinsumDense``, ``polyamp>PolicyOverridesMap``, ``polyamp>PrecisionOptimizer``). ``polyamp_tensorflow``
 re-exports these names and adds the TensorFlow ``LossScaler``. Importing it also lets models with their own
 ``compile`` (keras_hub tasks) load a saved compile that holds polyamp's `LossScaleOptimizer`, which Keras
 alone skips for them (see ``polyamp_keras._compile``).
@@ -41,6 +43,7 @@ from __future__ import annotations
 from polyamp_keras._callbacks import LossScaleCallback
 from polyamp_keras._compile import restore_polyamp_compiles
 from polyamp_keras._device import KerasDevice
+from polyamp_keras._float8 import Float8Dense, Float8EinsumDense
 from polyamp_keras._follow import follow_polyamp_policy
 from polyamp_keras._functional import KerasFunctional
 from polyamp_keras._models import FLOAT32_LAYERS, LAYER_OPS, apply_policy, op_output_dtype
@@ -57,6 +60,8 @@ warn_unplanned_updates()
 __all__ = [
     "FLOAT32_LAYERS",
     "LAYER_OPS",
+    "Float8Dense",
+    "Float8EinsumDense",
     "ForwardWatch",
     "KerasDevice",
     "KerasFunctional",

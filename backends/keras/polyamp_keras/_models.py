@@ -37,6 +37,7 @@ import polyamp.backend_api
 from polyamp import OpClass, Policy, PolyampTypeError, PolyampValueError, op_class
 from polyamp.backend_api.arguments import describe
 from polyamp.backend_api.policies import OverridesLike, PolicyLike, PolicyOverrides
+from polyamp_keras import _float8
 from polyamp_keras._keras import keras
 from polyamp_keras._outputs import OutputCast
 from polyamp_keras._policies import to_keras_policy
@@ -195,6 +196,10 @@ def apply_policy(
       softmax or log-softmax compute in float32 (their variables keep the policy's parameter dtype), so
       they return float32 as torch's softmax, log_softmax and norms do under autocast.
 
+    Under a policy with an FP8 recipe (``"mixed_bfloat16+float8_delayed"``), the built ``Dense`` and
+    ``EinsumDense`` layers the recipe takes become `Float8Dense` / `Float8EinsumDense` (their matmuls in FP8;
+    the recipe's patterns match the path within the model); see the FP8 guide.
+
     Input layers, layers computing in a non-floating dtype (lookups, hashing) and quantized layers keep
     their policy. The policies are set on ``model``'s own layers (``model`` computes that way from now on
     too), and ``model``'s own dtype policy becomes ``policy`` (so ``compile`` adds Keras's loss scaling
@@ -283,7 +288,6 @@ def apply_policy(
     keep_ids, keep_patterns = _parse_keep_float32(keep_float32, nodes)
     effective: dict[int, Policy] = {id(inner): root_policy}
     mismatched: list[str] = []
-    _give_policy(inner, root_policy, children_of[id(inner)], type(inner).__name__, mismatched)
     for path, layer, parent in nodes:
         if id(layer) in keep_ids or any(
             fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(layer.name, p) for p in keep_patterns
@@ -294,7 +298,12 @@ def apply_policy(
             if own is None and isinstance(layer.path, str) and layer.path:
                 own = override_map.match(layer.path)
         effective[id(layer)] = own or effective[id(parent)]
+    # The FP8 plan refuses what it cannot convert before any layer changes.
+    float8_plan = _float8.plan_layers([(path, layer, effective[id(layer)].float8) for path, layer, _ in nodes])
+    _give_policy(inner, root_policy, children_of[id(inner)], type(inner).__name__, mismatched)
+    for path, layer, _ in nodes:
         _give_policy(layer, effective[id(layer)], children_of[id(layer)], path, mismatched)
+    _float8.convert_layers(float8_plan)
     if mismatched:
         warnings.warn(
             "Keras variables cannot change dtype, so these built layers keep theirs and compute in the policy's "

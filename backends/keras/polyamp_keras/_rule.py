@@ -122,6 +122,16 @@ class KerasOps(ArrayOps):
     def stop_gradient(self, x: Any) -> Any:
         return ops.stop_gradient(x)
 
+    def exp2(self, x: Any) -> Any:
+        """``2 ** x``, exact at whole ``x`` on every backend: XLA's CPU ``exp2`` (JAX's) gives ``2**25`` as
+        33554448, which would make the FP8 rules' power-of-two scales not powers of two."""
+        if keras.backend.backend() != "jax":
+            return ops.exp2(x)
+        jnp = sys.modules["jax.numpy"]  # Keras's backend here, so imported
+        whole = jnp.logical_and(jnp.floor(x) == x, jnp.abs(x) < 512.0)
+        exact = jnp.ldexp(jnp.ones_like(x), jnp.where(whole, x, 0.0).astype("int32"))
+        return jnp.where(whole, exact, jnp.exp2(x))
+
     @property
     def has_float64(self) -> bool:
         """False on JAX without ``jax_enable_x64``, which computes float64 arrays in float32."""

@@ -111,10 +111,17 @@ def scale_from_amax(
     return scale
 
 
-def scaled(ops: ArrayOps, x: Any, scale: Any, *, divide: bool = False) -> Any:
+def scaled(ops: ArrayOps, x: Any, scale: Any, *, divide: bool = False, dtype: str = "float32") -> Any:
     """``x`` in float32 times ``scale`` (current scaling), or divided by it (delayed scaling's stored
-    dequantizing scale)."""
-    wide = ops.astype(x, "float32")
+    dequantizing scale).
+
+    ``dtype`` names another dtype both are cast to first: Keras's ``quantize("float8")`` layers scale in
+    their compute dtype (bfloat16 under ``"mixed_bfloat16"``), which rounds differently from float32.
+    """
+    if dtype == "float32":
+        wide = ops.astype(x, "float32")
+    else:
+        wide, scale = ops.astype(x, dtype), ops.astype(scale, dtype)
     return wide / scale if divide else wide * scale
 
 
@@ -123,9 +130,11 @@ def saturating_cast(ops: ArrayOps, values: Any, fmt: Float8Format) -> Any:
     return ops.astype(ops.clip(values, -fmt.max, fmt.max), fmt.dtype)
 
 
-def quantize(ops: ArrayOps, x: Any, scale: Any, fmt: Float8Format, *, divide: bool = False) -> Any:
-    """``x`` cast to ``fmt`` with ``scale``: `scaled`, then `saturating_cast`."""
-    return saturating_cast(ops, scaled(ops, x, scale, divide=divide), fmt)
+def quantize(
+    ops: ArrayOps, x: Any, scale: Any, fmt: Float8Format, *, divide: bool = False, dtype: str = "float32"
+) -> Any:
+    """``x`` cast to ``fmt`` with ``scale``: `scaled` (in ``dtype``), then `saturating_cast`."""
+    return saturating_cast(ops, scaled(ops, x, scale, divide=divide, dtype=dtype), fmt)
 
 
 def cast_counts(ops: ArrayOps, x: Any, values: Any, cast: Any, fmt: Float8Format) -> Any:

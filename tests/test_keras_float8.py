@@ -1,0 +1,377 @@
+"""FP8 training on Keras 3: `polyamp_keras.apply_policy` under an FP8 recipe, on every Keras backend.
+
+Delayed scaling is compared bit for bit with Keras's own ``quantize("float8")`` training run side by side (the
+same variables after the same steps, in ``fit`` and in a custom loop); the dynamic recipes' casts with the
+reference quantizer, and their matmuls with a float64 product of the reference's dequantized values. The
+tests run on this process's Keras backend; `test_on_every_keras_backend` runs the module again on JAX and
+PyTorch in subprocesses.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+import polyamp  # noqa: E402
+import polyamp_keras  # noqa: E402
+from polyamp import InvalidPolicyError, PolyampValueError  # noqa: E402
+from polyamp._src import float8_reference as ref  # noqa: E402
+from polyamp_keras import _float8  # noqa: E402
+from polyamp_keras.testing import apply, gradients, keras_backend  # noqa: E402
+
+if TYPE_CHECKING:
+    from conftest import RunOnKerasBackend
+
+ops = keras.ops
+BACKEND = keras_backend()
+HERE = Path(__file__).resolve()
+HISTORY = 16  # a short amax history keeps the runs fast; both sides get it
+QuantizedFloat8DTypePolicy = keras.dtype_policies.QuantizedFloat8DTypePolicy
+
+
+def _numpy(value: Any) -> np.ndarray:
+    return np.array(ops.convert_to_numpy(value))
+
+
+def _mlp(seed: int, einsum: bool = False) -> Any:
+    keras.utils.set_random_seed(seed)
+    first = (
+        keras.layers.EinsumDense("ab,bc->ac", output_shape=32, bias_axes="c", activation="relu")
+        if einsum
+        else keras.layers.Dense(32, activation="relu")
+    )
+    return keras.Sequential([keras.Input((16,)), first, keras.layers.Dense(16)])
+
+
+def _keras_float8(model: Any, base: str, length: int = HISTORY) -> Any:
+    """``model`` under Keras's own float8 training: each layer given ``float8_from_<base>`` (its quantize)."""
+    for layer in model.layers:
+        layer.dtype_policy = QuantizedFloat8DTypePolicy("float8", source_name=base, amax_history_length=length)
+    return model
+
+
+def _data(seed: int, n: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 16)).astype("float32"), rng.normal(size=(n, 16)).astype("float32")
+
+
+def _weights(model: Any) -> dict[str, np.ndarray]:
+    """The variables by layer index and name (``0/inputs_scale``)."""
+    return {f"{i}/{v.name}": _numpy(v) for i, layer in enumerate(model.layers) for v in layer.weights}
+
+
+def _assert_bitwise(ours: dict[str, np.ndarray], theirs: dict[str, np.ndarray]) -> None:
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        assert ours[name].dtype == theirs[name].dtype, name
+        assert np.array_equal(np.atleast_1d(ours[name]).view(np.uint8), np.atleast_1d(theirs[name]).view(np.uint8)), (
+            name
+        )
+
+
+def _pair(base: str, einsum: bool = False, spec: str | None = None) -> tuple[Any, Any]:
+    """Keras's float8 model and polyamp's, from the same initial weights, under ``base``."""
+    with polyamp.policy_scope(base):
+        theirs = _keras_float8(_mlp(3, einsum), base)
+        ours = _mlp(3, einsum)
+    policy = f"{base}+{spec or f'float8_delayed[amax_history_length={HISTORY}]'}"
+    return theirs, polyamp_keras.apply_policy(ours, policy)
+
+
+def _inner(model: Any) -> Any:
+    """The model inside an `apply_policy` result (Sequential models get an output cast around them)."""
+    return model.layers[0]
+
+
+# -- delayed scaling: Keras's quantize("float8"), bit for bit --------------------------------------------------
+
+
+@pytest.mark.parametrize("base", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_delayed_fit_is_keras_float8_bitwise(base: str, mode: str) -> None:
+    theirs, ours = _pair(base)
+    x, y = _data(0)
+    jit = mode == "jit" and BACKEND != "torch"
+    for model in (theirs, ours):
+        # Keras's own float8 layers fail in TensorFlow's eager mode (its custom gradient reads variables that
+        # TensorFlow then asks gradients for): there they run in a graph without XLA, the kernels eager uses.
+        eager = mode == "eager" and not (model is theirs and BACKEND == "tensorflow")
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", jit_compile=jit, run_eagerly=eager)
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    assert all(isinstance(layer, polyamp_keras.Float8Dense) for layer in _inner(ours).layers)
+    assert _numpy(_inner(ours).layers[0].inputs_amax_history).shape == (HISTORY,)
+    _assert_bitwise(_weights(_inner(ours)), _weights(theirs))
+    assert _numpy(_inner(ours).layers[1].outputs_grad_scale) != 1.0  # the scales moved
+
+
+def _sgd_step(model: Any) -> Any:
+    """``step(x, y)``: one SGD step of ``model`` on the mean squared error, in a custom loop."""
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+    variables = list(model.trainable_variables)
+
+    def step(xb: Any, yb: Any) -> None:
+        loss_fn = lambda: ops.mean(ops.square(ops.cast(model(xb, training=True), "float32") - yb))  # noqa: E731
+        _, grads = gradients(loss_fn, variables, optimizer, scaled=False)
+        apply(optimizer, list(grads), variables)
+
+    return step
+
+
+@pytest.mark.parametrize("base", ["float32", "mixed_bfloat16"])
+def test_delayed_custom_loop_is_keras_float8_bitwise_on_einsum_dense(base: str) -> None:
+    theirs, ours = _pair(base, einsum=True)
+    assert isinstance(_inner(ours).layers[0], polyamp_keras.Float8EinsumDense)
+    x, y = _data(1)
+    for model in (theirs, _inner(ours)):
+        step = _sgd_step(model)
+        if BACKEND == "tensorflow" and model is theirs:
+            # Keras's float8 layers run only in a graph on TensorFlow (see the fit test); ours run eagerly.
+            step = sys.modules["tensorflow"].function(step)
+        for i in range(3):
+            step(ops.convert_to_tensor(x[16 * i : 16 * i + 16]), ops.convert_to_tensor(y[16 * i : 16 * i + 16]))
+    _assert_bitwise(_weights(_inner(ours)), _weights(theirs))
+
+
+def test_delayed_gradient_tape_in_xla_function_is_keras_float8_bitwise() -> None:
+    if BACKEND != "tensorflow":
+        pytest.skip("a tf.GradientTape loop is TensorFlow's")
+    tf = sys.modules["tensorflow"]
+    theirs, ours = _pair("mixed_bfloat16")
+    x, y = _data(6)
+    for model in (theirs, _inner(ours)):
+        optimizer = keras.optimizers.Adam(1e-2)
+        optimizer.build(model.trainable_variables)
+
+        @tf.function(jit_compile=True)
+        def step(xb: Any, yb: Any, model: Any = model, optimizer: Any = optimizer) -> None:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(tf.cast(model(xb, training=True), "float32") - yb))
+            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+        for i in range(3):
+            step(tf.constant(x[16 * i : 16 * i + 16]), tf.constant(y[16 * i : 16 * i + 16]))
+    _assert_bitwise(_weights(_inner(ours)), _weights(theirs))
+
+
+def test_delayed_casts_scale_in_the_compute_dtype_as_keras_does() -> None:
+    # Keras's quantize_and_dequantize divides in the compute dtype: under bfloat16 the scale is rounded to
+    # bfloat16 and the quotient too, so a float32 scaling (the core's default) casts some values differently.
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(64, 64)).astype(ml_dtypes.bfloat16)
+    scale = np.float32(0.0123457)
+    theirs = _numpy(
+        keras.quantizers.quantize_and_dequantize(ops.convert_to_tensor(x), scale, "float8_e4m3fn", "bfloat16")
+    )
+    ours = ref.quantize(x, scale, "e4m3", divide=True, dtype="bfloat16").astype(ml_dtypes.bfloat16) * np.asarray(
+        scale, ml_dtypes.bfloat16
+    )
+    assert np.array_equal(ours.view(np.uint16), theirs.view(np.uint16))
+    wide = ref.quantize(x, scale, "e4m3", divide=True).astype(ml_dtypes.bfloat16) * np.asarray(
+        scale, ml_dtypes.bfloat16
+    )
+    assert not np.array_equal(wide.view(np.uint16), theirs.view(np.uint16))
+
+
+def test_delayed_state_interchanges_with_keras_checkpoints(tmp_path: Path) -> None:
+    # Ported from Keras's dense_test `test_quantize_float8_fitting`: saved, reloaded, weights loaded into a
+    # model Keras quantized itself, and the training goes on bit for bit after the reload.
+    theirs, ours = _pair("float32")
+    x, y = _data(2)
+    ours.compile(optimizer="sgd", loss="mse")
+    ours.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    path = tmp_path / "fp8.keras"
+    ours.save(path)
+    loaded = keras.models.load_model(path)
+    assert all(isinstance(layer, polyamp_keras.Float8Dense) for layer in _inner(loaded).layers)
+    assert (
+        _inner(loaded).layers[0].float8_recipe
+        == polyamp.Policy(f"float8_delayed[amax_history_length={HISTORY}]").float8
+    )
+    _assert_bitwise(_weights(_inner(loaded)), _weights(_inner(ours)))
+    np.testing.assert_array_equal(_numpy(loaded.predict(x, verbose=0)), _numpy(ours.predict(x, verbose=0)))
+    for model in (ours, loaded):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    _assert_bitwise(_weights(_inner(loaded)), _weights(_inner(ours)))
+
+    weights = tmp_path / "fp8.weights.h5"
+    _inner(ours).save_weights(weights)
+    theirs.load_weights(weights)
+    _assert_bitwise(_weights(theirs), _weights(_inner(ours)))
+
+
+def test_delayed_training_false_changes_nothing() -> None:
+    # Ported from Keras's dense_test `test_quantize_float8_inference`.
+    _, ours = _pair("float32")
+    x, _ = _data(3)
+    layer = _inner(ours).layers[0]
+    before = _weights(_inner(ours))
+    np.testing.assert_array_equal(_numpy(layer(x, training=False)), _numpy(layer(x, training=True)))
+    _assert_bitwise(_weights(_inner(ours)), before)
+
+
+def test_delayed_honours_margin_and_most_recent_amax() -> None:
+    # Keras has no margin; the next scale follows the reference's delayed step on the same history.
+    _, ours = _pair("float32", spec="float8_delayed[amax_history_length=4,margin=2,amax_compute=most_recent]")
+    layer = _inner(ours).layers[0]
+    x, y = _data(4, 16)
+    ours.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", run_eagerly=True)
+    history, scale = np.zeros(4, np.float32), np.float32(1.0)
+    for _ in range(3):
+        kernel = _numpy(layer.kernel)
+        ours.train_on_batch(x, y)
+        _, scale, history = ref.delayed_step(kernel, history, scale, "e4m3", margin=2, amax_compute="most_recent")
+    np.testing.assert_array_equal(_numpy(layer.kernel_amax_history), history)
+    assert _numpy(layer.kernel_scale) == scale
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="mixed_float16 loss scaling is covered on TensorFlow and PyTorch")
+def test_delayed_composes_with_loss_scale_optimizer() -> None:
+    theirs, ours = _pair("mixed_float16")
+    x, y = _data(5)
+    for model in (theirs, ours):
+        model.compile(optimizer=polyamp_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    _assert_bitwise(_weights(_inner(ours)), _weights(theirs))
+    assert ours.optimizer.scale_loss(1.0) is not None
+    assert float(_numpy(_inner(ours).layers[1].outputs_grad_scale)) not in (0.0, 1.0)
+
+
+# -- dynamic scaling: the reference's casts, a float32 matmul ------------------------------------------------
+
+
+@pytest.mark.parametrize("axis", [None, 0, -1])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_dynamic_casts_equal_the_reference_bitwise(fmt: str, axis: int | None) -> None:
+    rng = np.random.default_rng(8)
+    x = (rng.standard_t(1.5, (32, 64)) * np.exp2(rng.integers(-20, 20, (32, 1)))).astype("float32")
+    x[3] = 0.0
+    cast, scale = _float8.current_cast(ops.convert_to_tensor(x), ref.fp8.FORMATS[fmt], axis, axis is not None)
+    want_scale = ref.current_scale(x, fmt, axis=axis, power_of_two=axis is not None)
+    np.testing.assert_array_equal(_numpy(scale), want_scale)
+    want = ref.quantize(x, want_scale, fmt)
+    assert np.array_equal(_numpy(ops.cast(cast, "float32")), want.astype(np.float32))
+
+
+def _dequantized(a: np.ndarray, fmt: str, axis: int | None, power_of_two: bool) -> np.ndarray:
+    scale = ref.current_scale(a, fmt, axis=axis, power_of_two=power_of_two)
+    return ref.quantize(a, scale, fmt).astype(np.float64) * (np.float32(1.0) / scale).astype(np.float64)
+
+
+@pytest.mark.parametrize("base", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("preset", ["float8_tensorwise", "float8_rowwise", "float8_rowwise_gw_hp"])
+def test_dynamic_dense_forward_and_backward_follow_the_reference(preset: str, base: str) -> None:
+    keras.utils.set_random_seed(0)
+    model = polyamp_keras.apply_policy(
+        keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, use_bias=False)]), f"{base}+{preset}"
+    )
+    layer = _inner(model).layers[0]
+    recipe = polyamp.Policy(preset).float8
+    x, _ = _data(9, 16)
+    x = np.tile(x, (1, 4))
+    g = np.random.default_rng(10).normal(size=(16, 32)).astype("float32")
+    xt = keras.Variable(x, trainable=True, autocast=False)
+    gt = ops.convert_to_tensor(g)
+    loss_fn = lambda: ops.sum(ops.cast(layer(xt, training=True), "float32") * gt)  # noqa: E731
+    _, (grad_kernel, grad_x) = gradients(loss_fn, [layer._kernel, xt], keras.optimizers.SGD(), scaled=False)
+    out = _numpy(ops.cast(layer(x, training=True), "float32"))
+    w = _numpy(layer._kernel)
+    narrow = base == "mixed_bfloat16"
+    xc = x.astype(ml_dtypes.bfloat16).astype(np.float32) if narrow else x
+    gc = g.astype(ml_dtypes.bfloat16).astype(np.float32) if narrow else g
+    row, p2, gfmt = recipe.granularity == "row", recipe.power_of_two, recipe.grad_output_format
+    want_out = _dequantized(xc, "e4m3", -1 if row else None, p2) @ _dequantized(w, "e4m3", 0 if row else None, p2)
+    weight_rows = row and not recipe.grad_weight_high_precision
+    want_gx = (
+        _dequantized(gc, gfmt, -1 if row else None, p2) @ _dequantized(w, "e4m3", 1 if weight_rows else None, p2).T
+    )
+    if recipe.grad_weight_high_precision:
+        want_gw = xc.astype(np.float64).T @ gc.astype(np.float64)
+    else:
+        want_gw = _dequantized(xc, "e4m3", 0 if row else None, p2).T @ _dequantized(gc, gfmt, 0 if row else None, p2)
+    # A float32 matmul of the same dequantized values, rounded to the compute dtype: within a few units in
+    # the last place of that dtype of the float64 product's magnitude.
+    eps = 2.0**-8 if narrow else 2.0**-20
+    for got, want in ((out, want_out), (_numpy(grad_x), want_gx), (_numpy(grad_kernel), want_gw)):
+        bound = eps * (np.abs(want).max() + 1.0)
+        assert np.abs(got.astype(np.float64) - want).max() <= bound
+    assert _numpy(grad_kernel).dtype == np.float32
+
+
+# -- which layers, and what is refused ---------------------------------------------------------------------
+
+
+def test_recipe_patterns_match_the_path_within_the_model_and_odd_sizes_stay() -> None:
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    hidden = keras.layers.Dense(32, name="body")(inputs)
+    odd = keras.layers.Dense(10, name="odd")(hidden)
+    head = keras.layers.Dense(16, name="head")(odd)
+    model = polyamp_keras.apply_policy(keras.Model(inputs, head), "float8_tensorwise[skip=head]")
+    kinds = {
+        layer.name: isinstance(layer, polyamp_keras.Float8Dense)
+        for layer in model.layers[1:]
+        if layer.name != "functional_outputs"
+    }
+    assert kinds["body"] and not kinds["odd"] and not kinds["head"]
+    again = polyamp_keras.apply_policy(model, "mixed_bfloat16")
+    assert not any(isinstance(layer, polyamp_keras.Float8Dense) for layer in again.layers)
+
+
+def _dense_model() -> Any:
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32), keras.layers.Dense(16)])
+
+
+def test_mx_recipes_are_refused_and_the_model_left_unchanged() -> None:
+    model = _dense_model()
+    with pytest.raises(InvalidPolicyError, match=r"MX recipes .*'mxfp8'.* do not run on Keras yet.*float8_delayed"):
+        polyamp_keras.apply_policy(model, "mxfp8")
+    assert [type(layer) for layer in model.layers] == [keras.layers.Dense, keras.layers.Dense]
+    assert model.layers[0].dtype_policy.name == "float32"
+
+
+def test_rowwise_einsum_dense_is_refused_with_the_skip_to_write() -> None:
+    model = _mlp(0, einsum=True)
+    with pytest.raises(InvalidPolicyError, match=r"EinsumDense layer 'einsum_dense.*float8_rowwise\[skip="):
+        polyamp_keras.apply_policy(model, "float8_rowwise")
+    assert type(model.layers[0]) is keras.layers.EinsumDense
+
+
+def test_unbuilt_layers_are_refused() -> None:
+    model = keras.Sequential([keras.layers.Dense(32)])
+    with pytest.raises(PolyampValueError, match=r"not built.*Build the model first"):
+        polyamp_keras.apply_policy(model, "float8_tensorwise")
+
+
+def test_delayed_layers_refuse_another_recipe() -> None:
+    model = polyamp_keras.apply_policy(_dense_model(), "float8_delayed")
+    with pytest.raises(PolyampValueError, match=r"runs delayed FP8 scaling with Keras's float8 variables"):
+        polyamp_keras.apply_policy(model, "float8_tensorwise")
+    assert all(layer.float8_recipe.scaling == "delayed" for layer in _inner(model).layers)
+
+
+def test_dynamic_layers_save_and_load_with_their_recipe(tmp_path: Path) -> None:
+    model = polyamp_keras.apply_policy(_dense_model(), "float32+float8_rowwise")
+    x, _ = _data(11)
+    path = tmp_path / "rowwise.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert _inner(loaded).layers[0].float8_recipe == polyamp.Policy("float8_rowwise").float8
+    np.testing.assert_array_equal(_numpy(loaded(x)), _numpy(model(x)))
+
+
+# -- the other backends, in subprocesses -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_on_every_keras_backend(backend: str, run_on_keras_backend: RunOnKerasBackend) -> None:
+    run_on_keras_backend(backend, HERE)
