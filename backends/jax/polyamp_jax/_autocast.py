@@ -382,7 +382,7 @@ def autocast(
 
             def is_weight(i: int) -> bool:
                 if linen:
-                    return (_linen_entry(pairs[i][0]) or ("",))[0] == "params"
+                    return bool((_linen_entry(pairs[i][0]) or ("",))[0] == "params")
                 # a field of a module-like pytree (an Equinox module's array), or of the module autocast wraps
                 path = pairs[i][0]
                 if any(isinstance(entry, jax.tree_util.GetAttrKey) for entry in path):

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from polyamp import Float8Recipe, Policy, PolyampValueError, get_policy
-from polyamp._src.errors import describe
+from polyamp.backend_api.arguments import describe
 from polyamp.backend_api.rules import fp8
 from polyamp_jax._functional import OPS
 
