@@ -20,14 +20,20 @@
   whose scale follows polyamp's rule, with records and state dicts.
 * ``polyamp.LossScaler(...).functional(backend="jax")`` - the functional scaler over JAX arrays for
   hand-written steps (`JaxFunctional` is its device form).
+* `float8_dot_general` - ``jax.lax.dot_general`` in FP8 by a `polyamp.Float8Recipe` (a Flax layer's
+  ``dot_general=``); `Float8DotGeneral` - the Flax Linen module for ``dot_general_cls=``, with delayed
+  scaling's state where Flax keeps it; `autocast` runs a function's matrix products in FP8 under a policy
+  with an FP8 recipe.
 * `jmp_compat` - jmp's public API (``Policy``, ``get_policy``, ``DynamicLossScale``, ``all_finite``,
   ``select_tree``, ...) over polyamp's policy and loss scaler: ``from polyamp_jax import jmp_compat as jmp``.
 
-It imports JAX and optax only: Flax and Equinox objects are recognised when a program passes them, never
-imported. The state dicts are interchangeable with polyamp's torch, TensorFlow and Keras scalers'.
+It imports JAX and optax only (Flax when `Float8DotGeneral` is first named): Flax and Equinox objects are
+recognised when a program passes them, never imported. The state dicts are interchangeable with polyamp's torch, TensorFlow and Keras scalers'.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import jax
 import optax
@@ -37,6 +43,7 @@ from polyamp_jax import jmp_compat
 from polyamp_jax._autocast import COMPUTE_PRIMITIVES, FLOAT32_PRIMITIVES, PRIMITIVE_OPS, autocast
 from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree, module_dtypes
 from polyamp_jax._dynamic_scale import DynamicScale, DynamicScaleResult
+from polyamp_jax._float8 import float8_dot_general
 from polyamp_jax._functional import JaxFunctional, all_finite
 from polyamp_jax._optax import (
     LossScaledState,
@@ -60,6 +67,7 @@ __all__ = [
     "PRIMITIVE_OPS",
     "DynamicScale",
     "DynamicScaleResult",
+    "Float8DotGeneral",
     "JaxFunctional",
     "LossScaledState",
     "PrecisionState",
@@ -70,6 +78,7 @@ __all__ = [
     "cast_to_param",
     "cast_tree",
     "convert_precision_state",
+    "float8_dot_general",
     "jmp_compat",
     "load_state_dict",
     "log_summary",
@@ -83,3 +92,16 @@ __all__ = [
     "state_dict",
     "summary",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`Float8DotGeneral`, a Flax Linen module, imported (with Flax) when first named."""
+    if name == "Float8DotGeneral":
+        from polyamp_jax._float8_linen import Float8DotGeneral
+
+        return Float8DotGeneral
+    raise AttributeError(f"module 'polyamp_jax' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    from polyamp_jax._float8_linen import Float8DotGeneral

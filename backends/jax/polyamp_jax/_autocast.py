@@ -49,6 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from polyamp import OpClass, Policy, get_policy, op_class
+from polyamp_jax._float8 import check_dynamic
+from polyamp_jax._float8_autocast import Float8Products
 
 __all__ = ["COMPUTE_PRIMITIVES", "FLOAT32_PRIMITIVES", "PRIMITIVE_OPS", "autocast"]
 
@@ -117,8 +119,9 @@ def _weak(value: Any, var: Any) -> bool:
 
 
 class _Interpreter:
-    def __init__(self, compute: Any) -> None:
+    def __init__(self, compute: Any, float8: Float8Products | None = None) -> None:
         self.compute = jnp.dtype(compute)
+        self.float8 = float8
 
     def run(self, jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
         env: dict[Any, Any] = {}
@@ -132,6 +135,8 @@ class _Interpreter:
             env[var] = value
         for eqn in jaxpr.eqns:
             values = [read(var) for var in eqn.invars]
+            if self.float8 is not None:
+                self.float8.follow(eqn)
             outputs = self.equation(eqn, values)
             if not eqn.primitive.multiple_results:
                 outputs = [outputs]
@@ -145,7 +150,14 @@ class _Interpreter:
         if name in _CALL_PRIMITIVES:
             body = next((params[key] for key in _CALLS if key in params), None)
             if isinstance(body, jcore.ClosedJaxpr):
+                if self.float8 is not None:
+                    with self.float8.call(eqn, body.jaxpr):
+                        return self.run(body.jaxpr, list(body.consts), values)
                 return self.run(body.jaxpr, list(body.consts), values)
+        if name == "dot_general" and self.float8 is not None:
+            product = self.float8.product(eqn, values, self.compute)
+            if product is not None:
+                return product
         if name in _REMAT_PRIMITIVES and isinstance(params.get("jaxpr"), jcore.Jaxpr) and not params["jaxpr"].constvars:
             return self.remat(params, values)
         if name == "custom_jvp_call" and isinstance(params.get("call_jaxpr"), jcore.ClosedJaxpr):
@@ -339,7 +351,7 @@ def autocast(
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         chosen = _policy(policy)
-        if chosen.compute_dtype == "float32":
+        if chosen.compute_dtype == "float32" and chosen.float8 is None:
             return fn(*args, **kwargs)
         pairs, tree = jax.tree_util.tree_flatten_with_path(((*leading, *args), kwargs))
         leaves = [leaf for _, leaf in pairs]
@@ -364,7 +376,24 @@ def autocast(
 
         entered = [enter(i) for i in dynamic]
         closed, shapes = jax.make_jaxpr(flat_fn, return_shape=True)(*entered)
-        outputs = _Interpreter(compute).run(closed.jaxpr, list(closed.consts), entered)
+        float8 = None
+        if chosen.float8 is not None:
+            check_dynamic(chosen.float8, "polyamp_jax.autocast")
+
+            def is_weight(i: int) -> bool:
+                if linen:
+                    return bool((_linen_entry(pairs[i][0]) or ("",))[0] == "params")
+                # a field of a module-like pytree (an Equinox module's array), or of the module autocast wraps
+                path = pairs[i][0]
+                if any(isinstance(entry, jax.tree_util.GetAttrKey) for entry in path):
+                    return True
+                return len(path) > 1 and _key(path[0]) == 0 and _key(path[1]) < len(leading)
+
+            weights = {
+                var: jnp.asarray(leaves[i]) for var, i in zip(closed.jaxpr.invars, dynamic, strict=True) if is_weight(i)
+            }
+            float8 = Float8Products(chosen.float8, weights, drop_root=linen)
+        outputs = _Interpreter(compute, float8).run(closed.jaxpr, list(closed.consts), entered)
         structure = jax.tree_util.tree_structure(shapes)
         if cast_outputs:
             output = jnp.dtype(chosen.output_dtype)
