@@ -774,16 +774,22 @@ def test_the_fp8_advice_follows_the_lowest_compute_capability(
     capability: tuple[int, int], support: str, policy: str | None
 ) -> None:
     devices = [DeviceInfo("torch", "cuda", 0, "GPU", capability), DeviceInfo("torch", "cuda", 1, "B200", (10, 0))]
-    advice = advise_float8(devices, torch_installed=True)
+    advice = advise_float8(devices, frameworks=["torch", "keras"])
     assert (advice.support, advice.policy) == (support, policy)
+    keras_only = advise_float8(devices, frameworks=["keras"])  # Keras runs no MX recipe: never advised it
+    assert keras_only.policy == ("float8_tensorwise" if support == "native" else None)
     if policy is not None:
         assert polyamp.Policy(policy).float8 is not None  # the advice is a policy the grammar takes
 
 
-def test_the_fp8_advice_without_a_gpu_or_without_torch() -> None:
-    assert advise_float8([], torch_installed=True).support == "emulated"
-    assert advise_float8([], torch_installed=False) == Float8Advice(
-        "none", None, "PyTorch is not installed: polyamp's FP8 layers run on polyamp_torch."
+def test_the_fp8_advice_without_a_gpu_or_without_an_fp8_framework() -> None:
+    emulated = advise_float8([], frameworks=["jax", "torch"])
+    assert emulated.support == "emulated" and "on the CPU (PyTorch, JAX)" in emulated.reason
+    assert advise_float8([], frameworks=["tensorflow"]) == Float8Advice(
+        "none",
+        None,
+        "none of PyTorch, Keras and JAX is installed: polyamp's FP8 layers run on polyamp_torch, polyamp_keras "
+        "and polyamp_jax.",
     )
     report = doctor.diagnose(frameworks=())
     assert report.float8 is not None and "FP8: " in report.format()

@@ -401,7 +401,7 @@ def diagnose(frameworks: Sequence[str] | None = None) -> Diagnosis:
         cpu=cpu,
         notes=notes,
         recommendation=recommend(devices, cpu),
-        float8=advise_float8(devices, torch_installed=bool(installed["torch"]["installed"])),
+        float8=advise_float8(devices, frameworks=[name for name, found in installed.items() if found["installed"]]),
     )
 
 

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 from polyamp._src.policy import Policy
 
-__all__ = ["Float8Advice", "advise_float8", "float8_conversions"]
+__all__ = ["FLOAT8_FRAMEWORKS", "Float8Advice", "advise_float8", "float8_conversions"]
 
 #: A tensor of delayed scaling's state, as polyamp_torch (``<layer>.float8_input_scale``), Keras's
 #: ``quantize("float8")`` (``<layer>/inputs_amax_history``) and Flax's ``fp8_ops`` (``input_amax_history``)
@@ -53,28 +53,40 @@ class Float8Advice:
         return {"support": self.support, "policy": self.policy, "reason": self.reason}
 
 
-def advise_float8(devices: Iterable[Any], *, torch_installed: bool) -> Float8Advice:
-    """The FP8 advice for these devices (`polyamp._src.doctor.DeviceInfo`); the rule is in this module's docstring.
+#: The frameworks polyamp runs FP8 layers on, with the names the advice gives them.
+FLOAT8_FRAMEWORKS: Final = {"torch": "PyTorch", "keras": "Keras", "jax": "JAX"}
+
+
+def advise_float8(devices: Iterable[Any], *, frameworks: Iterable[str]) -> Float8Advice:
+    """The FP8 advice for these devices (`polyamp._src.doctor.DeviceInfo`) and installed ``frameworks``
+    (names among ``"torch"``, ``"keras"``, ``"jax"``); the rule is in this module's docstring. MX is advised
+    only where a framework running it (PyTorch, JAX) is installed.
 
     >>> from polyamp._src.doctor import DeviceInfo
-    >>> advise_float8([DeviceInfo("torch", "cuda", 0, "H100", (9, 0))], torch_installed=True).policy
+    >>> advise_float8([DeviceInfo("torch", "cuda", 0, "H100", (9, 0))], frameworks=["torch"]).policy
     'float8_tensorwise'
-    >>> advise_float8([], torch_installed=True).support
+    >>> advise_float8([], frameworks=["jax"]).support
     'emulated'
     """
-    if not torch_installed:
-        return Float8Advice("none", None, "PyTorch is not installed: polyamp's FP8 layers run on polyamp_torch.")
+    present = [name for name in FLOAT8_FRAMEWORKS if name in set(frameworks)]
+    if not present:
+        return Float8Advice(
+            "none",
+            None,
+            "none of PyTorch, Keras and JAX is installed: polyamp's FP8 layers run on polyamp_torch, "
+            "polyamp_keras and polyamp_jax.",
+        )
     known = [d for d in devices if d.kind == "cuda" and d.compute_capability is not None]
     if known:
         weakest = min(known, key=lambda d: d.compute_capability)
         cc = weakest.compute_capability
         where = f"{weakest.name} (compute capability {cc[0]}.{cc[1]})"
-        if cc >= MX_NATIVE:
+        if cc >= MX_NATIVE and present != ["keras"]:
             return Float8Advice(
                 "native",
                 "mixed_bfloat16+mxfp8",
                 f"{where} has FP8 and MX tensor cores: MXFP8 (32-value blocks, E8M0 scales) keeps bfloat16's "
-                "accuracy closest; 'float8_tensorwise' is the fallback.",
+                "accuracy closest; 'float8_tensorwise' is the fallback (and Keras's choice: it runs no MX yet).",
             )
         if cc >= NATIVE:
             return Float8Advice(
@@ -89,10 +101,11 @@ def advise_float8(devices: Iterable[Any], *, torch_installed: bool) -> Float8Adv
             f"{where} has no FP8 tensor cores (they need compute capability >= 8.9): the FP8 recipes run "
             "emulated in float32, slower than bfloat16.",
         )
+    names = ", ".join(FLOAT8_FRAMEWORKS[name] for name in present)
     return Float8Advice(
         "emulated",
         None,
-        "without a CUDA device the FP8 recipes run on the CPU through torch._scaled_mm with the values a GPU computes "
+        f"without a CUDA device the FP8 recipes run on the CPU ({names}) with the values a GPU computes "
         "(to test a recipe), but no faster than the 16-bit policy.",
     )
 
