@@ -66,7 +66,7 @@ def test_lossscaler_or_lossscaleoptimizer_in_two_lines() -> None:
 def test_every_cell_of_the_support_table_links_to_its_evidence_or_says_not_tested() -> None:
     header, *rows = _table(_section("What is tested where"))
     assert header[1:] == ["float16, loss scaling", "bfloat16, guard", "CPU", "CUDA", "compiled", "distributed"]
-    assert [row[0].split()[0] for row in rows] == ["PyTorch", "Lightning,", "Keras", "TensorFlow", "JAX:"]
+    assert [row[0].split()[0] for row in rows] == ["PyTorch", "Lightning,", "Keras", "TensorFlow", "JAX:", "FP8"]
     for row in rows:
         for cell in row[1:]:
             links = re.findall(r"\]\(([^)]+)\)", cell)
