@@ -33,7 +33,10 @@ ORDER = (
     "jax-cuda",
     "gpu-conformance",
 )
+#: The command of a target that is not a `benchmarks/run.py` target.
+COMMANDS = {"fp8-training": "python benchmarks/fp8_training.py", "fp8-gpu": "python benchmarks/fp8_gpu.py"}
 TITLES = {
+    "fp8-gpu": "FP8 on an H100/H200: GPT blocks, torch.compile, vs bfloat16 and torchao",
     "training-state": "Training-state plans: AdamW on a small GPT, bfloat16 weights (CPU)",
     "gpu-syncs": "Host-device synchronisations per training step (CUDA)",
     "gpu-cuda-graph": "CUDA-graph capture of a training step (capturable Adam, fused and foreach)",
@@ -155,7 +158,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         payload = results.get(target)
         if payload is None:
             title = TITLES.get(target, target)
-            sections.append(f"## {title}\n\nNot yet measured: `python benchmarks/run.py {target}`.\n")
+            command = COMMANDS.get(target, f"python benchmarks/run.py {target}")
+            sections.append(f"## {title}\n\nNot yet measured: `{command}`.\n")
             continue
         body = [f"## {payload['title']}", "", f"`{payload['command']}`", "", _environment(payload["environment"]), ""]
         for table in payload["tables"]:
@@ -194,6 +198,18 @@ SUMMARY: dict[str, tuple[str, list[tuple[int, str, str]]]] = {
         "jitted JAX step: `polyamp_jax.loss_scaled` vs a hand-written jmp-style step (target <= 1.02x)",
         [(0, "polyamp", "polyamp (`cast_to_compute` + `loss_scaled`)")],
     ),
+    "fp8": (
+        "FP8 CPU step (GPT, tensorwise and rowwise) vs torchao's conversion of the same model",
+        [
+            (0, "polyamp", "polyamp, the whole model in bfloat16 as torchao's"),
+            (0, "polyamp mixed", "`mixed_bfloat16+...`"),
+        ],
+    ),
+    "fp8-training": (
+        "FP8 recipes vs bfloat16: final loss of a 2,000-step GPT run (target <= 1.02x)",
+        [(0, "vs bfloat16, seed 0", "seed 0"), (0, "vs bfloat16, seed 1", "seed 1")],
+    ),
+    "fp8-gpu": ("FP8 on an H100/H200 vs bfloat16 and torchao (`python benchmarks/fp8_gpu.py`)", []),
     "gpu-recipe": (
         "AMP recipe on a GPU (3 x Linear 4096, batch 512, SGD): polyamp vs `torch.autocast` + `GradScaler`",
         [(0, "vs native", "polyamp")],
