@@ -307,6 +307,51 @@ def test_dynamic_dense_forward_and_backward_follow_the_reference(preset: str, ba
     assert _numpy(grad_kernel).dtype == np.float32
 
 
+# -- MX, emulated ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rounding", ["floor", "rceil"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_mx_casts_equal_the_reference_bitwise(fmt: str, rounding: str) -> None:
+    recipe = polyamp.Policy(f"mxfp8[mx_rounding={rounding}]").float8
+    x = (np.random.default_rng(12).normal(size=(8, 80)) * np.logspace(-45, 3, 80)).astype("float32")  # 2.5 blocks
+    x[2, :32] = 0.0
+    x[3, 5] = np.nan
+    got = _numpy(_float8._mx_dequantized(ops.convert_to_tensor(x), ref.fp8.FORMATS[fmt], recipe, "float32"))
+    want = ref._dequantized(x, fmt, recipe, None).astype(np.float32)
+    nan_block = np.zeros(x.shape, bool)
+    nan_block[3, :32] = True
+    assert np.array_equal(got[~nan_block], want[~nan_block]) and not np.isnan(got[~nan_block]).any()
+    assert np.isnan(got[nan_block]).all()  # E8M0's NaN scale makes the whole block NaN, as in polyamp_torch
+
+
+def test_mx_dense_forward_and_backward_follow_the_reference() -> None:
+    keras.utils.set_random_seed(0)
+    model = polyamp_keras.apply_policy(
+        keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, use_bias=False)]), "float32+mxfp8"
+    )
+    layer = _inner(model).layers[0]
+    assert isinstance(layer, polyamp_keras.Float8Dense)
+    rng = np.random.default_rng(13)
+    x = rng.normal(size=(16, 64)).astype("float32")  # M=16: the grad-weight's blocks are zero-padded
+    g = rng.normal(size=(16, 32)).astype("float32")
+    xt = keras.Variable(x, trainable=True, autocast=False)
+    gt = ops.convert_to_tensor(g)
+    loss_fn = lambda: ops.sum(ops.cast(layer(xt, training=True), "float32") * gt)  # noqa: E731
+    _, (grad_kernel, grad_x) = gradients(loss_fn, [layer._kernel, xt], keras.optimizers.SGD(), scaled=False)
+    want = ref.linear(x, _numpy(layer._kernel).T, g, layer.float8_recipe)
+    got = {
+        "output": _numpy(layer(x, training=True)),
+        "grad_input": _numpy(grad_x),
+        "grad_weight": _numpy(grad_kernel).T,
+    }
+    for name, value in got.items():  # a float32 matmul of the reference's operands
+        assert value.dtype == np.float32
+        np.testing.assert_allclose(value, want[name], rtol=0, atol=2.0**-18 * np.abs(want[name]).max(), err_msg=name)
+    flat = polyamp.Policy("float32+float8_tensorwise").float8
+    assert not np.allclose(ref.linear(x, _numpy(layer._kernel).T, g, flat)["output"], got["output"], rtol=0, atol=1e-6)
+
+
 # -- which layers, and what is refused ---------------------------------------------------------------------
 
 
@@ -332,11 +377,13 @@ def _dense_model() -> Any:
     return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32), keras.layers.Dense(16)])
 
 
-def test_mx_recipes_are_refused_and_the_model_left_unchanged() -> None:
-    model = _dense_model()
-    with pytest.raises(InvalidPolicyError, match=r"MX recipes .*'mxfp8'.* do not run on Keras yet.*float8_delayed"):
+def test_mx_recipes_are_refused_on_einsum_dense_and_the_model_left_unchanged() -> None:
+    model = keras.Sequential(
+        [keras.Input((32,)), keras.layers.EinsumDense("ab,bc->ac", output_shape=32), keras.layers.Dense(32)]
+    )
+    with pytest.raises(InvalidPolicyError, match=r"EinsumDense layer 'einsum_dense.*'mxfp8'.*mxfp8\[skip="):
         polyamp_keras.apply_policy(model, "mxfp8")
-    assert [type(layer) for layer in model.layers] == [keras.layers.Dense, keras.layers.Dense]
+    assert [type(layer) for layer in model.layers] == [keras.layers.EinsumDense, keras.layers.Dense]
     assert model.layers[0].dtype_policy.name == "float32"
 
 
