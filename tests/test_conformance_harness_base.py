@@ -236,7 +236,16 @@ FIRST_PARTY = {
         "float8_delayed",
     },
     "tensorflow": {"op_dtype", "model_dtypes", "trainer", "loop", "tiny_gradient", "passes_loss_through"},
-    "keras": {"op_dtype", "model_dtypes", "trainer", "tiny_gradient", "passes_loss_through", "precision"},
+    "keras": {
+        "op_dtype",
+        "model_dtypes",
+        "trainer",
+        "tiny_gradient",
+        "passes_loss_through",
+        "precision",
+        "float8_linear",
+        "float8_delayed",
+    },
     "jax": {"op_dtype", "model_dtypes", "trainer", "functional", "precision"},
 }
 

@@ -9,6 +9,8 @@ PyTorch in subprocesses.
 
 from __future__ import annotations
 
+import copy
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +23,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 
 import polyamp  # noqa: E402
 import polyamp_keras  # noqa: E402
-from polyamp import InvalidPolicyError, PolyampValueError  # noqa: E402
+from polyamp import Float8Recipe, InvalidPolicyError, PolyampValueError  # noqa: E402
 from polyamp._src import float8_reference as ref  # noqa: E402
 from polyamp_keras import _float8  # noqa: E402
 from polyamp_keras.testing import apply, gradients, keras_backend  # noqa: E402
@@ -305,6 +307,51 @@ def test_dynamic_dense_forward_and_backward_follow_the_reference(preset: str, ba
     assert _numpy(grad_kernel).dtype == np.float32
 
 
+# -- MX, emulated ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rounding", ["floor", "rceil"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_mx_casts_equal_the_reference_bitwise(fmt: str, rounding: str) -> None:
+    recipe = polyamp.Policy(f"mxfp8[mx_rounding={rounding}]").float8
+    x = (np.random.default_rng(12).normal(size=(8, 80)) * np.logspace(-45, 3, 80)).astype("float32")  # 2.5 blocks
+    x[2, :32] = 0.0
+    x[3, 5] = np.nan
+    got = _numpy(_float8._mx_dequantized(ops.convert_to_tensor(x), ref.fp8.FORMATS[fmt], recipe, "float32"))
+    want = ref._dequantized(x, fmt, recipe, None).astype(np.float32)
+    nan_block = np.zeros(x.shape, bool)
+    nan_block[3, :32] = True
+    assert np.array_equal(got[~nan_block], want[~nan_block]) and not np.isnan(got[~nan_block]).any()
+    assert np.isnan(got[nan_block]).all()  # E8M0's NaN scale makes the whole block NaN, as in polyamp_torch
+
+
+def test_mx_dense_forward_and_backward_follow_the_reference() -> None:
+    keras.utils.set_random_seed(0)
+    model = polyamp_keras.apply_policy(
+        keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, use_bias=False)]), "float32+mxfp8"
+    )
+    layer = _inner(model).layers[0]
+    assert isinstance(layer, polyamp_keras.Float8Dense)
+    rng = np.random.default_rng(13)
+    x = rng.normal(size=(16, 64)).astype("float32")  # M=16: the grad-weight's blocks are zero-padded
+    g = rng.normal(size=(16, 32)).astype("float32")
+    xt = keras.Variable(x, trainable=True, autocast=False)
+    gt = ops.convert_to_tensor(g)
+    loss_fn = lambda: ops.sum(ops.cast(layer(xt, training=True), "float32") * gt)  # noqa: E731
+    _, (grad_kernel, grad_x) = gradients(loss_fn, [layer._kernel, xt], keras.optimizers.SGD(), scaled=False)
+    want = ref.linear(x, _numpy(layer._kernel).T, g, layer.float8_recipe)
+    got = {
+        "output": _numpy(layer(x, training=True)),
+        "grad_input": _numpy(grad_x),
+        "grad_weight": _numpy(grad_kernel).T,
+    }
+    for name, value in got.items():  # a float32 matmul of the reference's operands
+        assert value.dtype == np.float32
+        np.testing.assert_allclose(value, want[name], rtol=0, atol=2.0**-18 * np.abs(want[name]).max(), err_msg=name)
+    flat = polyamp.Policy("float32+float8_tensorwise").float8
+    assert not np.allclose(ref.linear(x, _numpy(layer._kernel).T, g, flat)["output"], got["output"], rtol=0, atol=1e-6)
+
+
 # -- which layers, and what is refused ---------------------------------------------------------------------
 
 
@@ -330,11 +377,13 @@ def _dense_model() -> Any:
     return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32), keras.layers.Dense(16)])
 
 
-def test_mx_recipes_are_refused_and_the_model_left_unchanged() -> None:
-    model = _dense_model()
-    with pytest.raises(InvalidPolicyError, match=r"MX recipes .*'mxfp8'.* do not run on Keras yet.*float8_delayed"):
+def test_mx_recipes_are_refused_on_einsum_dense_and_the_model_left_unchanged() -> None:
+    model = keras.Sequential(
+        [keras.Input((32,)), keras.layers.EinsumDense("ab,bc->ac", output_shape=32), keras.layers.Dense(32)]
+    )
+    with pytest.raises(InvalidPolicyError, match=r"EinsumDense layer 'einsum_dense.*'mxfp8'.*mxfp8\[skip="):
         polyamp_keras.apply_policy(model, "mxfp8")
-    assert [type(layer) for layer in model.layers] == [keras.layers.Dense, keras.layers.Dense]
+    assert [type(layer) for layer in model.layers] == [keras.layers.EinsumDense, keras.layers.Dense]
     assert model.layers[0].dtype_policy.name == "float32"
 
 
@@ -366,6 +415,118 @@ def test_dynamic_layers_save_and_load_with_their_recipe(tmp_path: Path) -> None:
     loaded = keras.models.load_model(path)
     assert _inner(loaded).layers[0].float8_recipe == polyamp.Policy("float8_rowwise").float8
     np.testing.assert_array_equal(_numpy(loaded(x)), _numpy(model(x)))
+
+
+# -- delayed scaling's state dict ---------------------------------------------------------------------------
+
+
+def _linear_steps(model: Any, xs: list[np.ndarray], upstreams: list[np.ndarray]) -> None:
+    """Training steps of ``model`` whose output's gradient is ``upstream`` (the loss ``sum(out * upstream)``),
+    the weights kept (SGD at learning rate 0): only delayed scaling's state moves."""
+    optimizer = keras.optimizers.SGD(0.0)
+    variables = list(model.trainable_variables)
+    optimizer.build(variables)
+    for x, upstream in zip(xs, upstreams, strict=True):
+        xb, ub = ops.convert_to_tensor(x), ops.convert_to_tensor(upstream)
+
+        def loss(xb: Any = xb, ub: Any = ub) -> Any:
+            return ops.sum(ops.cast(model(xb, training=True), "float32") * ub)
+
+        _, grads = gradients(loss, variables, optimizer, scaled=False)
+        apply(optimizer, list(grads), variables)
+
+
+def test_the_float8_state_dict_is_plain_data_that_loads_into_a_fresh_model() -> None:
+    _, ours = _pair("mixed_bfloat16", spec="float8_delayed[amax_history_length=8]")
+    x, y = _data(5)
+    ours.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    ours.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    state = polyamp_keras.float8_state_dict(ours)
+    assert json.loads(json.dumps(state)) == state
+    assert state["format"] == "polyamp.float8/1" and Float8Recipe.from_dict(state["recipe"]).amax_history_length == 8
+    dense = _inner(ours).layers[1]
+    assert list(state["layers"]) == [layer.name for layer in _inner(ours).layers]
+    assert (
+        state["layers"][dense.name]["grad_output"]["amax_history"] == _numpy(dense.outputs_grad_amax_history).tolist()
+    )
+    assert state["layers"][dense.name]["weight"]["scale"] == float(_numpy(dense.kernel_scale))
+
+    with polyamp.policy_scope("mixed_bfloat16"):
+        fresh = _mlp(4)
+    resumed = polyamp_keras.apply_policy(fresh, "mixed_bfloat16+float8_delayed[amax_history_length=8]")
+    for layer, source in zip(_inner(resumed).layers, _inner(ours).layers, strict=True):
+        layer.kernel.assign(source.kernel)
+        layer.bias.assign(source.bias)
+    renamed = {new.name: state["layers"][old.name] for new, old in zip(fresh.layers, _inner(ours).layers, strict=True)}
+    polyamp_keras.load_float8_state_dict(resumed, {**state, "layers": renamed})
+    ours_weights = _weights(_inner(ours))
+    _assert_bitwise(_weights(_inner(resumed)), ours_weights)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda s: s.update(format="other"), "format 'polyamp.float8/1'"),
+        (lambda s: s["layers"].pop("second"), r"missing \['second'\], unknown \[\]"),
+        (lambda s: s["layers"]["first"]["input"].update(amax_history=[0.0] * 3), "amax history of 3 values"),
+        (lambda s: s["layers"]["second"]["weight"].update(scale=0.0), "finite scale > 0"),
+        (lambda s: s["layers"]["second"]["grad_output"].update(scale=float("nan")), "finite scale > 0"),
+    ],
+)
+def test_a_bad_float8_state_dict_is_refused_and_nothing_is_loaded(change: Any, match: str) -> None:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(32, name="first"), keras.layers.Dense(16, name="second")]
+    )
+    model = polyamp_keras.apply_policy(model, "float8_delayed[amax_history_length=4]")
+    x, _ = _data(6, 16)
+    _linear_steps(_inner(model), [x], [np.ones((16, 16), np.float32)])
+    state = copy.deepcopy(polyamp_keras.float8_state_dict(model))
+    before = _weights(_inner(model))
+    state["layers"]["first"]["input"]["scale"] = 2.0  # a change that would show if anything were loaded
+    change(state)
+    with pytest.raises(polyamp.StateDictError, match=match):
+        polyamp_keras.load_float8_state_dict(model, state)
+    _assert_bitwise(_weights(_inner(model)), before)
+    with pytest.raises(PolyampValueError, match="dynamic recipes keep no state"):
+        polyamp_keras.float8_state_dict(polyamp_keras.apply_policy(_dense_model(), "float8_tensorwise"))
+
+
+def test_a_torch_run_resumes_on_keras_bitwise() -> None:
+    # The state depends on the operands only; the weights stay in the continued steps because the two
+    # frameworks' FP8 matmuls round their products differently, which would move the weights apart.
+    torch = pytest.importorskip("torch")
+    polyamp_torch = pytest.importorskip("polyamp_torch")
+    policy = "float32+float8_delayed[amax_history_length=4]"
+    rng = np.random.default_rng(8)
+    xs = [rng.normal(size=(16, 64)).astype(np.float32) * (30.0 if i == 4 else 1.0) for i in range(6)]
+    upstreams = [rng.normal(size=(16, 32)).astype(np.float32) for _ in range(6)]
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32, bias=False)
+    torch_model = polyamp_torch.apply_policy(torch.nn.Sequential(linear), policy)
+    optimizer = torch.optim.SGD(torch_model.parameters(), lr=0.1)
+
+    def torch_step(x: np.ndarray, upstream: np.ndarray) -> None:
+        optimizer.zero_grad()
+        torch_model(torch.from_numpy(x)).backward(torch.from_numpy(upstream))
+        optimizer.step()
+
+    for x, upstream in zip(xs[:3], upstreams[:3], strict=True):
+        torch_step(x, upstream)
+    saved = polyamp_torch.float8_state_dict(torch_model)
+    kernel = linear.weight.detach().numpy().T.copy()
+    optimizer.param_groups[0]["lr"] = 0.0
+    for x, upstream in zip(xs[3:], upstreams[3:], strict=True):
+        torch_step(x, upstream)
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, use_bias=False, name="dense")])
+    model = polyamp_keras.apply_policy(model, policy)
+    _inner(model).layers[0].kernel.assign(kernel)
+    polyamp_keras.load_float8_state_dict(model, {**saved, "layers": {"dense": saved["layers"]["0"]}})
+    _linear_steps(_inner(model), xs[3:], upstreams[3:])
+    expected = polyamp_torch.float8_state_dict(torch_model)
+    assert polyamp_keras.float8_state_dict(model)["layers"] == {"dense": expected["layers"]["0"]}
+    assert expected["layers"]["0"] != saved["layers"]["0"]  # the steps moved the state
 
 
 # -- the other backends, in subprocesses -------------------------------------------------------------------

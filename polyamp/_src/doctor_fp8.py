@@ -59,8 +59,7 @@ FLOAT8_FRAMEWORKS: Final = {"torch": "PyTorch", "keras": "Keras", "jax": "JAX"}
 
 def advise_float8(devices: Iterable[Any], *, frameworks: Iterable[str]) -> Float8Advice:
     """The FP8 advice for these devices (`polyamp._src.doctor.DeviceInfo`) and installed ``frameworks``
-    (names among ``"torch"``, ``"keras"``, ``"jax"``); the rule is in this module's docstring. MX is advised
-    only where a framework running it (PyTorch, JAX) is installed.
+    (names among ``"torch"``, ``"keras"``, ``"jax"``); the rule is in this module's docstring.
 
     >>> from polyamp._src.doctor import DeviceInfo
     >>> advise_float8([DeviceInfo("torch", "cuda", 0, "H100", (9, 0))], frameworks=["torch"]).policy
@@ -81,12 +80,12 @@ def advise_float8(devices: Iterable[Any], *, frameworks: Iterable[str]) -> Float
         weakest = min(known, key=lambda d: d.compute_capability)
         cc = weakest.compute_capability
         where = f"{weakest.name} (compute capability {cc[0]}.{cc[1]})"
-        if cc >= MX_NATIVE and present != ["keras"]:
+        if cc >= MX_NATIVE:
             return Float8Advice(
                 "native",
                 "mixed_bfloat16+mxfp8",
                 f"{where} has FP8 and MX tensor cores: MXFP8 (32-value blocks, E8M0 scales) keeps bfloat16's "
-                "accuracy closest; 'float8_tensorwise' is the fallback (and Keras's choice: it runs no MX yet).",
+                "accuracy closest; 'float8_tensorwise' is the fallback.",
             )
         if cc >= NATIVE:
             return Float8Advice(

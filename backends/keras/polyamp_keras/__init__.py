@@ -22,7 +22,9 @@ PyTorch).
 * `PolicyOverridesMap` - per-layer overrides (``polyamp.set_policy(..., overrides=...)``) as a Keras
   ``DTypePolicyMap``; it survives ``model.save`` / ``keras.models.load_model``.
 * `Float8Dense`, `Float8EinsumDense` - what `apply_policy` makes of ``Dense`` and ``EinsumDense`` layers under
-  a policy with an FP8 recipe (``"mixed_bfloat16+float8_delayed"``): their matmuls in FP8.
+  a policy with an FP8 recipe (``"mixed_bfloat16+float8_delayed"``): their matmuls in FP8;
+  `float8_state_dict` / `load_float8_state_dict` - delayed scaling's state in the form every polyamp backend
+  reads.
 * `watch_forward` - which layer first produced an inf or NaN in an eager forward pass.
 * `PrecisionOptimizer` - the training state a policy plans (a float32 master copy, the optimizer state's
   dtype, stochastic or Kahan-compensated writes into bfloat16 weights) around any Keras optimizer;
@@ -44,6 +46,7 @@ from polyamp_keras._callbacks import LossScaleCallback
 from polyamp_keras._compile import restore_polyamp_compiles
 from polyamp_keras._device import KerasDevice
 from polyamp_keras._float8 import Float8Dense, Float8EinsumDense
+from polyamp_keras._float8_state import float8_state_dict, load_float8_state_dict
 from polyamp_keras._follow import follow_polyamp_policy
 from polyamp_keras._functional import KerasFunctional
 from polyamp_keras._models import FLOAT32_LAYERS, LAYER_OPS, apply_policy, op_output_dtype
@@ -73,7 +76,9 @@ __all__ = [
     "PrecisionOptimizer",
     "apply_policy",
     "cast_outputs",
+    "float8_state_dict",
     "follow_polyamp_policy",
+    "load_float8_state_dict",
     "measure_state_bytes",
     "op_output_dtype",
     "to_keras_policy",

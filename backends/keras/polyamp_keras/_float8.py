@@ -14,6 +14,9 @@ stay). The casts are the core's device rules (`polyamp.backend_api.rules.fp8`) o
   matmul's operands are cast with scales from their own amaxes (per tensor, or per row along the contracted
   axis), the float32 kernel is cast (not its compute-dtype copy), the dequantized values are multiplied in
   float32 and the result is given in the compute dtype. ``EinsumDense`` takes the tensorwise recipe.
+* MX (``mxfp8``) runs emulated on ``Dense``, as ``polyamp_torch`` runs it: each matmul's operands are cast to
+  FP8 in blocks of 32 along the contracted axis sharing an E8M0 exponent (zero-padded to whole blocks) and
+  back, and multiplied in the compute dtype.
 """
 
 from __future__ import annotations
@@ -34,8 +37,7 @@ __all__ = ["Float8Dense", "Float8EinsumDense", "convert_layers", "plan_layers"]
 
 ops = keras.ops
 _ROLES = ("input", "weight", "grad_output")
-#: The recipes each layer class runs, for the error naming them.
-_DENSE_RECIPES = ("float8_tensorwise", "float8_rowwise", "float8_rowwise_gw_hp", "float8_delayed")
+#: The recipes ``EinsumDense`` runs, for the error naming them (``Dense`` runs every recipe).
 _EINSUM_RECIPES = ("float8_tensorwise", "float8_delayed")
 
 
@@ -58,6 +60,22 @@ def _current_dequantized(x: Any, fmt: fp8.Float8Format, axis: int | None, power_
     operand ``torch._scaled_mm`` multiplies."""
     cast, scale = current_cast(ops.stop_gradient(x), fmt, axis, power_of_two)
     return ops.cast(cast, "float32") * ops.divide(ops.ones_like(scale), scale)
+
+
+def _mx_dequantized(x: Any, fmt: fp8.Float8Format, recipe: Float8Recipe, dtype: str) -> Any:
+    """``x`` (2-D) cast to MX along its last axis (zero-padded to whole blocks) and back, in ``dtype``: the
+    values scaled by their blocks' E8M0 exponents (NaN for a block holding NaN), cast, and multiplied back."""
+    x = ops.cast(ops.stop_gradient(x), "float32")
+    rows, columns = (int(n) for n in x.shape)
+    block = recipe.mx_block
+    pad = -columns % block
+    wide = ops.pad(x, [[0, 0], [0, pad]]) if pad else x
+    exponents, scaled = fp8.mx_scaled(OPS, wide, fmt, block=block, rounding=recipe.mx_rounding)
+    values = ops.cast(fp8.saturating_cast(OPS, scaled, fmt), "float32")
+    exponents = ops.cast(exponents, "float32")
+    scale = ops.where(exponents == 255.0, ops.full_like(exponents, float("nan")), OPS.exp2(exponents - 127.0))
+    blocks = ops.reshape(values, (rows, (columns + pad) // block, block)) * ops.expand_dims(scale, -1)
+    return ops.cast(ops.reshape(blocks, (rows, columns + pad))[:, :columns], dtype)
 
 
 def _delayed_dequantized(x: Any, scale: Any, fmt: fp8.Float8Format, compute_dtype: str) -> Any:
@@ -119,6 +137,36 @@ def _dynamic_matmul(x: Any, kernel: Any, recipe: Float8Recipe) -> Any:
             return ops.cast(grad_input, x.dtype), ops.cast(grad_weight, kernel.dtype)
 
         return ops.cast(out, x.dtype), grad
+
+    return matmul(x, kernel)
+
+
+def _mx_matmul(x: Any, kernel: Any, recipe: Float8Recipe) -> Any:
+    """``x @ kernel`` (``x`` 2-D in the compute dtype, ``kernel`` ``(in, out)``) with MX casts along each
+    matmul's contracted axis, emulated in the compute dtype as ``polyamp_torch`` runs MX."""
+    fx, fw, fg = (_format(recipe, role) for role in _ROLES)
+
+    @ops.custom_gradient  # type: ignore[untyped-decorator]
+    def matmul(x: Any, kernel: Any) -> tuple[Any, Any]:
+        dtype = x.dtype
+        weight = ops.transpose(ops.cast(kernel, dtype))  # (out, in), rounded to the compute dtype first
+        out = ops.matmul(
+            _mx_dequantized(x, fx, recipe, dtype), ops.transpose(_mx_dequantized(weight, fw, recipe, dtype))
+        )
+
+        def grad(*args: Any, upstream: Any = None, variables: Any = None) -> tuple[Any, Any]:
+            g = ops.cast(_upstream(args, upstream), dtype)
+            grad_input = ops.matmul(
+                _mx_dequantized(g, fg, recipe, dtype),
+                ops.transpose(_mx_dequantized(ops.transpose(weight), fw, recipe, dtype)),
+            )
+            grad_kernel = ops.matmul(
+                _mx_dequantized(ops.transpose(x), fx, recipe, dtype),
+                ops.transpose(_mx_dequantized(ops.transpose(g), fg, recipe, dtype)),
+            )
+            return grad_input, ops.cast(grad_kernel, kernel.dtype)
+
+        return out, grad
 
     return matmul(x, kernel)
 
@@ -242,7 +290,8 @@ class Float8Dense(_Float8Layer, keras.layers.Dense):  # type: ignore[misc]
             raise PolyampValueError(f"Float8Dense {self.name!r} cannot run with LoRA enabled; disable it first.")
         shape = ops.shape(inputs)
         flat = ops.reshape(inputs, (-1, shape[-1]))
-        out = _dynamic_matmul(flat, self._float32_kernel(), self.float8_recipe)
+        matmul = _mx_matmul if self.float8_recipe.granularity == "mx" else _dynamic_matmul
+        out = matmul(flat, self._float32_kernel(), self.float8_recipe)
         x = ops.reshape(out, (*shape[:-1], self.units))
         if self.bias is not None:
             x = ops.add(x, self.bias)
@@ -373,7 +422,7 @@ def plan_layers(layers: list[tuple[str, Any, Float8Recipe | None]]) -> list[tupl
     ``Dense`` or ``EinsumDense`` takes its recipe unless the recipe skips it.
 
     Raises:
-        InvalidPolicyError: an MX recipe, or a rowwise recipe for an ``EinsumDense``.
+        InvalidPolicyError: a rowwise or MX recipe for an ``EinsumDense``.
         PolyampValueError: an eligible layer that is not built, or a delayed-scaling layer given another
             recipe.
     """
@@ -381,11 +430,6 @@ def plan_layers(layers: list[tuple[str, Any, Float8Recipe | None]]) -> list[tupl
     for name, layer, recipe in layers:
         if type(layer) not in _FLOAT8 and type(layer) not in _PLAIN:
             continue
-        if recipe is not None and recipe.granularity == "mx":
-            raise InvalidPolicyError(
-                f"MX recipes ({recipe.spec!r}) do not run on Keras yet. Keras's Dense layers take "
-                f"{', '.join(_DENSE_RECIPES)}; EinsumDense layers take {', '.join(_EINSUM_RECIPES)}."
-            )
         own = recipe if recipe is not None and skip_reason(layer, name, recipe) is None else None
         _check(name, layer, own)
         plan.append((layer, own))

@@ -270,20 +270,7 @@ def apply_policy(
     override_map = polyamp.get_policy_setting().overrides if overrides is None else PolicyOverrides(overrides)
     inner = _unwrap(model)
 
-    nodes: list[tuple[str, Any, Any]] = []  # (path within the model, layer, parent), each layer once
-    seen = {id(inner)}
-    children_of: dict[int, list[Any]] = {}
-    pending: list[tuple[Any, str]] = [(inner, "")]
-    while pending:
-        parent, prefix = pending.pop(0)
-        children_of[id(parent)] = _children(parent)
-        for child in children_of[id(parent)]:
-            if id(child) in seen:
-                continue
-            seen.add(id(child))
-            path = f"{prefix}/{child.name}" if prefix else child.name
-            nodes.append((path, child, parent))
-            pending.append((child, path))
+    nodes, children_of = _walk(inner)
 
     keep_ids, keep_patterns = _parse_keep_float32(keep_float32, nodes)
     effective: dict[int, Policy] = {id(inner): root_policy}
@@ -319,6 +306,32 @@ def apply_policy(
     if not _rebuilds(inner):
         return inner  # its own class: modified in place, its API (methods, compile, train_step) kept
     return _with_output_cast(inner, root_policy)
+
+
+def _walk(inner: Any) -> tuple[list[tuple[str, Any, Any]], dict[int, list[Any]]]:
+    """Each layer below ``inner`` once, breadth first, as ``(path within the model, layer, parent)``; and the
+    children of each layer by its id."""
+    nodes: list[tuple[str, Any, Any]] = []
+    seen = {id(inner)}
+    children_of: dict[int, list[Any]] = {}
+    pending: list[tuple[Any, str]] = [(inner, "")]
+    while pending:
+        parent, prefix = pending.pop(0)
+        children_of[id(parent)] = _children(parent)
+        for child in children_of[id(parent)]:
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            path = f"{prefix}/{child.name}" if prefix else child.name
+            nodes.append((path, child, parent))
+            pending.append((child, path))
+    return nodes, children_of
+
+
+def layer_paths(model: Any) -> list[tuple[str, Any]]:
+    """Each layer of ``model`` (inside an `apply_policy` result) by its path within the model, the names
+    `apply_policy`'s patterns and the FP8 recipe's skip patterns match."""
+    return [(path, layer) for path, layer, _ in _walk(_unwrap(model))[0]]
 
 
 def _parse_keep_float32(keep_float32: Any, nodes: list[tuple[str, Any, Any]]) -> tuple[set[int], list[str]]:

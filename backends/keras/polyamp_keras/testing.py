@@ -11,16 +11,17 @@ on JAX, the whole step compiled with ``jax.jit`` as ``fit`` compiles it.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 import polyamp
-from polyamp import Policy
+from polyamp import Float8Recipe, Policy
 from polyamp.conformance import HarnessBase, HarnessUnavailable, TrainerBase, TrainerSettings
+from polyamp_keras._float8_state import float8_state_dict, load_float8_state_dict
 from polyamp_keras._keras import keras
-from polyamp_keras._models import op_output_dtype
+from polyamp_keras._models import apply_policy, op_output_dtype
 from polyamp_keras._optimizer import LossScaleOptimizer
 from polyamp_keras._outputs import cast_outputs
 from polyamp_keras._precision import PrecisionOptimizer
@@ -317,3 +318,55 @@ class KerasHarness(HarnessBase):
     def passes_loss_through(self, scaler: Any) -> bool:
         loss = ops.convert_to_tensor(1.5)
         return scaler.scale_loss(loss) is loss
+
+    def _float8_model(self, recipe: Float8Recipe, weight: np.ndarray) -> Any:
+        """One ``Dense`` layer named ``"layer"`` holding ``weight`` (out, in) as its kernel, under ``recipe``
+        with float32 compute."""
+        layer = keras.layers.Dense(weight.shape[0], use_bias=False, name="layer")
+        model = keras.Sequential([keras.Input((weight.shape[1],)), layer])
+        layer.kernel.assign(weight.T)
+        return apply_policy(model, Policy("float32").replace(float8=recipe))
+
+    def _float8_grads(self, model: Any, inputs: Any, upstream: np.ndarray, variables: list[Any]) -> list[Any]:
+        """The gradients for ``variables`` of ``sum(model(inputs) * upstream)``, in a training call."""
+        grad = ops.convert_to_tensor(upstream)
+        _, grads = gradients(
+            lambda: ops.sum(model(inputs, training=True) * grad), variables, keras.optimizers.SGD(0.0), scaled=False
+        )
+        return list(grads)
+
+    def float8_linear(
+        self, recipe: Float8Recipe, x: np.ndarray, weight: np.ndarray, upstream: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        model = self._float8_model(recipe, weight)
+        kernel = model.layers[0].layers[0].kernel
+        inputs = keras.Variable(x, trainable=True, autocast=False)
+        grad_kernel, grad_input = self._float8_grads(model, inputs, upstream, [kernel, inputs])
+        return {
+            "output": _numpy(model(x)).astype(np.float32),
+            "grad_input": _numpy(grad_input).astype(np.float32),
+            "grad_weight": _numpy(grad_kernel).T.astype(np.float32),
+        }
+
+    def float8_delayed(
+        self,
+        recipe: Float8Recipe,
+        xs: Sequence[np.ndarray],
+        weight: np.ndarray,
+        upstreams: Sequence[np.ndarray],
+        state: Mapping[str, Any] | None,
+    ) -> tuple[list[np.ndarray], dict[str, Any]]:
+        model = self._float8_model(recipe, weight)
+        if state is not None:
+            load_float8_state_dict(model, dict(state))
+        # The weight stays: SGD at learning rate 0 writes delayed scaling's new scales and histories (their
+        # "gradients", Keras's overwrite_with_gradient) and leaves the kernel as it is.
+        optimizer = keras.optimizers.SGD(0.0)
+        variables = list(model.trainable_variables)
+        optimizer.build(variables)
+        outputs = []
+        for x, upstream in zip(xs, upstreams, strict=True):
+            # A forward outside training casts with the stored scales, as the training step's forward does.
+            outputs.append(_numpy(model(x, training=False)).astype(np.float32))
+            apply(optimizer, self._float8_grads(model, ops.convert_to_tensor(x), upstream, variables), variables)
+        return outputs, float8_state_dict(model)
