@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import json
 import subprocess
@@ -491,3 +492,20 @@ def test_records_of_mx_layers_equal_the_reference_counts(rounding: str) -> None:
 def test_the_policy_reports_its_recipe() -> None:
     model = polyamp_torch.apply_policy(mlp(), "float8_rowwise")
     assert polyamp_torch.module_policy(model).float8 == Float8Recipe.preset("float8_rowwise")
+
+
+@pytest.mark.parametrize("rounding", ["floor", "rceil"])
+def test_an_mx_block_holding_a_nan_comes_back_all_nan_on_the_device_and_in_the_reference(rounding: str) -> None:
+    # E8M0's exponent 255 is NaN: the block decodes to NaN whatever its FP8 values (floor leaves them finite).
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((4, 64)).astype(np.float32), rng.standard_normal((32, 64)).astype(np.float32)
+    x[0, 5] = np.nan
+    layer = torch.nn.Linear(64, 32, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(w))
+    polyamp_torch.apply_policy(torch.nn.Sequential(layer), f"float32+mxfp8[mx_rounding={rounding}]")
+    out = layer(torch.from_numpy(x)).detach().numpy()
+    recipe = dataclasses.replace(Float8Recipe.preset("mxfp8"), mx_rounding=rounding)
+    expected = ref.linear(x, w, np.ones((4, 32), np.float32), recipe)["output"]
+    assert np.isnan(out[0]).all() and np.isnan(expected[0]).all()
+    assert np.isfinite(out[1:]).all() and np.allclose(out[1:], expected[1:], rtol=1e-5, atol=1e-5)

@@ -99,7 +99,9 @@ def _dequantized(x: np.ndarray, fmt: str, recipe: Any, axis: int | None) -> np.n
         columns = x.shape[-1]
         padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -columns % recipe.mx_block)])  # whole blocks
         exponents, cast = mx_quantize(padded, fmt, block=recipe.mx_block, rounding=recipe.mx_rounding)
-        scale = np.exp2(exponents.astype(np.float64) - 127.0).repeat(recipe.mx_block, axis=-1)
+        # E8M0's 255 is NaN: a block holding a NaN comes back all NaN, as the MX format decodes it.
+        exponent = exponents.astype(np.float64)
+        scale = np.where(exponents == 255, np.nan, np.exp2(exponent - 127.0)).repeat(recipe.mx_block, axis=-1)
         return (cast.astype(np.float64) * scale)[..., :columns]
     scale = current_scale(x, fmt, axis=axis, power_of_two=recipe.power_of_two)
     return quantize(x, scale, fmt).astype(np.float64) / scale.astype(np.float64)
