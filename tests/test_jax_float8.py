@@ -221,6 +221,136 @@ def test_float8_dot_general_module_in_bfloat16_differs_from_flaxs() -> None:
     assert all(same_bits(value, flat_theirs[key]) for key, value in flat_ours.items())
 
 
+# -- delayed scaling's state in the form every backend reads ---------------------------------------------------
+
+HISTORY4 = "float32+float8_delayed[amax_history_length=4]"
+
+
+def test_float8_state_dict_reads_flaxs_variables_as_they_are_and_loads_them_back() -> None:
+    """Flax's history is newest first and its scale the dequantizing one, as the neutral form's: the values move
+    unchanged (the scale's shape (1,) becomes a number), and loading them into fresh variables gives the trained
+    ones bit for bit. Flax's own ``Fp8DirectDotGeneralOp`` keeps the same variables and gives the same dict."""
+    recipe = "float8_delayed[amax_history_length=16]"
+    ours, _ = _train(functools.partial(polyamp_jax.Float8DotGeneral, recipe=recipe), (8, 32), steps=3)
+    state = polyamp_jax.float8_state_dict(ours, recipe=recipe)
+    assert json.loads(json.dumps(state)) == state
+    assert state["format"] == "polyamp.float8/1" and Float8Recipe.from_dict(state["recipe"]).amax_history_length == 16
+    assert list(state["layers"]) == ["Dense_0", "Dense_1"]
+    held = ours[OWG]["Dense_1"]["Float8DotGeneral_0"]
+    assert state["layers"]["Dense_1"]["grad_output"] == {
+        "amax_history": np.asarray(held["output_grad_amax_history"]).tolist(),
+        "scale": float(held["output_grad_scale"][0]),
+    }
+    amaxes = [float(jnp.max(jnp.abs(data(10 + i, 8, 32, scale=10.0 ** (i % 3 - 1))))) for i in range(3)]
+    history = state["layers"]["Dense_0"]["input"]["amax_history"]
+    assert [history[0], *history[-2:]] == [amaxes[2], *amaxes[:2]]  # the newest first, then from the oldest
+    theirs, _ = _train(functools.partial(nn.Fp8DirectDotGeneralOp, amax_history_length=16), (8, 32), steps=3)
+    assert polyamp_jax.float8_state_dict(theirs, recipe=recipe) == state
+
+    fresh = _Mlp(functools.partial(polyamp_jax.Float8DotGeneral, recipe=recipe)).init(
+        jax.random.key(1), jnp.ones((8, 32))
+    )
+    loaded = polyamp_jax.load_float8_state_dict(fresh, state, recipe=recipe)
+    assert same_bits(loaded[OWG], ours[OWG]) and same_bits(loaded["params"], fresh["params"])
+    assert float(fresh[OWG]["Dense_0"]["Float8DotGeneral_0"]["input_scale"][0]) == 1.0  # fresh is left as it was
+    assert loaded[OWG]["Dense_0"]["Float8DotGeneral_0"]["input_scale"].shape == (1,)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda s: s.update(format="other"), "format 'polyamp.float8/1'"),
+        (lambda s: s["layers"].pop("Dense_1"), r"missing \['Dense_1'\], unknown \[\]"),
+        (lambda s: s["layers"]["Dense_0"]["input"].update(amax_history=[0.0] * 3), "amax history of 3 values"),
+        (lambda s: s["layers"]["Dense_0"]["weight"].update(scale=-1.0), "finite scale > 0"),
+    ],
+)
+def test_a_bad_float8_state_dict_is_refused_and_the_variables_are_unchanged(change: Any, match: str) -> None:
+    from polyamp import StateDictError
+
+    model = _Mlp(functools.partial(polyamp_jax.Float8DotGeneral, recipe=HISTORY4))
+    variables = model.init(jax.random.key(0), jnp.ones((4, 32)))
+    before = jax.tree_util.tree_map(np.array, variables)
+    state = polyamp_jax.float8_state_dict(variables, recipe=HISTORY4)
+    state["layers"]["Dense_0"]["input"]["scale"] = 2.0  # a change that would show if anything were loaded
+    change(state)
+    with pytest.raises(StateDictError, match=match):
+        polyamp_jax.load_float8_state_dict(variables, state, recipe=HISTORY4)
+    assert same_bits(variables, before)
+
+
+def test_float8_state_dict_names_what_it_needs() -> None:
+    variables = _Mlp(functools.partial(polyamp_jax.Float8DotGeneral, recipe=HISTORY4)).init(
+        jax.random.key(0), jnp.ones((4, 32))
+    )
+    with pytest.raises(PolyampValueError, match=r"histories hold \[4\] values.*amax_history_length=4"):
+        polyamp_jax.float8_state_dict(variables)  # float8_delayed keeps 1024
+    with pytest.raises(PolyampValueError, match="keeps none"):
+        polyamp_jax.float8_state_dict(variables, recipe="float8_rowwise")
+    with pytest.raises(PolyampValueError, match="'_overwrite_with_gradient' collection"):
+        polyamp_jax.load_float8_state_dict({"params": variables["params"]}, {}, recipe=HISTORY4)
+
+
+class _OneDense(nn.Module):  # type: ignore[misc]
+    """``nn.Dense(32, use_bias=False)`` with `Float8DotGeneral` under ``HISTORY4``: the layer ``"Dense_0"``."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dot = functools.partial(polyamp_jax.Float8DotGeneral, recipe=HISTORY4)
+        return nn.Dense(32, use_bias=False, dot_general_cls=dot)(x)
+
+
+def _flax_delayed(variables: Any, xs: list[jax.Array], upstreams: list[jax.Array]) -> Any:
+    """Steps of `_OneDense`: forward, backward with each upstream gradient, the collection's gradients written
+    over it (as ``TrainState.apply_gradients`` does); the kernel stays."""
+
+    @jax.jit
+    def step(variables: Any, x: jax.Array, upstream: jax.Array) -> Any:
+        _, vjp = jax.vjp(lambda v: _OneDense().apply(v, x), variables)
+        return {**variables, OWG: vjp(upstream)[0][OWG]}
+
+    for x, upstream in zip(xs, upstreams, strict=True):
+        variables = step(variables, x, upstream)
+    return variables
+
+
+def test_delayed_scaling_resumes_from_torch_in_flax_and_back_bit_for_bit() -> None:
+    """A torch run's state after three steps, renamed to the Flax layer's path and loaded into a Flax Dense with
+    the same kernel: three more steps in each framework give the same state bit for bit, and that state, moved
+    back to a fresh torch layer, goes on equal to the first torch run's."""
+    torch = pytest.importorskip("torch")
+    polyamp_torch = pytest.importorskip("polyamp_torch")
+    torch.manual_seed(0)
+    sequential = polyamp_torch.apply_policy(torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)), HISTORY4)
+    weight = sequential[0].weight.detach().numpy().copy()
+    xs = [data(30 + i, 16, 64, scale=4.0 ** (i % 3 - 1)) for i in range(9)]
+    upstreams = [data(60 + i, 16, 32, scale=100.0 if i == 4 else 1.0) for i in range(9)]
+
+    def torch_steps(model: Any, steps: range) -> dict[str, Any]:
+        for i in steps:
+            model(torch.from_numpy(np.array(xs[i]))).backward(torch.from_numpy(np.array(upstreams[i])))
+        return polyamp_torch.float8_state_dict(model)["layers"]["0"]  # type: ignore[no-any-return]
+
+    torch_steps(sequential, range(3))
+    moved = polyamp_torch.float8_state_dict(sequential)
+    moved["layers"] = {"Dense_0": moved["layers"].pop("0")}
+    variables = _OneDense().init(jax.random.key(0), jnp.ones((16, 64)))
+    variables = {**variables, "params": {"Dense_0": {"kernel": jnp.asarray(weight.T)}}}
+    variables = polyamp_jax.load_float8_state_dict(variables, moved, recipe=HISTORY4)
+    variables = _flax_delayed(variables, xs[3:6], upstreams[3:6])
+    flax_state = polyamp_jax.float8_state_dict(variables, recipe=HISTORY4)["layers"]["Dense_0"]
+    assert flax_state == torch_steps(sequential, range(3, 6))
+    assert all(v > 0 for v in flax_state["grad_output"]["amax_history"]) and flax_state["grad_output"]["scale"] != 1.0
+
+    back = polyamp_torch.apply_policy(torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)), HISTORY4)
+    with torch.no_grad():
+        back[0].weight.copy_(torch.from_numpy(weight))
+    polyamp_torch.load_float8_state_dict(
+        back, {**moved, "layers": {"0": polyamp_jax.float8_state_dict(variables, recipe=HISTORY4)["layers"]["Dense_0"]}}
+    )
+    assert torch_steps(back, range(6, 9)) == torch_steps(sequential, range(6, 9))
+
+
 # -- autocast under an FP8 policy: Flax Linen, Flax NNX, Equinox ----------------------------------------------
 
 

@@ -25,13 +25,12 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from polyamp import Float8Recipe, PolyampValueError, get_policy
 from polyamp.backend_api.rules import fp8
 from polyamp_jax._float8 import layout_of, product, resolve_recipe
+from polyamp_jax._float8_state import FLAX_NAMES as _NAMES
 from polyamp_jax._functional import OPS
 
 __all__ = ["Float8DotGeneral"]
 
 _F32 = jnp.float32
-#: The operands' names in the collection, as Flax's ``Fp8DotGeneralBase`` calls them, by polyamp's roles.
-_NAMES = {"input": "input", "weight": "kernel", "grad_output": "output_grad"}
 
 
 def _cast(x: Any, scale: Any, history: Any, fmt: fp8.Float8Format, recipe: Float8Recipe) -> tuple[Any, Any, Any]:
