@@ -237,7 +237,7 @@ FIRST_PARTY = {
     },
     "tensorflow": {"op_dtype", "model_dtypes", "trainer", "loop", "tiny_gradient", "passes_loss_through"},
     "keras": {"op_dtype", "model_dtypes", "trainer", "tiny_gradient", "passes_loss_through", "precision"},
-    "jax": {"op_dtype", "model_dtypes", "trainer", "functional", "precision"},
+    "jax": {"op_dtype", "model_dtypes", "trainer", "functional", "precision", "float8_linear", "float8_delayed"},
 }
 
 
