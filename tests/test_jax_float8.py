@@ -22,7 +22,7 @@ pytest.importorskip("ml_dtypes")
 
 import jax.numpy as jnp  # noqa: E402
 import polyamp_jax  # noqa: E402
-from polyamp_jax._float8 import _current  # noqa: E402
+from polyamp_jax._float8 import _current, _mx  # noqa: E402
 
 from polyamp import Float8Recipe, PolyampValueError  # noqa: E402
 from polyamp._src import float8_reference as ref  # noqa: E402
@@ -69,6 +69,18 @@ def test_jax_casts_equal_the_reference_bit_for_bit(fmt: str, dtype: str) -> None
         ref_exponents, ref_values = ref.mx_quantize(x, fmt)
         assert np.array_equal(np.asarray(exponents), ref_exponents)
         assert np.array_equal(bits(values), bits(ref_values))
+
+
+@pytest.mark.parametrize("fmt", sorted(fp8.FORMATS))
+def test_mx_operands_equal_the_references_at_every_block_exponent(fmt: str) -> None:
+    """The MX operand brought back (the FP8 values times their blocks' powers of two) is the reference's exactly,
+    for blocks from 2**-100 to 2**100: the powers of two are exact (XLA's CPU exp2 is not at most integers)."""
+    recipe = Float8Recipe.preset("mxfp8")
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((41, 64)) * np.exp2(rng.integers(-100, 100, (41, 1)))
+    x = x.astype(np.float32)
+    expected = ref._dequantized(x, fmt, recipe, None)
+    assert np.array_equal(np.asarray(_mx(jnp.asarray(x), fp8.FORMATS[fmt], recipe), np.float64), expected)
 
 
 @pytest.mark.parametrize("recipe", ["float8_tensorwise", "float8_rowwise"])
