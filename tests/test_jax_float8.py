@@ -26,6 +26,7 @@ from polyamp_jax._float8 import _current, _mx  # noqa: E402
 
 from polyamp import Float8Recipe, PolyampValueError  # noqa: E402
 from polyamp._src import float8_reference as ref  # noqa: E402
+from polyamp.backend_api.records import Float8CastRecord  # noqa: E402
 from polyamp.backend_api.rules import fp8  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -361,6 +362,66 @@ def test_delayed_scaling_resumes_from_torch_in_flax_and_back_bit_for_bit() -> No
         back, {**moved, "layers": {"0": polyamp_jax.float8_state_dict(variables, recipe=HISTORY4)["layers"]["Dense_0"]}}
     )
     assert torch_steps(back, range(6, 9)) == torch_steps(sequential, range(6, 9))
+
+
+# -- records: what the casts lost ----------------------------------------------------------------------------
+
+
+class _Recording(nn.Module):  # type: ignore[misc]
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dot = functools.partial(polyamp_jax.Float8DotGeneral, recipe=HISTORY4, record=True)
+        return nn.Dense(16, use_bias=False, dot_general_cls=dot, name="head")(x)
+
+
+def test_records_count_what_each_cast_lost_as_polyamp_torchs_do_through_jit() -> None:
+    """One training step counts as polyamp_torch's records of the same layer and data (both cast with a scale
+    of 1 at the first step); a second step adds its counts; one read gives every layer and operand."""
+    torch = pytest.importorskip("torch")
+    polyamp_torch = pytest.importorskip("polyamp_torch")
+    x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    x[0, :5] = 1000.0  # past E4M3's 448 with the initial scale of 1
+    x[1, :3] = 1e-12  # below E4M3's smallest subnormal: flushed
+    upstream = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    linear = torch.nn.Linear(64, 16, bias=False)
+    recorder = polyamp_torch.record_float8(polyamp_torch.apply_policy(torch.nn.Sequential(linear), HISTORY4))
+    linear(torch.from_numpy(x)).backward(torch.from_numpy(upstream))
+
+    variables = _Recording().init(jax.random.key(0), jnp.ones((8, 64)))
+    variables = {**variables, "params": {"head": {"kernel": jnp.asarray(linear.weight.detach().numpy().T)}}}
+
+    @jax.jit
+    def step(variables: Any, x: jax.Array, upstream: jax.Array) -> Any:
+        _, vjp = jax.vjp(lambda v: _Recording().apply(v, x), variables)
+        return {**variables, OWG: vjp(upstream)[0][OWG]}
+
+    variables = step(variables, jnp.asarray(x), jnp.asarray(upstream))
+    first = polyamp_jax.float8_records(variables)
+    assert first == {"head": recorder.read()["0"]}
+    assert first["head"]["input"] == Float8CastRecord(5, 3, int(np.count_nonzero(x)))
+    variables = step(variables, jnp.asarray(x), jnp.asarray(upstream))  # the scale from the history: 1000/448
+    second = polyamp_jax.float8_records(variables)["head"]
+    assert second["input"] == Float8CastRecord(5, 6, 2 * int(np.count_nonzero(x)))
+    assert second["grad_output"].nonzero == 2 * 8 * 16 and second["weight"].nonzero == 2 * 64 * 16
+
+
+def test_record_counts_stay_exact_past_float32s_integers() -> None:
+    from polyamp_jax._float8_linen import add_counts
+
+    limbs = add_counts(jnp.zeros((3, 3, 2)), jnp.full((3, 3), 2**24 - 1, jnp.int32))
+    limbs = add_counts(add_counts(limbs, jnp.full((3, 3), 5, jnp.int32)), jnp.full((3, 3), 2**31 - 1, jnp.int32))
+    variables = {OWG: {"Dense_0": {"Float8DotGeneral_0": {"cast_counts": limbs}}}}
+    expected = 2**24 - 1 + 5 + 2**31 - 1
+    assert polyamp_jax.float8_records(variables)["Dense_0"]["input"].nonzero == expected
+    assert np.isfinite(np.asarray(limbs)).all() and float(np.max(limbs)) < 2**24
+
+
+def test_records_name_what_they_need() -> None:
+    with pytest.raises(PolyampValueError, match=r"Float8DotGeneral\(record=True\)"):
+        polyamp_jax.float8_records({"params": {}})
+    dot = functools.partial(polyamp_jax.Float8DotGeneral, recipe="float8_rowwise", record=True)
+    with pytest.raises(PolyampValueError, match="counts the casts of delayed scaling"):
+        nn.Dense(4, dot_general_cls=dot).init(jax.random.key(0), jnp.ones((2, 8)))
 
 
 # -- autocast under an FP8 policy: Flax Linen, Flax NNX, Equinox ----------------------------------------------

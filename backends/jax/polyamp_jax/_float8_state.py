@@ -26,7 +26,14 @@ from polyamp.backend_api.arguments import describe
 from polyamp.backend_api.state_dicts import LayerState, pack_float8_state, parse_float8_state
 from polyamp_jax._float8 import resolve_recipe
 
-__all__ = ["FLAX_NAMES", "OVERWRITE_WITH_GRADIENT", "float8_state_dict", "load_float8_state_dict"]
+__all__ = [
+    "FLAX_NAMES",
+    "OVERWRITE_WITH_GRADIENT",
+    "float8_state_dict",
+    "layer_names",
+    "load_float8_state_dict",
+    "node_at",
+]
 
 #: Flax's collection of FP8 state (``flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT``).
 OVERWRITE_WITH_GRADIENT: Final = "_overwrite_with_gradient"
@@ -38,28 +45,21 @@ _ROOT: Final = "Float8DotGeneral"
 Path = tuple[str, ...]
 
 
-def _scopes(node: Any, path: Path = ()) -> Iterator[Path]:
-    """The paths of the collection's FP8 products: the dicts holding the six variables."""
+def _scopes(node: Any, keys: frozenset[str], path: Path = ()) -> Iterator[Path]:
+    """The paths of the collection's FP8 products: the dicts holding ``keys``."""
     if not isinstance(node, Mapping):
         return
-    if _KEYS <= set(node):
+    if keys <= set(node):
         yield path
-        return
     for key, child in node.items():
-        yield from _scopes(child, (*path, str(key)))
+        yield from _scopes(child, keys, (*path, str(key)))
 
 
-def _layers(variables: Any, where: str) -> dict[str, Path]:
-    """The FP8 products of ``variables`` by layer name (see the module's docstring)."""
+def layer_names(variables: Any, keys: frozenset[str] = _KEYS) -> dict[str, Path]:
+    """The FP8 products of ``variables`` holding ``keys`` (delayed scaling's six variables) by layer name
+    (see the module's docstring), with their paths in the collection; empty without any."""
     collection = variables.get(OVERWRITE_WITH_GRADIENT) if isinstance(variables, Mapping) else None
-    paths = list(_scopes(collection))
-    if not paths:
-        raise PolyampValueError(
-            f"{where} takes a Flax model's variables holding delayed-scaling FP8 state (the "
-            f"{OVERWRITE_WITH_GRADIENT!r} collection of nn.Dense(..., dot_general_cls=polyamp_jax.Float8DotGeneral) "
-            f"under 'float8_delayed'). Received: {describe(variables)} without it; pass the whole variables dict "
-            "(model.init's, or TrainState.params when it holds them)."
-        )
+    paths = list(_scopes(collection, keys))
     parents = Counter(path[:-1] for path in paths)
     names: dict[str, Path] = {}
     for path in paths:
@@ -68,7 +68,20 @@ def _layers(variables: Any, where: str) -> dict[str, Path]:
     return names
 
 
-def _node(variables: Any, path: Path) -> Any:
+def _layers(variables: Any, where: str) -> dict[str, Path]:
+    """The delayed-scaling FP8 products of ``variables`` by layer name; refuses variables without any."""
+    names = layer_names(variables)
+    if not names:
+        raise PolyampValueError(
+            f"{where} takes a Flax model's variables holding delayed-scaling FP8 state (the "
+            f"{OVERWRITE_WITH_GRADIENT!r} collection of nn.Dense(..., dot_general_cls=polyamp_jax.Float8DotGeneral) "
+            f"under 'float8_delayed'). Received: {describe(variables)} without it; pass the whole variables dict "
+            "(model.init's, or TrainState.params when it holds them)."
+        )
+    return names
+
+
+def node_at(variables: Any, path: Path) -> Any:
     node = variables[OVERWRITE_WITH_GRADIENT]
     for key in path:
         node = node[key]
@@ -87,7 +100,7 @@ def _recipe(recipe: Float8Recipe | str | None, variables: Any, layers: dict[str,
             "recipe='float8_delayed' (with the model's amax_history_length)."
         )
     lengths = {
-        int(np.shape(_node(variables, path)[f"{name}_amax_history"])[0])
+        int(np.shape(node_at(variables, path)[f"{name}_amax_history"])[0])
         for path in layers.values()
         for name in FLAX_NAMES.values()
     }
@@ -120,7 +133,7 @@ def float8_state_dict(variables: Mapping[str, Any], *, recipe: Float8Recipe | st
     values = jax.device_get(
         {
             name: {
-                role: (_node(variables, path)[f"{flax}_amax_history"], _node(variables, path)[f"{flax}_scale"])
+                role: (node_at(variables, path)[f"{flax}_amax_history"], node_at(variables, path)[f"{flax}_scale"])
                 for role, flax in FLAX_NAMES.items()
             }
             for name, path in layers.items()
