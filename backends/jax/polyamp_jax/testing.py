@@ -288,7 +288,7 @@ def _float8_model(recipe: Float8Recipe, features: int) -> Any:
         skip("delayed FP8 scaling runs through a Flax Linen module; Flax is not installed (pip install flax)")
     from polyamp_jax._float8_linen import Float8DotGeneral
 
-    class Float8Layer(nn.Module):  # type: ignore[misc]
+    class Float8Layer(nn.Module):
         @nn.compact
         def __call__(self, x: Any) -> Any:
             dot = functools.partial(Float8DotGeneral, recipe=recipe)
