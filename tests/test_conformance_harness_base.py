@@ -246,7 +246,7 @@ FIRST_PARTY = {
         "float8_linear",
         "float8_delayed",
     },
-    "jax": {"op_dtype", "model_dtypes", "trainer", "functional", "precision"},
+    "jax": {"op_dtype", "model_dtypes", "trainer", "functional", "precision", "float8_linear", "float8_delayed"},
 }
 
 

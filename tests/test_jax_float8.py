@@ -22,10 +22,11 @@ pytest.importorskip("ml_dtypes")
 
 import jax.numpy as jnp  # noqa: E402
 import polyamp_jax  # noqa: E402
-from polyamp_jax._float8 import _current  # noqa: E402
+from polyamp_jax._float8 import _current, _mx  # noqa: E402
 
 from polyamp import Float8Recipe, PolyampValueError  # noqa: E402
 from polyamp._src import float8_reference as ref  # noqa: E402
+from polyamp.backend_api.records import Float8CastRecord  # noqa: E402
 from polyamp.backend_api.rules import fp8  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +70,18 @@ def test_jax_casts_equal_the_reference_bit_for_bit(fmt: str, dtype: str) -> None
         ref_exponents, ref_values = ref.mx_quantize(x, fmt)
         assert np.array_equal(np.asarray(exponents), ref_exponents)
         assert np.array_equal(bits(values), bits(ref_values))
+
+
+@pytest.mark.parametrize("fmt", sorted(fp8.FORMATS))
+def test_mx_operands_equal_the_references_at_every_block_exponent(fmt: str) -> None:
+    """The MX operand brought back (the FP8 values times their blocks' powers of two) is the reference's exactly,
+    for blocks from 2**-100 to 2**100: the powers of two are exact (XLA's CPU exp2 is not at most integers)."""
+    recipe = Float8Recipe.preset("mxfp8")
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((41, 64)) * np.exp2(rng.integers(-100, 100, (41, 1)))
+    x = x.astype(np.float32)
+    expected = ref._dequantized(x, fmt, recipe, None)
+    assert np.array_equal(np.asarray(_mx(jnp.asarray(x), fp8.FORMATS[fmt], recipe), np.float64), expected)
 
 
 @pytest.mark.parametrize("recipe", ["float8_tensorwise", "float8_rowwise"])
@@ -219,6 +232,196 @@ def test_float8_dot_general_module_in_bfloat16_differs_from_flaxs() -> None:
     theirs, _ = _train(nn.Fp8DirectDotGeneralOp, (8, 32), steps=3, dtype=jnp.bfloat16)
     flat_ours, flat_theirs = _flat(ours, "Float8DotGeneral_0"), _flat(theirs, "Fp8DirectDotGeneralOp_0")
     assert all(same_bits(value, flat_theirs[key]) for key, value in flat_ours.items())
+
+
+# -- delayed scaling's state in the form every backend reads ---------------------------------------------------
+
+HISTORY4 = "float32+float8_delayed[amax_history_length=4]"
+
+
+def test_float8_state_dict_reads_flaxs_variables_as_they_are_and_loads_them_back() -> None:
+    """Flax's history is newest first and its scale the dequantizing one, as the neutral form's: the values move
+    unchanged (the scale's shape (1,) becomes a number), and loading them into fresh variables gives the trained
+    ones bit for bit. Flax's own ``Fp8DirectDotGeneralOp`` keeps the same variables and gives the same dict."""
+    recipe = "float8_delayed[amax_history_length=16]"
+    ours, _ = _train(functools.partial(polyamp_jax.Float8DotGeneral, recipe=recipe), (8, 32), steps=3)
+    state = polyamp_jax.float8_state_dict(ours, recipe=recipe)
+    assert json.loads(json.dumps(state)) == state
+    assert state["format"] == "polyamp.float8/1" and Float8Recipe.from_dict(state["recipe"]).amax_history_length == 16
+    assert list(state["layers"]) == ["Dense_0", "Dense_1"]
+    held = ours[OWG]["Dense_1"]["Float8DotGeneral_0"]
+    assert state["layers"]["Dense_1"]["grad_output"] == {
+        "amax_history": np.asarray(held["output_grad_amax_history"]).tolist(),
+        "scale": float(held["output_grad_scale"][0]),
+    }
+    amaxes = [float(jnp.max(jnp.abs(data(10 + i, 8, 32, scale=10.0 ** (i % 3 - 1))))) for i in range(3)]
+    history = state["layers"]["Dense_0"]["input"]["amax_history"]
+    assert [history[0], *history[-2:]] == [amaxes[2], *amaxes[:2]]  # the newest first, then from the oldest
+    theirs, _ = _train(functools.partial(nn.Fp8DirectDotGeneralOp, amax_history_length=16), (8, 32), steps=3)
+    assert polyamp_jax.float8_state_dict(theirs, recipe=recipe) == state
+
+    fresh = _Mlp(functools.partial(polyamp_jax.Float8DotGeneral, recipe=recipe)).init(
+        jax.random.key(1), jnp.ones((8, 32))
+    )
+    loaded = polyamp_jax.load_float8_state_dict(fresh, state, recipe=recipe)
+    assert same_bits(loaded[OWG], ours[OWG]) and same_bits(loaded["params"], fresh["params"])
+    assert float(fresh[OWG]["Dense_0"]["Float8DotGeneral_0"]["input_scale"][0]) == 1.0  # fresh is left as it was
+    assert loaded[OWG]["Dense_0"]["Float8DotGeneral_0"]["input_scale"].shape == (1,)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda s: s.update(format="other"), "format 'polyamp.float8/1'"),
+        (lambda s: s["layers"].pop("Dense_1"), r"missing \['Dense_1'\], unknown \[\]"),
+        (lambda s: s["layers"]["Dense_0"]["input"].update(amax_history=[0.0] * 3), "amax history of 3 values"),
+        (lambda s: s["layers"]["Dense_0"]["weight"].update(scale=-1.0), "finite scale > 0"),
+    ],
+)
+def test_a_bad_float8_state_dict_is_refused_and_the_variables_are_unchanged(change: Any, match: str) -> None:
+    from polyamp import StateDictError
+
+    model = _Mlp(functools.partial(polyamp_jax.Float8DotGeneral, recipe=HISTORY4))
+    variables = model.init(jax.random.key(0), jnp.ones((4, 32)))
+    before = jax.tree_util.tree_map(np.array, variables)
+    state = polyamp_jax.float8_state_dict(variables, recipe=HISTORY4)
+    state["layers"]["Dense_0"]["input"]["scale"] = 2.0  # a change that would show if anything were loaded
+    change(state)
+    with pytest.raises(StateDictError, match=match):
+        polyamp_jax.load_float8_state_dict(variables, state, recipe=HISTORY4)
+    assert same_bits(variables, before)
+
+
+def test_float8_state_dict_names_what_it_needs() -> None:
+    variables = _Mlp(functools.partial(polyamp_jax.Float8DotGeneral, recipe=HISTORY4)).init(
+        jax.random.key(0), jnp.ones((4, 32))
+    )
+    with pytest.raises(PolyampValueError, match=r"histories hold \[4\] values.*amax_history_length=4"):
+        polyamp_jax.float8_state_dict(variables)  # float8_delayed keeps 1024
+    with pytest.raises(PolyampValueError, match="keeps none"):
+        polyamp_jax.float8_state_dict(variables, recipe="float8_rowwise")
+    with pytest.raises(PolyampValueError, match="'_overwrite_with_gradient' collection"):
+        polyamp_jax.load_float8_state_dict({"params": variables["params"]}, {}, recipe=HISTORY4)
+
+
+class _OneDense(nn.Module):  # type: ignore[misc]
+    """``nn.Dense(32, use_bias=False)`` with `Float8DotGeneral` under ``HISTORY4``: the layer ``"Dense_0"``."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dot = functools.partial(polyamp_jax.Float8DotGeneral, recipe=HISTORY4)
+        return nn.Dense(32, use_bias=False, dot_general_cls=dot)(x)
+
+
+def _flax_delayed(variables: Any, xs: list[jax.Array], upstreams: list[jax.Array]) -> Any:
+    """Steps of `_OneDense`: forward, backward with each upstream gradient, the collection's gradients written
+    over it (as ``TrainState.apply_gradients`` does); the kernel stays."""
+
+    @jax.jit
+    def step(variables: Any, x: jax.Array, upstream: jax.Array) -> Any:
+        _, vjp = jax.vjp(lambda v: _OneDense().apply(v, x), variables)
+        return {**variables, OWG: vjp(upstream)[0][OWG]}
+
+    for x, upstream in zip(xs, upstreams, strict=True):
+        variables = step(variables, x, upstream)
+    return variables
+
+
+def test_delayed_scaling_resumes_from_torch_in_flax_and_back_bit_for_bit() -> None:
+    """A torch run's state after three steps, renamed to the Flax layer's path and loaded into a Flax Dense with
+    the same kernel: three more steps in each framework give the same state bit for bit, and that state, moved
+    back to a fresh torch layer, goes on equal to the first torch run's."""
+    torch = pytest.importorskip("torch")
+    polyamp_torch = pytest.importorskip("polyamp_torch")
+    torch.manual_seed(0)
+    sequential = polyamp_torch.apply_policy(torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)), HISTORY4)
+    weight = sequential[0].weight.detach().numpy().copy()
+    xs = [data(30 + i, 16, 64, scale=4.0 ** (i % 3 - 1)) for i in range(9)]
+    upstreams = [data(60 + i, 16, 32, scale=100.0 if i == 4 else 1.0) for i in range(9)]
+
+    def torch_steps(model: Any, steps: range) -> dict[str, Any]:
+        for i in steps:
+            model(torch.from_numpy(np.array(xs[i]))).backward(torch.from_numpy(np.array(upstreams[i])))
+        return polyamp_torch.float8_state_dict(model)["layers"]["0"]  # type: ignore[no-any-return]
+
+    torch_steps(sequential, range(3))
+    moved = polyamp_torch.float8_state_dict(sequential)
+    moved["layers"] = {"Dense_0": moved["layers"].pop("0")}
+    variables = _OneDense().init(jax.random.key(0), jnp.ones((16, 64)))
+    variables = {**variables, "params": {"Dense_0": {"kernel": jnp.asarray(weight.T)}}}
+    variables = polyamp_jax.load_float8_state_dict(variables, moved, recipe=HISTORY4)
+    variables = _flax_delayed(variables, xs[3:6], upstreams[3:6])
+    flax_state = polyamp_jax.float8_state_dict(variables, recipe=HISTORY4)["layers"]["Dense_0"]
+    assert flax_state == torch_steps(sequential, range(3, 6))
+    assert all(v > 0 for v in flax_state["grad_output"]["amax_history"]) and flax_state["grad_output"]["scale"] != 1.0
+
+    back = polyamp_torch.apply_policy(torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)), HISTORY4)
+    with torch.no_grad():
+        back[0].weight.copy_(torch.from_numpy(weight))
+    polyamp_torch.load_float8_state_dict(
+        back, {**moved, "layers": {"0": polyamp_jax.float8_state_dict(variables, recipe=HISTORY4)["layers"]["Dense_0"]}}
+    )
+    assert torch_steps(back, range(6, 9)) == torch_steps(sequential, range(6, 9))
+
+
+# -- records: what the casts lost ----------------------------------------------------------------------------
+
+
+class _Recording(nn.Module):  # type: ignore[misc]
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dot = functools.partial(polyamp_jax.Float8DotGeneral, recipe=HISTORY4, record=True)
+        return nn.Dense(16, use_bias=False, dot_general_cls=dot, name="head")(x)
+
+
+def test_records_count_what_each_cast_lost_as_polyamp_torchs_do_through_jit() -> None:
+    """One training step counts as polyamp_torch's records of the same layer and data (both cast with a scale
+    of 1 at the first step); a second step adds its counts; one read gives every layer and operand."""
+    torch = pytest.importorskip("torch")
+    polyamp_torch = pytest.importorskip("polyamp_torch")
+    x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    x[0, :5] = 1000.0  # past E4M3's 448 with the initial scale of 1
+    x[1, :3] = 1e-12  # below E4M3's smallest subnormal: flushed
+    upstream = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    linear = torch.nn.Linear(64, 16, bias=False)
+    recorder = polyamp_torch.record_float8(polyamp_torch.apply_policy(torch.nn.Sequential(linear), HISTORY4))
+    linear(torch.from_numpy(x)).backward(torch.from_numpy(upstream))
+
+    variables = _Recording().init(jax.random.key(0), jnp.ones((8, 64)))
+    variables = {**variables, "params": {"head": {"kernel": jnp.asarray(linear.weight.detach().numpy().T)}}}
+
+    @jax.jit
+    def step(variables: Any, x: jax.Array, upstream: jax.Array) -> Any:
+        _, vjp = jax.vjp(lambda v: _Recording().apply(v, x), variables)
+        return {**variables, OWG: vjp(upstream)[0][OWG]}
+
+    variables = step(variables, jnp.asarray(x), jnp.asarray(upstream))
+    first = polyamp_jax.float8_records(variables)
+    assert first == {"head": recorder.read()["0"]}
+    assert first["head"]["input"] == Float8CastRecord(5, 3, int(np.count_nonzero(x)))
+    variables = step(variables, jnp.asarray(x), jnp.asarray(upstream))  # the scale from the history: 1000/448
+    second = polyamp_jax.float8_records(variables)["head"]
+    assert second["input"] == Float8CastRecord(5, 6, 2 * int(np.count_nonzero(x)))
+    assert second["grad_output"].nonzero == 2 * 8 * 16 and second["weight"].nonzero == 2 * 64 * 16
+
+
+def test_record_counts_stay_exact_past_float32s_integers() -> None:
+    from polyamp_jax._float8_linen import add_counts
+
+    limbs = add_counts(jnp.zeros((3, 3, 2)), jnp.full((3, 3), 2**24 - 1, jnp.int32))
+    limbs = add_counts(add_counts(limbs, jnp.full((3, 3), 5, jnp.int32)), jnp.full((3, 3), 2**31 - 1, jnp.int32))
+    variables = {OWG: {"Dense_0": {"Float8DotGeneral_0": {"cast_counts": limbs}}}}
+    expected = 2**24 - 1 + 5 + 2**31 - 1
+    assert polyamp_jax.float8_records(variables)["Dense_0"]["input"].nonzero == expected
+    assert np.isfinite(np.asarray(limbs)).all() and float(np.max(limbs)) < 2**24
+
+
+def test_records_name_what_they_need() -> None:
+    with pytest.raises(PolyampValueError, match=r"Float8DotGeneral\(record=True\)"):
+        polyamp_jax.float8_records({"params": {}})
+    dot = functools.partial(polyamp_jax.Float8DotGeneral, recipe="float8_rowwise", record=True)
+    with pytest.raises(PolyampValueError, match="counts the casts of delayed scaling"):
+        nn.Dense(4, dot_general_cls=dot).init(jax.random.key(0), jnp.ones((2, 8)))
 
 
 # -- autocast under an FP8 policy: Flax Linen, Flax NNX, Equinox ----------------------------------------------

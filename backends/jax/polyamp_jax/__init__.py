@@ -22,7 +22,9 @@
   hand-written steps (`JaxFunctional` is its device form).
 * `float8_dot_general` - ``jax.lax.dot_general`` in FP8 by a `polyamp.Float8Recipe` (a Flax layer's
   ``dot_general=``); `Float8DotGeneral` - the Flax Linen module for ``dot_general_cls=``, with delayed
-  scaling's state where Flax keeps it; `autocast` runs a function's matrix products in FP8 under a policy
+  scaling's state where Flax keeps it (`float8_state_dict` / `load_float8_state_dict` move it to and from
+  the form every polyamp backend reads; `float8_records` reads what its casts lost, with ``record=True``);
+  `autocast` runs a function's matrix products in FP8 under a policy
   with an FP8 recipe.
 * `jmp_compat` - jmp's public API (``Policy``, ``get_policy``, ``DynamicLossScale``, ``all_finite``,
   ``select_tree``, ...) over polyamp's policy and loss scaler: ``from polyamp_jax import jmp_compat as jmp``.
@@ -44,6 +46,8 @@ from polyamp_jax._autocast import COMPUTE_PRIMITIVES, FLOAT32_PRIMITIVES, PRIMIT
 from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree, module_dtypes
 from polyamp_jax._dynamic_scale import DynamicScale, DynamicScaleResult
 from polyamp_jax._float8 import float8_dot_general
+from polyamp_jax._float8_records import float8_records
+from polyamp_jax._float8_state import float8_state_dict, load_float8_state_dict
 from polyamp_jax._functional import JaxFunctional, all_finite
 from polyamp_jax._optax import (
     LossScaledState,
@@ -79,7 +83,10 @@ __all__ = [
     "cast_tree",
     "convert_precision_state",
     "float8_dot_general",
+    "float8_records",
+    "float8_state_dict",
     "jmp_compat",
+    "load_float8_state_dict",
     "load_state_dict",
     "log_summary",
     "loss_scaled",

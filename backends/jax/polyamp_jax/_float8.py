@@ -148,7 +148,7 @@ def _mx(x: Any, fmt: fp8.Float8Format, recipe: Float8Recipe) -> Any:
     pad = -columns % recipe.mx_block
     wide = jnp.pad(x.astype(_F32), ((0, 0), (0, pad)))
     exponents, values = fp8.mx_quantize(OPS, wide, fmt, block=recipe.mx_block, rounding=recipe.mx_rounding)
-    scale = jnp.where(exponents == 255, jnp.nan, jnp.exp2(exponents.astype(_F32) - 127.0))
+    scale = jnp.where(exponents == 255, jnp.nan, OPS.exp2(exponents.astype(_F32) - 127.0))  # exact powers of two
     blocks = values.astype(_F32).reshape(*scale.shape, recipe.mx_block) * scale[..., None]
     return blocks.reshape(wide.shape)[:, :columns].astype(x.dtype)
 

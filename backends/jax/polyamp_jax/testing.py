@@ -4,12 +4,15 @@ hand-written step (``functional_trainer``). Under a policy with a training-state
 in `polyamp_jax.precision` (inside the scaler: ``loss_scaled(precision(optimizer))``).
 
 The model runs under `polyamp_jax.autocast` (op classes, the policy's compute dtype) and gives its logits in
-the output dtype; the op classes are checked on single ops under it.
+the output dtype; the op classes are checked on single ops under it. FP8 runs through
+`polyamp_jax.float8_dot_general` (the dynamic recipes) and a Flax ``nn.Dense`` with `polyamp_jax.Float8DotGeneral`
+(delayed scaling, its state moved in and out through `polyamp_jax.float8_state_dict`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -18,7 +21,7 @@ import numpy as np
 import optax
 
 import polyamp
-from polyamp import Policy
+from polyamp import Float8Recipe, Policy
 from polyamp.conformance import (
     FunctionalScalerView,
     FunctionalTrainerBase,
@@ -26,13 +29,25 @@ from polyamp.conformance import (
     HarnessUnavailable,
     TrainerBase,
     TrainerSettings,
+    skip,
 )
 from polyamp_jax._autocast import autocast
 from polyamp_jax._casting import cast_to_param
+from polyamp_jax._float8 import float8_dot_general
+from polyamp_jax._float8_state import OVERWRITE_WITH_GRADIENT, float8_state_dict, load_float8_state_dict
 from polyamp_jax._optax import LossScaledState, loss_scaled, scale_loss
 from polyamp_jax._precision import precision
 
-__all__ = ["JaxHarness"]
+__all__ = ["DIVERGENCES", "JaxHarness"]
+
+#: Where polyamp_jax knowingly differs from the conformance cases' reference.
+DIVERGENCES: Mapping[str, str] = {
+    "float8_delayed_cast_scale": "polyamp_jax.Float8DotGeneral follows Flax's fp8_ops: each step casts with the "
+    "scale computed from the amax history as it was before the step (the scale it then stores), where torch, "
+    "Keras and the reference cast with the scale stored by the step before; the histories and scales are the "
+    "same step for step, the outputs differ as the scales they were cast with.",
+}
+_DENSE = (((1,), (0,)), ((), ()))
 
 
 def _mlp(seed: int, policy: Policy) -> dict[str, Any]:
@@ -196,9 +211,10 @@ class JaxHarness(HarnessBase):
     backend = "jax"
     devices = ("cpu", "cuda")
     capabilities = frozenset({"low_precision", "guard", "precision"})
-    # None: loss_scaled's skip selects negative zeros, which XLA does not fold into the parameter update (it
-    # folded the positive zeros it once selected, rounding Adam's last bit apart from a step without the scaler).
-    divergences: Mapping[str, str] = {}
+    # None for the loss scaler: loss_scaled's skip selects negative zeros, which XLA does not fold into the
+    # parameter update (it folded the positive zeros it once selected, rounding Adam's last bit apart from a step
+    # without the scaler).
+    divergences: Mapping[str, str] = DIVERGENCES
     trainer_class = _OptaxTrainer
 
     def check_device(self, device: str) -> None:
@@ -222,3 +238,60 @@ class JaxHarness(HarnessBase):
 
     def functional_trainer(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> _FunctionalTrainer:
         return _FunctionalTrainer(self, policy, self.settings(scaler, seed=seed))
+
+    def float8_linear(
+        self, recipe: Float8Recipe, x: np.ndarray, weight: np.ndarray, upstream: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        def layer(x: Any, kernel: Any) -> Any:
+            return float8_dot_general(x, kernel, _DENSE, recipe=recipe, preferred_element_type=jnp.float32)
+
+        output, vjp = jax.vjp(layer, jnp.asarray(x), jnp.asarray(weight.T))  # the kernel is (in, out)
+        grad_input, grad_kernel = vjp(jnp.asarray(upstream))
+        return {
+            "output": np.asarray(output, np.float32),
+            "grad_input": np.asarray(grad_input, np.float32),
+            "grad_weight": np.asarray(grad_kernel, np.float32).T,
+        }
+
+    def float8_delayed(
+        self,
+        recipe: Float8Recipe,
+        xs: Sequence[np.ndarray],
+        weight: np.ndarray,
+        upstreams: Sequence[np.ndarray],
+        state: Mapping[str, Any] | None,
+    ) -> tuple[list[np.ndarray], dict[str, Any]]:
+        model = _float8_model(recipe, weight.shape[0])
+        variables = model.init(jax.random.key(0), jnp.asarray(xs[0]))
+        variables = {**variables, "params": {"layer": {"kernel": jnp.asarray(weight.T)}}}
+        if state is not None:
+            variables = load_float8_state_dict(variables, dict(state), recipe=recipe)
+
+        @jax.jit
+        def step(variables: Any, x: Any, upstream: Any) -> tuple[Any, Any]:
+            output, vjp = jax.vjp(lambda v: model.apply(v, x), variables)
+            # the collection's gradients are its next values (Flax's overwrite-with-gradient); the kernel stays
+            return {**variables, OVERWRITE_WITH_GRADIENT: vjp(upstream)[0][OVERWRITE_WITH_GRADIENT]}, output
+
+        outputs = []
+        for x, upstream in zip(xs, upstreams, strict=True):
+            variables, output = step(variables, jnp.asarray(x), jnp.asarray(upstream))
+            outputs.append(np.asarray(output, np.float32))
+        return outputs, float8_state_dict(variables, recipe=recipe)
+
+
+def _float8_model(recipe: Float8Recipe, features: int) -> Any:
+    """A Flax Linen model of one ``nn.Dense`` named ``"layer"`` (no bias) with `polyamp_jax.Float8DotGeneral`."""
+    try:
+        import flax.linen as nn
+    except ImportError:
+        skip("delayed FP8 scaling runs through a Flax Linen module; Flax is not installed (pip install flax)")
+    from polyamp_jax._float8_linen import Float8DotGeneral
+
+    class Float8Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x: Any) -> Any:
+            dot = functools.partial(Float8DotGeneral, recipe=recipe)
+            return nn.Dense(features, use_bias=False, dot_general_cls=dot, name="layer")(x)
+
+    return Float8Layer()

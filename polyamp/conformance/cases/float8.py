@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from polyamp import Float8Recipe
-from polyamp.conformance._context import parametrize, requires
+from polyamp.conformance._context import expect_divergence, parametrize, requires
 
 #: The dynamic recipes (each cast scaled from its own tensor), by preset.
 DYNAMIC = ("float8_tensorwise", "float8_rowwise", "float8_rowwise_gw_hp", "mxfp8")
@@ -100,6 +100,7 @@ def test_float8_delayed_steps_follow_the_reference(harness: Any, margin: int) ->
             raise AssertionError(
                 f"{where}: the {role} state is {got}, the reference's history {history.tolist()} and scale {float(scale)!r}"
             )
+    expect_divergence(harness, "float8_delayed_cast_scale")  # the states above are the same everywhere
     for step, (got, want) in enumerate(zip(outputs, expected_outputs, strict=True)):
         largest = float(np.abs(want).max())
         reach = largest if largest > 1.0 else 1.0
