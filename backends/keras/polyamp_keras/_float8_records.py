@@ -70,7 +70,7 @@ def record_float8(model: Any) -> Float8Recorder:
             print(layer, roles["grad_output"].flushed_fraction, roles["input"].saturated)
         ```
     """
-    layers = {path: layer for path, layer in layer_paths(model) if isinstance(layer, _Float8Layer)}
+    layers: dict[str, Any] = {path: layer for path, layer in layer_paths(model) if isinstance(layer, _Float8Layer)}
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and getattr(optimizer, "gradient_accumulation_steps", None):
         raise PolyampValueError(
@@ -78,7 +78,7 @@ def record_float8(model: Any) -> Float8Recorder:
             f"{optimizer.gradient_accumulation_steps} steps; Keras keeps one step's counts of them). Compile the "
             "model with an optimizer without gradient_accumulation_steps to record its FP8 casts."
         )
-    missing = [layer for layer in layers.values() if getattr(layer, "float8_counts", None) is None]
+    missing: list[Any] = [layer for layer in layers.values() if getattr(layer, "float8_counts", None) is None]
     if missing and optimizer is not None and getattr(optimizer, "built", False):
         raise PolyampValueError(
             f"The model's optimizer is already built, so it would not update the FP8 cast counts of "
