@@ -529,6 +529,151 @@ def test_a_torch_run_resumes_on_keras_bitwise() -> None:
     assert expected["layers"]["0"] != saved["layers"]["0"]  # the steps moved the state
 
 
+# -- cast records: what the casts lose, counted on the device ------------------------------------------------
+
+
+def _recorded(spec: str, *layers: Any) -> tuple[Any, Any]:
+    """A model of ``layers`` under ``spec`` (on float32) and its `polyamp_keras.record_float8` recorder."""
+    keras.utils.set_random_seed(2)
+    model = polyamp_keras.apply_policy(keras.Sequential([keras.Input((64,)), *layers]), f"float32+{spec}")
+    return model, polyamp_keras.record_float8(model)
+
+
+def _sum_step(model: Any, x: np.ndarray) -> None:
+    """One custom-loop step of SGD(0) on the sum of the outputs (each grad-output is ones)."""
+    optimizer = keras.optimizers.SGD(0.0)
+    variables = list(model.trainable_variables)
+    optimizer.build(variables)
+    _, grads = gradients(lambda: ops.sum(model(ops.convert_to_tensor(x), training=True)), variables, optimizer, False)
+    apply(optimizer, list(grads), variables)
+
+
+def _reference_record(
+    x: np.ndarray, cast: np.ndarray, values: np.ndarray
+) -> polyamp.backend_api.records.Float8CastRecord:
+    return polyamp.backend_api.records.Float8CastRecord(
+        int(np.sum(np.abs(values) > 448.0)),
+        int(np.sum((x != 0) & (cast.astype(np.float32) == 0))),
+        int(np.sum(x != 0)),
+    )
+
+
+def _current_record(x: np.ndarray) -> polyamp.backend_api.records.Float8CastRecord:
+    """The reference counts of ``x``'s tensorwise E4M3 cast with its own scale."""
+    scale = ref.current_scale(x, "e4m3")
+    return _reference_record(x, ref.quantize(x, scale, "e4m3"), x * scale)
+
+
+def _sum(*records: Any) -> polyamp.backend_api.records.Float8CastRecord:
+    return polyamp.backend_api.records.Float8CastRecord(
+        *(sum(getattr(r, field) for r in records) for field in ("saturated", "flushed", "nonzero"))
+    )
+
+
+def test_records_count_saturated_and_flushed_values_per_layer_and_reset_when_read() -> None:
+    model, records = _recorded(
+        "float8_delayed[amax_history_length=2]", keras.layers.Dense(16, use_bias=False, name="a")
+    )
+    x = np.random.default_rng(0).normal(size=(8, 64)).astype("float32")
+    x[0, :5] = 1000.0  # past E4M3's 448 with the initial scale of 1
+    x[1, :3] = 1e-12  # below E4M3's smallest subnormal: flushed
+    _sum_step(model, x)
+    read = records.read()
+    assert list(read) == ["a"]
+    assert read["a"]["input"] == polyamp.backend_api.records.Float8CastRecord(5, 3, int((x != 0).sum()))
+    assert read["a"]["grad_output"] == polyamp.backend_api.records.Float8CastRecord(0, 0, 8 * 16)
+    assert read["a"]["input"].flushed_fraction == 3 / int((x != 0).sum())
+    assert records.read()["a"]["input"].nonzero == 0
+    _sum_step(model, x)  # the next step counts from zero; the scale moved, so nothing saturates now
+    assert records.read(reset=False)["a"]["input"].nonzero == int((x != 0).sum())
+    assert records.read()["a"]["grad_output"].nonzero == 8 * 16
+
+
+def test_records_of_current_scaling_in_fit_equal_the_reference_counts() -> None:
+    model, records = _recorded("float8_tensorwise", keras.layers.Dense(32, name="a"), keras.layers.Dense(16, name="b"))
+    x = (np.random.default_rng(1).normal(size=(32, 64)) * np.logspace(-30, 3, 64)).astype("float32")
+    kernel = _numpy(_inner(model).layers[0].kernel)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", jit_compile=BACKEND != "torch")
+    model.fit(x, np.zeros((32, 16), "float32"), batch_size=16, epochs=1, verbose=0, shuffle=False)
+    read = records.read()
+    batches = [x[:16], x[16:]]
+    want = [_current_record(b) for b in batches]
+    assert read["a"]["input"] == _sum(*want) and want[0].flushed > 0
+    assert read["a"]["weight"] == _sum(_current_record(kernel), _current_record(kernel))  # SGD(0) kept it
+    assert read["b"]["grad_output"].nonzero == 2 * 16 * 16
+    assert records.read()["a"]["input"].nonzero == 0
+
+
+@pytest.mark.parametrize("rounding", ["floor", "rceil"])
+def test_records_of_mx_layers_equal_the_reference_counts(rounding: str) -> None:
+    model, records = _recorded(
+        f"mxfp8[mx_rounding={rounding}]", keras.layers.Dense(32, name="a"), keras.layers.Dense(32, name="b")
+    )
+    # whole blocks of tiny values beside large ones, all normal float32 (TensorFlow's CPU kernels flush subnormals)
+    x = (np.random.default_rng(2).normal(size=(16, 64)) * np.logspace(-30, 3, 64)).astype("float32")
+    _sum_step(model, x)
+    exponents, cast = ref.mx_quantize(x, "e4m3", rounding=rounding)
+    scale = np.exp2(exponents.astype(np.float32) - 127.0).repeat(32, axis=-1)
+    expected = _reference_record(x, cast, x / scale)
+    read = records.read()
+    assert list(read) == ["a", "b"]
+    assert read["a"]["input"] == expected and expected.flushed > 0
+    if rounding == "floor":  # the OCP rule rounds the block's exponent down: its largest values saturate
+        assert expected.saturated > 0
+    assert read["b"]["grad_output"] == polyamp.backend_api.records.Float8CastRecord(0, 0, 16 * 32)  # sum()'s ones
+
+
+def test_records_of_einsum_dense_count_each_operand() -> None:
+    layer = keras.layers.EinsumDense("ab,bc->ac", output_shape=16, name="e")
+    model, records = _recorded("float8_tensorwise", layer)
+    x = np.random.default_rng(3).normal(size=(8, 64)).astype("float32")
+    x[0, :4] = 1e-30
+    _sum_step(model, x)
+    read = records.read()["e"]
+    assert read["input"] == _current_record(x) and read["input"].flushed >= 4
+    assert read["weight"].nonzero == 64 * 16
+    assert read["grad_output"] == polyamp.backend_api.records.Float8CastRecord(0, 0, 8 * 16)
+
+
+def test_records_count_training_steps_only() -> None:
+    model, records = _recorded("float8_rowwise", keras.layers.Dense(16, name="a"))
+    x = np.ones((8, 64), "float32")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    model.predict(x, verbose=0)
+    model.evaluate(x, np.zeros((8, 16), "float32"), verbose=0)
+    assert records.read()["a"]["input"].nonzero == 0  # documented: a forward without a step counts nothing
+    model.train_on_batch(x, np.zeros((8, 16), "float32"))
+    assert records.read()["a"]["input"].nonzero == 8 * 64
+
+
+def test_records_are_refused_once_the_optimizer_is_built_or_accumulates() -> None:
+    keras.utils.set_random_seed(2)
+    model = polyamp_keras.apply_policy(_dense_model(), "float32+float8_tensorwise")
+    model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss="mse")
+    with pytest.raises(PolyampValueError, match="gradient accumulation"):
+        polyamp_keras.record_float8(model)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.train_on_batch(np.ones((4, 16), "float32"), np.zeros((4, 16), "float32"))
+    before = len(model.trainable_variables)
+    with pytest.raises(PolyampValueError, match="before the first training step"):
+        polyamp_keras.record_float8(model)
+    assert len(model.trainable_variables) == before
+
+
+def test_record_counts_carry_past_float32_integers() -> None:
+    from polyamp_keras._float8_counts import DIGIT, delivered
+
+    previous = np.zeros((3, 3, 2), np.float32)
+    previous[2, :, 0] = DIGIT - 1
+    previous[2, :, 1] = 5
+    counts = ops.convert_to_tensor(np.array([1, 2**30 + 3, 0], np.int32))
+    out = _numpy(delivered(ops.convert_to_tensor(previous), {2: [counts, counts]}))
+    totals = out[..., 0].astype(np.int64) + out[..., 1].astype(np.int64) * DIGIT
+    start = DIGIT - 1 + 5 * DIGIT
+    assert totals[2].tolist() == [start + 2, start + 2 * (2**30 + 3), start]
+    assert not totals[:2].any() and (out[..., 0] < DIGIT).all()
+
+
 # -- the other backends, in subprocesses -------------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ PyTorch).
 * `Float8Dense`, `Float8EinsumDense` - what `apply_policy` makes of ``Dense`` and ``EinsumDense`` layers under
   a policy with an FP8 recipe (``"mixed_bfloat16+float8_delayed"``): their matmuls in FP8;
   `float8_state_dict` / `load_float8_state_dict` - delayed scaling's state in the form every polyamp backend
-  reads.
+  reads; `record_float8` - what their casts lose (saturated and flushed values), counted on the device.
 * `watch_forward` - which layer first produced an inf or NaN in an eager forward pass.
 * `PrecisionOptimizer` - the training state a policy plans (a float32 master copy, the optimizer state's
   dtype, stochastic or Kahan-compensated writes into bfloat16 weights) around any Keras optimizer;
@@ -46,6 +46,7 @@ from polyamp_keras._callbacks import LossScaleCallback
 from polyamp_keras._compile import restore_polyamp_compiles
 from polyamp_keras._device import KerasDevice
 from polyamp_keras._float8 import Float8Dense, Float8EinsumDense
+from polyamp_keras._float8_records import Float8Recorder, record_float8
 from polyamp_keras._float8_state import float8_state_dict, load_float8_state_dict
 from polyamp_keras._follow import follow_polyamp_policy
 from polyamp_keras._functional import KerasFunctional
@@ -65,6 +66,7 @@ __all__ = [
     "LAYER_OPS",
     "Float8Dense",
     "Float8EinsumDense",
+    "Float8Recorder",
     "ForwardWatch",
     "KerasDevice",
     "KerasFunctional",
@@ -81,6 +83,7 @@ __all__ = [
     "load_float8_state_dict",
     "measure_state_bytes",
     "op_output_dtype",
+    "record_float8",
     "to_keras_policy",
     "watch_forward",
 ]

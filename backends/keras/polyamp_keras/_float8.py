@@ -30,6 +30,7 @@ from keras.src.backend.common.variables import AutocastScope
 
 from polyamp import Float8Recipe, InvalidPolicyError, PolyampValueError
 from polyamp.backend_api.rules import fp8
+from polyamp_keras._float8_counts import delivered
 from polyamp_keras._keras import keras
 from polyamp_keras._rule import OPS
 
@@ -55,33 +56,51 @@ def current_cast(x: Any, fmt: fp8.Float8Format, axis: int | None, power_of_two: 
     return fp8.quantize(OPS, x, scale, fmt), scale
 
 
-def _current_dequantized(x: Any, fmt: fp8.Float8Format, axis: int | None, power_of_two: bool) -> Any:
+def _current_dequantized(
+    x: Any, fmt: fp8.Float8Format, axis: int | None, power_of_two: bool, found: list[Any] | None = None
+) -> Any:
     """``x`` cast with its own scale and back to float32: the FP8 values times the scale's reciprocal, the
-    operand ``torch._scaled_mm`` multiplies."""
-    cast, scale = current_cast(ops.stop_gradient(x), fmt, axis, power_of_two)
+    operand ``torch._scaled_mm`` multiplies; with ``found``, what the cast lost is appended to it."""
+    x = ops.stop_gradient(x)
+    scale = fp8.scale_from_amax(OPS, fp8.amax(OPS, x, axis), fmt, power_of_two=power_of_two)
+    values = fp8.scaled(OPS, x, scale)
+    cast = fp8.saturating_cast(OPS, values, fmt)
+    if found is not None:
+        found.append(fp8.cast_counts(OPS, x, values, cast, fmt))
     return ops.cast(cast, "float32") * ops.divide(ops.ones_like(scale), scale)
 
 
-def _mx_dequantized(x: Any, fmt: fp8.Float8Format, recipe: Float8Recipe, dtype: str) -> Any:
+def _mx_dequantized(
+    x: Any, fmt: fp8.Float8Format, recipe: Float8Recipe, dtype: str, found: list[Any] | None = None
+) -> Any:
     """``x`` (2-D) cast to MX along its last axis (zero-padded to whole blocks) and back, in ``dtype``: the
-    values scaled by their blocks' E8M0 exponents (NaN for a block holding NaN), cast, and multiplied back."""
+    values scaled by their blocks' E8M0 exponents (NaN for a block holding NaN), cast, and multiplied back;
+    with ``found``, what the cast lost is appended to it."""
     x = ops.cast(ops.stop_gradient(x), "float32")
     rows, columns = (int(n) for n in x.shape)
     block = recipe.mx_block
     pad = -columns % block
     wide = ops.pad(x, [[0, 0], [0, pad]]) if pad else x
     exponents, scaled = fp8.mx_scaled(OPS, wide, fmt, block=block, rounding=recipe.mx_rounding)
-    values = ops.cast(fp8.saturating_cast(OPS, scaled, fmt), "float32")
+    cast = fp8.saturating_cast(OPS, scaled, fmt)
+    if found is not None:
+        found.append(fp8.cast_counts(OPS, wide, scaled, cast, fmt))
+    values = ops.cast(cast, "float32")
     exponents = ops.cast(exponents, "float32")
     scale = ops.where(exponents == 255.0, ops.full_like(exponents, float("nan")), OPS.exp2(exponents - 127.0))
     blocks = ops.reshape(values, (rows, (columns + pad) // block, block)) * ops.expand_dims(scale, -1)
     return ops.cast(ops.reshape(blocks, (rows, columns + pad))[:, :columns], dtype)
 
 
-def _delayed_dequantized(x: Any, scale: Any, fmt: fp8.Float8Format, compute_dtype: str) -> Any:
+def _delayed_dequantized(
+    x: Any, scale: Any, fmt: fp8.Float8Format, compute_dtype: str, found: list[Any] | None = None
+) -> Any:
     """``x`` cast with delayed scaling's stored dequantizing ``scale`` and dequantized, both in the compute
-    dtype (Keras's ``quantize_and_dequantize``)."""
-    cast = fp8.quantize(OPS, x, scale, fmt, divide=True, dtype=compute_dtype)
+    dtype (Keras's ``quantize_and_dequantize``); with ``found``, what the cast lost is appended to it."""
+    values = fp8.scaled(OPS, x, scale, divide=True, dtype=compute_dtype)
+    cast = fp8.saturating_cast(OPS, values, fmt)
+    if found is not None:
+        found.append(fp8.cast_counts(OPS, x, values, cast, fmt))
     return ops.multiply(ops.cast(cast, compute_dtype), ops.cast(scale, compute_dtype))
 
 
@@ -106,25 +125,28 @@ def _upstream(args: tuple[Any, ...], upstream: Any) -> Any:
 # -- the matmuls ----------------------------------------------------------------------------------------------
 
 
-def _dynamic_matmul(x: Any, kernel: Any, recipe: Float8Recipe) -> Any:
+def _dynamic_matmul(x: Any, kernel: Any, recipe: Float8Recipe, counts: tuple[Any, ...] = ()) -> Any:
     """``x @ kernel`` (``x`` 2-D in the compute dtype, ``kernel`` float32 ``(in, out)``) with ``recipe``'s
-    current-scaling casts in the forward and in the backward, in float32."""
+    current-scaling casts in the forward and in the backward, in float32; with ``counts`` (a recorded layer's
+    ``float8_counts`` value), the new totals are its gradient."""
     formats = [_format(recipe, role) for role in _ROLES]
     row = recipe.granularity == "row"
     p2 = recipe.power_of_two
 
     @ops.custom_gradient  # type: ignore[untyped-decorator]
-    def matmul(x: Any, kernel: Any) -> tuple[Any, Any]:
+    def matmul(x: Any, kernel: Any, *counts: Any) -> tuple[Any, Any]:
+        found: list[Any] | None = [] if counts else None
         out = ops.matmul(
-            _current_dequantized(x, formats[0], -1 if row else None, p2),
-            _current_dequantized(kernel, formats[1], 0 if row else None, p2),
+            _current_dequantized(x, formats[0], -1 if row else None, p2, found),
+            _current_dequantized(kernel, formats[1], 0 if row else None, p2, found),
         )
 
-        def grad(*args: Any, upstream: Any = None, variables: Any = None) -> tuple[Any, Any]:
+        def grad(*args: Any, upstream: Any = None, variables: Any = None) -> tuple[Any, ...]:
             g = _upstream(args, upstream)
             weight_rows = row and not recipe.grad_weight_high_precision
+            found_grad: list[Any] | None = [] if counts else None
             grad_input = ops.matmul(
-                _current_dequantized(g, formats[2], -1 if row else None, p2),
+                _current_dequantized(g, formats[2], -1 if row else None, p2, found_grad),
                 ops.transpose(_current_dequantized(kernel, formats[1], 1 if weight_rows else None, p2)),
             )
             if recipe.grad_weight_high_precision:
@@ -134,69 +156,104 @@ def _dynamic_matmul(x: Any, kernel: Any, recipe: Float8Recipe) -> Any:
                     ops.transpose(_current_dequantized(x, formats[0], 0 if row else None, p2)),
                     _current_dequantized(g, formats[2], 0 if row else None, p2),
                 )
-            return ops.cast(grad_input, x.dtype), ops.cast(grad_weight, kernel.dtype)
+            return (
+                ops.cast(grad_input, x.dtype),
+                ops.cast(grad_weight, kernel.dtype),
+                *_delivered(counts, found, found_grad),
+            )
 
         return ops.cast(out, x.dtype), grad
 
-    return matmul(x, kernel)
+    return matmul(x, kernel, *counts)
 
 
-def _mx_matmul(x: Any, kernel: Any, recipe: Float8Recipe) -> Any:
+def _delivered(counts: tuple[Any, ...], found: list[Any] | None, found_grad: list[Any] | None) -> tuple[Any, ...]:
+    """The gradient of a matmul's ``counts`` input (none without one): the input's and weight's counts
+    ``found`` in the forward, the grad-output's in the backward."""
+    if not counts or found is None or found_grad is None:
+        return ()
+    return (delivered(counts[0], {0: found[:1], 1: found[1:], 2: found_grad}),)
+
+
+def _mx_matmul(x: Any, kernel: Any, recipe: Float8Recipe, counts: tuple[Any, ...] = ()) -> Any:
     """``x @ kernel`` (``x`` 2-D in the compute dtype, ``kernel`` ``(in, out)``) with MX casts along each
-    matmul's contracted axis, emulated in the compute dtype as ``polyamp_torch`` runs MX."""
+    matmul's contracted axis, emulated in the compute dtype as ``polyamp_torch`` runs MX; with ``counts``, the
+    new totals of the input's, weight's and grad-input matmul's grad-output casts are its gradient."""
     fx, fw, fg = (_format(recipe, role) for role in _ROLES)
 
     @ops.custom_gradient  # type: ignore[untyped-decorator]
-    def matmul(x: Any, kernel: Any) -> tuple[Any, Any]:
+    def matmul(x: Any, kernel: Any, *counts: Any) -> tuple[Any, Any]:
         dtype = x.dtype
         weight = ops.transpose(ops.cast(kernel, dtype))  # (out, in), rounded to the compute dtype first
+        found: list[Any] | None = [] if counts else None
         out = ops.matmul(
-            _mx_dequantized(x, fx, recipe, dtype), ops.transpose(_mx_dequantized(weight, fw, recipe, dtype))
+            _mx_dequantized(x, fx, recipe, dtype, found),
+            ops.transpose(_mx_dequantized(weight, fw, recipe, dtype, found)),
         )
 
-        def grad(*args: Any, upstream: Any = None, variables: Any = None) -> tuple[Any, Any]:
+        def grad(*args: Any, upstream: Any = None, variables: Any = None) -> tuple[Any, ...]:
             g = ops.cast(_upstream(args, upstream), dtype)
+            found_grad: list[Any] | None = [] if counts else None
             grad_input = ops.matmul(
-                _mx_dequantized(g, fg, recipe, dtype),
+                _mx_dequantized(g, fg, recipe, dtype, found_grad),
                 ops.transpose(_mx_dequantized(ops.transpose(weight), fw, recipe, dtype)),
             )
             grad_kernel = ops.matmul(
                 _mx_dequantized(ops.transpose(x), fx, recipe, dtype),
                 ops.transpose(_mx_dequantized(ops.transpose(g), fg, recipe, dtype)),
             )
-            return grad_input, ops.cast(grad_kernel, kernel.dtype)
+            return grad_input, ops.cast(grad_kernel, kernel.dtype), *_delivered(counts, found, found_grad)
 
         return out, grad
 
-    return matmul(x, kernel)
+    return matmul(x, kernel, *counts)
 
 
-def _tensorwise_qdq(x: Any, recipe: Float8Recipe, role: str) -> Any:
+def _counts_grad(counts: tuple[Any, ...], role: str, found: list[Any] | None) -> tuple[Any, ...]:
+    """The gradient of a cast's ``counts`` input (none without one: a recorded layer's ``float8_counts``
+    value): ``role``'s row with the counts ``found`` added."""
+    if not counts or found is None:
+        return ()
+    return (delivered(counts[0], {_ROLES.index(role): found}),)
+
+
+def _with_counts(grad: Any, counts: tuple[Any, ...], role: str, found: list[Any] | None) -> Any:
+    """``grad``, with the gradient of ``counts`` after it when there is one."""
+    extra = _counts_grad(counts, role, found)
+    return (grad, *extra) if extra else grad
+
+
+def _tensorwise_qdq(x: Any, recipe: Float8Recipe, role: str, counts: tuple[Any, ...] = ()) -> Any:
     """``x`` cast with its own tensorwise scale and dequantized (float32), the gradient passing straight
     through (the backward re-casts it with the same scale, as torchao's tensorwise recipe does)."""
 
     @ops.custom_gradient  # type: ignore[untyped-decorator]
-    def qdq(x: Any) -> tuple[Any, Any]:
+    def qdq(x: Any, *counts: Any) -> tuple[Any, Any]:
+        found: list[Any] | None = [] if counts else None
+        out = _current_dequantized(x, _format(recipe, role), None, recipe.power_of_two, found)
+
         def grad(*args: Any, upstream: Any = None, variables: Any = None) -> Any:
-            return ops.cast(_upstream(args, upstream), x.dtype)
+            return _with_counts(ops.cast(_upstream(args, upstream), x.dtype), counts, role, found)
 
-        return _current_dequantized(x, _format(recipe, role), None, recipe.power_of_two), grad
+        return out, grad
 
-    return qdq(x)
+    return qdq(x, *counts)
 
 
-def _tensorwise_grad_qdq(y: Any, recipe: Float8Recipe) -> Any:
+def _tensorwise_grad_qdq(y: Any, recipe: Float8Recipe, counts: tuple[Any, ...] = ()) -> Any:
     """``y`` unchanged (in float32); its gradient cast with its own tensorwise scale and dequantized."""
 
     @ops.custom_gradient  # type: ignore[untyped-decorator]
-    def qdq(y: Any) -> tuple[Any, Any]:
+    def qdq(y: Any, *counts: Any) -> tuple[Any, Any]:
         def grad(*args: Any, upstream: Any = None, variables: Any = None) -> Any:
             g = _upstream(args, upstream)
-            return _current_dequantized(g, _format(recipe, "grad_output"), None, recipe.power_of_two)
+            found: list[Any] | None = [] if counts else None
+            out = _current_dequantized(g, _format(recipe, "grad_output"), None, recipe.power_of_two, found)
+            return _with_counts(out, counts, "grad_output", found)
 
         return y, grad
 
-    return qdq(y)
+    return qdq(y, *counts)
 
 
 class _Float8Layer:
@@ -232,15 +289,18 @@ class _Float8Layer:
         fmt = _format(recipe, role)
 
         @ops.custom_gradient  # type: ignore[untyped-decorator]
-        def qdq(x: Any, scale: Any, history: Any) -> tuple[Any, Any]:
+        def qdq(x: Any, scale: Any, history: Any, *counts: Any) -> tuple[Any, Any]:
             new_scale, new_history = _next_delayed(history, scale, x, fmt, recipe) if training else (None, None)
+            found: list[Any] | None = [] if counts else None
+            out = _delayed_dequantized(x, scale, fmt, compute, found)
 
-            def grad(*args: Any, upstream: Any = None, variables: Any = None) -> tuple[Any, Any, Any]:
-                return _upstream(args, upstream), new_scale, new_history
+            def grad(*args: Any, upstream: Any = None, variables: Any = None) -> tuple[Any, ...]:
+                return _upstream(args, upstream), new_scale, new_history, *_counts_grad(counts, role, found)
 
-            return _delayed_dequantized(x, scale, fmt, compute), grad
+            return out, grad
 
-        return qdq(x, _tensor(getattr(self, f"{prefix}_scale")), _tensor(getattr(self, f"{prefix}_amax_history")))
+        scale, history = (_tensor(getattr(self, f"{prefix}_{what}")) for what in ("scale", "amax_history"))
+        return qdq(x, scale, history, *self._counts())
 
     def _delayed_grad_qdq(self, y: Any) -> Any:
         """``y`` unchanged; its gradient quantized and dequantized with the stored grad-output scale, whose
@@ -249,15 +309,22 @@ class _Float8Layer:
         fmt = _format(recipe, "grad_output")
 
         @ops.custom_gradient  # type: ignore[untyped-decorator]
-        def qdq(y: Any, scale: Any, history: Any) -> tuple[Any, Any]:
-            def grad(*args: Any, upstream: Any = None, variables: Any = None) -> tuple[Any, Any, Any]:
+        def qdq(y: Any, scale: Any, history: Any, *counts: Any) -> tuple[Any, Any]:
+            def grad(*args: Any, upstream: Any = None, variables: Any = None) -> tuple[Any, ...]:
                 g = _upstream(args, upstream)
                 new_scale, new_history = _next_delayed(history, scale, g, fmt, recipe)
-                return _delayed_dequantized(g, scale, fmt, compute), new_scale, new_history
+                found: list[Any] | None = [] if counts else None
+                out = _delayed_dequantized(g, scale, fmt, compute, found)
+                return out, new_scale, new_history, *_counts_grad(counts, "grad_output", found)
 
             return y, grad
 
-        return qdq(y, _tensor(self.outputs_grad_scale), _tensor(self.outputs_grad_amax_history))
+        return qdq(y, _tensor(self.outputs_grad_scale), _tensor(self.outputs_grad_amax_history), *self._counts())
+
+    def _counts(self) -> tuple[Any, ...]:
+        """The value of ``float8_counts`` once `polyamp_keras.record_float8` recorded the layer (none before)."""
+        counts = getattr(self, "float8_counts", None)
+        return () if counts is None else (_tensor(counts),)
 
     def _finish(self, x: Any) -> Any:
         """Bias and activation after a delayed-scaling matmul, as Keras's float8 layers add them (a float32
@@ -291,7 +358,7 @@ class Float8Dense(_Float8Layer, keras.layers.Dense):  # type: ignore[misc]
         shape = ops.shape(inputs)
         flat = ops.reshape(inputs, (-1, shape[-1]))
         matmul = _mx_matmul if self.float8_recipe.granularity == "mx" else _dynamic_matmul
-        out = matmul(flat, self._float32_kernel(), self.float8_recipe)
+        out = matmul(flat, self._float32_kernel(), self.float8_recipe, self._counts())
         x = ops.reshape(out, (*shape[:-1], self.units))
         if self.bias is not None:
             x = ops.add(x, self.bias)
@@ -324,10 +391,10 @@ class Float8EinsumDense(_Float8Layer, keras.layers.EinsumDense):  # type: ignore
         recipe = self.float8_recipe
         x = ops.einsum(
             self.equation,
-            _tensorwise_qdq(inputs, recipe, "input"),
-            _tensorwise_qdq(self._float32_kernel(), recipe, "weight"),
+            _tensorwise_qdq(inputs, recipe, "input", self._counts()),
+            _tensorwise_qdq(self._float32_kernel(), recipe, "weight", self._counts()),
         )
-        x = ops.cast(_tensorwise_grad_qdq(x, recipe), self.compute_dtype)
+        x = ops.cast(_tensorwise_grad_qdq(x, recipe, self._counts()), self.compute_dtype)
         if self.bias is not None:
             x = ops.add(x, self.bias)
         if self.activation is not None:
