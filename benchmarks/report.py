@@ -23,6 +23,7 @@ ORDER = (
     "training-state",
     "fp8",
     "fp8-training",
+    "fp8-frameworks",
     "fp8-gpu",
     "gpu-syncs",
     "gpu-cuda-graph",
@@ -34,6 +35,7 @@ ORDER = (
     "gpu-conformance",
 )
 TITLES = {
+    "fp8-frameworks": "One FP8 recipe on torch, Keras (JAX) and JAX: the same GPT, weights and batches (CPU)",
     "training-state": "Training-state plans: AdamW on a small GPT, bfloat16 weights (CPU)",
     "gpu-syncs": "Host-device synchronisations per training step (CUDA)",
     "gpu-cuda-graph": "CUDA-graph capture of a training step (capturable Adam, fused and foreach)",
