@@ -23,6 +23,7 @@ ORDER = (
     "training-state",
     "fp8",
     "fp8-training",
+    "fp8-frameworks",
     "fp8-gpu",
     "gpu-syncs",
     "gpu-cuda-graph",
@@ -34,9 +35,14 @@ ORDER = (
     "gpu-conformance",
 )
 #: The command of a target that is not a `benchmarks/run.py` target.
-COMMANDS = {"fp8-training": "python benchmarks/fp8_training.py", "fp8-gpu": "python benchmarks/fp8_gpu.py"}
+COMMANDS = {
+    "fp8-training": "python benchmarks/fp8_training.py",
+    "fp8-frameworks": "python benchmarks/fp8_frameworks.py",
+    "fp8-gpu": "python benchmarks/fp8_gpu.py",
+}
 TITLES = {
     "fp8-gpu": "FP8 on an H100/H200: GPT blocks, torch.compile, vs bfloat16 and torchao",
+    "fp8-frameworks": "One FP8 recipe on torch, Keras (JAX) and JAX: the same GPT, weights and batches (CPU)",
     "training-state": "Training-state plans: AdamW on a small GPT, bfloat16 weights (CPU)",
     "gpu-syncs": "Host-device synchronisations per training step (CUDA)",
     "gpu-cuda-graph": "CUDA-graph capture of a training step (capturable Adam, fused and foreach)",
