@@ -246,6 +246,40 @@ def test_delayed_composes_with_loss_scale_optimizer() -> None:
     assert float(_numpy(_inner(ours).layers[1].outputs_grad_scale)) not in (0.0, 1.0)
 
 
+@pytest.mark.parametrize("recipe", ["float8_tensorwise", "float8_rowwise"])
+def test_dynamic_recipes_compose_with_a_training_state_plan(recipe: str) -> None:
+    # bfloat16 kernels cast to FP8 each step, stepped by the plan's PrecisionOptimizer (Kahan writes).
+    x, y = _data(5)
+    with polyamp.policy_scope("bfloat16_kahan"):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((16,)), keras.layers.Dense(128, activation="gelu"), keras.layers.Dense(16)]
+        )
+    model = polyamp_keras.apply_policy(model, f"bfloat16_kahan+{recipe}")
+    dense = _inner(model).layers[0]
+    assert isinstance(dense, polyamp_keras.Float8Dense) and str(dense.kernel.dtype) == "bfloat16"
+    optimizer = polyamp_keras.PrecisionOptimizer(keras.optimizers.Adam(1e-2), "bfloat16_kahan")
+    model.compile(optimizer=optimizer, loss="mse")
+    losses = model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False).history["loss"]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert len(optimizer.compensation_variables) == len(model.trainable_variables)
+    assert {str(v.dtype) for v in optimizer.compensation_variables} == {"bfloat16"}
+
+
+def test_delayed_scaling_and_a_training_state_plan_are_refused_together_with_the_reason() -> None:
+    # The plan's optimizer would step delayed scaling's scales as weights; Keras's own optimizers overwrite them.
+    x, y = _data(5)
+    with polyamp.policy_scope("bfloat16_kahan"):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16)])
+    model = polyamp_keras.apply_policy(model, "bfloat16_kahan+float8_delayed[amax_history_length=4]")
+    before = [_numpy(v) for v in model.weights]
+    model.compile(optimizer=polyamp_keras.PrecisionOptimizer(keras.optimizers.Adam(1e-2), "bfloat16_kahan"), loss="mse")
+    with pytest.raises(polyamp.InvalidConfigError, match=r"overwritten with their gradient .*inputs_scale"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert all(np.array_equal(a, _numpy(v)) for a, v in zip(before, model.weights, strict=True))
+
+
 # -- dynamic scaling: the reference's casts, a float32 matmul ------------------------------------------------
 
 
