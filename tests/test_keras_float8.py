@@ -95,8 +95,15 @@ def _inner(model: Any) -> Any:
 # -- delayed scaling: Keras's quantize("float8"), bit for bit --------------------------------------------------
 
 
-@pytest.mark.parametrize("base", ["float32", "mixed_bfloat16"])
-@pytest.mark.parametrize("mode", ["jit", "eager"])
+@pytest.mark.parametrize(
+    ("mode", "base"),
+    [
+        ("jit", "mixed_bfloat16"),
+        ("eager", "float32"),
+        pytest.param("jit", "float32", marks=pytest.mark.slow),
+        pytest.param("eager", "mixed_bfloat16", marks=pytest.mark.slow),
+    ],
+)
 def test_delayed_fit_is_keras_float8_bitwise(base: str, mode: str) -> None:
     theirs, ours = _pair(base)
     x, y = _data(0)
