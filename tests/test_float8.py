@@ -307,3 +307,17 @@ def test_an_fp8_error_is_a_polyamp_error() -> None:
     with pytest.raises(PolyampError, match=r"An FP8 format is one of .e4m3., .e5m2.\. Received: .e3m4."):
         ref.current_scale(np.ones(2, np.float32), "e3m4")
     assert math.isfinite(float(ref.current_scale(np.ones(2, np.float32), "e5m2")))
+
+
+def test_a_state_dict_holds_the_one_delayed_recipe_of_a_models_layers() -> None:
+    from polyamp.backend_api.state_dicts import delayed_recipe
+
+    short, long = (Float8Recipe(scaling="delayed", amax_history_length=n) for n in (4, 8))
+    dynamic = Float8Recipe.preset("float8_rowwise")
+    assert delayed_recipe({"a": short, "b": short, "c": dynamic}, "float8_state_dict()", "apply_policy") == short
+    with pytest.raises(
+        polyamp.PolyampValueError, match=r"different recipes \(float8_delayed\[amax_history_length=4\], "
+    ):
+        delayed_recipe({"a": short, "b": long}, "float8_state_dict()", "apply_policy")
+    with pytest.raises(polyamp.PolyampValueError, match=r"^float8_state_dict\(\) needs .*\(apply_policy under "):
+        delayed_recipe({"c": dynamic}, "float8_state_dict()", "apply_policy")

@@ -20,16 +20,37 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from polyamp._src.errors import StateDictError, describe
+from polyamp._src.errors import PolyampValueError, StateDictError, describe
 from polyamp._src.float8 import CAST_ROLES, Float8Recipe
 
-__all__ = ["FLOAT8_STATE_FORMAT", "LayerState", "pack_float8_state", "parse_float8_state"]
+__all__ = ["FLOAT8_STATE_FORMAT", "LayerState", "delayed_recipe", "pack_float8_state", "parse_float8_state"]
 
 #: The ``"format"`` of a delayed-scaling state dict.
 FLOAT8_STATE_FORMAT: Final = "polyamp.float8/1"
 
 #: One layer's state: per operand (`CAST_ROLES`), its amax history (newest first) and its scale.
 LayerState = dict[str, tuple[list[float], float]]
+
+
+def delayed_recipe(recipes: Mapping[str, Float8Recipe], caller: str, apply_hint: str) -> Float8Recipe:
+    """The one recipe of a model's delayed-scaling FP8 layers (``recipes``: each layer's, by name), for
+    ``caller`` (``"float8_state_dict()"``, ...); ``apply_hint`` says how the backend converts a model.
+
+    Raises:
+        PolyampValueError: no layer runs delayed scaling, or they run different recipes (a state dict holds one).
+    """
+    delayed = {r for r in recipes.values() if r.scaling == "delayed"}
+    if not delayed:
+        raise PolyampValueError(
+            f"{caller} needs a model with delayed-scaling FP8 layers ({apply_hint} under 'float8_delayed'); "
+            "dynamic recipes keep no state."
+        )
+    if len(delayed) > 1:
+        raise PolyampValueError(
+            "The model's delayed-scaling FP8 layers run different recipes "
+            f"({', '.join(sorted(r.spec for r in delayed))}); an FP8 state dict holds one. Give them one recipe."
+        )
+    return next(iter(delayed))
 
 
 def pack_float8_state(recipe: Float8Recipe, layers: Mapping[str, LayerState]) -> dict[str, Any]:

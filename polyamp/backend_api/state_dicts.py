@@ -1,7 +1,13 @@
 """Loss-scaler state dicts, written and read as every polyamp scaler (and torch's GradScaler) writes and reads them;
 and FP8 delayed scaling's state dict, which every backend's FP8 layers write and read alike."""
 
-from polyamp._src.float8_state import FLOAT8_STATE_FORMAT, LayerState, pack_float8_state, parse_float8_state
+from polyamp._src.float8_state import (
+    FLOAT8_STATE_FORMAT,
+    LayerState,
+    delayed_recipe,
+    pack_float8_state,
+    parse_float8_state,
+)
 from polyamp._src.state_dict import (
     FORMAT_VERSION,
     parse_skipped_steps,
@@ -15,6 +21,7 @@ __all__ = [
     "FLOAT8_STATE_FORMAT",
     "FORMAT_VERSION",
     "LayerState",
+    "delayed_recipe",
     "pack_float8_state",
     "parse_float8_state",
     "parse_skipped_steps",

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from polyamp import Float8Recipe, PolyampValueError
-from polyamp.backend_api.state_dicts import LayerState, pack_float8_state, parse_float8_state
+from polyamp import Float8Recipe
+from polyamp.backend_api.state_dicts import LayerState, delayed_recipe, pack_float8_state, parse_float8_state
 from polyamp_keras._float8 import _Float8Layer
 from polyamp_keras._keras import keras
 from polyamp_keras._models import layer_paths
@@ -24,20 +24,15 @@ __all__ = ["float8_state_dict", "load_float8_state_dict"]
 PREFIXES = {"input": "inputs", "weight": "kernel", "grad_output": "outputs_grad"}
 
 
-def _delayed_layers(model: Any) -> tuple[Float8Recipe | None, dict[str, Any]]:
-    """The model's delayed-scaling FP8 layers by path, and their recipe (one for all of them)."""
+def _delayed_layers(model: Any, caller: str) -> tuple[Float8Recipe, dict[str, Any]]:
+    """The model's delayed-scaling FP8 layers by path, and their one recipe."""
     layers = {
         path: layer
         for path, layer in layer_paths(model)
         if isinstance(layer, _Float8Layer) and layer.float8_recipe.scaling == "delayed"
     }
-    recipes = {layer.float8_recipe for layer in layers.values()}
-    if len(recipes) > 1:
-        raise PolyampValueError(
-            "The model's delayed-scaling FP8 layers run different recipes "
-            f"({', '.join(sorted(r.spec for r in recipes))}); an FP8 state dict holds one. Give them one recipe."
-        )
-    return (next(iter(recipes)) if recipes else None), layers
+    recipes = {path: layer.float8_recipe for path, layer in layers.items()}
+    return delayed_recipe(recipes, caller, "polyamp_keras.apply_policy(model, ...)"), layers
 
 
 def _value(variable: Any) -> np.ndarray:
@@ -65,12 +60,7 @@ def float8_state_dict(model: Any) -> dict[str, Any]:
         polyamp_torch.load_float8_state_dict(torch_model, {**state, "layers": renamed(state["layers"])})
         ```
     """
-    recipe, layers = _delayed_layers(model)
-    if recipe is None:
-        raise PolyampValueError(
-            "float8_state_dict() needs a model with delayed-scaling FP8 layers (apply_policy under "
-            "'float8_delayed'); dynamic recipes keep no state."
-        )
+    recipe, layers = _delayed_layers(model, "float8_state_dict()")
     state: dict[str, LayerState] = {
         name: {
             role: (
@@ -93,12 +83,7 @@ def load_float8_state_dict(model: Any, state: dict[str, Any]) -> None:
             is loaded then).
         PolyampValueError: the model has no delayed-scaling FP8 layer.
     """
-    recipe, layers = _delayed_layers(model)
-    if recipe is None:
-        raise PolyampValueError(
-            "load_float8_state_dict() needs a model with delayed-scaling FP8 layers: "
-            "polyamp_keras.apply_policy(model, 'float8_delayed') first."
-        )
+    recipe, layers = _delayed_layers(model, "load_float8_state_dict()")
     parsed = parse_float8_state(state, recipe, list(layers))
     for name, layer in layers.items():
         for role, (history, scale) in parsed[name].items():

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from polyamp import Float8Recipe, PolyampValueError
+from polyamp import Float8Recipe
 from polyamp.backend_api.records import Float8CastRecord, cast_records
 from polyamp.backend_api.rules import fp8
-from polyamp.backend_api.state_dicts import LayerState, pack_float8_state, parse_float8_state
+from polyamp.backend_api.state_dicts import LayerState, delayed_recipe, pack_float8_state, parse_float8_state
 from polyamp_torch._framework import torch
 from polyamp_torch._rule import OPS
 
@@ -322,20 +322,15 @@ def record_float8(model: torch.nn.Module) -> Float8Recorder:
     return Float8Recorder(layers)
 
 
-def _delayed_layers(model: torch.nn.Module) -> tuple[Float8Recipe | None, dict[str, Float8Linear]]:
-    """The model's delayed-scaling FP8 layers by name, and their recipe (one for all of them)."""
+def _delayed_layers(model: torch.nn.Module, caller: str) -> tuple[Float8Recipe, dict[str, Float8Linear]]:
+    """The model's delayed-scaling FP8 layers by name, and their one recipe."""
     layers = {
         name or type(model).__name__: sub
         for name, sub in model.named_modules()
         if isinstance(sub, Float8Linear) and sub.float8_recipe.scaling == "delayed"
     }
-    recipes = {layer.float8_recipe for layer in layers.values()}
-    if len(recipes) > 1:
-        raise PolyampValueError(
-            "The model's delayed-scaling FP8 layers run different recipes "
-            f"({', '.join(sorted(r.spec for r in recipes))}); an FP8 state dict holds one. Give them one recipe."
-        )
-    return (next(iter(recipes)) if recipes else None), layers
+    recipes = {name: layer.float8_recipe for name, layer in layers.items()}
+    return delayed_recipe(recipes, caller, "polyamp_torch.apply_policy(model, ...)"), layers
 
 
 def float8_state_dict(model: torch.nn.Module) -> dict[str, Any]:
@@ -347,12 +342,7 @@ def float8_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     Raises:
         PolyampValueError: the model has no delayed-scaling FP8 layer, or layers with different recipes.
     """
-    recipe, layers = _delayed_layers(model)
-    if recipe is None:
-        raise PolyampValueError(
-            "float8_state_dict() needs a model with delayed-scaling FP8 layers (apply_policy under "
-            "'float8_delayed'); dynamic recipes keep no state."
-        )
+    recipe, layers = _delayed_layers(model, "float8_state_dict()")
     state: dict[str, LayerState] = {
         name: {
             role: (
@@ -375,12 +365,7 @@ def load_float8_state_dict(model: torch.nn.Module, state: dict[str, Any]) -> Non
             is loaded then).
         PolyampValueError: the model has no delayed-scaling FP8 layer.
     """
-    recipe, layers = _delayed_layers(model)
-    if recipe is None:
-        raise PolyampValueError(
-            "load_float8_state_dict() needs a model with delayed-scaling FP8 layers: apply_policy(model, "
-            "'float8_delayed') first."
-        )
+    recipe, layers = _delayed_layers(model, "load_float8_state_dict()")
     parsed = parse_float8_state(state, recipe, list(layers))
     with torch.no_grad():
         for name, layer in layers.items():
