@@ -148,9 +148,8 @@ def _mx(x: Any, fmt: fp8.Float8Format, recipe: Float8Recipe) -> Any:
     pad = -columns % recipe.mx_block
     wide = jnp.pad(x.astype(_F32), ((0, 0), (0, pad)))
     exponents, values = fp8.mx_quantize(OPS, wide, fmt, block=recipe.mx_block, rounding=recipe.mx_rounding)
-    scale = jnp.where(exponents == 255, jnp.nan, OPS.exp2(exponents.astype(_F32) - 127.0))  # exact powers of two
-    blocks = values.astype(_F32).reshape(*scale.shape, recipe.mx_block) * scale[..., None]
-    return blocks.reshape(wide.shape)[:, :columns].astype(x.dtype)
+    back = fp8.mx_dequantize(OPS, exponents, values, block=recipe.mx_block)
+    return back[:, :columns].astype(x.dtype)
 
 
 def _mx_dot(a: Any, b: Any, recipe: Float8Recipe, roles: tuple[str, str]) -> Any:

@@ -115,9 +115,7 @@ class JaxOps(ArrayOps):
     def exp2(self, x: Any) -> Any:
         """``2 ** x``, exact at integers: XLA's CPU ``exp2`` is ``exp(x * ln 2)``, a unit in the last place
         off at most integers, and the FP8 rules build their power-of-two scales and MX exponents with it."""
-        whole = jnp.logical_and(jnp.isfinite(x), jnp.floor(x) == x)
-        exponent = jnp.clip(jnp.where(whole, x, 0), -150, 128).astype(jnp.int32)
-        return jnp.where(whole, jnp.ldexp(jnp.ones_like(x), exponent), jnp.exp2(x))
+        return rules.fp8.exp2_exact(jnp, x)
 
 
 #: The vocabulary the functional form computes with.

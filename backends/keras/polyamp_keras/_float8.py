@@ -77,7 +77,7 @@ def _mx_dequantized(
     values scaled by their blocks' E8M0 exponents (NaN for a block holding NaN), cast, and multiplied back;
     with ``found``, what the cast lost is appended to it."""
     x = ops.cast(ops.stop_gradient(x), "float32")
-    rows, columns = (int(n) for n in x.shape)
+    columns = int(x.shape[-1])
     block = recipe.mx_block
     pad = -columns % block
     wide = ops.pad(x, [[0, 0], [0, pad]]) if pad else x
@@ -85,11 +85,8 @@ def _mx_dequantized(
     cast = fp8.saturating_cast(OPS, scaled, fmt)
     if found is not None:
         found.append(fp8.cast_counts(OPS, wide, scaled, cast, fmt))
-    values = ops.cast(cast, "float32")
-    exponents = ops.cast(exponents, "float32")
-    scale = ops.where(exponents == 255.0, ops.full_like(exponents, float("nan")), OPS.exp2(exponents - 127.0))
-    blocks = ops.reshape(values, (rows, (columns + pad) // block, block)) * ops.expand_dims(scale, -1)
-    return ops.cast(ops.reshape(blocks, (rows, columns + pad))[:, :columns], dtype)
+    back = fp8.mx_dequantize(OPS, exponents, cast, block=block)
+    return ops.cast(back[:, :columns], dtype)
 
 
 def _delayed_dequantized(

@@ -127,10 +127,7 @@ class KerasOps(ArrayOps):
         33554448, which would make the FP8 rules' power-of-two scales not powers of two."""
         if keras.backend.backend() != "jax":
             return ops.exp2(x)
-        jnp = sys.modules["jax.numpy"]  # Keras's backend here, so imported
-        whole = jnp.logical_and(jnp.floor(x) == x, jnp.abs(x) < 512.0)
-        exact = jnp.ldexp(jnp.ones_like(x), jnp.where(whole, x, 0.0).astype("int32"))
-        return jnp.where(whole, exact, jnp.exp2(x))
+        return rules.fp8.exp2_exact(sys.modules["jax.numpy"], x)  # Keras's backend here, so imported
 
     @property
     def has_float64(self) -> bool:

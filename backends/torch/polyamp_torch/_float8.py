@@ -123,9 +123,8 @@ def _mx(
     if counts is not None:
         with torch.no_grad():
             counts[row] += fp8.cast_counts(OPS, wide, scaled, values, fmt)
-    scale = torch.where(exponents == 255, torch.nan, torch.exp2(exponents.float() - 127.0))
-    blocks = values.float().reshape(*scale.shape, recipe.mx_block) * scale.unsqueeze(-1)
-    return blocks.reshape(wide.shape)[:, :columns].to(x.dtype)  # type: ignore[no-any-return]
+    back = fp8.mx_dequantize(OPS, exponents, values, block=recipe.mx_block)
+    return back[:, :columns].to(x.dtype)  # type: ignore[no-any-return]
 
 
 class _Float8Matmul(torch.autograd.Function):

@@ -39,6 +39,8 @@ __all__ = [
     "amax",
     "cast_counts",
     "delayed_scale",
+    "exp2_exact",
+    "mx_dequantize",
     "mx_quantize",
     "mx_scaled",
     "push_amax",
@@ -211,6 +213,27 @@ def mx_scaled(ops: ArrayOps, x: Any, fmt: Float8Format, *, block: int = 32, roun
         )
         values = blocks / scale
     return ops.astype(ops.reshape(exponent, (*shape[:-1], shape[-1] // block)), "uint8"), ops.reshape(values, shape)
+
+
+def mx_dequantize(ops: ArrayOps, exponents: Any, values: Any, *, block: int = 32) -> Any:
+    """MX values brought back to float32: each ``block`` of FP8 ``values`` (along the last axis) times
+    ``2 ** (exponent - 127)`` of its E8M0 exponent, and NaN throughout a block whose exponent is 255 (E8M0's NaN).
+    The inverse of `mx_quantize` up to the cast's rounding; emulated MX matmuls multiply these."""
+    exponent = ops.astype(exponents, "float32")
+    scale = ops.where(exponent == 255.0, ops.full_like(exponent, math.nan), ops.exp2(exponent - 127.0))
+    shape = tuple(values.shape)
+    blocks = ops.reshape(ops.astype(values, "float32"), (*shape[:-1], shape[-1] // block, block))
+    return ops.reshape(blocks * ops.reshape(scale, (*tuple(scale.shape), 1)), shape)
+
+
+def exp2_exact(xp: Any, x: Any) -> Any:
+    """``2 ** x`` over the namespace ``xp`` with every whole ``x`` exact (``ldexp`` of 1): for namespaces whose
+    ``exp2`` is ``exp(x * ln 2)``, as XLA's on the CPU (a unit in the last place off at most integers), which
+    would make the power-of-two scales and MX exponents above not powers of two. An `ArrayOps` over such a
+    namespace uses it as its ``exp2``."""
+    whole = xp.logical_and(xp.isfinite(x), xp.floor(x) == x)
+    exponent = xp.astype(xp.clip(xp.where(whole, x, 0.0), -150.0, 128.0), xp.int32)
+    return xp.where(whole, xp.ldexp(xp.ones_like(x), exponent), xp.exp2(x))
 
 
 def _rceil(ops: ArrayOps, blocks: Any, m: Any, fmt: Float8Format) -> tuple[Any, Any]:
