@@ -9,6 +9,8 @@ is assumed to have:
 * ``<!-- doc-test: requires torch, lightning -->``: the block's page group is skipped where a module is missing;
 * ``<!-- doc-test: env KERAS_BACKEND=jax -->``: environment of the interpreter (from this block on, a new one);
 * ``<!-- doc-test: fresh -->``: this block and the following ones run in a new interpreter;
+* ``<!-- doc-test: slow -->``: the block's interpreter runs with the slow set (``-m slow``): pages whose blocks
+  load several frameworks or a Keras backend that the fast set tests in subprocesses only;
 * ``<!-- doc-test: skip REASON -->``: the block is not run; REASON says why (a GPU, several processes), and is
   checked to be one of `SKIP_REASONS`.
 """
@@ -46,6 +48,7 @@ class _Group:
     requires: set[str] = field(default_factory=set)
     code: list[str] = field(default_factory=list)
     blocks: int = 0
+    slow: bool = False
 
     @property
     def id(self) -> str:
@@ -61,6 +64,7 @@ def _groups(page: Path) -> list[_Group]:
         line = text[: match.start(2)].count("\n")
         setup, then, skip, fresh = [], [], None, current is None
         requires: set[str] = set()
+        slow = False
         for name, body in _DIRECTIVE.findall(match.group(1)):
             if name == "setup":
                 setup.append(textwrap.dedent(body).strip("\n"))
@@ -74,6 +78,8 @@ def _groups(page: Path) -> list[_Group]:
                 fresh = True
             elif name == "fresh":
                 fresh = True
+            elif name == "slow":
+                slow = True
             elif name == "skip":
                 skip = body.strip()
             else:
@@ -85,6 +91,7 @@ def _groups(page: Path) -> list[_Group]:
             current = _Group(page, line, dict(env))
             groups.append(current)
         current.requires |= requires
+        current.slow |= slow
         location = f"{page.relative_to(ROOT)}:{line}"
         for code in setup:
             current.code.append(f"# setup of {location}\n{code}\n")
@@ -108,7 +115,9 @@ def test_every_python_block_is_run_or_skipped_for_a_reason() -> None:
     assert sum(group.blocks for group in GROUPS) >= 30
 
 
-@pytest.mark.parametrize("group", GROUPS, ids=[group.id for group in GROUPS])
+@pytest.mark.parametrize(
+    "group", [pytest.param(group, id=group.id, marks=[pytest.mark.slow] if group.slow else []) for group in GROUPS]
+)
 def test_the_block_runs(group: _Group, tmp_path: Path) -> None:
     for module in sorted(group.requires):
         if importlib.util.find_spec(module) is None:

@@ -128,7 +128,7 @@ def test_quickstart() -> None:
         assert "same loss-scale state in both frameworks: True" in out
 
 
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("policy", ["mixed_float16", pytest.param("mixed_bfloat16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     ("example", "needs", "skips"),
     [

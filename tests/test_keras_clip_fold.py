@@ -77,8 +77,8 @@ def _fit(ours: bool, policy: str, clip: float, *, jit: bool, **inner_kwargs: Any
     return [np.array(keras.ops.convert_to_numpy(v)) for v in model.trainable_variables], (optimizer, spy)
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+@pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("policy", [pytest.param("float32", marks=pytest.mark.slow), "mixed_float16"])
 @pytest.mark.parametrize("clip", [0.05, 1e6])  # clipping on every step / never
 def test_fit_with_a_clipping_inner_optimizer_equals_keras(policy: str, clip: float, jit: bool) -> None:
     theirs, _ = _fit(False, policy, clip, jit=jit)

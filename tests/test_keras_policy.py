@@ -320,7 +320,14 @@ def test_a_keras_that_keeps_its_policy_elsewhere_gets_the_calling_thread_and_a_w
 
 
 @pytest.mark.tensorflow
-@pytest.mark.parametrize("moment", ["keras_appears", "tensorflow_appears", "watched"])
+@pytest.mark.parametrize(
+    "moment",
+    [
+        "keras_appears",
+        pytest.param("tensorflow_appears", marks=pytest.mark.slow),
+        pytest.param("watched", marks=pytest.mark.slow),
+    ],
+)
 def test_set_policy_while_another_thread_imports_keras(moment: str, keras_json: KerasJson) -> None:
     """D4: set_policy mid-import (Keras on TensorFlow, which imports for seconds) neither raises nor
     blocks, leaves TensorFlow importable, and every thread's Keras follows once the import is done."""

@@ -38,7 +38,14 @@ def dense_dtypes() -> tuple[str, str]:
     return layer.compute_dtype, layer.kernel.dtype
 
 
-@pytest.mark.parametrize("order", ["policy_then_keras", "keras_then_policy", "backend_then_policy"])
+@pytest.mark.parametrize(
+    "order",
+    [
+        "policy_then_keras",
+        pytest.param("keras_then_policy", marks=pytest.mark.slow),
+        pytest.param("backend_then_policy", marks=pytest.mark.slow),
+    ],
+)
 def test_keras_follows_the_policy_in_either_import_order(order: str) -> None:
     steps = {
         "policy_then_keras": "import polyamp\npolyamp.set_policy('mixed_float16')\nimport keras\n",

@@ -95,16 +95,18 @@ _HOST_DECIDED = pytest.mark.xfail(
 TORCH_OPTIM = Path(torch.optim.__file__).parent
 
 
-@pytest.mark.parametrize("warm", [False, True], ids=["fresh_scaler", "after_an_eager_step"])
+@pytest.mark.parametrize(
+    "warm", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fresh_scaler", "after_an_eager_step"]
+)
 @pytest.mark.parametrize(
     ("fused", "clip", "on_device"),
     [
-        pytest.param(False, False, False, id="adam"),
-        pytest.param(True, False, False, id="fused_adam"),
+        pytest.param(False, False, False, id="adam", marks=pytest.mark.slow),
+        pytest.param(True, False, False, id="fused_adam", marks=pytest.mark.slow),
         pytest.param(False, True, False, id="adam-clipped", marks=_HOST_DECIDED),
         pytest.param(True, True, False, id="fused_adam-clipped"),
         pytest.param(False, True, True, id="adam-clipped-on_device"),
-        pytest.param(False, False, True, id="adam-on_device"),
+        pytest.param(False, False, True, id="adam-on_device", marks=pytest.mark.slow),
     ],
 )
 def test_no_graph_break_comes_from_polyamp(fused: bool, clip: bool, on_device: bool, warm: bool) -> None:
@@ -230,8 +232,12 @@ def test_a_compiled_bfloat16_loop_guards_with_bounded_recompiles(fused: bool) ->
 
 @pytest.mark.parametrize(
     ("fused", "clip"),
-    [(False, False), (False, True), (True, False), (True, True)],
-    ids=["adam", "adam-clipped", "fused_adam", "fused_adam-clipped"],
+    [
+        pytest.param(False, False, id="adam", marks=pytest.mark.slow),
+        pytest.param(False, True, id="adam-clipped"),
+        pytest.param(True, False, id="fused_adam", marks=pytest.mark.slow),
+        pytest.param(True, True, id="fused_adam-clipped", marks=pytest.mark.slow),
+    ],
 )
 def test_a_hundred_compiled_steps_with_overflows_recompile_nothing(fused: bool, clip: bool) -> None:
     """Past the first two calls (the scaler's and the optimizer's state made), 100 compiled steps, every 7th

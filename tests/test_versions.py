@@ -117,8 +117,8 @@ print(json.dumps([str(w.message) for w in caught if issubclass(w.category, polya
     ("package", "old"),
     [
         ("polyamp_torch", {"torch": "2.1.0"}),
-        ("polyamp_tensorflow", {"tensorflow": "2.16.1"}),
-        ("polyamp_keras", {"keras": "3.0.0"}),
+        pytest.param("polyamp_tensorflow", {"tensorflow": "2.16.1"}, marks=pytest.mark.slow),
+        pytest.param("polyamp_keras", {"keras": "3.0.0"}, marks=pytest.mark.slow),
         ("polyamp_jax", {"jax": "0.4.30", "optax": "0.1.9"}),
     ],
 )

@@ -245,8 +245,13 @@ class JaxHarness(HarnessBase):
         def layer(x: Any, kernel: Any) -> Any:
             return float8_dot_general(x, kernel, _DENSE, recipe=recipe, preferred_element_type=jnp.float32)
 
-        output, vjp = jax.vjp(layer, jnp.asarray(x), jnp.asarray(weight.T))  # the kernel is (in, out)
-        grad_input, grad_kernel = vjp(jnp.asarray(upstream))
+        @jax.jit  # as a JAX user runs a step (and one compile, not one per operation)
+        def forward_backward(x: Any, kernel: Any, upstream: Any) -> tuple[Any, Any, Any]:
+            output, vjp = jax.vjp(layer, x, kernel)
+            return output, *vjp(upstream)
+
+        # the kernel is (in, out)
+        output, grad_input, grad_kernel = forward_backward(jnp.asarray(x), jnp.asarray(weight.T), jnp.asarray(upstream))
         return {
             "output": np.asarray(output, np.float32),
             "grad_input": np.asarray(grad_input, np.float32),
