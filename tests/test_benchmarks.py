@@ -98,7 +98,7 @@ def load(path: Path) -> dict[str, Any]:
     ("target", "needs"),
     [
         ("torch-cpu", "torch"),
-        ("scale", "torch"),
+        pytest.param("scale", "torch", marks=pytest.mark.slow),
         pytest.param("guard", "torch", marks=pytest.mark.slow),
         pytest.param("fp8", "torchao", marks=pytest.mark.slow),
         pytest.param("compiled", "torch", marks=pytest.mark.slow),

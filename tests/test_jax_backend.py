@@ -645,7 +645,10 @@ def test_records_name_the_gradients_of_a_skipped_step_in_the_functional_form() -
         fn.update(state, jnp.asarray(0.0), grads=[jnp.ones(3)])
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize(
+    "dtype",
+    ["float16", pytest.param("bfloat16", marks=pytest.mark.slow), pytest.param("float32", marks=pytest.mark.slow)],
+)
 def test_non_finite_counts_and_the_finite_check_are_exact(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The counts of +inf, -inf and NaN per gradient, and all_finite, equal numpy's on planted values, for
     every float dtype and a 0-d leaf; leaves too large for int32 counts take the plain isfinite check, which

@@ -291,7 +291,9 @@ _jitted_apply_step = jax.jit(_apply_step)
     ("step", "make_tx"),
     [
         pytest.param(jax.jit(_train_step), lambda: optax.sgd(0.05), id="one-program-sgd"),
-        pytest.param(_two_programs, lambda: optax.adam(1e-2), id="gradient-and-update-programs-adam"),
+        pytest.param(
+            _two_programs, lambda: optax.adam(1e-2), id="gradient-and-update-programs-adam", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_dynamic_scale_trains_a_train_state_bit_for_bit_like_flaxs(step: Any, make_tx: Any) -> None:

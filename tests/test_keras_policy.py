@@ -236,7 +236,7 @@ def test_serialization_names_are_unchanged_and_old_configs_load() -> None:
 # -- subprocesses: import orders, other Keras backends -------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["jax", "torch"])
+@pytest.mark.parametrize("backend", ["jax", pytest.param("torch", marks=pytest.mark.slow)])
 def test_polyamp_keras_needs_no_other_framework(backend: str, keras_json: KerasJson) -> None:
     """Part of D4: with Keras on JAX or torch, the policy path imports neither TensorFlow nor more."""
     pytest.importorskip(backend)

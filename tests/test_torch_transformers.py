@@ -83,7 +83,11 @@ def test_forward_signature_is_the_models_own(build: Any, norms: str) -> None:
         assert inspect.signature(other.forward) == expected
 
 
-@pytest.mark.parametrize("gradient_checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
+@pytest.mark.parametrize(
+    "gradient_checkpointing",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["plain", "gradient_checkpointing"],
+)
 def test_trainer_trains_a_model_under_a_policy(tmp_path: Path, gradient_checkpointing: bool) -> None:
     model = polyamp_torch.apply_policy(tiny_bert(), "mixed_bfloat16")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
