@@ -303,6 +303,26 @@ def test_cast_counts_count_saturated_flushed_and_nonzero_values() -> None:
     assert counts.tolist() == [2, 1, 4]
 
 
+def test_add_counts_carries_between_the_digits_and_stays_exact_to_2_47() -> None:
+    """Counts added into two float32 digits (``low + high * 2**23``): every total is the integer sum, each low
+    digit below 2**23, up to a total one short of 2**47, where adding the largest int32 once more carries."""
+    digit = fp8.COUNT_DIGIT
+    digits = np.zeros((3, 2), np.float32)
+    steps = [[2**31 - 1, digit - 1, 0], [1, 1, digit], [2**31 - 1, digit + 5, 3]]
+    expected = [0, 0, 0]
+    for counts in steps:
+        digits = fp8.add_counts(ref.OPS, digits, np.array(counts, np.int32))
+        expected = [e + c for e, c in zip(expected, counts, strict=True)]
+        assert digits.dtype == np.float32 and fp8.counts_from_digits(digits.tolist()) == expected
+        assert (digits[:, 0] < digit).all() and (np.floor(digits) == digits).all()
+    # a low digit at its top plus another low digit carries exactly one into the high digit
+    near = np.array([[digit - 1, 2**24 - 257]], np.float32)
+    top = fp8.add_counts(ref.OPS, near, np.array([2**31 - 1], np.int32))
+    assert top.tolist() == [[digit - 2, 2**24 - 1]]
+    assert fp8.counts_from_digits(top.tolist()) == [2**47 - 2] == [digit - 1 + (2**24 - 257) * digit + 2**31 - 1]
+    assert fp8.counts_from_digits([[[1.0, 2.0], [0.0, 0.0]]]) == [[1 + 2 * digit, 0]]
+
+
 def test_an_fp8_error_is_a_polyamp_error() -> None:
     with pytest.raises(PolyampError, match=r"An FP8 format is one of .e4m3., .e5m2.\. Received: .e3m4."):
         ref.current_scale(np.ones(2, np.float32), "e3m4")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -116,26 +117,34 @@ def test_float8_dot_general_equals_torchs_float8_linear(recipe: str, base: str) 
     """Output, grad-input and grad-weight of one linear layer, same weights and data. In bfloat16 bit for bit.
     In float32: torch's CPU kernel applies tensorwise scales inside the product (within 1e-6 of the largest
     value), computes a rowwise product in bfloat16 (JAX's float32 result rounded to bfloat16 is torch's, bit for
-    bit), and sums MX's emulated float32 product in another order (within 1e-6)."""
+    bit), and sums MX's emulated float32 product in another order (within 1e-6). The cast records (``counts=``)
+    are polyamp_torch's ``record_float8``'s."""
     torch = pytest.importorskip("torch")
     polyamp_torch = pytest.importorskip("polyamp_torch")
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 32, bias=False)
-    polyamp_torch.apply_policy(torch.nn.Sequential(linear), f"{base}+{recipe}")
+    recorder = polyamp_torch.record_float8(polyamp_torch.apply_policy(torch.nn.Sequential(linear), f"{base}+{recipe}"))
     low = base != "float32"
-    x = torch.randn(16, 64).to(torch.bfloat16 if low else torch.float32).requires_grad_()
-    g = torch.randn(16, 32).to(x.dtype)
+    x = torch.randn(16, 64)
+    x[0, :3] = 1e-12  # flushed to zero beside the row's (and the tensor's, the block's) amax
+    g = torch.randn(16, 32)
+    g[1, :2] = 1e-30
+    x = x.to(torch.bfloat16 if low else torch.float32).requires_grad_()
+    g = g.to(x.dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
         y = linear(x)
     y.backward(g)
     dtype = jnp.bfloat16 if low else jnp.float32
     w = jnp.asarray(linear.weight.detach().numpy().T)  # the float32 parameter, cast to FP8 from float32
 
-    def f(x: jax.Array, w: jax.Array) -> jax.Array:
-        return polyamp_jax.float8_dot_general(x, w, DENSE, recipe=recipe, preferred_element_type=dtype)
+    def f(x: jax.Array, w: jax.Array, counts: jax.Array) -> jax.Array:
+        return polyamp_jax.float8_dot_general(x, w, DENSE, recipe=recipe, preferred_element_type=dtype, counts=counts)
 
-    out, vjp = jax.vjp(f, jnp.asarray(x.detach().float().numpy(), dtype), w)
-    grad_x, grad_w = vjp(jnp.asarray(g.float().numpy(), dtype))
+    out, vjp = jax.vjp(f, jnp.asarray(x.detach().float().numpy(), dtype), w, polyamp_jax.float8_counts())
+    grad_x, grad_w, counts = vjp(jnp.asarray(g.float().numpy(), dtype))
+    records = polyamp_jax.float8_records({"0": counts})
+    assert records == recorder.read()
+    assert records["0"]["input"].flushed == 3 and records["0"]["grad_output"].flushed == 2
     for ours, theirs, name in (
         (out, y, "output"),
         (grad_x, x.grad, "grad_input"),
@@ -412,23 +421,64 @@ def test_records_count_what_each_cast_lost_as_polyamp_torchs_do_through_jit() ->
     assert second["grad_output"].nonzero == 2 * 8 * 16 and second["weight"].nonzero == 2 * 64 * 16
 
 
-def test_record_counts_stay_exact_past_float32s_integers() -> None:
-    from polyamp_jax._float8_linen import add_counts
+def test_record_counts_are_the_cores_digits_and_read_exactly_past_float32s_integers() -> None:
+    """The ``cast_counts`` variable holds the core's two digits (``low + high * 2**23``, Keras's layout): JAX
+    adds into them as the reference does, bit for bit, and `float8_records` reads the totals back exactly."""
+    from polyamp_jax._functional import OPS as JAX_OPS
 
-    limbs = add_counts(jnp.zeros((3, 3, 2)), jnp.full((3, 3), 2**24 - 1, jnp.int32))
-    limbs = add_counts(add_counts(limbs, jnp.full((3, 3), 5, jnp.int32)), jnp.full((3, 3), 2**31 - 1, jnp.int32))
-    variables = {OWG: {"Dense_0": {"Float8DotGeneral_0": {"cast_counts": limbs}}}}
+    ours, theirs = jnp.zeros((3, 3, 2)), np.zeros((3, 3, 2), np.float32)
+    for count in (2**24 - 1, 5, 2**31 - 1):
+        counts = np.full((3, 3), count, np.int32)
+        ours = jax.jit(lambda d, c: fp8.add_counts(JAX_OPS, d, c))(ours, jnp.asarray(counts))
+        theirs = fp8.add_counts(ref.OPS, theirs, counts)
+    assert same_bits(ours, theirs)
+    variables = {OWG: {"Dense_0": {"Float8DotGeneral_0": {"cast_counts": ours}}}}
     expected = 2**24 - 1 + 5 + 2**31 - 1
     assert polyamp_jax.float8_records(variables)["Dense_0"]["input"].nonzero == expected
-    assert np.isfinite(np.asarray(limbs)).all() and float(np.max(limbs)) < 2**24
+    assert np.asarray(ours)[..., 0].max() < fp8.COUNT_DIGIT
 
 
 def test_records_name_what_they_need() -> None:
     with pytest.raises(PolyampValueError, match=r"Float8DotGeneral\(record=True\)"):
         polyamp_jax.float8_records({"params": {}})
-    dot = functools.partial(polyamp_jax.Float8DotGeneral, recipe="float8_rowwise", record=True)
-    with pytest.raises(PolyampValueError, match="counts the casts of delayed scaling"):
-        nn.Dense(4, dot_general_cls=dot).init(jax.random.key(0), jnp.ones((2, 8)))
+    with pytest.raises(
+        PolyampValueError, match=r"counts are an array of shape \(3, 3, 2\).*Received: a .* of shape \(3, 3\)\."
+    ):
+        polyamp_jax.float8_dot_general(
+            jnp.ones((2, 8)), jnp.ones((8, 4)), DENSE, recipe="float8_rowwise", counts=jnp.zeros((3, 3))
+        )
+
+
+def test_the_module_records_a_dynamic_recipes_casts_through_jit_as_polyamp_torch() -> None:
+    """`Float8DotGeneral(record=True)` under a dynamic recipe keeps its counts in ``cast_counts``, updated by
+    each jitted step's backward pass: after two steps they are polyamp_torch's records of the same layer."""
+    torch = pytest.importorskip("torch")
+    polyamp_torch = pytest.importorskip("polyamp_torch")
+    recipe = "float32+float8_rowwise"
+    x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    x[1, :3] = 1e-12
+    upstream = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    linear = torch.nn.Linear(64, 16, bias=False)
+    recorder = polyamp_torch.record_float8(polyamp_torch.apply_policy(torch.nn.Sequential(linear), recipe))
+    for _ in range(2):
+        linear(torch.from_numpy(x)).backward(torch.from_numpy(upstream))
+
+    dot = functools.partial(polyamp_jax.Float8DotGeneral, recipe=recipe, record=True)
+    layer = nn.Dense(16, use_bias=False, dot_general_cls=dot)
+    variables = layer.init(jax.random.key(0), jnp.ones((8, 64)))
+    assert set(variables[OWG]["Float8DotGeneral_0"]) == {"cast_counts"}  # no delayed state
+    variables = {**variables, "params": {"kernel": jnp.asarray(linear.weight.detach().numpy().T)}}
+
+    @jax.jit
+    def step(variables: Any, x: jax.Array, upstream: jax.Array) -> Any:
+        _, vjp = jax.vjp(lambda v: layer.apply(v, x), variables)
+        return {**variables, OWG: vjp(upstream)[0][OWG]}
+
+    for _ in range(2):
+        variables = step(variables, jnp.asarray(x), jnp.asarray(upstream))
+    records = polyamp_jax.float8_records(variables)
+    assert records == {"Float8DotGeneral_0": recorder.read()["0"]}
+    assert records["Float8DotGeneral_0"]["input"] == Float8CastRecord(0, 6, 2 * int(np.count_nonzero(x)))
 
 
 # -- autocast under an FP8 policy: Flax Linen, Flax NNX, Equinox ----------------------------------------------
@@ -693,31 +743,113 @@ def test_flax_fp8_train_state() -> None:
             assert np.array_equal(fp8_vars[f"{role}_scale"], scale), role
 
 
-@pytest.mark.parametrize(
-    ("x_shape", "y_shape", "g_shape", "eqn"),
-    [
-        ((16, 32), (32, 64), (16, 64), "mk,kn->mn"),
-        ((2, 3, 32), (64, 32), (2, 3, 64), "...k,nk->...n"),
-        ((2, 3, 64), (64, 32), (2, 3, 32), "...k,kn->...n"),
-    ],
-)
+EINSUMS = [
+    ((16, 32), (32, 64), (16, 64), "mk,kn->mn"),
+    ((2, 3, 32), (64, 32), (2, 3, 64), "...k,nk->...n"),
+    ((2, 3, 64), (64, 32), (2, 3, 32), "...k,kn->...n"),
+]
+
+
+@pytest.mark.parametrize(("x_shape", "y_shape", "g_shape", "eqn"), EINSUMS)
 def test_flax_fp8_einsum(
     x_shape: tuple[int, ...], y_shape: tuple[int, ...], g_shape: tuple[int, ...], eqn: str
 ) -> None:
-    """``jnp.einsum`` with `float8_dot_general` as its ``_dot_general`` (Flax's test runs its ``nn.Fp8Einsum``
-    module, delayed scaling, which polyamp offers as a ``dot_general`` module only): close to float32."""
-    k1, k2, k3 = jax.random.split(jax.random.key(42), 3)
+    """Flax's test of ``nn.Fp8Einsum`` with `Float8Einsum` in its place (delayed scaling): close to float32 on
+    FP8-representable data, with Flax's six variables."""
+    rng, k1, k2, k3 = jax.random.split(jax.random.key(42), 4)
     x = _representable(jax.random.normal(k1, x_shape), "e4m3")
     y = _representable(jax.random.normal(k2, y_shape), "e4m3")
     g = _representable(jax.random.normal(k3, g_shape), "e5m2")
-    # power-of-two scales keep FP8-representable values representable, as Flax's scale of 1 does at its first step
-    dot = functools.partial(polyamp_jax.float8_dot_general, recipe="float8_tensorwise[power_of_two=true]")
+    p = polyamp_jax.Float8Einsum()
+    variables = p.init(rng, eqn, x, y)
+    assert set(variables[OWG]) == {
+        f"{r}_{w}" for r in ("input", "kernel", "output_grad") for w in ("scale", "amax_history")
+    }
 
-    def loss(x: jax.Array, y: jax.Array, **kwargs: Any) -> jax.Array:
-        return jnp.sum(jnp.einsum(eqn, x, y, **kwargs) * g)
+    def infer(variables: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        return jnp.sum(p.apply(variables, eqn, x, y) * g)
 
-    out, grads = jax.jit(jax.value_and_grad(functools.partial(loss, _dot_general=dot), argnums=[0, 1]))(x, y)
-    out_ref, grads_ref = jax.jit(jax.value_and_grad(loss, argnums=[0, 1]))(x, y)
+    out, (grad_x, grad_y) = jax.jit(jax.value_and_grad(infer, argnums=[1, 2]))(variables, x, y)
+    out_ref, (grad_x_ref, grad_y_ref) = jax.jit(
+        jax.value_and_grad(lambda x, y: jnp.sum(jnp.einsum(eqn, x, y) * g), argnums=[0, 1])
+    )(x, y)
     np.testing.assert_allclose(out, out_ref, atol=1e-2, rtol=1e-2)
-    np.testing.assert_allclose(grads[0], grads_ref[0], atol=1e-2, rtol=1e-2)
-    np.testing.assert_allclose(grads[1], grads_ref[1], atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(grad_x, grad_x_ref, atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(grad_y, grad_y_ref, atol=1e-2, rtol=1e-2)
+
+
+class _EinsumLayer(nn.Module):  # type: ignore[misc]
+    eqn: str
+    kernel_shape: tuple[int, ...]
+    einsum: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), self.kernel_shape)
+        return self.einsum(name="einsum")(self.eqn, x, kernel)
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "y_shape", "g_shape", "eqn"),
+    [case if case[3] == "...k,nk->...n" else pytest.param(*case, marks=pytest.mark.slow) for case in EINSUMS],
+)
+def test_float8_einsum_trains_as_flaxs_fp8_einsum_bit_for_bit(
+    x_shape: tuple[int, ...], y_shape: tuple[int, ...], g_shape: tuple[int, ...], eqn: str
+) -> None:
+    """Adam steps with ``TrainState``: the kernel, scales and amax histories and the losses of `Float8Einsum` are
+    Flax's ``Fp8Einsum``'s bit for bit; `float8_state_dict` reads its state and loads it back as it was."""
+    history = 16
+    recipe = f"float8_delayed[amax_history_length={history}]"
+
+    def train(einsum: Any) -> tuple[Any, list[float]]:
+        model = _EinsumLayer(eqn, y_shape, einsum)
+        variables = model.init(jax.random.key(0), jnp.ones(x_shape))
+        state = train_state.TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(1e-2))
+
+        @jax.jit
+        def step(state: Any, x: jax.Array, y: jax.Array) -> tuple[Any, jax.Array]:
+            loss, grads = jax.value_and_grad(lambda p: jnp.mean((state.apply_fn(p, x) - y) ** 2))(state.params)
+            return state.apply_gradients(grads=grads), loss
+
+        losses = []
+        for i in range(5):
+            state, loss = step(state, data(10 + i, *x_shape, scale=10.0 ** (i % 3 - 1)), data(50 + i, *g_shape))
+            losses.append(float(loss))
+        return state.params, losses
+
+    ours, our_losses = train(functools.partial(polyamp_jax.Float8Einsum, recipe=recipe, record=True))
+    theirs, their_losses = train(functools.partial(nn.Fp8Einsum, amax_history_length=history))
+    assert our_losses == their_losses and np.isfinite(our_losses).all()
+    records = polyamp_jax.float8_records(ours)["einsum"]  # five steps of data without zeros
+    sizes = {"input": math.prod(x_shape), "weight": math.prod(y_shape), "grad_output": math.prod(g_shape)}
+    assert {role: record.nonzero for role, record in records.items()} == {r: 5 * n for r, n in sizes.items()}
+    ours = {**ours, OWG: {"einsum": {k: v for k, v in ours[OWG]["einsum"].items() if k != "cast_counts"}}}
+    assert jax.tree_util.tree_structure(ours) == jax.tree_util.tree_structure(theirs)
+    assert same_bits(ours, theirs)
+    assert float(ours[OWG]["einsum"]["output_grad_scale"][0]) != 1.0
+    state = polyamp_jax.float8_state_dict(ours, recipe=recipe)
+    assert list(state["layers"]) == ["einsum"]
+    assert same_bits(polyamp_jax.load_float8_state_dict(ours, state, recipe=recipe), ours)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["float8_delayed[amax_history_length=4]", "float32+float8_tensorwise"])
+def test_float8_einsum_records_its_casts_as_the_dot_general_module(recipe: str) -> None:
+    """`Float8Einsum(record=True)` counts as `Float8DotGeneral(record=True)` on the same product."""
+    x, kernel, upstream = data(0, 2, 4, 32), data(1, 32, 16), data(2, 2, 4, 16)
+    x = x.at[0, 0, :3].set(1e-12)
+    einsum = polyamp_jax.Float8Einsum(recipe=recipe, record=True)
+    dense = nn.Dense(
+        16, use_bias=False, dot_general_cls=functools.partial(polyamp_jax.Float8DotGeneral, recipe=recipe, record=True)
+    )
+
+    def counts(apply: Any, variables: Any) -> Any:
+        _, vjp = jax.vjp(apply, variables)
+        return polyamp_jax.float8_records({**variables, OWG: vjp(upstream)[0][OWG]})
+
+    einsum_vars = einsum.init(jax.random.key(0), "...k,kn->...n", x, kernel)
+    dense_vars = {**dense.init(jax.random.key(0), x), "params": {"kernel": kernel}}
+    ours = counts(lambda v: einsum.apply(v, "...k,kn->...n", x, kernel), einsum_vars)
+    theirs = counts(lambda v: dense.apply(v, x), dense_vars)
+    assert list(ours.values()) == list(theirs.values()), recipe
+    assert next(iter(ours.values()))["input"].flushed == 3

@@ -702,8 +702,10 @@ def test_records_are_refused_once_the_optimizer_is_built_or_accumulates() -> Non
 
 
 def test_record_counts_carry_past_float32_integers() -> None:
-    from polyamp_keras._float8_counts import DIGIT, delivered
+    from polyamp.backend_api.rules import fp8
+    from polyamp_keras._float8_counts import delivered
 
+    DIGIT = fp8.COUNT_DIGIT
     previous = np.zeros((3, 3, 2), np.float32)
     previous[2, :, 0] = DIGIT - 1
     previous[2, :, 1] = 5

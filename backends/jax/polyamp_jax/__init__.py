@@ -21,15 +21,15 @@
 * ``polyamp.LossScaler(...).functional(backend="jax")`` - the functional scaler over JAX arrays for
   hand-written steps (`JaxFunctional` is its device form).
 * `float8_dot_general` - ``jax.lax.dot_general`` in FP8 by a `polyamp.Float8Recipe` (a Flax layer's
-  ``dot_general=``); `Float8DotGeneral` - the Flax Linen module for ``dot_general_cls=``, with delayed
-  scaling's state where Flax keeps it (`float8_state_dict` / `load_float8_state_dict` move it to and from
-  the form every polyamp backend reads; `float8_records` reads what its casts lost, with ``record=True``);
-  `autocast` runs a function's matrix products in FP8 under a policy
-  with an FP8 recipe.
+  ``dot_general=``; with ``counts=`` (`float8_counts`) it counts what its casts lost); `Float8DotGeneral` -
+  the Flax Linen module for ``dot_general_cls=``, and `Float8Einsum` - for Flax's ``nn.Fp8Einsum``'s place, with
+  delayed scaling's state where Flax keeps it (`float8_state_dict` / `load_float8_state_dict` move it to and
+  from the form every polyamp backend reads; `float8_records` reads what their casts lost, with
+  ``record=True``); `autocast` runs a function's matrix products in FP8 under a policy with an FP8 recipe.
 * `jmp_compat` - jmp's public API (``Policy``, ``get_policy``, ``DynamicLossScale``, ``all_finite``,
   ``select_tree``, ...) over polyamp's policy and loss scaler: ``from polyamp_jax import jmp_compat as jmp``.
 
-It imports JAX and optax only (Flax when `Float8DotGeneral` is first named): Flax and Equinox objects are
+It imports JAX and optax only (Flax when `Float8DotGeneral` or `Float8Einsum` is first named): Flax and Equinox objects are
 recognised when a program passes them, never imported. The state dicts are interchangeable with polyamp's torch, TensorFlow and Keras scalers'.
 """
 
@@ -45,7 +45,7 @@ from polyamp_jax import jmp_compat
 from polyamp_jax._autocast import COMPUTE_PRIMITIVES, FLOAT32_PRIMITIVES, PRIMITIVE_OPS, autocast
 from polyamp_jax._casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree, module_dtypes
 from polyamp_jax._dynamic_scale import DynamicScale, DynamicScaleResult
-from polyamp_jax._float8 import float8_dot_general
+from polyamp_jax._float8 import float8_counts, float8_dot_general
 from polyamp_jax._float8_records import float8_records
 from polyamp_jax._float8_state import float8_state_dict, load_float8_state_dict
 from polyamp_jax._functional import JaxFunctional, all_finite
@@ -72,6 +72,7 @@ __all__ = [
     "DynamicScale",
     "DynamicScaleResult",
     "Float8DotGeneral",
+    "Float8Einsum",
     "JaxFunctional",
     "LossScaledState",
     "PrecisionState",
@@ -82,6 +83,7 @@ __all__ = [
     "cast_to_param",
     "cast_tree",
     "convert_precision_state",
+    "float8_counts",
     "float8_dot_general",
     "float8_records",
     "float8_state_dict",
@@ -102,13 +104,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """`Float8DotGeneral`, a Flax Linen module, imported (with Flax) when first named."""
-    if name == "Float8DotGeneral":
-        from polyamp_jax._float8_linen import Float8DotGeneral
+    """`Float8DotGeneral` and `Float8Einsum`, Flax Linen modules, imported (with Flax) when first named."""
+    if name in ("Float8DotGeneral", "Float8Einsum"):
+        from polyamp_jax import _float8_linen
 
-        return Float8DotGeneral
+        return getattr(_float8_linen, name)
     raise AttributeError(f"module 'polyamp_jax' has no attribute {name!r}")
 
 
 if TYPE_CHECKING:
-    from polyamp_jax._float8_linen import Float8DotGeneral
+    from polyamp_jax._float8_linen import Float8DotGeneral, Float8Einsum

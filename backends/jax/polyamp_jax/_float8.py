@@ -31,10 +31,12 @@ from polyamp.backend_api.rules import fp8
 from polyamp_jax._functional import OPS
 
 __all__ = [
+    "COUNTS_SHAPE",
     "DYNAMIC_RECIPES",
     "Layout",
     "check_dynamic",
     "dynamic_product",
+    "float8_counts",
     "float8_dot_general",
     "layout_of",
     "product",
@@ -128,11 +130,17 @@ def layout_of(
 # -- the casts ----------------------------------------------------------------------------------------------
 
 
-def _current(x: Any, fmt: fp8.Float8Format, axis: int | None, power_of_two: bool) -> tuple[Any, Any]:
+def _current(
+    x: Any, fmt: fp8.Float8Format, axis: int | None, power_of_two: bool, found: list[Any] | None = None
+) -> tuple[Any, Any]:
     """``x`` cast with its own scale (one, or one per slice along ``axis``): the FP8 values and the
-    dequantizing scale (the scale's reciprocal)."""
+    dequantizing scale (the scale's reciprocal); with ``found``, what the cast lost is appended to it."""
     scale = fp8.scale_from_amax(OPS, fp8.amax(OPS, x, axis), fmt, power_of_two=power_of_two)
-    return fp8.quantize(OPS, x, scale, fmt), 1.0 / scale
+    values = fp8.scaled(OPS, x, scale)
+    cast = fp8.saturating_cast(OPS, values, fmt)
+    if found is not None:
+        found.append(fp8.cast_counts(OPS, x, values, cast, fmt))
+    return cast, 1.0 / scale
 
 
 def _scaled_dot(a: Any, a_inv: Any, b: Any, b_inv: Any, dtype: Any) -> Any:
@@ -142,71 +150,105 @@ def _scaled_dot(a: Any, a_inv: Any, b: Any, b_inv: Any, dtype: Any) -> Any:
     return (out * (a_inv * b_inv.T)).astype(dtype)
 
 
-def _mx(x: Any, fmt: fp8.Float8Format, recipe: Float8Recipe) -> Any:
-    """``x`` (2-D) cast to MX along its last axis (zero-padded to whole blocks) and back, in ``x``'s dtype."""
+def _mx(x: Any, fmt: fp8.Float8Format, recipe: Float8Recipe, found: list[Any] | None = None) -> Any:
+    """``x`` (2-D) cast to MX along its last axis (zero-padded to whole blocks) and back, in ``x``'s dtype;
+    with ``found``, what the cast lost is appended to it."""
     columns = x.shape[1]
     pad = -columns % recipe.mx_block
     wide = jnp.pad(x.astype(_F32), ((0, 0), (0, pad)))
-    exponents, values = fp8.mx_quantize(OPS, wide, fmt, block=recipe.mx_block, rounding=recipe.mx_rounding)
+    exponents, scaled = fp8.mx_scaled(OPS, wide, fmt, block=recipe.mx_block, rounding=recipe.mx_rounding)
+    values = fp8.saturating_cast(OPS, scaled, fmt)
+    if found is not None:
+        found.append(fp8.cast_counts(OPS, wide, scaled, values, fmt))
     back = fp8.mx_dequantize(OPS, exponents, values, block=recipe.mx_block)
     return back[:, :columns].astype(x.dtype)
 
 
-def _mx_dot(a: Any, b: Any, recipe: Float8Recipe, roles: tuple[str, str]) -> Any:
-    """``a @ b.T`` (both (·, K)) with each operand cast to MX along K and back, in ``a``'s dtype."""
-    lhs, rhs = (_mx(v, _format(recipe, role), recipe) for v, role in zip((a, b), roles, strict=True))
+def _mx_dot(
+    a: Any, b: Any, recipe: Float8Recipe, roles: tuple[str, str], found: tuple[list[Any] | None, ...] = (None, None)
+) -> Any:
+    """``a @ b.T`` (both (·, K)) with each operand cast to MX along K and back, in ``a``'s dtype; what each
+    cast lost appended to its list in ``found`` (None: not counted)."""
+    lhs, rhs = (
+        _mx(v, _format(recipe, role), recipe, counts) for v, role, counts in zip((a, b), roles, found, strict=True)
+    )
     return jax.lax.dot_general(lhs, rhs.astype(lhs.dtype), (((1,), (1,)), ((), ())))
 
 
 # -- the dynamic product ------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _dynamic(x: Any, w: Any, recipe: Float8Recipe, dtype: Any) -> Any:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _dynamic(x: Any, w: Any, digits: Any, recipe: Float8Recipe, dtype: Any, record: bool) -> Any:
     """``x @ w`` for ``x`` (M, K) and ``w`` (K, N) with the recipe's casts, in ``dtype``. Each operand is cast
-    to FP8 from its own dtype (a float32 weight directly, as polyamp_torch casts its parameter)."""
+    to FP8 from its own dtype (a float32 weight directly, as polyamp_torch casts its parameter). With
+    ``record``, the "gradient" of ``digits`` (cast counts, `polyamp.backend_api.rules.fp8.add_counts`) is them
+    with the counts of the input's and weight's casts and the grad-input product's grad-output cast added."""
+    return _dynamic_forward(x, w, digits, recipe, dtype, record)[0]
+
+
+def _dynamic_forward(
+    x: Any, w: Any, digits: Any, recipe: Float8Recipe, dtype: Any, record: bool
+) -> tuple[Any, tuple[Any, ...]]:
+    found: list[Any] | None = [] if record else None
     if recipe.granularity == "mx":
-        return _mx_dot(x.astype(dtype), w.T.astype(dtype), recipe, ("input", "weight"))
-    axis = None if recipe.granularity == "tensor" else 1
-    a, a_inv = _current(x, _format(recipe, "input"), axis, recipe.power_of_two)
-    b, b_inv = _current(w.T, _format(recipe, "weight"), axis, recipe.power_of_two)
-    return _scaled_dot(a, a_inv, b, b_inv, dtype)
+        out = _mx_dot(x.astype(dtype), w.T.astype(dtype), recipe, ("input", "weight"), (found, found))
+    else:
+        axis = None if recipe.granularity == "tensor" else 1
+        a, a_inv = _current(x, _format(recipe, "input"), axis, recipe.power_of_two, found)
+        b, b_inv = _current(w.T, _format(recipe, "weight"), axis, recipe.power_of_two, found)
+        out = _scaled_dot(a, a_inv, b, b_inv, dtype)
+    return out, (x, w, digits, found or [])
 
 
-def _dynamic_forward(x: Any, w: Any, recipe: Float8Recipe, dtype: Any) -> tuple[Any, tuple[Any, Any]]:
-    return _dynamic(x, w, recipe, dtype), (x, w)
-
-
-def _dynamic_backward(recipe: Float8Recipe, dtype: Any, saved: tuple[Any, Any], g: Any) -> tuple[Any, Any]:
-    x, w = saved
+def _dynamic_backward(
+    recipe: Float8Recipe, dtype: Any, record: bool, saved: tuple[Any, ...], g: Any
+) -> tuple[Any, Any, Any]:
+    x, w, digits, found = saved
+    found_grad: list[Any] | None = [] if record else None
     g = g.astype(dtype)
     if recipe.granularity == "mx":
-        grad_x = _mx_dot(g, w.astype(dtype), recipe, ("grad_output", "weight"))
+        grad_x = _mx_dot(g, w.astype(dtype), recipe, ("grad_output", "weight"), (found_grad, None))
         grad_w = _mx_dot(g.T, x.T.astype(dtype), recipe, ("grad_output", "input")).T
-        return grad_x.astype(x.dtype), grad_w.astype(w.dtype)
-    row = recipe.granularity == "row"
-    axis = 1 if row else None
-    two = recipe.power_of_two
-    gq, g_inv = _current(g, _format(recipe, "grad_output"), axis, two)
-    weight_rows = row and not recipe.grad_weight_high_precision
-    wq, w_inv = _current(w, _format(recipe, "weight"), 1 if weight_rows else None, two)
-    grad_x = _scaled_dot(gq, g_inv, wq, w_inv, dtype)
-    if recipe.grad_weight_high_precision:
-        grad_w = jax.lax.dot_general(g.T, x.T.astype(dtype), (((1,), (1,)), ((), ())))
     else:
-        gt, gt_inv = _current(g.T, _format(recipe, "grad_output"), axis, two)
-        xt, xt_inv = _current(x.T, _format(recipe, "input"), axis, two)
-        grad_w = _scaled_dot(gt, gt_inv, xt, xt_inv, dtype)
-    return grad_x.astype(x.dtype), grad_w.T.astype(w.dtype)
+        row = recipe.granularity == "row"
+        axis = 1 if row else None
+        two = recipe.power_of_two
+        gq, g_inv = _current(g, _format(recipe, "grad_output"), axis, two, found_grad)
+        weight_rows = row and not recipe.grad_weight_high_precision
+        wq, w_inv = _current(w, _format(recipe, "weight"), 1 if weight_rows else None, two)
+        grad_x = _scaled_dot(gq, g_inv, wq, w_inv, dtype)
+        if recipe.grad_weight_high_precision:
+            grad_w = jax.lax.dot_general(g.T, x.T.astype(dtype), (((1,), (1,)), ((), ()))).T
+        else:
+            gt, gt_inv = _current(g.T, _format(recipe, "grad_output"), axis, two)
+            xt, xt_inv = _current(x.T, _format(recipe, "input"), axis, two)
+            grad_w = _scaled_dot(gt, gt_inv, xt, xt_inv, dtype).T
+    # the counts' "gradient" is their next value (overwrite-with-gradient)
+    totals = fp8.add_counts(OPS, digits, jnp.stack([*found, *found_grad])) if found_grad else jnp.zeros_like(digits)
+    return grad_x.astype(x.dtype), grad_w.astype(w.dtype), totals
 
 
 _dynamic.defvjp(_dynamic_forward, _dynamic_backward)
 
+#: The shape of a product's cast counts: operand (input, weight, grad_output), count (saturated, flushed,
+#: nonzero), digit (`polyamp.backend_api.rules.fp8.add_counts`).
+COUNTS_SHAPE: Final = (3, 3, 2)
 
-def dynamic_product(x: Any, w: Any, layout: Layout, recipe: Float8Recipe, dtype: Any) -> Any:
+
+def float8_counts() -> jax.Array:
+    """Zero cast counts for one FP8 product: pass them as ``counts=`` to `float8_dot_general`, take their
+    gradient as their next value, and read them with `float8_records`."""
+    return jnp.zeros(COUNTS_SHAPE, _F32)
+
+
+def dynamic_product(x: Any, w: Any, layout: Layout, recipe: Float8Recipe, dtype: Any, counts: Any | None = None) -> Any:
     """The product of input ``x`` and weight ``w`` laid out by ``layout``, with ``recipe``'s casts, in
-    ``dtype``: the output has ``x``'s free axes, then ``w``'s."""
-    return layout.output(_dynamic(layout.x2(x), layout.w2(w), recipe, jnp.dtype(dtype)))
+    ``dtype``: the output has ``x``'s free axes, then ``w``'s. With ``counts``, their gradient is the
+    totals with this product's cast counts added."""
+    record = counts is not None
+    digits = jnp.asarray(counts, _F32) if record else jnp.zeros(COUNTS_SHAPE, _F32)
+    return layout.output(_dynamic(layout.x2(x), layout.w2(w), digits, recipe, jnp.dtype(dtype), record))
 
 
 def check_dynamic(recipe: Float8Recipe, where: str) -> None:
@@ -229,6 +271,7 @@ def float8_dot_general(
     recipe: Float8Recipe | str | None = None,
     weight: str = "rhs",
     out_sharding: Any = None,
+    counts: Any = None,
 ) -> Any:
     """``jax.lax.dot_general`` in FP8 by ``recipe``, forward and backward: a drop-in for the ``dot_general``
     argument of Flax's layers (``nnx.Linear(..., dot_general=functools.partial(polyamp_jax.float8_dot_general,
@@ -246,10 +289,25 @@ def float8_dot_general(
         weight: Which operand is the weight (``"rhs"``, as Flax's layers pass the kernel, or ``"lhs"``): the
             formats and ``grad_weight_high_precision`` tell the two apart.
         out_sharding: Only None (Flax's layers pass it).
+        counts: Cast counts to record into (`float8_counts`, or the last ones): their gradient is them with
+            what this product's casts lost added (the input's and weight's casts in the forward, the
+            grad-input product's grad-output cast in the backward, as ``polyamp_torch.record_float8`` counts),
+            to be taken as their next value as Flax's ``_overwrite_with_gradient`` collection is; read them with
+            `float8_records`. Nothing leaves the device until then. None: nothing is counted.
 
     Raises:
-        PolyampValueError: delayed scaling (it keeps state: use `Float8DotGeneral`), batch dimensions, or an
-            ``out_sharding``.
+        PolyampValueError: delayed scaling (it keeps state: use `Float8DotGeneral`), batch dimensions, an
+            ``out_sharding``, or ``counts`` not of `float8_counts`'s shape.
+
+    Example:
+        ```python
+        def loss(w, counts):
+            y = polyamp_jax.float8_dot_general(x, w, (((1,), (0,)), ((), ())), recipe="float8_rowwise", counts=counts)
+            return jnp.mean(y**2)
+
+        grad_w, counts = jax.grad(loss, argnums=(0, 1))(w, polyamp_jax.float8_counts())
+        polyamp_jax.float8_records({"dense": counts})["dense"]["grad_output"].flushed
+        ```
     """
     del precision
     where = "polyamp_jax.float8_dot_general"
@@ -265,9 +323,15 @@ def float8_dot_general(
         raise PolyampValueError(f"{where} takes out_sharding=None only. Received: {out_sharding!r}.")
     if weight not in ("lhs", "rhs"):
         raise PolyampValueError(f"{where}: weight is 'lhs' or 'rhs'. Received: {describe(weight)}.")
+    if counts is not None and tuple(jnp.shape(counts)) != COUNTS_SHAPE:
+        raise PolyampValueError(
+            f"{where}: counts are an array of shape {COUNTS_SHAPE} (polyamp_jax.float8_counts(), or the gradient "
+            f"of the last ones). Received: a {type(counts).__name__} of shape {tuple(jnp.shape(counts))}."
+        )
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-    return product(lhs, rhs, (tuple(lhs_contract), tuple(rhs_contract)), chosen, dtype, weight_is_lhs=weight == "lhs")
+    contract = (tuple(lhs_contract), tuple(rhs_contract))
+    return product(lhs, rhs, contract, chosen, dtype, weight_is_lhs=weight == "lhs", counts=counts)
 
 
 def product(
@@ -278,11 +342,14 @@ def product(
     dtype: Any,
     *,
     weight_is_lhs: bool = False,
+    counts: Any = None,
 ) -> Any:
-    """A batch-free ``dot_general`` of ``lhs`` and ``rhs`` in FP8 by a dynamic ``recipe``, in ``dtype``."""
+    """A batch-free ``dot_general`` of ``lhs`` and ``rhs`` in FP8 by a dynamic ``recipe``, in ``dtype``; with
+    ``counts``, their gradient is the totals with what its casts lost added (`dynamic_product`)."""
     if not weight_is_lhs:
-        return dynamic_product(lhs, rhs, layout_of(lhs.shape, rhs.shape, *contract), recipe, dtype)
-    swapped = dynamic_product(rhs, lhs, layout_of(rhs.shape, lhs.shape, contract[1], contract[0]), recipe, dtype)
+        return dynamic_product(lhs, rhs, layout_of(lhs.shape, rhs.shape, *contract), recipe, dtype, counts)
+    layout = layout_of(rhs.shape, lhs.shape, contract[1], contract[0])
+    swapped = dynamic_product(rhs, lhs, layout, recipe, dtype, counts)
     rhs_free = rhs.ndim - len(contract[1])
     order = (*range(rhs_free, swapped.ndim), *range(rhs_free))
     return jnp.transpose(swapped, order)

@@ -1,13 +1,15 @@
-"""`Float8DotGeneral`: a Flax Linen ``dot_general`` module running a `polyamp.Float8Recipe`.
+"""`Float8DotGeneral` and `Float8Einsum`: Flax Linen modules running a `polyamp.Float8Recipe`.
 
-It takes the place of Flax's ``nn.Fp8DotGeneral`` (``nn.Dense(..., dot_general_cls=polyamp_jax.Float8DotGeneral)``)
+`Float8DotGeneral` takes the place of Flax's ``nn.Fp8DotGeneral`` (``nn.Dense(..., dot_general_cls=polyamp_jax.Float8DotGeneral)``)
 and keeps delayed scaling's state the way Flax does: an amax history and a scale per operand in the
 ``_overwrite_with_gradient`` collection, under Flax's names and shapes, whose "gradients" are their next values
 (``flax.training.train_state.TrainState.apply_gradients`` writes them over the old ones). The arithmetic is
 polyamp's device rules (`polyamp.backend_api.rules.fp8`): with a float32 compute dtype a run is bit for bit
 Flax's ``Fp8DirectDotGeneralOp`` (parameters, scales, histories); with bfloat16 each value is scaled in float32
 and rounded once, where Flax scales it in bfloat16 first. Under a dynamic recipe the module keeps no state and
-runs `polyamp_jax.float8_dot_general`.
+runs `polyamp_jax.float8_dot_general`. `Float8Einsum` does the same for Flax's ``nn.Fp8Einsum`` (bit for bit in
+float32), the product of its ``jnp.einsum`` running as `Float8DotGeneral`'s. With ``record=True`` either counts
+what its casts lose beside that state.
 
 Importing this module imports Flax.
 """
@@ -24,7 +26,7 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 from polyamp import Float8Recipe, PolyampValueError, get_policy
 from polyamp.backend_api.rules import fp8
-from polyamp_jax._float8 import layout_of, product, resolve_recipe
+from polyamp_jax._float8 import float8_counts, layout_of, product, resolve_recipe
 from polyamp_jax._float8_state import FLAX_NAMES as _NAMES
 from polyamp_jax._functional import OPS
 
@@ -44,14 +46,6 @@ def _cast(x: Any, scale: Any, history: Any, fmt: fp8.Float8Format, recipe: Float
     return cast, scale, history, fp8.cast_counts(OPS, x, values, cast, fmt)
 
 
-def add_counts(limbs: Any, counts: Any) -> Any:
-    """Counts kept as float32 limbs (``[..., 0] * 2**24 + [..., 1]``, each below 2**24, so exact and finite as
-    a "gradient" must be) plus int32 ``counts``."""
-    low = limbs[..., 1].astype(jnp.int32) + (counts & 0xFFFFFF)
-    high = limbs[..., 0].astype(jnp.int32) + (counts >> 24) + (low >> 24)
-    return jnp.stack([high, low & 0xFFFFFF], -1).astype(_F32)
-
-
 def _formats(recipe: Float8Recipe) -> list[fp8.Float8Format]:
     return [fp8.FORMATS[recipe.format_of(role)] for role in _NAMES]
 
@@ -61,7 +55,7 @@ def _delayed(
     x: Any, w: Any, xs: Any, xh: Any, ws: Any, wh: Any, gs: Any, gh: Any, limbs: Any, recipe: Float8Recipe
 ) -> Any:
     """``x @ w`` ((M, K) by (K, N)) under delayed scaling, in ``x``'s dtype; ``limbs`` the cast counts
-    (`add_counts`), whose "gradient" is them with this step's counts added."""
+    (`polyamp.backend_api.rules.fp8.add_counts`), whose "gradient" is them with this step's counts added."""
     return _delayed_forward(x, w, xs, xh, ws, wh, gs, gh, limbs, recipe)[0]
 
 
@@ -81,7 +75,7 @@ def _delayed_backward(recipe: Float8Recipe, saved: tuple[Any, ...], g: Any) -> t
     gq, gs, gh, g_counts = _cast(g, gs, gh, _formats(recipe)[2], recipe)
     grad_x = jax.lax.dot_general(gq, wq, (((1,), (1,)), ((), ())), preferred_element_type=_F32) * (ws * gs)
     grad_w = jax.lax.dot_general(gq, xq, (((0,), (0,)), ((), ())), preferred_element_type=_F32).T * (xs * gs)
-    limbs = add_counts(limbs, jnp.stack([x_counts, w_counts, g_counts]))
+    limbs = fp8.add_counts(OPS, limbs, jnp.stack([x_counts, w_counts, g_counts]))
     # the collection's "gradients" are its next values (Flax's overwrite-with-gradient)
     return grad_x.astype(like.dtype), grad_w.astype(like.dtype), xs, xh, ws, wh, gs, gh, limbs
 
@@ -100,7 +94,7 @@ class Float8DotGeneral(nn.Module):
     with ``flax.training.train_state.TrainState`` (which writes the collection's gradients over it) or do the
     same by hand. Each operand is cast with the scale computed from its history before this step (Flax's
     order), the product of the FP8 arrays accumulates in float32 and is multiplied by the two scales. Under a
-    dynamic recipe it holds nothing and runs `float8_dot_general`.
+    dynamic recipe it runs `float8_dot_general` and holds no state (only its counts, with ``record``).
 
     The input is cast to the kernel's dtype (the layer's compute dtype), as Flax's module does; the kernel is
     the right operand.
@@ -109,10 +103,11 @@ class Float8DotGeneral(nn.Module):
         recipe: A `polyamp.Float8Recipe`, a preset's name, or None: the policy in effect's recipe when it has
             one, else ``float8_delayed``. The recipe's ``modules``, ``skip`` and ``alignment`` do not apply: the
             module is placed by hand.
-        record: Under delayed scaling, also count what each training step's casts lose (the values saturated,
-            the nonzero values flushed to zero, the nonzero values, per operand) in a ``cast_counts`` variable
-            of the same collection, which the backward pass updates with the state; read them with
-            `polyamp_jax.float8_records`.
+        record: Also count what each training step's casts lose (the values saturated, the nonzero values
+            flushed to zero, the nonzero values, per operand: under a dynamic recipe the input's and weight's
+            casts of the forward and the grad-input product's grad-output cast, as ``polyamp_torch`` counts) in
+            a ``cast_counts`` variable of the ``_overwrite_with_gradient`` collection, which the backward pass
+            updates as delayed scaling's state; read them with `polyamp_jax.float8_records`.
     """
 
     recipe: Float8Recipe | str | None = None
@@ -120,9 +115,7 @@ class Float8DotGeneral(nn.Module):
 
     def chosen_recipe(self) -> Float8Recipe:
         """The recipe the module runs (see ``recipe``)."""
-        if self.recipe is None:
-            return get_policy().float8 or Float8Recipe.preset("float8_delayed")
-        return resolve_recipe(self.recipe, where="polyamp_jax.Float8DotGeneral")
+        return _chosen(self.recipe, "polyamp_jax.Float8DotGeneral")
 
     @nn.compact
     def __call__(
@@ -135,34 +128,100 @@ class Float8DotGeneral(nn.Module):
         out_sharding: Any = None,
     ) -> Any:
         recipe = self.chosen_recipe()
-        (lhs_contract, rhs_contract), batch = dimension_numbers
-        if any(batch) or out_sharding is not None:
-            raise PolyampValueError(
-                "polyamp_jax.Float8DotGeneral runs a linear layer's product: no batch dimensions and "
-                f"out_sharding=None. Received: dimension_numbers={dimension_numbers!r}, out_sharding={out_sharding!r}."
-            )
+        state, counts = _variables(self, recipe, self.record)
         rhs = jnp.asarray(rhs)
         lhs = jnp.asarray(lhs, rhs.dtype)
         dtype = jnp.dtype(preferred_element_type or rhs.dtype)
-        contract = (tuple(lhs_contract), tuple(rhs_contract))
-        if recipe.scaling != "delayed":
-            if self.record:
-                raise PolyampValueError(
-                    "polyamp_jax.Float8DotGeneral(record=True) counts the casts of delayed scaling "
-                    f"('float8_delayed'), whose state it is kept with. Received the recipe {recipe.spec!r}: run "
-                    "the layer under 'float8_delayed', or leave record=False."
-                )
-            return product(lhs, rhs, contract, recipe, dtype)
-        state = [self._meta(role, what, recipe) for role in _NAMES for what in ("scale", "amax_history")]
-        if self.record:
-            limbs = self.variable(OVERWRITE_WITH_GRADIENT, "cast_counts", jnp.zeros, (3, 3, 2), _F32).value
-        else:
-            limbs = jnp.zeros((3, 3, 2), _F32)
-        layout = layout_of(lhs.shape, rhs.shape, *contract)
-        x2, w2 = layout.x2(lhs.astype(dtype)), layout.w2(rhs.astype(dtype))
-        return layout.output(_delayed(x2, w2, *(v.value for v in state), limbs, recipe))
+        where = "polyamp_jax.Float8DotGeneral"
+        return _product(lhs, rhs, dimension_numbers, dtype, recipe, state, counts, where, out_sharding)
 
-    def _meta(self, role: str, what: str, recipe: Float8Recipe) -> Any:
-        shape = (recipe.amax_history_length,) if what == "amax_history" else (1,)
-        init = jnp.zeros if what == "amax_history" else jnp.ones
-        return self.variable(OVERWRITE_WITH_GRADIENT, f"{_NAMES[role]}_{what}", init, shape, _F32)
+
+class Float8Einsum(nn.Module):
+    """An einsum of an input and a kernel in FP8 by ``recipe``, in the place of Flax's ``nn.Fp8Einsum``:
+    ``Float8Einsum()("...k,kn->...n", x, kernel)``.
+
+    It keeps the state Flax's module keeps (under delayed scaling the six variables of `Float8DotGeneral`, in
+    the ``_overwrite_with_gradient`` collection; `polyamp_jax.float8_state_dict` reads them) and computes the
+    einsum with ``jnp.einsum``, whose product of the two operands runs as `Float8DotGeneral`'s: in float32 bit
+    for bit Flax's ``Fp8Einsum``. As in Flax's module, the left operand is cast to the right one's dtype, and
+    the first operand of the product ``jnp.einsum`` forms is taken as the input, the second as the kernel (the
+    order of the equation's operands, unless ``jnp.einsum`` swaps them to spare a transpose of the result).
+
+    Attributes:
+        recipe: As `Float8DotGeneral`'s.
+        record: As `Float8DotGeneral`'s: the counts in a ``cast_counts`` variable, read with
+            `polyamp_jax.float8_records`.
+    """
+
+    recipe: Float8Recipe | str | None = None
+    record: bool = False
+
+    def chosen_recipe(self) -> Float8Recipe:
+        """The recipe the module runs (see ``recipe``)."""
+        return _chosen(self.recipe, "polyamp_jax.Float8Einsum")
+
+    @nn.compact
+    def __call__(self, eqn: str, lhs: Any, rhs: Any, precision: Any = None, preferred_element_type: Any = None) -> Any:
+        recipe = self.chosen_recipe()
+        state, counts = _variables(self, recipe, self.record)
+        rhs = jnp.asarray(rhs)
+        lhs = jnp.asarray(lhs).astype(rhs.dtype)
+        where = "polyamp_jax.Float8Einsum"
+
+        def dot_general(a: Any, b: Any, dimension_numbers: Any, precision: Any = None, **kwargs: Any) -> Any:
+            dtype = jnp.dtype(kwargs.pop("preferred_element_type", None) or b.dtype)
+            return _product(a, b, dimension_numbers, dtype, recipe, state, counts, where, kwargs.get("out_sharding"))
+
+        return jnp.einsum(
+            eqn, lhs, rhs, precision=precision, preferred_element_type=preferred_element_type, _dot_general=dot_general
+        )
+
+
+def _chosen(recipe: Float8Recipe | str | None, where: str) -> Float8Recipe:
+    """The recipe a module runs: ``recipe``, or the policy in effect's, else ``float8_delayed``."""
+    if recipe is None:
+        return get_policy().float8 or Float8Recipe.preset("float8_delayed")
+    return resolve_recipe(recipe, where=where)
+
+
+def _variables(module: nn.Module, recipe: Float8Recipe, record: bool) -> tuple[list[Any] | None, Any | None]:
+    """A module's FP8 variables' values: delayed scaling's six under Flax's names (None under a dynamic
+    recipe), and the cast counts (None without ``record``)."""
+    counts = module.variable(OVERWRITE_WITH_GRADIENT, "cast_counts", float8_counts).value if record else None
+    if recipe.scaling != "delayed":
+        return None, counts
+    state = []
+    for role in _NAMES:
+        for what in ("scale", "amax_history"):
+            shape = (recipe.amax_history_length,) if what == "amax_history" else (1,)
+            init = jnp.zeros if what == "amax_history" else jnp.ones
+            state.append(module.variable(OVERWRITE_WITH_GRADIENT, f"{_NAMES[role]}_{what}", init, shape, _F32).value)
+    return state, counts
+
+
+def _product(
+    lhs: Any,
+    rhs: Any,
+    dimension_numbers: Any,
+    dtype: Any,
+    recipe: Float8Recipe,
+    state: list[Any] | None,
+    counts: Any | None,
+    where: str,
+    out_sharding: Any = None,
+) -> Any:
+    """A linear layer's product of input ``lhs`` and kernel ``rhs`` in FP8, in ``dtype``: by a dynamic recipe,
+    or under delayed scaling with ``state`` (whose "gradients" are its next values, as are the counts')."""
+    (lhs_contract, rhs_contract), batch = dimension_numbers
+    if any(batch) or out_sharding is not None:
+        raise PolyampValueError(
+            f"{where} runs a linear layer's product: no batch dimensions and out_sharding=None. Received: "
+            f"dimension_numbers={dimension_numbers!r}, out_sharding={out_sharding!r}."
+        )
+    contract = (tuple(lhs_contract), tuple(rhs_contract))
+    if state is None:
+        return product(lhs, rhs, contract, recipe, dtype, counts=counts)
+    limbs = float8_counts() if counts is None else counts
+    layout = layout_of(lhs.shape, rhs.shape, *contract)
+    x2, w2 = layout.x2(lhs.astype(dtype)), layout.w2(rhs.astype(dtype))
+    return layout.output(_delayed(x2, w2, *state, limbs, recipe))

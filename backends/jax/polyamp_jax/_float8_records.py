@@ -1,9 +1,12 @@
-"""FP8 cast records of a Flax model: what `Float8DotGeneral(record=True)`'s casts lost, per layer and operand.
+"""FP8 cast records in JAX: what the casts of `Float8DotGeneral(record=True)` (any recipe) and of
+`float8_dot_general(..., counts=...)` lost, per layer and operand.
 
-The counts live in the ``_overwrite_with_gradient`` collection beside delayed scaling's state (``cast_counts``,
-float32 limbs ``high * 2**24 + low`` that stay exact and finite as the collection's "gradients" must), so they
-move through ``jax.jit``, ``TrainState.apply_gradients`` and checkpoints as the state does. `float8_records`
-reads them all in one transfer, in the schema of ``polyamp_torch.record_float8``.
+The counts are float32 digits (`polyamp.backend_api.rules.fp8.add_counts`, ``low + high * 2**23``, exact and
+finite as an overwrite-with-gradient value must be): a module keeps them as ``cast_counts`` in the
+``_overwrite_with_gradient`` collection beside delayed scaling's state, so they move through ``jax.jit``,
+``TrainState.apply_gradients`` and checkpoints as that state does; the functional form threads them as the
+user does any state. `float8_records` reads them all in one transfer, in the schema of
+``polyamp_torch.record_float8``.
 """
 
 from __future__ import annotations
@@ -17,17 +20,28 @@ import numpy as np
 from polyamp import PolyampValueError
 from polyamp.backend_api.arguments import describe
 from polyamp.backend_api.records import Float8CastRecord, cast_records
-from polyamp_jax._float8_state import layer_names, node_at
+from polyamp.backend_api.rules import fp8
+from polyamp_jax._float8 import COUNTS_SHAPE
+from polyamp_jax._float8_state import OVERWRITE_WITH_GRADIENT, layer_names, node_at
 
 __all__ = ["float8_records"]
 
 _COUNTS = frozenset({"cast_counts"})
 
 
+def _counts(value: Any) -> bool:
+    return hasattr(value, "shape") and tuple(np.shape(value)) == COUNTS_SHAPE
+
+
 def float8_records(variables: Mapping[str, Any]) -> dict[str, dict[str, Float8CastRecord]]:
     """Each recording FP8 layer's `polyamp.backend_api.records.Float8CastRecord` per operand (input, weight,
-    grad_output): what its casts lost over the training steps since its counts were zero (``model.init``).
-    Layers are named as in `polyamp_jax.float8_state_dict`; one read from the device for all of them.
+    grad_output): what its casts lost over the training steps since its counts were zero.
+
+    Args:
+        variables: A Flax model's variables holding layers built with ``Float8DotGeneral(record=True)`` or
+            ``Float8Einsum(record=True)`` (layers named as in `polyamp_jax.float8_state_dict`), or a mapping of
+            names to the counts of `float8_dot_general` (`polyamp_jax.float8_counts`). One read from the
+            device for all of them.
 
     Example:
         ```python
@@ -39,17 +53,23 @@ def float8_records(variables: Mapping[str, Any]) -> dict[str, dict[str, Float8Ca
         ```
 
     Raises:
-        PolyampValueError: ``variables`` hold no layer built with ``record=True``.
+        PolyampValueError: ``variables`` hold no recording layer and are not a mapping of counts.
     """
+    if isinstance(variables, Mapping) and OVERWRITE_WITH_GRADIENT not in variables and variables:
+        if all(_counts(value) for value in variables.values()):
+            names = [str(name) for name in variables]
+            return _read(names, list(variables.values()))
     layers = layer_names(variables, _COUNTS)
     if not layers:
         raise PolyampValueError(
             "polyamp_jax.float8_records() reads the counts of FP8 layers built with "
             "Float8DotGeneral(record=True) (functools.partial(polyamp_jax.Float8DotGeneral, record=True) as "
-            f"dot_general_cls), from the model's variables. Received: {describe(variables)} without any."
+            "dot_general_cls) from the model's variables, or a dict of names to the counts of "
+            f"float8_dot_general(..., counts=...). Received: {describe(variables)} without any."
         )
-    limbs = jax.device_get([node_at(variables, path)["cast_counts"] for path in layers.values()])
-    counts = [
-        (np.asarray(value, np.float32).astype(np.int64) @ np.array([1 << 24, 1], np.int64)).tolist() for value in limbs
-    ]
-    return cast_records(list(layers), counts)
+    return _read(list(layers), [node_at(variables, path)["cast_counts"] for path in layers.values()])
+
+
+def _read(names: list[str], counts: list[Any]) -> dict[str, dict[str, Float8CastRecord]]:
+    digits = jax.device_get(counts)
+    return cast_records(names, [fp8.counts_from_digits(np.asarray(d, np.float32).tolist()) for d in digits])

@@ -2,34 +2,24 @@
 
 A recorded layer holds ``float8_counts``, a float32 variable of shape ``(3, 3, 2)``: per operand (input, weight,
 grad_output) and per count (saturated, flushed, nonzero, `polyamp.backend_api.rules.fp8.cast_counts`) two
-integer digits, ``low + high * 2**23``. The counts reach it as its "gradient" (Keras's
-``overwrite_with_gradient``), the previous value plus the step's counts, since a backward pass cannot write a
-variable on every Keras backend; float32 holds every integer below ``2**24`` exactly, and the digits keep each
-sum below that, so the totals stay exact up to ``2**47``.
+integer digits, ``low + high * 2**23`` (`polyamp.backend_api.rules.fp8.add_counts`, exact up to ``2**47``). The
+counts reach it as its "gradient" (Keras's ``overwrite_with_gradient``), the previous value plus the step's
+counts, since a backward pass cannot write a variable on every Keras backend.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from polyamp.backend_api.rules import fp8
 from polyamp_keras._keras import keras
+from polyamp_keras._rule import OPS
 
-__all__ = ["DIGIT", "SHAPE", "delivered"]
+__all__ = ["SHAPE", "delivered"]
 
 ops = keras.ops
-#: The base of the two digits: a digit below it plus a step's low digit stays below ``2**24``.
-DIGIT = 2**23
 #: The variable's shape: operand, count, digit.
 SHAPE = (3, 3, 2)
-
-
-def _added(digits: Any, counts: Any) -> Any:
-    """``digits`` (``(3, 2)``: a total per count) plus ``counts`` (three int32 counts), carried."""
-    counts = ops.cast(counts, "int32")
-    low = digits[:, 0] + ops.cast(ops.mod(counts, DIGIT), "float32")
-    carry = ops.cast(low >= DIGIT, "float32")
-    high = digits[:, 1] + ops.cast(ops.floor_divide(counts, DIGIT), "float32") + carry
-    return ops.stack([low - carry * DIGIT, high], axis=-1)
 
 
 def delivered(previous: Any, rows: dict[int, list[Any]]) -> Any:
@@ -42,7 +32,7 @@ def delivered(previous: Any, rows: dict[int, list[Any]]) -> Any:
         if found:
             total = previous[role]
             for counts in found:
-                total = _added(total, counts)
+                total = fp8.add_counts(OPS, total, counts)
             out.append(total)
         else:
             out.append(ops.zeros_like(previous[role]))

@@ -8,8 +8,9 @@ import numpy as np
 
 from polyamp import PolyampValueError
 from polyamp.backend_api.records import Float8CastRecord, cast_records
+from polyamp.backend_api.rules import fp8
 from polyamp_keras._float8 import _Float8Layer
-from polyamp_keras._float8_counts import DIGIT, SHAPE
+from polyamp_keras._float8_counts import SHAPE
 from polyamp_keras._keras import keras
 from polyamp_keras._models import layer_paths
 
@@ -33,8 +34,7 @@ class Float8Recorder:
         if reset:
             for variable in variables:
                 variable.assign(keras.ops.zeros(SHAPE, "float32"))
-        totals = digits[..., 0].astype(np.int64) + digits[..., 1].astype(np.int64) * DIGIT
-        return cast_records(list(self.layers), totals.tolist())
+        return cast_records(list(self.layers), fp8.counts_from_digits(digits.tolist()))
 
 
 def record_float8(model: Any) -> Float8Recorder:

@@ -145,8 +145,9 @@ class ArrayOps:
         """The arrays joined along their first axis."""
         return self.xp.concat(list(arrays))
 
-    def stack(self, arrays: Sequence[Any]) -> Any:
-        return self.xp.stack(list(arrays))
+    def stack(self, arrays: Sequence[Any], axis: int = 0) -> Any:
+        """The arrays joined along a new axis ``axis``."""
+        return self.xp.stack(list(arrays), axis=axis)
 
     def arange_like(self, n: int, like: Any) -> Any:
         """``0, 1, ..., n - 1`` as an array of ``like``'s dtype (and device)."""

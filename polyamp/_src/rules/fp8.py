@@ -25,6 +25,7 @@ past the format's max saturate to it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -33,11 +34,14 @@ from polyamp._src.scaling import to_float32
 
 __all__ = [
     "AMAX_EPSILON",
+    "COUNT_DIGIT",
     "FORMATS",
     "MX_ROUNDINGS",
     "Float8Format",
+    "add_counts",
     "amax",
     "cast_counts",
+    "counts_from_digits",
     "delayed_scale",
     "exp2_exact",
     "mx_dequantize",
@@ -155,6 +159,51 @@ def cast_counts(ops: ArrayOps, x: Any, values: Any, cast: Any, fmt: Float8Format
     nonzero = x != 0
     flushed = ops.logical_and(nonzero, ops.astype(cast, "float32") == 0)
     return ops.stack([ops.sum(ops.astype(found, "int32")) for found in (saturated, flushed, nonzero)])
+
+
+# -- cast counts kept as two float32 digits --------------------------------------------------------------------
+
+#: The base of the two digits cast counts are kept in on a device (``low + high * COUNT_DIGIT``, each digit a
+#: float32 whole number below it): a digit plus a step's low digit stays below ``2**24``, where float32 holds
+#: every integer exactly, so the totals stay exact up to ``2**47``.
+COUNT_DIGIT: Final = 2**23
+
+
+def add_counts(ops: ArrayOps, digits: Any, counts: Any) -> Any:
+    """``digits`` plus ``counts``, carried: the new digits.
+
+    Counts that reach a variable as its "gradient" (Keras's ``overwrite_with_gradient``, Flax's
+    ``_overwrite_with_gradient`` collection) must be finite floats; two float32 digits keep them exact.
+
+    Args:
+        ops: The array vocabulary.
+        digits: float32 of shape ``counts.shape + (2,)``: ``[..., 0]`` the low digit, ``[..., 1]`` the high
+            one, each a whole number in ``[0, COUNT_DIGIT)`` (the high one below ``2**24``).
+        counts: Non-negative int32 counts (`cast_counts`).
+
+    Returns:
+        float32 digits of the same shape holding ``low + high * COUNT_DIGIT + counts``, exact while the total
+        stays below ``2**47``.
+    """
+    counts = ops.astype(counts, "int32")
+    low_part = ops.remainder(counts, COUNT_DIGIT)
+    # a multiple of 2**23 below 2**31 is exact in float32, so is its quotient by 2**23
+    high_part = ops.astype(counts - low_part, "float32") / float(COUNT_DIGIT)
+    low = digits[..., 0] + ops.astype(low_part, "float32")
+    carry = ops.astype(low >= float(COUNT_DIGIT), "float32")
+    high = digits[..., 1] + high_part + carry
+    return ops.stack([low - carry * float(COUNT_DIGIT), high], axis=-1)
+
+
+def counts_from_digits(digits: Sequence[Any]) -> list[Any]:
+    """The integers that nested lists of digit pairs (``[low, high]``, as `add_counts` keeps them, read to
+    the host with ``tolist()``) hold, in the same nesting."""
+    return [
+        int(item[0]) + int(item[1]) * COUNT_DIGIT
+        if len(item) == 2 and not isinstance(item[0], Sequence)
+        else counts_from_digits(item)
+        for item in digits
+    ]
 
 
 # -- MX: 32-value blocks sharing an E8M0 exponent ------------------------------------------------------------
