@@ -140,8 +140,17 @@ def test_float8_dot_general_equals_torchs_float8_linear(recipe: str, base: str) 
     def f(x: jax.Array, w: jax.Array, counts: jax.Array) -> jax.Array:
         return polyamp_jax.float8_dot_general(x, w, DENSE, recipe=recipe, preferred_element_type=dtype, counts=counts)
 
-    out, vjp = jax.vjp(f, jnp.asarray(x.detach().float().numpy(), dtype), w, polyamp_jax.float8_counts())
-    grad_x, grad_w, counts = vjp(jnp.asarray(g.float().numpy(), dtype))
+    @jax.jit  # one compile rather than one per operation
+    def forward_backward(x: jax.Array, w: jax.Array, counts: jax.Array, g: jax.Array) -> tuple[jax.Array, ...]:
+        out, vjp = jax.vjp(f, x, w, counts)
+        return out, *vjp(g)
+
+    out, grad_x, grad_w, counts = forward_backward(
+        jnp.asarray(x.detach().float().numpy(), dtype),
+        w,
+        polyamp_jax.float8_counts(),
+        jnp.asarray(g.float().numpy(), dtype),
+    )
     records = polyamp_jax.float8_records({"0": counts})
     assert records == recorder.read()
     assert records["0"]["input"].flushed == 3 and records["0"]["grad_output"].flushed == 2
