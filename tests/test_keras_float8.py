@@ -273,18 +273,65 @@ def test_dynamic_recipes_compose_with_a_training_state_plan(recipe: str) -> None
     assert {str(v.dtype) for v in optimizer.compensation_variables} == {"bfloat16"}
 
 
-def test_delayed_scaling_and_a_training_state_plan_are_refused_together_with_the_reason() -> None:
-    # The plan's optimizer would step delayed scaling's scales as weights; Keras's own optimizers overwrite them.
+@pytest.mark.parametrize(
+    "plan",
+    [
+        "bfloat16_kahan",
+        pytest.param("bfloat16_stochastic", marks=pytest.mark.slow),
+        pytest.param("bfloat16_float32_master", marks=pytest.mark.slow),
+    ],
+)
+def test_delayed_scaling_trains_under_a_training_state_plan_with_its_scales_overwritten(plan: str) -> None:
+    # PrecisionOptimizer writes delayed scaling's new scales and histories (and the cast counts) over their
+    # variables, as Keras's optimizers do, and steps the rest by the plan: the same, bit for bit, as the plan's
+    # optimizer over the weights alone with those variables written by hand.
     x, y = _data(5)
+
+    def build() -> Any:
+        with polyamp.policy_scope(plan):
+            model = _mlp(0)
+        model = polyamp_keras.apply_policy(model, f"{plan}+float8_delayed[amax_history_length=4]")
+        polyamp_keras.record_float8(model)
+        return model
+
+    ours, theirs = build(), build()
+    ours_variables, theirs_variables = list(ours.trainable_variables), list(theirs.trainable_variables)
+    written = [bool(getattr(v, "overwrite_with_gradient", False)) for v in theirs_variables]
+    stepped = [v for v, w in zip(theirs_variables, written, strict=True) if not w]
+    assert sum(written) == 14  # two layers: three scales, three histories and the counts each
+    mine = polyamp_keras.PrecisionOptimizer(keras.optimizers.Adam(1e-2), plan)
+    reference = polyamp_keras.PrecisionOptimizer(keras.optimizers.Adam(1e-2), plan)
+    mine.build(ours_variables)
+    reference.build(stepped)
+
+    def grads_of(model: Any, variables: list[Any], optimizer: Any, xb: Any, yb: Any) -> list[Any]:
+        loss_fn = lambda: ops.mean(ops.square(ops.cast(model(xb, training=True), "float32") - yb))  # noqa: E731
+        return list(gradients(loss_fn, variables, optimizer, scaled=False)[1])
+
+    for start in range(0, 64, 16):
+        xb, yb = ops.convert_to_tensor(x[start : start + 16]), ops.convert_to_tensor(y[start : start + 16])
+        apply(mine, grads_of(ours, ours_variables, mine, xb, yb), ours_variables)
+        grads = grads_of(theirs, theirs_variables, reference, xb, yb)
+        for variable, grad, w in zip(theirs_variables, grads, written, strict=True):
+            if w:
+                variable.assign(grad)
+        apply(reference, [g for g, w in zip(grads, written, strict=True) if not w], stepped)
+    _assert_bitwise(_weights(ours), _weights(theirs))
+    assert _numpy(_inner(ours).layers[0].inputs_scale) != 1.0  # the scales moved
+    assert {str(v.dtype) for v in ours.trainable_variables if not getattr(v, "overwrite_with_gradient", False)} == {
+        "bfloat16"
+    }
+
+
+def test_a_training_state_plan_refuses_a_low_precision_variable_overwritten_with_its_gradient() -> None:
     with polyamp.policy_scope("bfloat16_kahan"):
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16)])
-    model = polyamp_keras.apply_policy(model, "bfloat16_kahan+float8_delayed[amax_history_length=4]")
-    before = [_numpy(v) for v in model.weights]
-    model.compile(optimizer=polyamp_keras.PrecisionOptimizer(keras.optimizers.Adam(1e-2), "bfloat16_kahan"), loss="mse")
-    with pytest.raises(polyamp.InvalidConfigError, match=r"overwritten with their gradient .*inputs_scale"):
-        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    assert all(np.array_equal(a, _numpy(v)) for a, v in zip(before, model.weights, strict=True))
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+    scale = keras.Variable(1.0, dtype="bfloat16", name="odd_scale")
+    scale.overwrite_with_gradient = True
+    optimizer = polyamp_keras.PrecisionOptimizer(keras.optimizers.Adam(1e-2), "bfloat16_kahan")
+    with pytest.raises(polyamp.InvalidConfigError, match=r"overwrite_with_gradient .*odd_scale.* is bfloat16"):
+        optimizer.build([*model.trainable_variables, scale])
+    assert not optimizer.built
 
 
 # -- dynamic scaling: the reference's casts, a float32 matmul ------------------------------------------------

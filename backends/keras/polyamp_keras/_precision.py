@@ -219,10 +219,11 @@ class PrecisionOptimizer(CheckpointMethods, keras.optimizers.Optimizer):  # type
                     f"PrecisionOptimizer updates float32, bfloat16 and float16 variables; {variable.path!r} is "
                     f"{dtype}. Keep it out of the optimizer's variables, or create it in one of those dtypes."
                 )
-            if getattr(variable, "overwrite_with_gradient", False):
+            if _overwritten(variable) and dtype != "float32":
                 raise InvalidConfigError(
-                    f"PrecisionOptimizer does not update variables overwritten with their gradient (float8 "
-                    f"scales); {variable.path!r} is one. Train such a model with its own optimizer."
+                    f"PrecisionOptimizer writes the gradient over a variable marked overwrite_with_gradient (FP8 "
+                    f"scales and histories, cast counts) when it is float32; {variable.path!r} is {dtype}. "
+                    "Create it in float32, as Keras's float8 layers do."
                 )
             if dtype == "float16" and plan.rounding == "stochastic" and not plan.keeps_master:
                 raise InvalidConfigError(
@@ -404,6 +405,14 @@ class PrecisionOptimizer(CheckpointMethods, keras.optimizers.Optimizer):  # type
         common = [(counter, state[id(counter)])]
         if isinstance(inner._learning_rate, keras.Variable):
             common.append((inner._learning_rate, state[id(inner._learning_rate)]))
+        # A variable marked overwrite_with_gradient (FP8 scales and histories, cast counts) takes its gradient
+        # as its new value, unclipped and unscaled, as Keras's optimizers write it; the rest are stepped.
+        overwritten = [_overwritten(self._layout.entries[index].variable) for index in indices]
+        new_weights = list(weights)
+        for position, g in enumerate(grads):
+            if overwritten[position] and g is not None:
+                new_weights[position] = ops.cast(g, self._layout.entries[indices[position]].dtype)
+        grads = [None if skip else g for g, skip in zip(grads, overwritten, strict=True)]
         grads32: list[Any] = [None if g is None else ops.cast(g, "float32") for g in grads]
         if inner.clipnorm or inner.clipvalue or inner.global_clipnorm:
             present = [g for g in grads32 if g is not None]
@@ -412,7 +421,6 @@ class PrecisionOptimizer(CheckpointMethods, keras.optimizers.Optimizer):  # type
         if inner.loss_scale_factor is not None:
             grads32 = [None if g is None else g / inner.loss_scale_factor for g in grads32]
         new_state = dict(state)
-        new_weights = list(weights)
         seed_variable = self._seeds.state
         seed = state[id(seed_variable)]
         for position, (index, g32) in enumerate(zip(indices, grads32, strict=True)):
@@ -510,6 +518,11 @@ def _initial_master(variable: Any) -> Callable[..., Any]:
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
+
+
+def _overwritten(variable: Any) -> bool:
+    """Whether Keras writes ``variable``'s gradient over it instead of stepping it."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
 def _check_inner(inner: Any) -> None:
