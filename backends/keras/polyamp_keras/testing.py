@@ -26,7 +26,7 @@ from polyamp_keras._optimizer import LossScaleOptimizer
 from polyamp_keras._outputs import cast_outputs
 from polyamp_keras._precision import PrecisionOptimizer
 
-__all__ = ["DIVERGENCES", "KerasHarness", "apply", "gradients", "keras_backend", "keras_op_dtype"]
+__all__ = ["DIVERGENCES", "KerasHarness", "apply", "float8_model", "gradients", "keras_backend", "keras_op_dtype"]
 
 ops = keras.ops
 _OPS_IN_LAYERS = (
@@ -210,6 +210,15 @@ class _KerasTrainer(TrainerBase):
         return self.wrapper is not None and bool(_numpy(self.wrapper.last_skipped))
 
 
+def float8_model(recipe: Float8Recipe, weight: np.ndarray) -> tuple[Any, Any]:
+    """``(model, kernel)``: one ``Dense`` layer named ``"layer"`` holding ``weight`` (out, in) as its kernel,
+    converted by `polyamp_keras.apply_policy` under ``recipe`` with float32 compute (the FP8 cases' layer)."""
+    layer = keras.layers.Dense(weight.shape[0], use_bias=False, name="layer")
+    model = keras.Sequential([keras.Input((weight.shape[1],)), layer])
+    layer.kernel.assign(weight.T)
+    return apply_policy(model, Policy("float32").replace(float8=recipe)), layer.kernel
+
+
 def keras_op_dtype(op: str, policy: Policy) -> str:
     """The output dtype of op class ``op`` (see `polyamp.conformance.OPS`) on Keras under ``policy``, with
     the model given the policy by `polyamp_keras.apply_policy`: what Keras users get with polyamp."""
@@ -319,14 +328,6 @@ class KerasHarness(HarnessBase):
         loss = ops.convert_to_tensor(1.5)
         return scaler.scale_loss(loss) is loss
 
-    def _float8_model(self, recipe: Float8Recipe, weight: np.ndarray) -> Any:
-        """One ``Dense`` layer named ``"layer"`` holding ``weight`` (out, in) as its kernel, under ``recipe``
-        with float32 compute."""
-        layer = keras.layers.Dense(weight.shape[0], use_bias=False, name="layer")
-        model = keras.Sequential([keras.Input((weight.shape[1],)), layer])
-        layer.kernel.assign(weight.T)
-        return apply_policy(model, Policy("float32").replace(float8=recipe))
-
     def _float8_grads(self, model: Any, inputs: Any, upstream: np.ndarray, variables: list[Any]) -> list[Any]:
         """The gradients for ``variables`` of ``sum(model(inputs) * upstream)``, in a training call."""
         grad = ops.convert_to_tensor(upstream)
@@ -338,8 +339,7 @@ class KerasHarness(HarnessBase):
     def float8_linear(
         self, recipe: Float8Recipe, x: np.ndarray, weight: np.ndarray, upstream: np.ndarray
     ) -> dict[str, np.ndarray]:
-        model = self._float8_model(recipe, weight)
-        kernel = model.layers[0].layers[0].kernel
+        model, kernel = float8_model(recipe, weight)
         inputs = keras.Variable(x, trainable=True, autocast=False)
         grad_kernel, grad_input = self._float8_grads(model, inputs, upstream, [kernel, inputs])
         return {
@@ -356,7 +356,7 @@ class KerasHarness(HarnessBase):
         upstreams: Sequence[np.ndarray],
         state: Mapping[str, Any] | None,
     ) -> tuple[list[np.ndarray], dict[str, Any]]:
-        model = self._float8_model(recipe, weight)
+        model, _ = float8_model(recipe, weight)
         if state is not None:
             load_float8_state_dict(model, dict(state))
         # The weight stays: SGD at learning rate 0 writes delayed scaling's new scales and histories (their

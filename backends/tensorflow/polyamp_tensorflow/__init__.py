@@ -9,7 +9,11 @@
   ``unscale`` / ``apply_gradients``, usable inside ``tf.function``. A ``polyamp.LossScaler()`` that binds to
   TensorFlow on first use keeps its class and has the same methods and semantics.
 * `LossScaleCallback` - loss scale and skipped steps in the training logs.
-* `cast_outputs` - model outputs in the policy's output dtype.
+* `cast_outputs` - model outputs in the policy's output dtype; `apply_policy` - a built model's layers under a
+  policy, its ``Dense`` and ``EinsumDense`` layers turned into `Float8Dense` / `Float8EinsumDense` under an FP8
+  recipe (``"mixed_bfloat16+float8_delayed"``), which train in ``tf.GradientTape`` loops, in ``tf.function`` or
+  eagerly; `float8_state_dict` / `load_float8_state_dict` - delayed scaling's state in the form every polyamp
+  backend reads; `record_float8` - what the FP8 casts lose, counted on the device.
 
 With TensorFlow installed, importing this package imports TensorFlow and Keras and registers polyamp's
 Keras classes for ``keras.models.load_model``. Keras 3 also runs without TensorFlow (on JAX or PyTorch):
@@ -30,6 +34,8 @@ _EXPORTS = {
     "TensorFlowBackend": "polyamp_tensorflow._backend",
     "TensorFlowLossScaler": "polyamp_tensorflow._scaler",
     # Keras only: these work on any Keras 3 backend (re-exported from polyamp_keras).
+    "Float8Dense": "polyamp_keras",
+    "Float8EinsumDense": "polyamp_keras",
     "LossScaleCallback": "polyamp_keras",
     "LossScaleOptimizer": "polyamp_keras",
     "OutputCast": "polyamp_keras",
@@ -37,12 +43,18 @@ _EXPORTS = {
     "PolicyOverridesMap": "polyamp_keras",
     "PolyampDTypePolicy": "polyamp_keras",
     "PrecisionOptimizer": "polyamp_keras",
+    "apply_policy": "polyamp_keras",
+    "float8_state_dict": "polyamp_keras",
+    "load_float8_state_dict": "polyamp_keras",
     "measure_state_bytes": "polyamp_keras",
+    "record_float8": "polyamp_keras",
     "to_keras_policy": "polyamp_keras",
 }
 _KERAS_ONLY = "polyamp_keras"
 
 __all__ = [
+    "Float8Dense",
+    "Float8EinsumDense",
     "LossScaleCallback",
     "LossScaleOptimizer",
     "OutputCast",
@@ -51,8 +63,12 @@ __all__ = [
     "PrecisionOptimizer",
     "TensorFlowBackend",
     "TensorFlowLossScaler",
+    "apply_policy",
     "cast_outputs",
+    "float8_state_dict",
+    "load_float8_state_dict",
     "measure_state_bytes",
+    "record_float8",
     "to_keras_policy",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
@@ -79,14 +95,20 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from polyamp_keras import (
+        Float8Dense,
+        Float8EinsumDense,
         LossScaleCallback,
         LossScaleOptimizer,
         OutputCast,
         PolicyOverridesMap,
         PolyampDTypePolicy,
         PrecisionOptimizer,
+        apply_policy,
         cast_outputs,
+        float8_state_dict,
+        load_float8_state_dict,
         measure_state_bytes,
+        record_float8,
         to_keras_policy,
     )
     from polyamp_tensorflow._backend import TensorFlowBackend

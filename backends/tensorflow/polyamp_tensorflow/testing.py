@@ -1,20 +1,23 @@
 """polyamp's conformance harness for TensorFlow / Keras 3 (see `polyamp.conformance`).
 
-``python -m polyamp.conformance --backend tensorflow`` runs the suite through it.
+``python -m polyamp.conformance --backend tensorflow`` runs the suite through it. Its steps are a TensorFlow
+user's: a ``tf.GradientTape`` loop with `polyamp_tensorflow`'s scaler; its FP8 layer is the model
+``polyamp_tensorflow.apply_policy`` converts, differentiated by a tape inside ``tf.function`` and stepped by
+the optimizer's ``apply_gradients``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 import polyamp
-from polyamp import LossScaler, Policy
+from polyamp import Float8Recipe, LossScaler, Policy
 from polyamp.conformance import HarnessBase, HarnessUnavailable, LoopBase, TrainerBase, TrainerSettings
-from polyamp_keras import cast_outputs
-from polyamp_keras.testing import DIVERGENCES, keras_op_dtype
+from polyamp_keras.testing import DIVERGENCES, float8_model, keras_op_dtype
+from polyamp_tensorflow import cast_outputs, float8_state_dict, load_float8_state_dict
 from polyamp_tensorflow._framework import keras, tf
 
 __all__ = ["TensorFlowHarness"]
@@ -181,3 +184,56 @@ class TensorFlowHarness(HarnessBase):
 
     def loop(self, policy: Policy, *, scaler: Mapping[str, Any], seed: int = 0) -> _KerasLoop:
         return _KerasLoop(self, policy, self.settings(scaler, seed=seed))
+
+    def float8_linear(
+        self, recipe: Float8Recipe, x: np.ndarray, weight: np.ndarray, upstream: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        with tf.device(self.tf_device):
+            model, kernel = float8_model(recipe, weight)
+            inputs, grad = tf.constant(x), tf.constant(upstream)
+
+            @tf.function  # type: ignore[untyped-decorator]
+            def gradients() -> Any:
+                with tf.GradientTape() as tape:
+                    tape.watch(inputs)
+                    loss = tf.reduce_sum(model(inputs, training=True) * grad)
+                return tape.gradient(loss, [kernel, inputs])
+
+            grad_kernel, grad_input = gradients()
+            output = model(inputs)
+        return {
+            "output": np.asarray(output.numpy(), np.float32),
+            "grad_input": np.asarray(grad_input.numpy(), np.float32),
+            "grad_weight": np.asarray(grad_kernel.numpy(), np.float32).T,
+        }
+
+    def float8_delayed(
+        self,
+        recipe: Float8Recipe,
+        xs: Sequence[np.ndarray],
+        weight: np.ndarray,
+        upstreams: Sequence[np.ndarray],
+        state: Mapping[str, Any] | None,
+    ) -> tuple[list[np.ndarray], dict[str, Any]]:
+        with tf.device(self.tf_device):
+            model, _ = float8_model(recipe, weight)
+            if state is not None:
+                load_float8_state_dict(model, dict(state))
+            # The weight stays: SGD at learning rate 0 writes delayed scaling's new scales and histories (their
+            # "gradients", Keras's overwrite_with_gradient) and leaves the kernel as it is.
+            optimizer = keras.optimizers.SGD(0.0)
+            variables = list(model.trainable_variables)
+            optimizer.build(variables)
+
+            @tf.function  # type: ignore[untyped-decorator]
+            def train_step(x: Any, upstream: Any) -> None:
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(model(x, training=True) * upstream)
+                optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables, strict=True))
+
+            outputs = []
+            for x, upstream in zip(xs, upstreams, strict=True):
+                # A forward outside training casts with the stored scales, as the training step's forward does.
+                outputs.append(np.asarray(model(tf.constant(x), training=False).numpy(), np.float32))
+                train_step(tf.constant(x), tf.constant(upstream))
+        return outputs, float8_state_dict(model)
