@@ -440,6 +440,70 @@ def test_mx_dense_forward_and_backward_follow_the_reference() -> None:
     assert not np.allclose(ref.linear(x, _numpy(layer._kernel).T, g, flat)["output"], got["output"], rtol=0, atol=1e-6)
 
 
+# -- layers built under an FP8 policy ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec", ["float8_delayed[amax_history_length=4]", pytest.param("float8_rowwise", marks=pytest.mark.slow)]
+)
+def test_layers_built_under_an_fp8_policy_train_as_apply_policy_converts_them(spec: str, tmp_path: Path) -> None:
+    x, y = _data(6)
+    with polyamp.policy_scope(f"mixed_bfloat16+{spec}"):
+        built = _mlp(0)
+    with polyamp.policy_scope("mixed_bfloat16"):
+        plain = _mlp(0)
+    applied = polyamp_keras.apply_policy(plain, f"mixed_bfloat16+{spec}")
+    recipe = polyamp.Policy(spec).float8
+    assert [type(layer) for layer in built.layers] == [polyamp_keras.Float8Dense] * 2
+    assert [layer.float8_recipe for layer in built.layers] == [recipe, recipe]
+    steps = _sgd_step(built), _sgd_step(applied)
+    for start in range(0, 48, 16):
+        for step in steps:
+            step(ops.convert_to_tensor(x[start : start + 16]), ops.convert_to_tensor(y[start : start + 16]))
+    _assert_bitwise(_weights(built), _weights(_inner(applied)))
+    # saved and loaded outside the policy, it keeps the recipe and its state
+    built.save(tmp_path / "built.keras")
+    loaded = keras.models.load_model(tmp_path / "built.keras")
+    assert [layer.float8_recipe for layer in loaded.layers] == [recipe, recipe]
+    _assert_bitwise(_weights(loaded), _weights(built))
+
+
+def test_only_layers_built_under_an_fp8_policy_without_their_own_dtype_are_converted() -> None:
+    with polyamp.policy_scope("mixed_bfloat16+float8_tensorwise[skip=head]"):
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Dense(32)(inputs)
+        own_dtype = keras.layers.Dense(32, dtype="float32")(hidden)
+        model = keras.Model(inputs, keras.layers.Dense(16, name="head")(own_dtype))
+        small = keras.layers.Dense(15)  # 16 -> 15: not a multiple of 16, left in the compute dtype
+        small.build((None, 16))
+    with polyamp.policy_scope("mixed_bfloat16"):
+        later = keras.layers.Dense(32)
+        later.build((None, 16))
+    assert [type(layer).__name__ for layer in model.layers[1:]] == ["Dense"] * 3
+    assert [isinstance(layer, polyamp_keras.Float8Dense) for layer in model.layers[1:]] == [True, False, False]
+    assert not isinstance(small, polyamp_keras.Float8Dense) and not isinstance(later, polyamp_keras.Float8Dense)
+
+    class Block(keras.Model):  # a subclassed model: its layers are built on its first call
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = keras.layers.Dense(32)
+
+        def call(self, x: Any) -> Any:
+            return self.proj(x)
+
+    with polyamp.policy_scope("mixed_bfloat16+float8_tensorwise"):
+        block = Block()
+        block(np.zeros((2, 16), "float32"))
+    assert isinstance(block.proj, polyamp_keras.Float8Dense)
+
+
+def test_an_einsum_dense_built_under_a_rowwise_policy_is_refused_with_the_skip_to_write() -> None:
+    with polyamp.policy_scope("mixed_bfloat16+float8_rowwise"):
+        layer = keras.layers.EinsumDense("ab,bc->ac", output_shape=32, name="proj")
+        with pytest.raises(InvalidPolicyError, match=r"float8_rowwise\[skip=proj\]"):
+            layer.build((None, 16))
+
+
 # -- which layers, and what is refused ---------------------------------------------------------------------
 
 

@@ -48,6 +48,7 @@ from keras.dtype_policies import DTypePolicy
 import polyamp
 from polyamp import Policy
 from polyamp.backend_api.policies import PolicyOverrides, PolicySetting
+from polyamp_keras import _float8_build
 from polyamp_keras._keras import keras
 from polyamp_keras._policies import to_keras_default
 
@@ -68,9 +69,11 @@ def follow_polyamp_policy(policy: Policy, overrides: PolicyOverrides) -> None:
     """polyamp's policy hook for Keras: make Keras's default dtype policy follow polyamp's, in every thread.
 
     polyamp calls it on every policy change, at once if keras is imported, else right after keras gets
-    imported. The first call makes Keras ask polyamp whenever it needs its default policy (a layer built
-    without ``dtype=``, ``keras.config.dtype_policy()``), in whatever thread asks, so later calls have
-    nothing left to do; ``policy`` and ``overrides`` only matter where that is impossible (see below).
+    imported. Under a policy with an FP8 recipe, ``Dense`` / ``EinsumDense`` layers built from then on run
+    FP8 (see ``polyamp_keras._float8_build``). The first call makes Keras ask polyamp whenever it needs its
+    default policy (a layer built without ``dtype=``, ``keras.config.dtype_policy()``), in whatever thread
+    asks, so later calls have nothing left to do; ``policy`` and ``overrides`` only matter where that is
+    impossible (see below).
 
     What Keras gets, per thread: the policy of ``polyamp.get_policy_setting()`` there (the thread's
     innermost ``polyamp.policy_scope``, else the process-wide ``polyamp.set_policy``), as a Keras
@@ -87,6 +90,7 @@ def follow_polyamp_policy(policy: Policy, overrides: PolicyOverrides) -> None:
     Should a future Keras keep its default policy where polyamp cannot find it, this warns once
     (``RuntimeWarning``) and sets Keras's policy in the calling thread only, as Keras alone would.
     """
+    _float8_build.install(policy, overrides)
     if _follow():
         return
     if polyamp.get_policy_setting().source == "default":
