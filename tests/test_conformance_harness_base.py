@@ -235,7 +235,16 @@ FIRST_PARTY = {
         "float8_linear",
         "float8_delayed",
     },
-    "tensorflow": {"op_dtype", "model_dtypes", "trainer", "loop", "tiny_gradient", "passes_loss_through"},
+    "tensorflow": {
+        "op_dtype",
+        "model_dtypes",
+        "trainer",
+        "loop",
+        "tiny_gradient",
+        "passes_loss_through",
+        "float8_linear",
+        "float8_delayed",
+    },
     "keras": {
         "op_dtype",
         "model_dtypes",
