@@ -105,7 +105,9 @@ def test_keras_hub_task() -> None:
     assert found is not None and len(found.group(1).split(",")) == 12, out
 
 
-@pytest.mark.parametrize("flags", [(), ("--scaler",)], ids=["optimizer", "loss_scaler"])
+@pytest.mark.parametrize(
+    "flags", [(), pytest.param(("--scaler",), marks=pytest.mark.slow)], ids=["optimizer", "loss_scaler"]
+)
 def test_gradient_tape(flags: tuple[str, ...]) -> None:
     pytest.importorskip("tensorflow")
     out = run("gradient_tape.py", "--steps", "20", *flags)

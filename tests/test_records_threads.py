@@ -178,7 +178,7 @@ def _run(tmp_path: Path, optimizer_kind: str) -> dict[str, Any]:
     return report
 
 
-@pytest.mark.parametrize("optimizer_kind", ["fused_adam", "sgd"])
+@pytest.mark.parametrize("optimizer_kind", ["fused_adam", pytest.param("sgd", marks=pytest.mark.slow)])
 def test_a_monitoring_thread_sees_every_record_once(tmp_path: Path, optimizer_kind: str) -> None:
     report = _run(tmp_path, optimizer_kind)
     assert report["monitor_errors"] == []

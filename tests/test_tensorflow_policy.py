@@ -67,6 +67,7 @@ def test_keras_follows_the_policy_in_either_import_order(order: str) -> None:
     assert (policy, compute, variable) == ("mixed_float16", "float16", "float32")
 
 
+@pytest.mark.slow  # Keras on another backend, in a subprocess
 def test_keras_on_torch_without_tensorflow_follows_the_policy(run_without: Any) -> None:
     """Keras 3 runs without TensorFlow; polyamp's policy hook needs only Keras."""
     pytest.importorskip("torch")
