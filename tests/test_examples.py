@@ -69,6 +69,7 @@ def test_torch_recipe() -> None:
     assert "polyamp / torch.amp time:" in out
 
 
+@pytest.mark.slow  # a fresh TensorFlow interpreter; the Keras guides' blocks run fit in the fast set
 def test_keras_fit() -> None:
     pytest.importorskip("tensorflow")
     out = run("keras_fit.py", "--epochs", "2", "--samples", "256")

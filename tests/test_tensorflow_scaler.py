@@ -545,6 +545,7 @@ def test_a_loss_scale_optimizer_step_counts_with_assign_add_and_keeps_the_tracke
         assert [r.skipped for r in optimizer.records()] == [False, False, False]
 
 
+@pytest.mark.slow  # the page's block runs in the fast set (test_doc_blocks); this adds the warning check
 def test_the_getting_started_loop_binds_inside_tf_function_without_an_autograph_warning(
     tmp_path: Path, run_bounded: Callable[..., subprocess.CompletedProcess[str]]
 ) -> None:
