@@ -74,8 +74,10 @@ def _converting(original: Callable[..., Any]) -> Callable[..., Any]:
 def _convert_if_under_float8(layer: Any) -> None:
     if type(layer) not in (keras.layers.Dense, keras.layers.EinsumDense):
         return  # polyamp's FP8 layers (loaded or converted) and user subclasses keep their class
+    from polyamp_keras._follow import keras_policy_for  # imports this module
+
     setting = polyamp.get_policy_setting()
-    if setting.source == "default" or layer.dtype_policy is not keras.config.dtype_policy():
+    if setting.source == "default" or layer.dtype_policy is not keras_policy_for(setting):
         return  # not built under polyamp's policy (an explicit dtype=, Keras's own setting, a loaded config)
     path = str(layer.path or layer.name)
     policy = setting.overrides.match(path) or setting.policy

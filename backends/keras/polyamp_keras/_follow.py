@@ -190,10 +190,11 @@ def _polyamp_default(original_get: Callable[..., Any]) -> DTypePolicy | None:
         return None  # polyamp has no setting: Keras as if polyamp were not there
     if original_get(_ATTRIBUTE) is not None and original_get(_PIN) is setting:
         return None  # this thread set Keras's policy under the setting still in effect: the later one wins
-    return _keras_policy_for(setting)
+    return keras_policy_for(setting)
 
 
-def _keras_policy_for(setting: PolicySetting) -> DTypePolicy:
+def keras_policy_for(setting: PolicySetting) -> DTypePolicy:
+    """The Keras dtype policy layers built under ``setting`` get (the same object for as long as it holds)."""
     # One Keras object per setting: a layer built under a map may write its own entry into it (as with
     # Keras's own global DTypePolicyMap), and each polyamp setting starts from a fresh map.
     entry = _cache.get(id(setting))
