@@ -206,7 +206,14 @@ class _Mlp(nn.Module):  # type: ignore[misc]
 
 def _train(dot: Any, shape: tuple[int, ...], steps: int = 6, dtype: Any = None) -> tuple[Any, list[float]]:
     """``steps`` Adam steps of `_Mlp` with ``TrainState`` (which writes the collection's gradients over it)."""
-    model = _Mlp(dot, dtype)
+    return _adam_steps(_Mlp(dot, dtype), shape, (*shape[:-1], 16), steps)
+
+
+def _adam_steps(
+    model: Any, shape: tuple[int, ...], target_shape: tuple[int, ...], steps: int
+) -> tuple[Any, list[float]]:
+    """``steps`` jitted Adam steps of ``model`` on the mean squared error with ``TrainState``, on inputs of
+    ``shape`` at three magnitudes and targets of ``target_shape``: the final variables and the losses."""
     variables = model.init(jax.random.key(0), jnp.ones(shape))
     state = train_state.TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(1e-2))
 
@@ -218,7 +225,7 @@ def _train(dot: Any, shape: tuple[int, ...], steps: int = 6, dtype: Any = None) 
     losses = []
     for i in range(steps):
         x = data(10 + i, *shape, scale=10.0 ** (i % 3 - 1))
-        state, loss = step(state, x, data(50 + i, *shape[:-1], 16))
+        state, loss = step(state, x, data(50 + i, *target_shape))
         losses.append(float(loss))
     return state.params, losses
 
@@ -811,20 +818,7 @@ def test_float8_einsum_trains_as_flaxs_fp8_einsum_bit_for_bit(
     recipe = f"float8_delayed[amax_history_length={history}]"
 
     def train(einsum: Any) -> tuple[Any, list[float]]:
-        model = _EinsumLayer(eqn, y_shape, einsum)
-        variables = model.init(jax.random.key(0), jnp.ones(x_shape))
-        state = train_state.TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(1e-2))
-
-        @jax.jit
-        def step(state: Any, x: jax.Array, y: jax.Array) -> tuple[Any, jax.Array]:
-            loss, grads = jax.value_and_grad(lambda p: jnp.mean((state.apply_fn(p, x) - y) ** 2))(state.params)
-            return state.apply_gradients(grads=grads), loss
-
-        losses = []
-        for i in range(5):
-            state, loss = step(state, data(10 + i, *x_shape, scale=10.0 ** (i % 3 - 1)), data(50 + i, *g_shape))
-            losses.append(float(loss))
-        return state.params, losses
+        return _adam_steps(_EinsumLayer(eqn, y_shape, einsum), x_shape, g_shape, 5)
 
     ours, our_losses = train(functools.partial(polyamp_jax.Float8Einsum, recipe=recipe, record=True))
     theirs, their_losses = train(functools.partial(nn.Fp8Einsum, amax_history_length=history))

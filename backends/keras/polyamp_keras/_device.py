@@ -39,7 +39,7 @@ from polyamp_keras._gradients import (
     unscale,
     unscale_and_check,
 )
-from polyamp_keras._keras import keras
+from polyamp_keras._keras import keras, overwritten_by_gradient
 from polyamp_keras._rule import ScaleState, advance, advance_on_flag, device_cond
 
 __all__ = ["KerasDevice", "clipping_folded", "folded_clip_norm"]
@@ -205,7 +205,7 @@ class KerasDevice(RecordMethods, SpikeMethods):
             optimizer.build(variables)
         clip_norm = None if unscaled else folded_clip_norm(optimizer, grads, variables)
         scaled_grads = list(grads)
-        keep = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
+        keep = [overwritten_by_gradient(v) for v in variables]
         # Typed by a cast, not an annotation: AutoGraph cannot convert a function whose annotated name a nested
         # function reads.
         unscaled_grads = cast("list[Any] | None", None)
@@ -395,7 +395,7 @@ def folded_clip_norm(optimizer: Any, grads: Sequence[Any], variables: Sequence[A
         return None
     if type(optimizer)._clip_gradients is not keras.optimizers.Optimizer._clip_gradients:
         return None
-    if any(getattr(v, "overwrite_with_gradient", False) for v in variables):
+    if any(overwritten_by_gradient(v) for v in variables):
         return None
     present = [g for g in grads if g is not None]
     if not present or any(is_sparse(g) or keras.backend.standardize_dtype(g.dtype) != "float32" for g in present):

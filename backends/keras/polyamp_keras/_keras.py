@@ -14,4 +14,10 @@ if int(keras.__version__.partition(".")[0]) < 3:
 
 warn_if_untested("polyamp_keras", {"keras": keras.__version__})
 
-__all__ = ["keras"]
+__all__ = ["keras", "overwritten_by_gradient"]
+
+
+def overwritten_by_gradient(variable: object) -> bool:
+    """Whether Keras's optimizers write ``variable``'s gradient over it instead of stepping it (FP8 scales and
+    amax histories, polyamp's cast counts): Keras's ``overwrite_with_gradient``."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))

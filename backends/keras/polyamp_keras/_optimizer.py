@@ -34,7 +34,7 @@ from polyamp_keras._device import KerasDevice, clipping_folded, folded_clip_norm
 from polyamp_keras._device_records import provenance_rows
 from polyamp_keras._functional import KerasFunctional
 from polyamp_keras._gradients import gradient_counts, refuse_loss_scale_factor, unscale
-from polyamp_keras._keras import keras
+from polyamp_keras._keras import keras, overwritten_by_gradient
 from polyamp_keras._optimizer_settings import KERAS_NAMES, _check_spike, _keras_settings, _split_arguments
 from polyamp_keras._optimizer_state import StateMethods
 from polyamp_keras._rule import counter_dtype, read_scalar
@@ -439,7 +439,7 @@ class LossScaleOptimizer(StateMethods, keras.optimizers.LossScaleOptimizer):  # 
         """The functional form of this optimizer's scaler for iterations of ``mode``, over its variables."""
         fn = self._functional.get(mode)
         if fn is None:
-            keep = [bool(getattr(v, "overwrite_with_gradient", False)) for v in self._trainable_variables]
+            keep = [overwritten_by_gradient(v) for v in self._trainable_variables]
             device = self._device
             fn = FunctionalLossScaler(
                 lambda config: KerasFunctional(device, config, keep),

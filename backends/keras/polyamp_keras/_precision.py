@@ -35,7 +35,7 @@ from polyamp.backend_api.training_state import (
     is_state_slot,
     unplanned_hazard_message,
 )
-from polyamp_keras._keras import keras
+from polyamp_keras._keras import keras, overwritten_by_gradient
 from polyamp_keras._precision_checkpoint import CheckpointMethods
 from polyamp_keras._precision_layout import _LOW, _dtype, _Entry, _inner_name, _Layout
 
@@ -219,7 +219,7 @@ class PrecisionOptimizer(CheckpointMethods, keras.optimizers.Optimizer):  # type
                     f"PrecisionOptimizer updates float32, bfloat16 and float16 variables; {variable.path!r} is "
                     f"{dtype}. Keep it out of the optimizer's variables, or create it in one of those dtypes."
                 )
-            if _overwritten(variable) and dtype != "float32":
+            if overwritten_by_gradient(variable) and dtype != "float32":
                 raise InvalidConfigError(
                     f"PrecisionOptimizer writes the gradient over a variable marked overwrite_with_gradient (FP8 "
                     f"scales and histories, cast counts) when it is float32; {variable.path!r} is {dtype}. "
@@ -407,7 +407,7 @@ class PrecisionOptimizer(CheckpointMethods, keras.optimizers.Optimizer):  # type
             common.append((inner._learning_rate, state[id(inner._learning_rate)]))
         # A variable marked overwrite_with_gradient (FP8 scales and histories, cast counts) takes its gradient
         # as its new value, unclipped and unscaled, as Keras's optimizers write it; the rest are stepped.
-        overwritten = [_overwritten(self._layout.entries[index].variable) for index in indices]
+        overwritten = [overwritten_by_gradient(self._layout.entries[index].variable) for index in indices]
         new_weights = list(weights)
         for position, g in enumerate(grads):
             if overwritten[position] and g is not None:
@@ -518,11 +518,6 @@ def _initial_master(variable: Any) -> Callable[..., Any]:
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
-
-
-def _overwritten(variable: Any) -> bool:
-    """Whether Keras writes ``variable``'s gradient over it instead of stepping it."""
-    return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
 def _check_inner(inner: Any) -> None:
