@@ -1,11 +1,12 @@
-"""Keras's own optimizer and DTypePolicyMap tests, run as Keras wrote them and with polyamp's classes substituted.
+"""Keras's own optimizer, DTypePolicyMap and float8 tests, run as Keras wrote them and with polyamp's substituted.
 
 ``polyamp_tensorflow.LossScaleOptimizer`` is a subclass of Keras's ``LossScaleOptimizer`` and
 ``polyamp_keras.PolicyOverridesMap`` one of Keras's ``DTypePolicyMap``. This module runs Keras's tests of those
 two classes (``keras/src/optimizers/loss_scale_optimizer_test.py`` and
-``keras/src/dtype_policies/dtype_policy_map_test.py``), and of the base optimizer's behaviours that a wrapping
-optimizer must keep (``keras/src/optimizers/optimizer_test.py``, ``optimizer_sparse_test.py``), on the Keras
-backend of the process:
+``keras/src/dtype_policies/dtype_policy_map_test.py``), of the base optimizer's behaviours that a wrapping
+optimizer must keep (``keras/src/optimizers/optimizer_test.py``, ``optimizer_sparse_test.py``), and Keras's float8
+training tests (the float8 cases of ``keras/src/layers/core/dense_test.py`` and ``einsum_dense_test.py``, the
+float8 functions' tests of ``keras/src/quantizers/quantizers_test.py``), on the Keras backend of the process:
 
 * ``[native]``: as Keras wrote them. They must pass (or skip where Keras skips them on this backend); this shows
   the tests are read and run correctly here.
@@ -15,7 +16,10 @@ backend of the process:
   own code checks against Keras's class through them. The optimizer tests name their optimizers through the
   module ``optimizers``, which is replaced in theirs: in ``optimizer_test.py`` every optimizer it builds comes
   wrapped in polyamp's LossScaleOptimizer at a fixed scale of 1 (the tests pass unscaled gradients), in
-  ``optimizer_sparse_test.py`` its ``optimizers.LossScaleOptimizer`` case is polyamp's.
+  ``optimizer_sparse_test.py`` its ``optimizers.LossScaleOptimizer`` case is polyamp's. In the float8 layer tests
+  ``quantize("float8")`` is polyamp's FP8 path (`_float8_through_polyamp`: the layer becomes polyamp's
+  ``Float8Dense`` / ``Float8EinsumDense`` with Keras's settings), and in the quantizer tests the float8
+  functions are polyamp's rules (`_Float8Quantizers`); the tests' expected values stay Keras's.
 * ``[polyamp-float16]`` (loss-scale tests only): as ``[polyamp]``, inside ``polyamp.policy_scope("mixed_float16")``,
   the policy polyamp's optimizer is meant to be used under; Keras's tests run under float32.
 
@@ -32,9 +36,9 @@ Every Keras backend: the tests run in this process on its backend (``KERAS_BACKE
 
 The tests are not copied into this repository. They are read, when the module is collected, from the Keras
 source tree that the environment variable ``POLYAMP_KERAS_SOURCE`` names (a checkout of Keras at the tag of the
-installed version; the four files above and ``keras/src/version.py`` are all it needs), else from the installed
-Keras, whose wheels ship them beside its code (``keras/src/optimizers/*_test.py``); with neither the module is
-skipped.
+installed version; the seven files above and ``keras/src/version.py`` are all it needs), else from the installed
+Keras, whose wheels ship them beside its code (``keras/src/optimizers/*_test.py``, ...); with neither the module
+is skipped.
 Their source is compiled unchanged; Keras's test helpers come from the installed ``keras.src.testing``::
 
     POLYAMP_KERAS_SOURCE=/path/to/keras python -m pytest tests/test_upstream_keras.py
@@ -129,41 +133,152 @@ def _wrapped_in_polyamp(namespace: dict[str, Any]) -> types.ModuleType:
     return _Optimizers(real, replaced)
 
 
+#: Keras's default amax history length for ``quantize("float8")`` (``QuantizedFloat8DTypePolicy``'s).
+KERAS_FLOAT8_HISTORY = 1024
+#: The layers being converted by polyamp, whose inner ``quantize("float8")`` (apply_policy's) is Keras's own.
+_CONVERTING: set[int] = set()
+
+
+def _float8_through_polyamp(namespace: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Dense`` and ``EinsumDense`` whose ``quantize("float8")`` is polyamp's FP8 path.
+
+    A layer quantized to float8 (by ``layer.quantize``, ``model.quantize`` or by setting a ``float8_from_...``
+    dtype policy on it, which quantizes it) is converted by ``polyamp_keras.apply_policy`` under
+    ``"<its policy>+float8_delayed[amax_history_length=...,alignment=1]"``, Keras's settings (any size): it becomes a
+    ``polyamp_keras.Float8Dense`` / ``Float8EinsumDense`` computing its casts, scales and histories with
+    polyamp's rules. Keras's checks of the call (built, not yet quantized, a known mode, the class itself
+    unless ``type_check=False``) and its other modes stay Keras's. Layers made before the test (none are) keep
+    Keras's method: Keras binds ``quantize`` per instance when it makes a layer.
+    """
+    for cls in (keras.layers.Dense, keras.layers.EinsumDense):
+        original = cls.quantize
+
+        def quantize(
+            self: Any,
+            mode: Any = None,
+            type_check: bool = True,
+            config: Any = None,
+            *,
+            _cls: type = cls,
+            _original: Callable[..., Any] = original,
+        ) -> None:
+            if mode != "float8" or id(self) in _CONVERTING or (type_check and type(self) is not _cls):
+                _original(self, mode, type_check=type_check, config=config)
+                return
+            history = KERAS_FLOAT8_HISTORY
+            policy = self.dtype_policy
+            if policy.quantization_mode == "float8":  # the dtype policy was set to float8: the source policy's
+                history = policy.amax_history_length
+                self._dtype_policy = keras.dtype_policies.get(policy._source_name)
+            _CONVERTING.add(id(self))
+            try:
+                polyamp_keras.apply_policy(
+                    keras.Sequential([self]),
+                    f"{self.dtype_policy.name}+float8_delayed[amax_history_length={history},alignment=1]",
+                )
+            finally:
+                _CONVERTING.discard(id(self))
+
+        monkeypatch.setattr(cls, "quantize", quantize)
+
+
+class _Float8Quantizers(types.ModuleType):
+    """``keras.src.quantizers`` with its float8 functions computed by polyamp's FP8 rules (over keras.ops), in
+    Keras's signatures: the next dequantizing scale, the amax history push, the cast and back."""
+
+    def __init__(self, real: types.ModuleType) -> None:
+        super().__init__(real.__name__, real.__doc__)
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    @staticmethod
+    def _format(dtype_max: Any = None, dtype: str | None = None) -> Any:
+        from polyamp.backend_api.rules import fp8
+
+        for fmt in fp8.FORMATS.values():
+            if fmt.dtype == dtype or (dtype is None and float(dtype_max) == fmt.max):
+                return fmt
+        raise ValueError(f"no FP8 format of max {dtype_max} / dtype {dtype}")
+
+    def compute_float8_scale(self, amax: Any, scale: Any, dtype_max: Any, margin: int = 0) -> Any:
+        from polyamp.backend_api.rules import fp8
+        from polyamp_keras._rule import OPS
+
+        history = keras.ops.reshape(keras.ops.convert_to_tensor(amax, "float32"), (1,))
+        scale = keras.ops.convert_to_tensor(scale, "float32")
+        return fp8.delayed_scale(OPS, history, scale, self._format(dtype_max), margin=margin)
+
+    def compute_float8_amax_history(self, x: Any, amax_history: Any) -> Any:
+        from polyamp.backend_api.rules import fp8
+        from polyamp_keras._rule import OPS
+
+        return fp8.push_amax(OPS, amax_history, fp8.amax(OPS, x))
+
+    def quantize_and_dequantize(self, inputs: Any, scale: Any, quantized_dtype: str, compute_dtype: str) -> Any:
+        from polyamp_keras._float8 import _delayed_dequantized
+
+        scale = keras.ops.convert_to_tensor(scale, "float32")
+        return _delayed_dequantized(inputs, scale, self._format(dtype=quantized_dtype), compute_dtype)
+
+
+#: Puts polyamp's in place for a polyamp run, given the tests' module namespace (undone after the test).
+Substitute = Callable[[dict[str, Any], pytest.MonkeyPatch], None]
+
+
+def _replacing(name: str, make: Callable[[dict[str, Any]], Any]) -> Substitute:
+    """Replace ``name`` in the tests' module by ``make(namespace)`` (the class under test, a module of them)."""
+
+    def substitute(namespace: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setitem(namespace, name, make(namespace))
+
+    return substitute
+
+
 class Suite(NamedTuple):
-    """One upstream test file, its test class, and the name in its module that polyamp's runs replace."""
+    """One upstream test file, its test class, and how polyamp's runs put polyamp's in place."""
 
     path: str  # inside the Keras source tree
     upstream_class: str
-    replaced: str  # the name in the tests' module that the polyamp runs replace (the class under test, ...)
-    substitute: Callable[[dict[str, Any]], Any]  # what replaces it, given the tests' module namespace
+    substitute: Substitute
     implementations: tuple[str, ...]
     marks: tuple[pytest.MarkDecorator, ...] = ()  # on the polyamp runs
+    methods: frozenset[str] | None = None  # the upstream methods run (None: all of them)
 
 
 _NEEDS_TENSORFLOW = () if hasattr(polyamp_keras, "LossScaleOptimizer") else (pytest.mark.tensorflow,)
+
+#: The float8 tests of Keras's Dense and EinsumDense tests (their other cases test int8, int4, GPTQ, AWQ, LoRA).
+FLOAT8_LAYER_TESTS = (
+    "test_quantize_float8",
+    "test_quantize_float8_fitting",
+    "test_quantize_float8_inference",
+    "test_quantize_on_unbuilt_layer",
+    "test_quantize_on_subclass",
+    "test_quantize_when_already_quantized",
+    "test_quantize_by_setting_dtype_policy",
+)
 
 SUITES = {
     "TestLossScaleOptimizer": Suite(
         "keras/src/optimizers/loss_scale_optimizer_test.py",
         "LossScaleOptimizerTest",
-        "LossScaleOptimizer",
-        lambda namespace: _loss_scale_optimizer(),
+        _replacing("LossScaleOptimizer", lambda namespace: _loss_scale_optimizer()),
         ("native", "polyamp", "polyamp-float16"),
         _NEEDS_TENSORFLOW,
     ),
     "TestDTypePolicyMap": Suite(
         "keras/src/dtype_policies/dtype_policy_map_test.py",
         "DTypePolicyMapTest",
-        "DTypePolicyMap",
-        lambda namespace: polyamp_keras.PolicyOverridesMap,
+        _replacing("DTypePolicyMap", lambda namespace: polyamp_keras.PolicyOverridesMap),
         ("native", "polyamp"),
     ),
     # The base optimizer's behaviours, with every optimizer the tests build wrapped in polyamp's.
     "TestOptimizer": Suite(
         "keras/src/optimizers/optimizer_test.py",
         "OptimizerTest",
-        "optimizers",
-        _wrapped_in_polyamp,
+        _replacing("optimizers", _wrapped_in_polyamp),
         ("native", "polyamp"),
         _NEEDS_TENSORFLOW,
     ),
@@ -172,16 +287,45 @@ SUITES = {
     "TestOptimizerSparse": Suite(
         "keras/src/optimizers/optimizer_sparse_test.py",
         "OptimizerSparseTest",
-        "optimizers",
-        _with_polyamp_loss_scale_optimizer,
+        _replacing("optimizers", _with_polyamp_loss_scale_optimizer),
         ("native", "polyamp"),
         _NEEDS_TENSORFLOW,
+    ),
+    # Keras's float8 training (`quantize("float8")`: delayed scaling) with polyamp's FP8 path in its place.
+    "TestDenseFloat8": Suite(
+        "keras/src/layers/core/dense_test.py",
+        "DenseTest",
+        _float8_through_polyamp,
+        ("native", "polyamp"),
+        methods=frozenset(FLOAT8_LAYER_TESTS),
+    ),
+    "TestEinsumDenseFloat8": Suite(
+        "keras/src/layers/core/einsum_dense_test.py",
+        "EinsumDenseTest",
+        _float8_through_polyamp,
+        ("native", "polyamp"),
+        methods=frozenset(FLOAT8_LAYER_TESTS),
+    ),
+    # Keras's float8 scale, history and cast functions, computed by polyamp's rules.
+    "TestQuantizersFloat8": Suite(
+        "keras/src/quantizers/quantizers_test.py",
+        "QuantizersTest",
+        _replacing("quantizers", lambda namespace: _Float8Quantizers(namespace["quantizers"])),
+        ("native", "polyamp"),
+        methods=frozenset(
+            {"test_compute_float8_scale", "test_compute_float8_amax_history", "test_quantize_and_dequantize"}
+        ),
     ),
 }
 #: The instantiations run, per "<upstream class>.<upstream method>" (all of them when absent). The sparse tests'
 #: cases of the other optimizers test those optimizers, not a loss-scale optimizer. On JAX, where an eager
 #: apply takes seconds, two of the eleven inner optimizers (adam, sgd) of the weight-decay accumulation test.
 SELECTED: dict[str, frozenset[str]] = {
+    **{
+        f"{upstream_class}.{method}": frozenset({"float8"})
+        for upstream_class in ("DenseTest", "EinsumDenseTest")
+        for method in FLOAT8_LAYER_TESTS[3:]
+    },
     "OptimizerSparseTest.test_sparse_gradients": frozenset({"loss_scale_optimizer_sgd"}),
     "OptimizerSparseTest.test_sparse_correctness": frozenset({"loss_scale_optimizer_sgd"}),
     **(
@@ -190,13 +334,17 @@ SELECTED: dict[str, frozenset[str]] = {
         else {}
     ),
 }
+#: Upstream tests run in the slow set only (a fit, two saves and loads, and on TensorFlow an export, each).
+SLOW: frozenset[str] = frozenset(
+    {"DenseTest.test_quantize_float8_fitting", "EinsumDenseTest.test_quantize_float8_fitting"}
+)
 POLYAMP_RUNS = ("polyamp", "polyamp-float16")
 
 # -- what polyamp does differently, per upstream test ---------------------------------------------------------
 #
-# Set against Keras v3.15.1 (commit 250b42181ce9f37df68319d8f4753ec89a349a43), whose tests of these four files
+# Set against Keras v3.15.1 (commit 250b42181ce9f37df68319d8f4753ec89a349a43), whose tests of these seven files
 # pass natively with keras 3.15.1 on the tensorflow, jax and torch backends (Keras skips its sparse tests on
-# torch).
+# torch). polyamp's FP8 path passes every float8 test on the three backends: no entry here.
 #
 # Keys are "<upstream class>.<upstream method>", or "...[variant]" for one of its named parameters (as in the
 # test id). An entry applies to the backends and polyamp runs it names. Remove an entry once polyamp closes the
@@ -327,7 +475,10 @@ def _source_root() -> Path:
 
 def _load(root: Path, suite: Suite) -> Upstream:
     path = root / suite.path
-    return load_test_class(path, suite.upstream_class, f"keras_upstream.{path.stem}", " from the Keras source tree")
+    loaded = load_test_class(path, suite.upstream_class, f"keras_upstream.{path.stem}", " from the Keras source tree")
+    if suite.methods is None:
+        return loaded
+    return loaded._replace(tests={name: v for name, v in loaded.tests.items() if name in suite.methods})
 
 
 try:
@@ -372,10 +523,9 @@ def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     suite = SUITES[suite_name]
     namespace = _UPSTREAM[suite_name].namespace
     try:
-        replacement = suite.substitute(namespace)
+        suite.substitute(namespace, monkeypatch)
     except ImportError as exc:
         pytest.skip(f"polyamp's LossScaleOptimizer needs {exc.name}, which is not installed")
-    monkeypatch.setitem(namespace, suite.replaced, replacement)
     if run == "polyamp-float16":
         with polyamp.policy_scope("mixed_float16"):
             yield run
@@ -391,6 +541,8 @@ def _make_test(suite_name: str, upstream: str, variants: dict[str, str]) -> Call
             marks = _upstream_marks(loaded.test_class, method) + _expected(suite.upstream_class, upstream, variant, run)
             if run != "native":
                 marks += suite.marks
+            if f"{suite.upstream_class}.{upstream}" in SLOW:
+                marks.append(pytest.mark.slow)
             params.append(
                 pytest.param(
                     method,
@@ -443,6 +595,11 @@ def test_expectations_name_upstream_tests() -> None:
             assert variant.rstrip("]") in known[upstream], f"POLYAMP_EXPECTED: {key} is not one of its variants"
         for entry in (found,) if isinstance(found, Expected) else found:
             assert set(entry.backends) <= set(KERAS_BACKENDS) and set(entry.runs) <= set(POLYAMP_RUNS), key
+    for name, suite in SUITES.items():
+        missing = (suite.methods or frozenset()) - set(_UPSTREAM[name].tests)
+        assert not missing, f"{name} runs {sorted(missing)}, which {suite.path} does not have"
+    for test in SLOW:
+        assert test in known, f"SLOW: {test}"
     for test, chosen in SELECTED.items():
         assert test in known and chosen <= known[test], f"SELECTED: {test} {sorted(chosen - known.get(test, set()))}"
 
@@ -462,3 +619,33 @@ def test_on_keras_backend(backend: str, run_bounded: Callable[..., subprocess.Co
         cwd=Path(__file__).resolve().parents[1],
     )
     assert result.returncode == 0, f"Keras backend {backend}:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
+
+
+def test_float8_substitutes_are_polyamps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The polyamp runs of the float8 tests run polyamp's FP8 path: quantizing a layer (by ``quantize``,
+    ``model.quantize`` or its dtype policy) makes it polyamp's, with Keras's settings, and the quantizer
+    functions are polyamp's rules."""
+    _float8_through_polyamp({}, monkeypatch)
+    keras_settings = polyamp.Policy("float8_delayed[amax_history_length=1024,alignment=1]").float8
+    dense = keras.layers.Dense(2)
+    dense.build((None, 3))
+    dense.quantize("float8")
+    assert type(dense) is polyamp_keras.Float8Dense and dense.float8_recipe == keras_settings
+    assert dense.dtype_policy.name == "float8_from_float32" and dense.inputs_amax_history.shape == (1024,)
+    einsum = keras.layers.EinsumDense("ab,bc->ac", output_shape=4)
+    model = keras.Sequential([keras.Input((3,)), einsum])
+    model.quantize("float8")
+    assert type(einsum) is polyamp_keras.Float8EinsumDense and einsum.float8_recipe == keras_settings
+    by_policy = keras.layers.Dense(2)
+    by_policy.build((None, 3))
+    by_policy.dtype_policy = keras.dtype_policies.QuantizedFloat8DTypePolicy(
+        "float8", "mixed_bfloat16", amax_history_length=8
+    )
+    assert type(by_policy) is polyamp_keras.Float8Dense
+    assert by_policy.float8_recipe == polyamp.Policy("float8_delayed[amax_history_length=8,alignment=1]").float8
+    assert by_policy.dtype_policy.name == "float8_from_mixed_bfloat16" and by_policy.compute_dtype == "bfloat16"
+
+    quantizers = _Float8Quantizers(keras.quantizers)
+    tiny = keras.ops.convert_to_tensor(1e-37, "float32")  # 448 / it overflows: Keras stores a scale of 0
+    assert float(quantizers.compute_float8_scale(tiny, 2.0, 448.0)) == 2.0  # polyamp keeps the previous scale
+    assert float(keras.quantizers.compute_float8_scale(tiny, 2.0, 448.0)) != 2.0
