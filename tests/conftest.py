@@ -3,14 +3,17 @@ NumPy backends; small training data; subprocesses (bounded, or on another Keras 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import types
@@ -24,6 +27,13 @@ import pytest
 
 # One process imports both frameworks here; PyTorch must come first (the other order can crash some builds).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# JAX programs compiled again and again (each conformance test builds its harness's jitted step anew) are
+# compiled once: JAX's persistent compilation cache, in a directory of this run that its subprocesses share.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="polyamp-tests-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 with contextlib.suppress(ImportError):
     import torch  # noqa: F401
 
