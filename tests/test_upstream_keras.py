@@ -64,6 +64,9 @@ from upstream_support import Upstream, UpstreamUnavailable, load_test_class, sou
 
 import polyamp  # noqa: E402
 import polyamp_keras  # noqa: E402
+from polyamp.backend_api.rules import fp8  # noqa: E402
+from polyamp_keras._float8 import _delayed_dequantized  # noqa: E402
+from polyamp_keras._rule import OPS  # noqa: E402
 
 SOURCE_VARIABLE = "POLYAMP_KERAS_SOURCE"
 #: Set to 0 in the subprocesses of test_on_keras_backend, which cover one backend each.
@@ -144,9 +147,9 @@ def _float8_through_polyamp(namespace: dict[str, Any], monkeypatch: pytest.Monke
 
     A layer quantized to float8 (by ``layer.quantize``, ``model.quantize`` or by setting a ``float8_from_...``
     dtype policy on it, which quantizes it) is converted by ``polyamp_keras.apply_policy`` under
-    ``"<its policy>+float8_delayed[amax_history_length=...,alignment=1]"``, Keras's settings (any size): it becomes a
-    ``polyamp_keras.Float8Dense`` / ``Float8EinsumDense`` computing its casts, scales and histories with
-    polyamp's rules. Keras's checks of the call (built, not yet quantized, a known mode, the class itself
+    ``"<its policy>+float8_delayed[amax_history_length=...,alignment=1]"``, Keras's settings (any layer size):
+    it becomes a ``polyamp_keras.Float8Dense`` / ``Float8EinsumDense`` computing its casts, scales and
+    histories with polyamp's rules. Keras's checks of the call (built, not yet quantized, a known mode, the class itself
     unless ``type_check=False``) and its other modes stay Keras's. Layers made before the test (none are) keep
     Keras's method: Keras binds ``quantize`` per instance when it makes a layer.
     """
@@ -195,30 +198,20 @@ class _Float8Quantizers(types.ModuleType):
 
     @staticmethod
     def _format(dtype_max: Any = None, dtype: str | None = None) -> Any:
-        from polyamp.backend_api.rules import fp8
-
         for fmt in fp8.FORMATS.values():
             if fmt.dtype == dtype or (dtype is None and float(dtype_max) == fmt.max):
                 return fmt
         raise ValueError(f"no FP8 format of max {dtype_max} / dtype {dtype}")
 
     def compute_float8_scale(self, amax: Any, scale: Any, dtype_max: Any, margin: int = 0) -> Any:
-        from polyamp.backend_api.rules import fp8
-        from polyamp_keras._rule import OPS
-
         history = keras.ops.reshape(keras.ops.convert_to_tensor(amax, "float32"), (1,))
         scale = keras.ops.convert_to_tensor(scale, "float32")
         return fp8.delayed_scale(OPS, history, scale, self._format(dtype_max), margin=margin)
 
     def compute_float8_amax_history(self, x: Any, amax_history: Any) -> Any:
-        from polyamp.backend_api.rules import fp8
-        from polyamp_keras._rule import OPS
-
         return fp8.push_amax(OPS, amax_history, fp8.amax(OPS, x))
 
     def quantize_and_dequantize(self, inputs: Any, scale: Any, quantized_dtype: str, compute_dtype: str) -> Any:
-        from polyamp_keras._float8 import _delayed_dequantized
-
         scale = keras.ops.convert_to_tensor(scale, "float32")
         return _delayed_dequantized(inputs, scale, self._format(dtype=quantized_dtype), compute_dtype)
 
