@@ -15,6 +15,8 @@
 #   gpu-*.json            one file per CUDA target of benchmarks/run.py
 #   jax-cuda.json         the jitted JAX step (benchmarks/run.py jax) on JAX's GPU backend
 #   fp8-gpu.json          FP8 recipes against bfloat16 and torchao (benchmarks/fp8_gpu.py), where torchao imports
+#   fp8-jax-gpu.json      the JAX/Flax FP8 step against bfloat16 and Flax's fp8 (benchmarks/fp8_jax_gpu.py), where
+#                         JAX sees a GPU and flax imports
 #   gpu-conformance.json  the conformance runs' counts, for benchmarks/RESULTS.md
 #   summary.json          every step's exit code
 # Every step runs even if an earlier one fails; the script exits non-zero if any did. GPU_SUITE_SKIP names steps
@@ -138,6 +140,18 @@ if ! asked_to_skip fp8-gpu; then
     fi
 fi
 
+# The JAX/Flax FP8 step against its bfloat16 step and Flax's own fp8 (benchmarks/fp8_jax_gpu.py).
+if ! asked_to_skip fp8-jax-gpu; then
+    if [ "${CODES[jax-conformance]}" != '"skipped"' ] && "$PYTHON" -c "import flax" >/dev/null 2>&1; then
+        timeout "${STEP_TIMEOUT:-1200}" "$PYTHON" benchmarks/fp8_jax_gpu.py --out "$OUT" 2>&1 | tee "$OUT/fp8-jax-gpu.log"
+        CODES[fp8-jax-gpu]=${PIPESTATUS[0]}
+        echo "fp8-jax-gpu: exit ${CODES[fp8-jax-gpu]}"
+    else
+        echo "fp8-jax-gpu: skipped (JAX on GPU and flax are needed)"
+        CODES[fp8-jax-gpu]='"skipped"'
+    fi
+fi
+
 # The conformance counts as one result (gpu-conformance.json) for benchmarks/RESULTS.md.
 "$PYTHON" - "$OUT" <<'EOF2'
 import sys
@@ -154,7 +168,7 @@ status=0
 {
     echo "{"
     first=1
-    for name in conformance jax-conformance "${KERAS_STEPS[@]}" cuda-tests gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16 gpu-training-state jax fp8-gpu; do
+    for name in conformance jax-conformance "${KERAS_STEPS[@]}" cuda-tests gpu-syncs gpu-cuda-graph gpu-recipe gpu-compiled gpu-bf16 gpu-training-state jax fp8-gpu fp8-jax-gpu; do
         [ $first -eq 1 ] || echo ","
         first=0
         printf '  "%s": %s' "$name" "${CODES[$name]}"

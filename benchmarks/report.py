@@ -25,6 +25,7 @@ ORDER = (
     "fp8-training",
     "fp8-frameworks",
     "fp8-gpu",
+    "fp8-jax-gpu",
     "gpu-syncs",
     "gpu-cuda-graph",
     "gpu-recipe",
@@ -39,9 +40,11 @@ COMMANDS = {
     "fp8-training": "python benchmarks/fp8_training.py",
     "fp8-frameworks": "python benchmarks/fp8_frameworks.py",
     "fp8-gpu": "python benchmarks/fp8_gpu.py",
+    "fp8-jax-gpu": "python benchmarks/fp8_jax_gpu.py",
 }
 TITLES = {
     "fp8-gpu": "FP8 on an H100/H200: GPT blocks, torch.compile, vs bfloat16 and torchao",
+    "fp8-jax-gpu": "JAX/Flax FP8 on an H100/H200: MLP blocks, jax.jit, vs bfloat16 and Flax's fp8",
     "fp8-frameworks": "One FP8 recipe on torch, Keras (JAX) and JAX: the same GPT, weights and batches (CPU)",
     "training-state": "Training-state plans: AdamW on a small GPT, bfloat16 weights (CPU)",
     "gpu-syncs": "Host-device synchronisations per training step (CUDA)",
@@ -216,6 +219,10 @@ SUMMARY: dict[str, tuple[str, list[tuple[int, str, str]]]] = {
         [(0, "vs bfloat16, seed 0", "seed 0"), (0, "vs bfloat16, seed 1", "seed 1")],
     ),
     "fp8-gpu": ("FP8 on an H100/H200 vs bfloat16 and torchao (`python benchmarks/fp8_gpu.py`)", []),
+    "fp8-jax-gpu": (
+        "JAX/Flax FP8 step on an H100/H200 vs bfloat16 and Flax's fp8 (`python benchmarks/fp8_jax_gpu.py`)",
+        [],
+    ),
     "gpu-recipe": (
         "AMP recipe on a GPU (3 x Linear 4096, batch 512, SGD): polyamp vs `torch.autocast` + `GradScaler`",
         [(0, "vs native", "polyamp")],

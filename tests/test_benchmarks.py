@@ -205,7 +205,7 @@ def test_the_gpu_suite_leaves_out_the_steps_gpu_suite_skip_names(tmp_path: Path,
     pytest.importorskip("torch")
     steps = ["conformance", "jax-conformance", "keras-torch-conformance", "keras-jax-conformance", "cuda-tests"]
     gpu = ["gpu-syncs", "gpu-cuda-graph", "gpu-recipe", "gpu-compiled", "gpu-bf16", "gpu-training-state", "jax"]
-    gpu.append("fp8-gpu")
+    gpu += ["fp8-gpu", "fp8-jax-gpu"]
     env = dict(os.environ, PYTHON=sys.executable, GPU_SUITE_SKIP=" ".join(steps + gpu))
     result = run_bounded(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), str(tmp_path)], env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -241,6 +241,7 @@ def test_the_gpu_suite_records_every_step_and_fails_without_cuda(tmp_path: Path,
         **dict.fromkeys(gpu, 1),
         "jax": "skipped",
         "fp8-gpu": 1 if importlib.util.find_spec("torchao") is not None else "skipped",
+        "fp8-jax-gpu": "skipped",  # JAX without a GPU backend
     }
     counts = json.loads((tmp_path / "gpu-conformance.json").read_text())["tables"][0]["rows"]
     assert counts[0][:2] == ["torch on cuda", "0"] and int(counts[0][2]) > 0  # every case skipped: none passed
@@ -347,3 +348,31 @@ def test_fp8_frameworks_quick_run_starts_the_three_frameworks_from_the_same_loss
     assert [row[0] for row in spread_table["rows"]] == policies
     for table in payload["tables"]:
         assert all(len(row) == len(table["columns"]) for row in table["rows"])
+
+
+@pytest.mark.slow
+def test_fp8_jax_gpu_quick_run_times_every_variant(tmp_path: Path, run_bounded: RunBounded) -> None:
+    """benchmarks/fp8_jax_gpu.py at toy sizes: every variant trains and is timed against bfloat16, and the
+    result names its command; a full run refuses a JAX without a GPU."""
+    for needs in ("flax", "optax"):
+        pytest.importorskip(needs)
+    script = ROOT / "benchmarks" / "fp8_jax_gpu.py"
+    result = run_bounded([sys.executable, str(script), "--quick", "--out", str(tmp_path)], cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    payload = json.loads((tmp_path / "fp8-jax-gpu-quick.json").read_text())
+    assert payload["target"] == "fp8-jax-gpu" and payload["command"] == "python benchmarks/fp8_jax_gpu.py --quick"
+    rows = payload["tables"][0]["rows"]
+    assert [row[0] for row in rows] == [
+        "bfloat16",
+        "polyamp tensorwise",
+        "polyamp rowwise",
+        "polyamp delayed",
+        "flax delayed",
+        "autocast tensorwise",
+    ]
+    assert rows[0][2] == "1.000x" and all(len(times) == 2 for times in payload["raw"]["times_ms"].values())
+    import jax
+
+    if jax.default_backend() != "gpu":
+        refused = run_bounded([sys.executable, str(script), "--out", str(tmp_path)], cwd=ROOT)
+        assert refused.returncode != 0 and "needs a GPU JAX backend" in refused.stderr
