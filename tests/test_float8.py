@@ -323,6 +323,22 @@ def test_add_counts_carries_between_the_digits_and_stays_exact_to_2_47() -> None
     assert fp8.counts_from_digits([[[1.0, 2.0], [0.0, 0.0]]]) == [[1 + 2 * digit, 0]]
 
 
+def test_add_digits_adds_the_digits_of_a_layers_runs_and_carries_exactly() -> None:
+    """Digits plus the sum of several products' digits (a layer run more than once in a step): the totals are
+    the integer sums, normalised (low digit below 2**23), as adding each product's counts one by one gives."""
+    digit = fp8.COUNT_DIGIT
+    totals = fp8.add_counts(ref.OPS, np.zeros((3, 2), np.float32), np.array([digit - 1, 5, 2**31 - 1], np.int32))
+    runs = [np.array(c, np.int32) for c in ([digit - 1, 0, 1], [digit - 3, digit, 2**31 - 1])]
+    summed = sum(fp8.add_counts(ref.OPS, np.zeros((3, 2), np.float32), c) for c in runs)
+    assert summed[0, 0] > digit  # the runs' low digits add past a digit
+    one_by_one = totals
+    for counts in runs:
+        one_by_one = fp8.add_counts(ref.OPS, one_by_one, counts)
+    added = fp8.add_digits(ref.OPS, totals, summed)
+    assert added.dtype == np.float32 and added.tolist() == one_by_one.tolist()
+    assert (added[:, 0] < digit).all()
+
+
 def test_an_fp8_error_is_a_polyamp_error() -> None:
     with pytest.raises(PolyampError, match=r"An FP8 format is one of .e4m3., .e5m2.\. Received: .e3m4."):
         ref.current_scale(np.ones(2, np.float32), "e3m4")

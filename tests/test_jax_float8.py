@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import polyamp_jax  # noqa: E402
 from polyamp_jax._float8 import _current, _mx  # noqa: E402
 
-from polyamp import Float8Recipe, PolyampValueError  # noqa: E402
+from polyamp import Float8Recipe, PolyampTypeError, PolyampValueError  # noqa: E402
 from polyamp._src import float8_reference as ref  # noqa: E402
 from polyamp.backend_api.records import Float8CastRecord  # noqa: E402
 from polyamp.backend_api.rules import fp8  # noqa: E402
@@ -599,6 +599,124 @@ def test_an_equinox_model_trains_in_fp8_with_its_weight_as_the_weight() -> None:
         weight="lhs",
     ).T + layer.bias.astype(jnp.bfloat16)
     assert same_bits(out, expected)
+
+
+class _TwoDense(nn.Module):  # type: ignore[misc]
+    """Two layers without bias; ``shared``: the first layer runs twice (``Dense_0`` on its own output)."""
+
+    shared: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        first = nn.Dense(64, use_bias=False)
+        h = first(x)
+        if self.shared:
+            return first(h)
+        return nn.Dense(16, use_bias=False)(h)
+
+
+def _recorded(forward: Any, variables: Any, x: jax.Array, upstream: jax.Array, steps: int = 2) -> Any:
+    """The counts of ``forward`` (made by autocast) after ``steps`` jitted backward passes with ``upstream``."""
+    counts = polyamp_jax.float8_counts(forward, variables, x)
+
+    @jax.jit
+    def step(counts: Any) -> Any:
+        _, vjp = jax.vjp(lambda c: forward(variables, x, float8_counts=c), counts)
+        return vjp(upstream)[0]
+
+    for _ in range(steps):
+        counts = step(counts)
+    return counts
+
+
+def test_autocast_records_each_layers_casts_as_polyamp_torch_through_jit() -> None:
+    """Under autocast, ``float8_counts=`` counts each Linen layer's casts: after two jitted steps, polyamp_torch's
+    records of the same layers, weights and data; the output is the same with and without counts."""
+    torch = pytest.importorskip("torch")
+    polyamp_torch = pytest.importorskip("polyamp_torch")
+    recipe = "float32+float8_rowwise"
+    x = np.random.default_rng(0).standard_normal((8, 32)).astype(np.float32)
+    x[1, :3] = 1e-12  # flushed
+    upstream = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    torch.manual_seed(0)
+    linears = torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False), torch.nn.Linear(64, 16, bias=False))
+    recorder = polyamp_torch.record_float8(polyamp_torch.apply_policy(linears, recipe))
+    for _ in range(2):
+        linears(torch.from_numpy(x)).backward(torch.from_numpy(upstream))
+
+    kernels = [jnp.asarray(linear.weight.detach().numpy().T) for linear in linears]
+    variables = {"params": {f"Dense_{i}": {"kernel": kernel} for i, kernel in enumerate(kernels)}}
+    forward = polyamp_jax.autocast(_TwoDense().apply, policy=recipe)
+    counts = _recorded(forward, variables, jnp.asarray(x), jnp.asarray(upstream))
+    records, theirs = polyamp_jax.float8_records(counts), recorder.read()
+    assert records == {"Dense_0": theirs["0"], "Dense_1": theirs["1"]}
+    assert records["Dense_0"]["input"] == Float8CastRecord(0, 6, 2 * int(np.count_nonzero(x)))
+    zeros = polyamp_jax.float8_counts(forward, variables, jnp.asarray(x))
+    assert same_bits(forward(variables, x, float8_counts=zeros), forward(variables, x))
+    assert same_bits(zeros["Dense_0"], jnp.zeros((3, 3, 2)))  # a forward pass alone counts nothing
+
+
+def test_autocast_records_a_layer_run_twice_as_the_sum_of_its_runs() -> None:
+    """A module called twice in a step has one entry holding both runs' counts: those of two layers with its
+    kernel doing the same products."""
+    kernel = data(3, 64, 64)
+    x, upstream = data(4, 8, 64, scale=50.0), data(5, 8, 64)
+    shared = polyamp_jax.autocast(_TwoDense(shared=True).apply, policy="float32+float8_tensorwise")
+    ours = polyamp_jax.float8_records(_recorded(shared, {"params": {"Dense_0": {"kernel": kernel}}}, x, upstream))
+
+    class Twice(nn.Module):  # type: ignore[misc]
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return nn.Dense(64, use_bias=False)(nn.Dense(64, use_bias=False)(x))
+
+    apart = polyamp_jax.autocast(Twice().apply, policy="float32+float8_tensorwise")
+    params = {"params": {"Dense_0": {"kernel": kernel}, "Dense_1": {"kernel": kernel}}}
+    theirs = polyamp_jax.float8_records(_recorded(apart, params, x, upstream))
+    assert list(ours) == ["Dense_0"]
+    for role in ("input", "weight", "grad_output"):
+        first, second = theirs["Dense_0"][role], theirs["Dense_1"][role]
+        expected = Float8CastRecord(
+            first.saturated + second.saturated, first.flushed + second.flushed, first.nonzero + second.nonzero
+        )
+        assert ours["Dense_0"][role] == expected, role
+    assert ours["Dense_0"]["input"].saturated == 0 and ours["Dense_0"]["weight"].nonzero == 2 * 2 * 64 * 64
+
+
+def test_autocast_records_name_equinox_layers_by_their_path() -> None:
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(32, 16, 64, depth=1, key=jax.random.key(0))
+    arrays, static = eqx.partition(model, eqx.is_array)
+    forward = polyamp_jax.autocast(lambda m, x: jax.vmap(eqx.combine(m, static))(x), policy="float8_rowwise")
+    counts = polyamp_jax.float8_counts(forward, arrays, X)
+    assert list(counts) == ["layers.0", "layers.1"]
+    grads = jax.jit(jax.grad(lambda c: jnp.sum(forward(arrays, X, float8_counts=c))))(counts)
+    records = polyamp_jax.float8_records(grads)
+    assert records["layers.0"]["weight"].nonzero == 64 * 32 and records["layers.1"]["grad_output"].nonzero == 32 * 16
+    # a plain function's products have no module path: numbered as they run
+    plain = polyamp_jax.autocast(lambda w, x: x @ w @ w.T, policy="float8_tensorwise")
+    assert list(polyamp_jax.float8_counts(plain, data(6, 32, 32), X)) == ["dot_general_0", "dot_general_1"]
+
+
+def test_autocast_records_refuse_what_does_not_fit() -> None:
+    variables = _TwoDense().init(jax.random.key(0), X)
+    forward = polyamp_jax.autocast(_TwoDense().apply, policy="float32+float8_rowwise")
+    counts = polyamp_jax.float8_counts(forward, variables, X)
+    with pytest.raises(
+        PolyampValueError, match=r"\['Dense_0', 'Dense_1'\]\. Received none for \['Dense_1'\] and counts "
+    ):
+        forward(variables, X, float8_counts={"Dense_0": counts["Dense_0"], "head": counts["Dense_1"]})
+    with pytest.raises(PolyampValueError, match=r"shape \(3, 3, 2\).*'Dense_1': .*float8_counts\(forward"):
+        forward(variables, X, float8_counts={**counts, "Dense_1": jnp.zeros(3)})
+    with pytest.raises(PolyampValueError, match=r"(?s)Received: .*\(of type list\)"):
+        forward(variables, X, float8_counts=list(counts.values()))
+    for policy in ("mixed_bfloat16", "float32"):
+        no_fp8 = polyamp_jax.autocast(_TwoDense().apply, policy=policy)
+        with pytest.raises(PolyampValueError, match=f"the policy '{policy}' runs none"):
+            no_fp8(variables, X, float8_counts=counts)
+        with pytest.raises(PolyampValueError, match="ran no FP8 layer on these arguments"):
+            polyamp_jax.float8_counts(no_fp8, variables, X)
+    with pytest.raises(PolyampTypeError, match=r"takes the function polyamp_jax\.autocast returned"):
+        polyamp_jax.float8_counts(variables)
 
 
 def test_fp8_training_under_lax_scan_equals_the_python_loop() -> None:

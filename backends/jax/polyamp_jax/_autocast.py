@@ -50,7 +50,7 @@ import numpy as np
 
 from polyamp import OpClass, Policy, get_policy, op_class
 from polyamp_jax._float8 import check_dynamic
-from polyamp_jax._float8_autocast import Float8Products
+from polyamp_jax._float8_autocast import Float8Products, check_counts, ran_layers
 
 __all__ = ["COMPUTE_PRIMITIVES", "FLOAT32_PRIMITIVES", "PRIMITIVE_OPS", "autocast"]
 
@@ -322,6 +322,12 @@ def _linen_entry(path: tuple[Any, ...]) -> tuple[Any, ...] | None:
     return None
 
 
+def _field_path(path: tuple[Any, ...]) -> str:
+    """A module field's path within ``fn``'s arguments (``((*leading, *args), kwargs)``), without the argument's
+    position and the field's own name: ``"layers.0"`` for an Equinox ``model.layers[0].weight``."""
+    return ".".join(str(_key(entry)) for entry in path[2:-1])
+
+
 def _linen_returns_state(kwargs: dict[str, Any]) -> bool:
     """Whether a Linen ``apply`` returns ``(output, collections)``: as Linen decides it, when ``mutable`` is not
     False or intermediates are captured."""
@@ -343,6 +349,11 @@ def autocast(
     arguments do (``autocast(model)(x)``); a Flax Linen module's ``apply`` (``autocast(model.apply)(variables,
     x, mutable=["batch_stats"])``), whose ``"params"`` enter in the compute dtype while the other collections
     keep their dtype, in and out.
+
+    Under a policy with an FP8 recipe its linear layers' products run in FP8 (`polyamp_jax._float8_autocast`),
+    and the returned function takes the keyword ``float8_counts=`` (never passed to ``fn``): a dict of cast
+    counts per FP8 layer, from `polyamp_jax.float8_counts` ``(forward, *args)``, that the layers' casts count
+    into; their gradient is their next value, read by `polyamp_jax.float8_records`.
     """
     if fn is None:
         return functools.partial(autocast, policy=policy, cast_outputs=cast_outputs)
@@ -351,6 +362,9 @@ def autocast(
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         chosen = _policy(policy)
+        counts = kwargs.pop("float8_counts", None)
+        if counts is not None:
+            check_counts(counts, chosen)
         if chosen.compute_dtype == "float32" and chosen.float8 is None:
             return fn(*args, **kwargs)
         pairs, tree = jax.tree_util.tree_flatten_with_path(((*leading, *args), kwargs))
@@ -392,8 +406,15 @@ def autocast(
             weights = {
                 var: jnp.asarray(leaves[i]) for var, i in zip(closed.jaxpr.invars, dynamic, strict=True) if is_weight(i)
             }
-            float8 = Float8Products(chosen.float8, weights, drop_root=linen)
+            fields = {
+                var: _field_path(pairs[i][0])
+                for var, i in zip(closed.jaxpr.invars, dynamic, strict=True)
+                if var in weights and not linen
+            }
+            float8 = Float8Products(chosen.float8, weights, drop_root=linen, paths=fields, counts=counts)
         outputs = _Interpreter(compute, float8).run(closed.jaxpr, list(closed.consts), entered)
+        if float8 is not None:
+            ran_layers(float8.layers, counts)
         structure = jax.tree_util.tree_structure(shapes)
         if cast_outputs:
             output = jnp.dtype(chosen.output_dtype)

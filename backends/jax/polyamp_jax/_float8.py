@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -236,10 +237,27 @@ _dynamic.defvjp(_dynamic_forward, _dynamic_backward)
 COUNTS_SHAPE: Final = (3, 3, 2)
 
 
-def float8_counts() -> jax.Array:
-    """Zero cast counts for one FP8 product: pass them as ``counts=`` to `float8_dot_general`, take their
-    gradient as their next value, and read them with `float8_records`."""
-    return jnp.zeros(COUNTS_SHAPE, _F32)
+@typing.overload
+def float8_counts() -> jax.Array: ...
+@typing.overload
+def float8_counts(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> dict[str, jax.Array]: ...
+def float8_counts(fn: Callable[..., Any] | None = None, /, *args: Any, **kwargs: Any) -> Any:
+    """Zero cast counts: for one FP8 product, or for each FP8 layer of a function `autocast` made.
+
+    ``float8_counts()`` are one product's: pass them as ``counts=`` to `float8_dot_general`.
+    ``float8_counts(forward, *args, **kwargs)``, with ``forward`` a function `polyamp_jax.autocast` returned
+    (or one calling it) and the arguments it will be called with, is ``{layer: counts}`` for every FP8 layer it
+    runs on them (found by tracing, nothing is computed): pass them as ``forward(..., float8_counts=counts)``.
+    Either way, take their gradient as their next value and read them with `float8_records`.
+
+    Raises:
+        PolyampValueError: ``forward`` runs no FP8 layer on those arguments.
+    """
+    if fn is None:
+        return jnp.zeros(COUNTS_SHAPE, _F32)
+    from polyamp_jax._float8_autocast import layers_of  # it builds on this module
+
+    return {name: jnp.zeros(COUNTS_SHAPE, _F32) for name in layers_of(fn, args, kwargs)}
 
 
 def dynamic_product(x: Any, w: Any, layout: Layout, recipe: Float8Recipe, dtype: Any, counts: Any | None = None) -> Any:

@@ -11,21 +11,34 @@ Flax's layers call ``dot_general``). A layer's name is its JAX name stack: the s
 module's own name, as torch's ``named_modules`` does), or ``""`` outside any scope, so ``modules`` and
 ``skip`` patterns match Linen module paths; Equinox and Flax NNX modules open no scope, and their layers are
 chosen by shape alone.
+
+With ``float8_counts=`` (records), each FP8 product counts what its casts lost into its layer's entry, keyed
+by its weight's path within the arguments without the last attribute where the weight is a module's field
+(``"layers.0"`` for an Equinox ``model.layers[0].weight``; Equinox's scopes name classes, not layers), else by
+its name (Linen module paths), else ``"dot_general_<k>"`` in the order the products run. A layer that runs more than once in a step (a module
+called twice) has one entry, counting every run: each product records into zeros made from the entry by
+`_tap`, whose backward pass adds the runs' counts, summed, to the entry (`polyamp.backend_api.rules.fp8.add_digits`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import contextvars
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
+import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 
-from polyamp import Float8Recipe
-from polyamp_jax._float8 import layout_of, product
+from polyamp import Float8Recipe, Policy, PolyampTypeError, PolyampValueError
+from polyamp.backend_api.arguments import describe
+from polyamp.backend_api.rules import fp8
+from polyamp_jax._float8 import COUNTS_SHAPE, layout_of, product
+from polyamp_jax._functional import OPS
 
-__all__ = ["Float8Products"]
+__all__ = ["Float8Products", "check_counts", "layers_of", "ran_layers"]
 
 #: Primitives whose output is still the weight when their operand is (a cast, a transpose, a reshape).
 _FOLLOW: Final = frozenset({"convert_element_type", "transpose", "reshape", "copy", "copy_p", "squeeze", "expand_dims"})
@@ -40,30 +53,70 @@ def _floating(value: Any) -> bool:
     return hasattr(value, "dtype") and bool(jnp.issubdtype(value.dtype, jnp.floating))
 
 
-class Float8Products:
-    """The FP8 state of one interpretation: the recipe, the variables holding weights, the enclosing scopes."""
+@jax.custom_vjp
+def _tap(counts: Any) -> Any:
+    """Zeros for a layer's products to record into; the gradient of ``counts`` is them plus what the products
+    counted (their gradients, summed over the layer's runs)."""
+    return jnp.zeros_like(counts)
 
-    def __init__(self, recipe: Float8Recipe, weights: dict[Any, Any], *, drop_root: bool) -> None:
+
+def _tap_forward(counts: Any) -> tuple[Any, Any]:
+    return jnp.zeros_like(counts), counts
+
+
+def _tap_backward(counts: Any, runs: Any) -> tuple[Any]:
+    return (fp8.add_digits(OPS, counts, runs),)
+
+
+_tap.defvjp(_tap_forward, _tap_backward)
+
+
+class Float8Products:
+    """The FP8 state of one interpretation: the recipe, the variables holding weights (and the paths of the
+    module fields among them), the enclosing scopes, the counts recorded into and the layers that ran."""
+
+    def __init__(
+        self,
+        recipe: Float8Recipe,
+        weights: dict[Any, Any],
+        *,
+        drop_root: bool,
+        paths: dict[Any, str] | None = None,
+        counts: Mapping[str, Any] | None = None,
+    ) -> None:
         self.recipe = recipe
         self.stored = weights  # each parameter's variable, and its value as stored (float32, say)
         self.weights = set(weights)
+        self.paths = dict(paths or {})  # a module field's variable (and what follows it): its path
         self.drop_root = drop_root
         self.prefix: list[str] = []
+        self.counts = counts
+        self.taps: dict[str, Any] = {}
+        self.layers: list[str] = []  # the record keys of the products run in FP8, in order, once each
+        self._unnamed = 0
 
     def _is_weight(self, var: Any) -> bool:
         return isinstance(var, jcore.Var) and var in self.weights
 
+    def _mark(self, outer: Any, inners: Any) -> None:
+        """``inners`` stand for the weight ``outer``: they are weights, with its path."""
+        for inner in inners:
+            if isinstance(inner, jcore.Var):
+                self.weights.add(inner)
+                if outer in self.paths:
+                    self.paths[inner] = self.paths[outer]
+
     def follow(self, eqn: Any) -> None:
         """Mark the outputs of ``eqn`` as weights when it only reshapes or casts one."""
         if eqn.primitive.name in _FOLLOW and eqn.invars and self._is_weight(eqn.invars[0]):
-            self.weights.update(v for v in eqn.outvars if isinstance(v, jcore.Var))
+            self._mark(eqn.invars[0], eqn.outvars)
 
     @contextlib.contextmanager
     def call(self, eqn: Any, body: Any) -> Iterator[None]:
         """Inside the body of a call equation: its parameters that are weights, its scopes as a prefix."""
-        self.weights.update(
-            inner for inner, outer in zip(body.invars, eqn.invars, strict=False) if self._is_weight(outer)
-        )
+        for inner, outer in zip(body.invars, eqn.invars, strict=False):
+            if self._is_weight(outer):
+                self._mark(outer, [inner])
         scopes = _scopes(eqn)
         self.prefix.extend(scopes)
         try:
@@ -97,4 +150,89 @@ class Float8Products:
             self.stored.get(var, value) if isinstance(var, jcore.Var) else value
             for var, value in zip(eqn.invars, values, strict=True)
         )
-        return product(lhs, rhs, contract, self.recipe, compute, weight_is_lhs=weight_is_lhs)
+        key = self._key(eqn, eqn.invars[0] if weight_is_lhs else eqn.invars[1])
+        counts = None
+        if self.counts is not None and key in self.counts:
+            if key not in self.taps:
+                self.taps[key] = _tap(self.counts[key])
+            counts = self.taps[key]
+        return product(lhs, rhs, contract, self.recipe, compute, weight_is_lhs=weight_is_lhs, counts=counts)
+
+    def _key(self, eqn: Any, weight: Any) -> str:
+        """The record key of a product run in FP8 (see the module's description), noted in `layers`."""
+        key = (self.paths.get(weight, "") if isinstance(weight, jcore.Var) else "") or self.name(eqn)
+        if not key:
+            key = f"dot_general_{self._unnamed}"
+            self._unnamed += 1
+        if key not in self.layers:
+            self.layers.append(key)
+        return key
+
+
+#: The record keys of the FP8 layers the interpretations running now found (`layers_of`), or None.
+_FOUND: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("polyamp_jax_float8_layers", default=None)
+
+_HOW = "make them with polyamp_jax.float8_counts(forward, *args) (forward: the function autocast returned)"
+
+
+def check_counts(counts: object, policy: Policy) -> None:
+    """Refuse ``float8_counts=`` that is not a mapping of layer names to counts, or a policy without FP8."""
+    if policy.float8 is None:
+        raise PolyampValueError(
+            f"polyamp_jax.autocast: float8_counts= records the casts of FP8 layers, and the policy {policy.name!r} "
+            "runs none. Use a policy with an FP8 recipe ('mixed_bfloat16+float8_rowwise'), or leave float8_counts "
+            "out."
+        )
+    bad = (
+        [f"{name!r}: {describe(value)}" for name, value in counts.items() if tuple(jnp.shape(value)) != COUNTS_SHAPE]
+        if isinstance(counts, Mapping)
+        else None
+    )
+    if bad is None or bad:
+        received = describe(counts) if bad is None else ", ".join(bad)
+        raise PolyampValueError(
+            "polyamp_jax.autocast: float8_counts= is a dict of layer names to cast counts, each an array of shape "
+            f"{COUNTS_SHAPE} (the counts given before, or their gradient). Received: {received}; {_HOW}."
+        )
+
+
+def ran_layers(layers: list[str], counts: Mapping[str, Any] | None) -> None:
+    """After an interpretation: note the FP8 layers it ran for `layers_of`, and refuse ``float8_counts=``
+    whose names are not those layers'."""
+    found = _FOUND.get()
+    if found is not None:
+        found.extend(name for name in layers if name not in found)
+    if counts is None:
+        return
+    missing = [name for name in layers if name not in counts]
+    unexpected = [name for name in counts if name not in layers]
+    if missing or unexpected:
+        wrong = [f"none for {missing}"] if missing else []
+        wrong += [f"counts for {unexpected}, which it does not run"] if unexpected else []
+        raise PolyampValueError(
+            f"polyamp_jax.autocast: float8_counts= names the FP8 layers the function runs: {layers}. Received "
+            f"{' and '.join(wrong)}; {_HOW}."
+        )
+
+
+def layers_of(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """The record keys of the FP8 layers ``fn`` (made by `polyamp_jax.autocast`, or calling such functions)
+    runs on these arguments, found by tracing it (nothing is computed)."""
+    if not callable(fn):
+        raise PolyampTypeError(
+            "polyamp_jax.float8_counts(fn, *args, **kwargs) takes the function polyamp_jax.autocast returned and "
+            f"the arguments it will be called with (or nothing, for one product's counts). Received: {describe(fn)}."
+        )
+    token = _FOUND.set([])
+    try:
+        jax.eval_shape(functools.partial(fn, **kwargs), *args)
+        found = list(_FOUND.get() or [])
+    finally:
+        _FOUND.reset(token)
+    if not found:
+        raise PolyampValueError(
+            f"polyamp_jax.float8_counts: {describe(fn)} ran no FP8 layer on these arguments. Pass the function "
+            "polyamp_jax.autocast returned, under a policy with an FP8 recipe whose patterns and alignment take "
+            "some of its products (polyamp_jax.autocast(model.apply, policy='mixed_bfloat16+float8_rowwise'))."
+        )
+    return found

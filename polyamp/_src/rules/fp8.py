@@ -39,6 +39,7 @@ __all__ = [
     "MX_ROUNDINGS",
     "Float8Format",
     "add_counts",
+    "add_digits",
     "amax",
     "cast_counts",
     "counts_from_digits",
@@ -193,6 +194,25 @@ def add_counts(ops: ArrayOps, digits: Any, counts: Any) -> Any:
     carry = ops.astype(low >= float(COUNT_DIGIT), "float32")
     high = digits[..., 1] + high_part + carry
     return ops.stack([low - carry * float(COUNT_DIGIT), high], axis=-1)
+
+
+def add_digits(ops: ArrayOps, digits: Any, more: Any) -> Any:
+    """``digits`` plus ``more``, both in `add_counts`'s two digits, carried: the new digits.
+
+    ``more`` may be a sum of several `add_counts` results (the counts of one layer's products, added up by
+    the backward pass when the layer runs more than once in a step), whose low digit may pass
+    ``COUNT_DIGIT``: it is carried first, so the result is exact whenever ``more`` is (a float32 sum of
+    whole numbers is exact below ``2**24``: always for the digits of one or two products).
+    """
+
+    def carried(low: Any) -> tuple[Any, Any]:
+        carry = ops.floor(low / float(COUNT_DIGIT))  # a power of two: the quotient is exact
+        return low - carry * float(COUNT_DIGIT), carry
+
+    more_low, more_carry = carried(more[..., 0])
+    low, carry = carried(digits[..., 0] + more_low)  # both below 2**23: the sum is exact
+    high = digits[..., 1] + more[..., 1] + more_carry + carry
+    return ops.stack([low, high], axis=-1)
 
 
 def counts_from_digits(digits: Sequence[Any]) -> list[Any]:
