@@ -682,7 +682,7 @@ def test_autocast_records_a_layer_run_twice_as_the_sum_of_its_runs() -> None:
     assert ours["Dense_0"]["input"].saturated == 0 and ours["Dense_0"]["weight"].nonzero == 2 * 2 * 64 * 64
 
 
-def test_autocast_records_name_equinox_layers_by_their_path() -> None:
+def test_autocast_records_name_equinox_and_nnx_layers_by_their_path() -> None:
     eqx = pytest.importorskip("equinox")
     model = eqx.nn.MLP(32, 16, 64, depth=1, key=jax.random.key(0))
     arrays, static = eqx.partition(model, eqx.is_array)
@@ -692,6 +692,13 @@ def test_autocast_records_name_equinox_layers_by_their_path() -> None:
     grads = jax.jit(jax.grad(lambda c: jnp.sum(forward(arrays, X, float8_counts=c))))(counts)
     records = polyamp_jax.float8_records(grads)
     assert records["layers.0"]["weight"].nonzero == 64 * 32 and records["layers.1"]["grad_output"].nonzero == 32 * 16
+    nnx = pytest.importorskip("flax.nnx")
+    rngs = nnx.Rngs(0)
+    graph, state = nnx.split(
+        nnx.Sequential(nnx.Linear(32, 64, rngs=rngs), nnx.relu, nnx.Linear(64, 16, rngs=rngs)), nnx.Param
+    )
+    merged = polyamp_jax.autocast(lambda p, x: nnx.merge(graph, p)(x), policy="float8_tensorwise")
+    assert list(polyamp_jax.float8_counts(merged, state, X)) == ["layers.0", "layers.2"]
     # a plain function's products have no module path: numbered as they run
     plain = polyamp_jax.autocast(lambda w, x: x @ w @ w.T, policy="float8_tensorwise")
     assert list(polyamp_jax.float8_counts(plain, data(6, 32, 32), X)) == ["dot_general_0", "dot_general_1"]

@@ -324,8 +324,12 @@ def _linen_entry(path: tuple[Any, ...]) -> tuple[Any, ...] | None:
 
 def _field_path(path: tuple[Any, ...]) -> str:
     """A module field's path within ``fn``'s arguments (``((*leading, *args), kwargs)``), without the argument's
-    position and the field's own name: ``"layers.0"`` for an Equinox ``model.layers[0].weight``."""
-    return ".".join(str(_key(entry)) for entry in path[2:-1])
+    position and the field's own name: ``"layers.0"`` for an Equinox ``model.layers[0].weight`` and for Flax
+    NNX state's ``["layers"][0]["kernel"].value`` (a ``Variable``'s ``value`` is not a name)."""
+    keys = [str(_key(entry)) for entry in path[2:]]
+    if len(keys) > 1 and keys[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):
+        keys.pop()
+    return ".".join(keys[:-1])
 
 
 def _linen_returns_state(kwargs: dict[str, Any]) -> bool:

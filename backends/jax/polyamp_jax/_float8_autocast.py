@@ -9,15 +9,16 @@ casts, transposes and reshapes; where neither or both operands do, it is the rig
 Flax's layers call ``dot_general``). A layer's name is its JAX name stack: the scopes of
 ``jax.named_scope``, which Flax Linen opens per module (``"encoder.dense"``; a Linen ``apply`` drops the root
 module's own name, as torch's ``named_modules`` does), or ``""`` outside any scope, so ``modules`` and
-``skip`` patterns match Linen module paths; Equinox and Flax NNX modules open no scope, and their layers are
-chosen by shape alone.
+``skip`` patterns match Linen module paths; Equinox names its scopes after classes and Flax NNX opens none,
+so their layers are chosen by shape (and those class names) alone.
 
 With ``float8_counts=`` (records), each FP8 product counts what its casts lost into its layer's entry, keyed
-by its weight's path within the arguments without the last attribute where the weight is a module's field
-(``"layers.0"`` for an Equinox ``model.layers[0].weight``; Equinox's scopes name classes, not layers), else by
-its name (Linen module paths), else ``"dot_general_<k>"`` in the order the products run. A layer that runs more than once in a step (a module
-called twice) has one entry, counting every run: each product records into zeros made from the entry by
-`_tap`, whose backward pass adds the runs' counts, summed, to the entry (`polyamp.backend_api.rules.fp8.add_digits`).
+by the path of its weight within the arguments, without the weight's own name, where the weight is a module's
+field (``"layers.0"`` for an Equinox ``model.layers[0].weight`` or NNX state's ``layers[0]["kernel"]``), else
+by its name (a Linen module path), else ``"dot_general_<k>"`` in the order the products run. A layer that runs
+more than once in a step (a module called twice) has one entry, counting every run: each product records into
+zeros made from the entry by `_tap`, whose backward pass adds the runs' counts, summed by JAX, to the entry
+(`polyamp.backend_api.rules.fp8.add_digits`).
 """
 
 from __future__ import annotations
