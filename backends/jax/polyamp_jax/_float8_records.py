@@ -1,5 +1,6 @@
-"""FP8 cast records in JAX: what the casts of `Float8DotGeneral(record=True)` (any recipe) and of
-`float8_dot_general(..., counts=...)` lost, per layer and operand.
+"""FP8 cast records in JAX: what the casts of `Float8DotGeneral(record=True)` (any recipe), of
+`float8_dot_general(..., counts=...)` and of a function `autocast` made (``float8_counts=``) lost, per layer and
+operand.
 
 The counts are float32 digits (`polyamp.backend_api.rules.fp8.add_counts`, ``low + high * 2**23``, exact and
 finite as an overwrite-with-gradient value must be): a module keeps them as ``cast_counts`` in the
@@ -40,8 +41,8 @@ def float8_records(variables: Mapping[str, Any]) -> dict[str, dict[str, Float8Ca
     Args:
         variables: A Flax model's variables holding layers built with ``Float8DotGeneral(record=True)`` or
             ``Float8Einsum(record=True)`` (layers named as in `polyamp_jax.float8_state_dict`), or a mapping of
-            names to the counts of `float8_dot_general` (`polyamp_jax.float8_counts`). One read from the
-            device for all of them.
+            names to counts: those of `float8_dot_general`, or of a function `polyamp_jax.autocast` made
+            (both from `polyamp_jax.float8_counts`). One read from the device for all of them.
 
     Example:
         ```python
