@@ -704,6 +704,27 @@ def test_autocast_records_name_equinox_and_nnx_layers_by_their_path() -> None:
     assert list(polyamp_jax.float8_counts(plain, data(6, 32, 32), X)) == ["dot_general_0", "dot_general_1"]
 
 
+def test_a_layer_under_nn_remat_keeps_its_module_path_for_patterns_and_records() -> None:
+    class Block(nn.Module):  # type: ignore[misc]
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return nn.Dense(32, use_bias=False, name="inner")(x)
+
+    class Model(nn.Module):  # type: ignore[misc]
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return nn.Dense(16, use_bias=False, name="head")(nn.remat(Block)(name="block")(x))
+
+    variables = Model().init(jax.random.key(0), X)
+    forward = polyamp_jax.autocast(Model().apply, policy="float32+float8_tensorwise")
+    counts = polyamp_jax.float8_counts(forward, variables, X)
+    assert list(counts) == ["block.inner", "head"]
+    grads = jax.jit(jax.grad(lambda c: jnp.sum(forward(variables, X, float8_counts=c))))(counts)
+    assert polyamp_jax.float8_records(grads)["block.inner"]["weight"].nonzero == 32 * 32
+    skipped = polyamp_jax.autocast(Model().apply, policy="float32+float8_tensorwise[skip=block.inner]")
+    assert list(polyamp_jax.float8_counts(skipped, variables, X)) == ["head"]
+
+
 def test_autocast_records_refuse_what_does_not_fit() -> None:
     variables = _TwoDense().init(jax.random.key(0), X)
     forward = polyamp_jax.autocast(_TwoDense().apply, policy="float32+float8_rowwise")

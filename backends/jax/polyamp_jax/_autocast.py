@@ -159,6 +159,9 @@ class _Interpreter:
             if product is not None:
                 return product
         if name in _REMAT_PRIMITIVES and isinstance(params.get("jaxpr"), jcore.Jaxpr) and not params["jaxpr"].constvars:
+            if self.float8 is not None:  # its scopes (nn.remat's module) and weights reach the body's products
+                with self.float8.call(eqn, params["jaxpr"]):
+                    return self.remat(params, values)
             return self.remat(params, values)
         if name == "custom_jvp_call" and isinstance(params.get("call_jaxpr"), jcore.ClosedJaxpr):
             if hasattr(params.get("jvp_jaxpr_fun"), "call_wrapped"):

@@ -91,8 +91,8 @@ class Float8Products:
         self.paths = dict(paths or {})  # a module field's variable (and what follows it): its path
         self.drop_root = drop_root
         self.prefix: list[str] = []
-        self.counts = counts
-        self.taps: dict[str, Any] = {}
+        # made here, in the caller's trace: a product inside a checkpoint body records into them too
+        self.taps = {key: _tap(value) for key, value in (counts or {}).items()}
         self.layers: list[str] = []  # the record keys of the products run in FP8, in order, once each
         self._unnamed = 0
 
@@ -152,12 +152,7 @@ class Float8Products:
             for var, value in zip(eqn.invars, values, strict=True)
         )
         key = self._key(eqn, eqn.invars[0] if weight_is_lhs else eqn.invars[1])
-        counts = None
-        if self.counts is not None and key in self.counts:
-            if key not in self.taps:
-                self.taps[key] = _tap(self.counts[key])
-            counts = self.taps[key]
-        return product(lhs, rhs, contract, self.recipe, compute, weight_is_lhs=weight_is_lhs, counts=counts)
+        return product(lhs, rhs, contract, self.recipe, compute, weight_is_lhs=weight_is_lhs, counts=self.taps.get(key))
 
     def _key(self, eqn: Any, weight: Any) -> str:
         """The record key of a product run in FP8 (see the module's description), noted in `layers`."""
