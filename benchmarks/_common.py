@@ -7,6 +7,7 @@ tables in RESULTS.md are generated, never typed.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.metadata
 import json
@@ -25,6 +26,21 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 NOT_MEASURED = "not yet measured"
+
+
+def gpu_stack_parser(description: str | None) -> argparse.ArgumentParser:
+    """The arguments of the GPU speed checks that time a stack of blocks (benchmarks/fp8_gpu.py,
+    fp8_jax_gpu.py): its size, the interleaved rounds, ``--quick`` and ``--out``."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--iters", type=int, default=5, help="steps per variant per round")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=str(RESULTS))
+    return parser
 
 
 def cpu_model() -> str:

@@ -111,16 +111,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.gpu_stack_parser(__doc__)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--iters", type=int, default=5, help="steps per variant per round")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=str(_common.RESULTS))
     args = parser.parse_args(argv)
     _common.write(Path(args.out), run(args))
     return 0

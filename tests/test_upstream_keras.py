@@ -19,7 +19,7 @@ float8 functions' tests of ``keras/src/quantizers/quantizers_test.py``), on the 
   ``optimizer_sparse_test.py`` its ``optimizers.LossScaleOptimizer`` case is polyamp's. In the float8 layer tests
   ``quantize("float8")`` is polyamp's FP8 path (`_float8_through_polyamp`: the layer becomes polyamp's
   ``Float8Dense`` / ``Float8EinsumDense`` with Keras's settings), and in the quantizer tests the float8
-  functions are polyamp's rules (`_Float8Quantizers`); the tests' expected values stay Keras's.
+  functions are polyamp's rules (`_float8_quantizers`); the tests' expected values stay Keras's.
 * ``[polyamp-float16]`` (loss-scale tests only): as ``[polyamp]``, inside ``polyamp.policy_scope("mixed_float16")``,
   the policy polyamp's optimizer is meant to be used under; Keras's tests run under float32.
 
@@ -85,8 +85,9 @@ def _loss_scale_optimizer() -> type:
     return found  # type: ignore[no-any-return]
 
 
-class _Optimizers(types.ModuleType):
-    """``keras.src.optimizers`` as an upstream test module sees it, with some of its names replaced."""
+class _Replaced(types.ModuleType):
+    """A Keras module (``keras.src.optimizers``, ``keras.src.quantizers``) as an upstream test module sees it,
+    with some of its names replaced."""
 
     def __init__(self, real: types.ModuleType, replaced: dict[str, Any]) -> None:
         super().__init__(real.__name__, real.__doc__)
@@ -100,7 +101,7 @@ class _Optimizers(types.ModuleType):
 def _with_polyamp_loss_scale_optimizer(namespace: dict[str, Any]) -> types.ModuleType:
     """``optimizers`` whose ``LossScaleOptimizer`` is polyamp's (the sparse tests build it as
     ``optimizers.LossScaleOptimizer(...)`` and check ``isinstance(optimizer, optimizers.LossScaleOptimizer)``)."""
-    return _Optimizers(namespace["optimizers"], {"LossScaleOptimizer": _loss_scale_optimizer()})
+    return _Replaced(namespace["optimizers"], {"LossScaleOptimizer": _loss_scale_optimizer()})
 
 
 def _wrapped_in_polyamp(namespace: dict[str, Any]) -> types.ModuleType:
@@ -133,11 +134,19 @@ def _wrapped_in_polyamp(namespace: dict[str, Any]) -> types.ModuleType:
         and value not in (real.Optimizer, real.LossScaleOptimizer)
     }
     replaced["get"] = lambda *args, **kwargs: wrap(real.get(*args, **kwargs))
-    return _Optimizers(real, replaced)
+    return _Replaced(real, replaced)
 
 
 #: Keras's default amax history length for ``quantize("float8")`` (``QuantizedFloat8DTypePolicy``'s).
 KERAS_FLOAT8_HISTORY = 1024
+
+
+def _keras_float8(history: int) -> str:
+    """The FP8 recipe of Keras's ``quantize("float8")`` with an amax history of ``history``: delayed scaling,
+    any layer size."""
+    return f"float8_delayed[amax_history_length={history},alignment=1]"
+
+
 #: The layers being converted by polyamp, whose inner ``quantize("float8")`` (apply_policy's) is Keras's own.
 _CONVERTING: set[int] = set()
 
@@ -147,10 +156,10 @@ def _float8_through_polyamp(namespace: dict[str, Any], monkeypatch: pytest.Monke
 
     A layer quantized to float8 (by ``layer.quantize``, ``model.quantize`` or by setting a ``float8_from_...``
     dtype policy on it, which quantizes it) is converted by ``polyamp_keras.apply_policy`` under
-    ``"<its policy>+float8_delayed[amax_history_length=...,alignment=1]"``, Keras's settings (any layer size):
-    it becomes a ``polyamp_keras.Float8Dense`` / ``Float8EinsumDense`` computing its casts, scales and
-    histories with polyamp's rules. Keras's checks of the call (built, not yet quantized, a known mode, the class itself
-    unless ``type_check=False``) and its other modes stay Keras's. Layers made before the test (none are) keep
+    ``"<its policy>+<_keras_float8(history)>"``, Keras's settings: it becomes a ``polyamp_keras.Float8Dense`` /
+    ``Float8EinsumDense`` computing its casts, scales and histories with polyamp's rules. Keras's checks of the
+    call (built, not yet quantized, a known mode, the class itself unless ``type_check=False``) and its other
+    modes stay Keras's. Layers made before the test (none are) keep
     Keras's method: Keras binds ``quantize`` per instance when it makes a layer.
     """
     for cls in (keras.layers.Dense, keras.layers.EinsumDense):
@@ -177,7 +186,7 @@ def _float8_through_polyamp(namespace: dict[str, Any], monkeypatch: pytest.Monke
             try:
                 polyamp_keras.apply_policy(
                     keras.Sequential([self]),
-                    f"{self.dtype_policy.name}+float8_delayed[amax_history_length={history},alignment=1]",
+                    f"{self.dtype_policy.name}+{_keras_float8(history)}",
                 )
             finally:
                 _CONVERTING.discard(id(self))
@@ -185,35 +194,40 @@ def _float8_through_polyamp(namespace: dict[str, Any], monkeypatch: pytest.Monke
         monkeypatch.setattr(cls, "quantize", quantize)
 
 
-class _Float8Quantizers(types.ModuleType):
+def _float8_format(dtype_max: Any = None, dtype: str | None = None) -> fp8.Float8Format:
+    """The FP8 format Keras names by its largest value or its dtype."""
+    for fmt in fp8.FORMATS.values():
+        if fmt.dtype == dtype or (dtype is None and float(dtype_max) == fmt.max):
+            return fmt
+    raise ValueError(f"no FP8 format of max {dtype_max} / dtype {dtype}")
+
+
+def _compute_float8_scale(amax: Any, scale: Any, dtype_max: Any, margin: int = 0) -> Any:
+    history = keras.ops.reshape(keras.ops.convert_to_tensor(amax, "float32"), (1,))
+    scale = keras.ops.convert_to_tensor(scale, "float32")
+    return fp8.delayed_scale(OPS, history, scale, _float8_format(dtype_max), margin=margin)
+
+
+def _compute_float8_amax_history(x: Any, amax_history: Any) -> Any:
+    return fp8.push_amax(OPS, amax_history, fp8.amax(OPS, x))
+
+
+def _quantize_and_dequantize(inputs: Any, scale: Any, quantized_dtype: str, compute_dtype: str) -> Any:
+    scale = keras.ops.convert_to_tensor(scale, "float32")
+    return _delayed_dequantized(inputs, scale, _float8_format(dtype=quantized_dtype), compute_dtype)
+
+
+def _float8_quantizers(real: types.ModuleType) -> types.ModuleType:
     """``keras.src.quantizers`` with its float8 functions computed by polyamp's FP8 rules (over keras.ops), in
     Keras's signatures: the next dequantizing scale, the amax history push, the cast and back."""
-
-    def __init__(self, real: types.ModuleType) -> None:
-        super().__init__(real.__name__, real.__doc__)
-        self._real = real
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-    @staticmethod
-    def _format(dtype_max: Any = None, dtype: str | None = None) -> Any:
-        for fmt in fp8.FORMATS.values():
-            if fmt.dtype == dtype or (dtype is None and float(dtype_max) == fmt.max):
-                return fmt
-        raise ValueError(f"no FP8 format of max {dtype_max} / dtype {dtype}")
-
-    def compute_float8_scale(self, amax: Any, scale: Any, dtype_max: Any, margin: int = 0) -> Any:
-        history = keras.ops.reshape(keras.ops.convert_to_tensor(amax, "float32"), (1,))
-        scale = keras.ops.convert_to_tensor(scale, "float32")
-        return fp8.delayed_scale(OPS, history, scale, self._format(dtype_max), margin=margin)
-
-    def compute_float8_amax_history(self, x: Any, amax_history: Any) -> Any:
-        return fp8.push_amax(OPS, amax_history, fp8.amax(OPS, x))
-
-    def quantize_and_dequantize(self, inputs: Any, scale: Any, quantized_dtype: str, compute_dtype: str) -> Any:
-        scale = keras.ops.convert_to_tensor(scale, "float32")
-        return _delayed_dequantized(inputs, scale, self._format(dtype=quantized_dtype), compute_dtype)
+    return _Replaced(
+        real,
+        {
+            "compute_float8_scale": _compute_float8_scale,
+            "compute_float8_amax_history": _compute_float8_amax_history,
+            "quantize_and_dequantize": _quantize_and_dequantize,
+        },
+    )
 
 
 #: Puts polyamp's in place for a polyamp run, given the tests' module namespace (undone after the test).
@@ -303,7 +317,7 @@ SUITES = {
     "TestQuantizersFloat8": Suite(
         "keras/src/quantizers/quantizers_test.py",
         "QuantizersTest",
-        _replacing("quantizers", lambda namespace: _Float8Quantizers(namespace["quantizers"])),
+        _replacing("quantizers", lambda namespace: _float8_quantizers(namespace["quantizers"])),
         ("native", "polyamp"),
         methods=frozenset(
             {"test_compute_float8_scale", "test_compute_float8_amax_history", "test_quantize_and_dequantize"}
@@ -619,7 +633,7 @@ def test_float8_substitutes_are_polyamps(monkeypatch: pytest.MonkeyPatch) -> Non
     ``model.quantize`` or its dtype policy) makes it polyamp's, with Keras's settings, and the quantizer
     functions are polyamp's rules."""
     _float8_through_polyamp({}, monkeypatch)
-    keras_settings = polyamp.Policy("float8_delayed[amax_history_length=1024,alignment=1]").float8
+    keras_settings = polyamp.Policy(_keras_float8(KERAS_FLOAT8_HISTORY)).float8
     dense = keras.layers.Dense(2)
     dense.build((None, 3))
     dense.quantize("float8")
@@ -635,10 +649,10 @@ def test_float8_substitutes_are_polyamps(monkeypatch: pytest.MonkeyPatch) -> Non
         "float8", "mixed_bfloat16", amax_history_length=8
     )
     assert type(by_policy) is polyamp_keras.Float8Dense
-    assert by_policy.float8_recipe == polyamp.Policy("float8_delayed[amax_history_length=8,alignment=1]").float8
+    assert by_policy.float8_recipe == polyamp.Policy(_keras_float8(8)).float8
     assert by_policy.dtype_policy.name == "float8_from_mixed_bfloat16" and by_policy.compute_dtype == "bfloat16"
 
-    quantizers = _Float8Quantizers(keras.quantizers)
+    quantizers = _float8_quantizers(keras.quantizers)
     tiny = keras.ops.convert_to_tensor(1e-37, "float32")  # 448 / it overflows: Keras stores a scale of 0
     assert float(quantizers.compute_float8_scale(tiny, 2.0, 448.0)) == 2.0  # polyamp keeps the previous scale
     assert float(keras.quantizers.compute_float8_scale(tiny, 2.0, 448.0)) != 2.0

@@ -179,17 +179,17 @@ def check_counts(counts: object, policy: Policy) -> None:
             "runs none. Use a policy with an FP8 recipe ('mixed_bfloat16+float8_rowwise'), or leave float8_counts "
             "out."
         )
-    bad = (
-        [f"{name!r}: {describe(value)}" for name, value in counts.items() if tuple(jnp.shape(value)) != COUNTS_SHAPE]
-        if isinstance(counts, Mapping)
-        else None
+    if isinstance(counts, Mapping):
+        wrong = [f"{name!r}: {describe(v)}" for name, v in counts.items() if tuple(jnp.shape(v)) != COUNTS_SHAPE]
+        if not wrong:
+            return
+        received = ", ".join(wrong)
+    else:
+        received = describe(counts)
+    raise PolyampValueError(
+        "polyamp_jax.autocast: float8_counts= is a dict of layer names to cast counts, each an array of shape "
+        f"{COUNTS_SHAPE} (the counts given before, or their gradient). Received: {received}; {_HOW}."
     )
-    if bad is None or bad:
-        received = describe(counts) if bad is None else ", ".join(bad)
-        raise PolyampValueError(
-            "polyamp_jax.autocast: float8_counts= is a dict of layer names to cast counts, each an array of shape "
-            f"{COUNTS_SHAPE} (the counts given before, or their gradient). Received: {received}; {_HOW}."
-        )
 
 
 def ran_layers(layers: list[str], counts: Mapping[str, Any] | None) -> None:
